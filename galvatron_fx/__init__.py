@@ -1,0 +1,27 @@
+"""galvatron_fx: automatic hybrid parallelism for PyTorch training, as a torch.fx compiler.
+
+Public API (see ../shared/CONTRACT.md and README.md)::
+
+    gm = gfx.capture(model, example_args, method="dynamo")
+    gfx.layers(gm)
+"""
+
+from . import models
+from ._version import __version__
+from .capture import capture, layers
+from .errors import CaptureError, ConfigError, GalvatronError, InfeasibleError, PlanMismatchError
+from .units import format_bytes, parse_bytes
+
+__all__ = [
+    "__version__",
+    "capture",
+    "layers",
+    "models",
+    "CaptureError",
+    "ConfigError",
+    "GalvatronError",
+    "InfeasibleError",
+    "PlanMismatchError",
+    "format_bytes",
+    "parse_bytes",
+]

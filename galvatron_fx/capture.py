@@ -1,0 +1,212 @@
+"""Capture front ends: a model becomes one normalised, annotated torch.fx.GraphModule.
+
+Three doors lead in (``method``):
+
+* ``"fx"``: :func:`torch.fx.symbolic_trace` semantics with no leaf modules, so every parameter is a
+  ``get_attr`` node and every op a ``call_function``;
+* ``"dynamo"``: the graph ``torch.compile`` hands a backend (parameters and buffers arrive as
+  placeholders; modules are inlined; ``nn_module_stack`` in ``node.meta``);
+* ``"export"``: :func:`torch.export.export` (non-strict), unlifted so parameters are ``get_attr``.
+
+Whatever the door, the result is the same shape (see :mod:`galvatron_fx.ir`): parameters and
+buffers are ``get_attr`` nodes whose targets are their fully qualified names in the original model
+and which hold the *original* parameter objects; the graph's placeholders are the tensor leaves of
+``(args, kwargs)`` in order (non-tensor arguments are baked in as constants); the output is the
+flattened tensor leaves of the model output (a single tensor is returned bare); every node carries
+``node.meta["val"]`` (a fake tensor) and ``node.meta["galvatron"]``; ``gm.meta["galvatron"]`` holds
+the layer list.
+"""
+
+from __future__ import annotations
+
+import inspect
+import traceback
+
+import torch
+import torch.fx
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from .errors import CaptureError, ConfigError
+from .ir import META_KEY, GraphInfo
+
+METHODS = ("dynamo", "export", "fx")
+WRAPPED = "inner"  # attribute under which the flattening wrapper holds the user's model
+
+
+class _FlatInputs(nn.Module):
+    """Calls ``inner(*args, **kwargs)`` from the tensor leaves of ``(args, kwargs)``.
+
+    Every front end sees the same signature (one named tensor argument per leaf) and the same
+    flattened output, so the graphs they produce can be normalised alike.
+    """
+
+    def __init__(self, inner: nn.Module, leaves: list, spec: pytree.TreeSpec, tensor_pos: list[int]):
+        super().__init__()
+        self.inner = inner
+        self._leaves = leaves
+        self._spec = spec
+        self._tensor_pos = tensor_pos
+
+    def _call(self, *tensors):
+        leaves = list(self._leaves)
+        for pos, t in zip(self._tensor_pos, tensors):
+            leaves[pos] = t
+        args, kwargs = pytree.tree_unflatten(leaves, self._spec)
+        out = self.inner(*args, **kwargs)
+        flat = [x for x in pytree.tree_leaves(out) if isinstance(x, (torch.Tensor, torch.fx.Proxy))]
+        return flat[0] if len(flat) == 1 else tuple(flat)
+
+
+def input_names(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list, pytree.TreeSpec, list[int], list[str]]:
+    """Flatten ``(args, kwargs)``; name each tensor leaf after the forward() argument it came from."""
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        arg_names = list(bound.arguments)
+        bound_values = list(bound.arguments.values())
+    except (TypeError, ValueError):
+        arg_names, bound_values = [], []
+    names: list[str] = []
+    # Name leaves by walking the bound arguments in the same order pytree flattens them.
+    per_arg = [(n, pytree.tree_leaves(v)) for n, v in zip(arg_names, bound_values)]
+    flat_names = []
+    for n, lv in per_arg:
+        flat_names += [n if len(lv) == 1 else f"{n}_{i}" for i in range(len(lv))]
+    if len(flat_names) != len(leaves):
+        flat_names = [f"input_{i}" for i in range(len(leaves))]
+    tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    names = [_identifier(flat_names[i]) for i in tensor_pos]
+    return leaves, spec, tensor_pos, names
+
+
+def _identifier(name: str) -> str:
+    name = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+    return name if name and not name[0].isdigit() else f"in_{name}"
+
+
+def _make_wrapper(model: nn.Module, args: tuple, kwargs: dict) -> tuple[_FlatInputs, list[torch.Tensor], list[str]]:
+    leaves, spec, tensor_pos, names = input_names(model, args, kwargs)
+    # A fresh subclass per capture with a generated forward(self, <name>, ...) so that fx sees
+    # named placeholders and dynamo compiles a new code object (no stale cache entries).
+    params = ", ".join(names)
+    namespace: dict = {}
+    exec(f"def forward(self, {params}):\n    return self._call({params}{',' if len(names) == 1 else ''})\n",
+         namespace)
+    cls = type("FlatInputs", (_FlatInputs,), {"forward": namespace["forward"]})
+    wrapper = cls(model, leaves, spec, tensor_pos)
+    return wrapper, [leaves[i] for i in tensor_pos], names
+
+
+class _NoLeafTracer(torch.fx.Tracer):
+    """Traces through every module so parameters become get_attr nodes (no call_module)."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return False
+
+
+def _trace_fx(wrapper: nn.Module, inputs: list[torch.Tensor]):
+    graph = _NoLeafTracer().trace(wrapper)
+    return torch.fx.GraphModule(wrapper, graph), {}
+
+
+class _Captured(Exception):
+    """Raised by the capturing backend so dynamo does not run the graph it just handed us."""
+
+
+def _trace_dynamo(wrapper: nn.Module, inputs: list[torch.Tensor]):
+    box: dict = {}
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        box["gm"], box["inputs"] = gm, list(example_inputs)
+
+        def stop(*_args):
+            raise _Captured
+
+        return stop
+
+    compiled = torch.compile(wrapper, backend=backend, fullgraph=True, dynamic=False)
+    try:
+        compiled(*inputs)
+    except _Captured:
+        pass
+    if "gm" not in box:
+        raise CaptureError("dynamo produced no graph (was the model already compiled?)")
+    gm = box["gm"]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    sources = {n.name: t for n, t in zip(placeholders, box["inputs"]) if isinstance(t, torch.Tensor)}
+    return gm, sources
+
+
+def _trace_export(wrapper: nn.Module, inputs: list[torch.Tensor]):
+    ep = torch.export.export(wrapper, tuple(inputs), strict=False)
+    return ep.module(), {}
+
+
+_FRONTENDS = {"fx": _trace_fx, "dynamo": _trace_dynamo, "export": _trace_export}
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost traceback frame outside torch / galvatron_fx, as 'file:line in func'."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for f in reversed(frames):
+        path = f.filename.replace("\\", "/")
+        if "/torch/" not in path and "/galvatron_fx/" not in path and "<" not in path:
+            return f"{f.filename}:{f.lineno} in {f.name}: {f.line}"
+    return ""
+
+
+def _capture_error(method: str, exc: BaseException) -> CaptureError:
+    others = [m for m in METHODS if m != method]
+    msg = str(exc).strip().splitlines()
+    first = next((line for line in msg if line.strip()), type(exc).__name__)
+    where = _user_frame(exc)
+    return CaptureError(
+        f"capture(method={method!r}) failed: {type(exc).__name__}: {first}"
+        + (f"\n  at {where}" if where else "")
+        + f"\n  fix: make that code traceable, or try method={others[0]!r} or {others[1]!r}"
+    )
+
+
+def capture(model: nn.Module, example_args=(), kwargs: dict | None = None, method: str = "dynamo",
+            *, group_layers: bool = True) -> torch.fx.GraphModule:
+    """Capture ``model`` called on ``example_args``/``kwargs`` as an annotated GraphModule.
+
+    Works on real, fake-free CPU/GPU models and on models built on the meta device (nothing is
+    allocated: shapes come from fake tensors). See the module docstring for the normalised form.
+    Raises :class:`CaptureError` naming the method, the failing line and an alternative method.
+    """
+    from .passes.layer_grouping import LayerGroupingPass
+    from .passes.normalize import NormalizePass
+
+    if method not in METHODS:
+        raise ConfigError(f"unknown capture method {method!r}; choose one of {', '.join(METHODS)}")
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"capture() needs an nn.Module, got {type(model).__name__}")
+    if not isinstance(example_args, (tuple, list)):
+        example_args = (example_args,)
+    wrapper, inputs, names = _make_wrapper(model, tuple(example_args), dict(kwargs or {}))
+    try:
+        raw, sources = _FRONTENDS[method](wrapper, inputs)
+    except CaptureError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
+        raise _capture_error(method, exc) from exc
+    gm = NormalizePass(model, inputs, names, sources, method=method, prefix=WRAPPED)(raw).graph_module
+    if group_layers:
+        gm = LayerGroupingPass()(gm).graph_module
+    return gm
+
+
+def layers(gm: torch.fx.GraphModule):
+    """The ordered :class:`~galvatron_fx.ir.LayerRecord` list of a captured graph.
+
+    Runs the layer grouping pass first if ``gm`` has not been grouped yet.
+    """
+    from .passes.layer_grouping import LayerGroupingPass
+
+    info = gm.meta.get(META_KEY)
+    if not isinstance(info, GraphInfo) or not info.layers:
+        gm = LayerGroupingPass()(gm).graph_module
+        info = gm.meta[META_KEY]
+    return info.layers

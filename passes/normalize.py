@@ -1,0 +1,215 @@
+"""Normalise pass: any front end's graph -> galvatron_fx's one canonical form.
+
+Input: the raw GraphModule from a capture front end (fx, dynamo or export) of the flattening
+wrapper around the user's model, plus the original model and the example input tensors.
+
+Output (a new GraphModule), whatever the front end:
+
+* placeholders are exactly the input tensors, in order, named after the forward() arguments;
+* every parameter and buffer of the model is one ``get_attr`` node whose target is its fully
+  qualified name in the original model (tied weights: the first name); the GraphModule holds the
+  *original* tensor objects, so an optimizer built from ``model.parameters()`` updates them;
+* ``node.meta["nn_module_stack"]`` maps clean module paths (``"layers.0.attn"``) to
+  ``(path, "module.ClassName")``; ``node.meta["galvatron"]`` is a :class:`NodeInfo` with the
+  innermost module path, and for parameters a :class:`ParamInfo`;
+* ``node.meta["val"]`` holds fake tensors from a FakeTensorProp run (no real memory is touched,
+  so models on the meta device work);
+* ``gm.meta["galvatron"]`` is a :class:`GraphInfo` (layers still empty; see layer_grouping).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.fx.passes.infra.pass_base import PassResult
+
+from ..errors import CaptureError
+from ..ir import META_KEY, GraphInfo, NodeInfo, ParamInfo
+from .base import GraphPass
+
+CONSTANTS_PREFIX = "_constants"
+
+
+def clean_module_path(raw: str, prefix: str = "") -> str:
+    """``"L['self'].inner._modules['layers'][0]"`` -> ``"layers.0"`` (with ``prefix="inner"``)."""
+    s = re.sub(r"^L\['[^']*'\]", "", raw)
+    s = re.sub(r"^L__self__", "", s)
+    s = re.sub(r"\._modules\['([^']*)'\]", r".\1", s)
+    s = re.sub(r"\['([^']*)'\]", r".\1", s)
+    s = re.sub(r"\[(\d+)\]", r".\1", s)
+    s = s.strip(".")
+    if prefix:
+        if s == prefix:
+            return ""
+        if s.startswith(prefix + "."):
+            s = s[len(prefix) + 1:]
+    return s
+
+
+def type_name(t) -> str:
+    if isinstance(t, str):
+        return t
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def clean_module_stack(stack: dict | None, prefix: str) -> dict[str, tuple[str, str]]:
+    """A torch ``nn_module_stack`` with clean paths (outermost first); the wrapper itself is dropped."""
+    out: dict[str, tuple[str, str]] = {}
+    for _key, value in (stack or {}).items():
+        path, typ = value[0], value[1]
+        path = clean_module_path(path, prefix)
+        if path:
+            out[path] = (path, type_name(typ))
+    return out
+
+
+def model_tensors(model: nn.Module) -> dict[int, ParamInfo]:
+    """id(tensor) -> ParamInfo for every parameter and buffer of ``model`` (tied names as aliases)."""
+    names: dict[int, list[str]] = {}
+    objs: dict[int, tuple[torch.Tensor, bool]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(fqn)
+        objs[id(p)] = (p, True)
+    for fqn, b in model.named_buffers(remove_duplicate=False):
+        names.setdefault(id(b), []).append(fqn)
+        objs[id(b)] = (b, False)
+    infos = {}
+    for key, fqns in names.items():
+        t, is_param = objs[key]
+        infos[key] = ParamInfo(fqn=fqns[0], shape=tuple(t.shape), dtype=t.dtype, is_param=is_param,
+                               requires_grad=bool(t.requires_grad), aliases=tuple(fqns[1:]))
+    return infos
+
+
+class NormalizePass(GraphPass):
+    """See the module docstring. ``sources`` maps dynamo placeholder names to the tensors bound to them."""
+
+    def __init__(self, model: nn.Module, inputs: list[torch.Tensor], input_names: list[str],
+                 sources: dict[str, torch.Tensor] | None = None, method: str = "graph", prefix: str = ""):
+        super().__init__()
+        self.model = model
+        self.inputs = list(inputs)
+        self.input_names = list(input_names)
+        self.sources = dict(sources or {})
+        self.method = method
+        self.prefix = prefix
+
+    def requires(self, graph_module: torch.fx.GraphModule) -> None:
+        if len(self.inputs) != len(self.input_names):
+            raise CaptureError("internal: one name per input tensor is required")
+
+    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        raw = graph_module
+        known = model_tensors(self.model)
+        by_fqn = {info.fqn: key for key, info in known.items()}
+        tensor_of = {id(t): t for t in list(self.model.parameters()) + list(self.model.buffers())}
+        input_pos = {id(t): i for i, t in enumerate(self.inputs)}
+
+        graph = torch.fx.Graph()
+        root: dict[str, object] = {}
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
+        new_inputs = [graph.placeholder(name) for name in self.input_names]
+        for i, ph in enumerate(new_inputs):
+            ph.meta[META_KEY] = NodeInfo(input_index=i)
+        attr_nodes: dict[str, torch.fx.Node] = {}
+
+        def param_node(key: int, meta: dict) -> torch.fx.Node:
+            info = known[key]
+            if info.fqn not in attr_nodes:
+                node = graph.get_attr(info.fqn)
+                node.meta.update({k: v for k, v in meta.items() if k == "nn_module_stack"})
+                node.meta[META_KEY] = NodeInfo(param=info)
+                attr_nodes[info.fqn] = node
+                root[info.fqn] = tensor_of[key]
+            return attr_nodes[info.fqn]
+
+        def constant_node(name: str, value: object) -> torch.fx.Node:
+            target = f"{CONSTANTS_PREFIX}.{re.sub(r'[^0-9a-zA-Z_]', '_', name)}"
+            if target not in attr_nodes:
+                attr_nodes[target] = graph.get_attr(target)
+                attr_nodes[target].meta[META_KEY] = NodeInfo()
+                root[target] = value
+            return attr_nodes[target]
+
+        for node in raw.graph.nodes:
+            if node.op == "placeholder":
+                t = self.sources.get(node.name)
+                if t is None:  # fx / export: placeholders are the wrapper's inputs, in order
+                    idx = sum(1 for n in env if n.op == "placeholder")
+                    env[node] = new_inputs[idx]
+                elif id(t) in known:
+                    env[node] = param_node(id(t), node.meta)
+                elif id(t) in input_pos:
+                    env[node] = new_inputs[input_pos[id(t)]]
+                else:
+                    raise CaptureError(f"graph input {node.name!r} is neither a model parameter/buffer "
+                                       "nor an example input; capture with method='export' or 'fx'")
+            elif node.op == "get_attr":
+                value = _fetch_attr(raw, node.target)
+                fqn = clean_module_path(node.target, self.prefix)
+                if isinstance(value, torch.Tensor) and id(value) in known:
+                    env[node] = param_node(id(value), node.meta)
+                elif fqn in by_fqn:
+                    env[node] = param_node(by_fqn[fqn], node.meta)
+                else:  # a tensor constant or a submodule/graph the front end created
+                    env[node] = constant_node(node.target, value)
+            elif node.op == "call_module" and not node.users and node.target.startswith("_guards"):
+                continue  # export's input guard: no outputs, checks only shapes we already fixed
+            elif node.op == "output":
+                graph.output(_flatten_output(node.args[0], env))
+            else:
+                env[node] = graph.node_copy(node, lambda n: env[n])
+
+        for node in graph.nodes:
+            if "nn_module_stack" in node.meta:
+                node.meta["nn_module_stack"] = clean_module_stack(node.meta["nn_module_stack"], self.prefix)
+            info = node.meta.get(META_KEY)
+            if info is None:
+                info = node.meta[META_KEY] = NodeInfo()
+            stack = node.meta.get("nn_module_stack") or {}
+            info.module_path = next(reversed(stack)) if stack else ""
+
+        gm = torch.fx.GraphModule(root, graph, class_name="GalvatronGraph")
+        _propagate_fake(gm, self.inputs)
+        gm.meta[META_KEY] = GraphInfo(method=self.method, input_names=list(self.input_names))
+        return PassResult(gm, True)
+
+    def ensures(self, graph_module: torch.fx.GraphModule) -> None:
+        for node in graph_module.graph.nodes:
+            if node.op == "get_attr" and not node.target.startswith(CONSTANTS_PREFIX):
+                assert node.meta[META_KEY].param is not None, node.target
+
+
+def _fetch_attr(gm: torch.fx.GraphModule, target: str):
+    obj = gm
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def _flatten_output(arg, env):
+    """Graph output: the tensor leaves, in order; a single leaf is returned bare."""
+    leaves = [env[a] for a in _leaves(arg)]
+    return leaves[0] if len(leaves) == 1 else tuple(leaves)
+
+
+def _leaves(arg) -> list[torch.fx.Node]:
+    out: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(arg, lambda n: out.append(n) or n)
+    return out
+
+
+def _propagate_fake(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> None:
+    """Fill ``node.meta['val']`` with fake tensors (static shapes), touching no real memory."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_inputs = [mode.from_tensor(t, static_shapes=True) for t in inputs]
+    try:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+    except Exception as exc:  # noqa: BLE001
+        raise CaptureError(f"shape propagation of the captured graph failed: {type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
