@@ -20,6 +20,7 @@ the layer list.
 from __future__ import annotations
 
 import inspect
+import logging
 import traceback
 
 import torch
@@ -126,8 +127,12 @@ def _trace_dynamo(wrapper: nn.Module, inputs: list[torch.Tensor]):
         return stop
 
     compiled = torch.compile(wrapper, backend=backend, fullgraph=True, dynamic=False)
+    # NOTE: logging calls inside a model (e.g. transformers' warning_once) would otherwise break
+    # the graph under fullgraph=True; during capture they are dropped, as torch.export does.
+    quiet = set(torch._dynamo.config.ignore_logging_functions) | _logger_methods()
     try:
-        compiled(*inputs)
+        with torch._dynamo.config.patch(ignore_logging_functions=quiet):
+            compiled(*inputs)
     except _Captured:
         pass
     if "gm" not in box:
@@ -136,6 +141,10 @@ def _trace_dynamo(wrapper: nn.Module, inputs: list[torch.Tensor]):
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     sources = {n.name: t for n, t in zip(placeholders, box["inputs"]) if isinstance(t, torch.Tensor)}
     return gm, sources
+
+
+def _logger_methods() -> set:
+    return {v for k, v in vars(logging.Logger).items() if callable(v) and not k.startswith("_")}
 
 
 def _trace_export(wrapper: nn.Module, inputs: list[torch.Tensor]):
@@ -148,7 +157,8 @@ _FRONTENDS = {"fx": _trace_fx, "dynamo": _trace_dynamo, "export": _trace_export}
 
 def _user_frame(exc: BaseException) -> str:
     """The innermost traceback frame outside torch / galvatron_fx, as 'file:line in func'."""
-    frames = traceback.extract_tb(exc.__traceback__)
+    # dynamo records the user's stack on the exception; other tracers fail in the user's frame.
+    frames = list(getattr(exc, "real_stack", None) or []) or traceback.extract_tb(exc.__traceback__)
     for f in reversed(frames):
         path = f.filename.replace("\\", "/")
         if "/torch/" not in path and "/galvatron_fx/" not in path and "<" not in path:

@@ -15,8 +15,9 @@ Output: the same GraphModule with ``node.meta["galvatron"].layer`` set on every 
   same list is folded into the preceding block.
 * **cut-points** (no module information): the graph is cut wherever a single activation tensor
   crosses (graph inputs and parameters are available everywhere and do not count); segments without
-  parameters are merged into their successor, and a periodic pattern (attention half, MLP half) is
-  merged into one layer per period.
+  parameters are merged into their successor; the longest periodic run of segment signatures
+  (attention half, MLP half, ...) gives one block per period, with what precedes it as pre and
+  what follows as post.
 
 Parameters and graph inputs belong to the layer of their first user. Structurally identical layers
 get equal ``signature`` strings (a hash of ops, shapes, dtypes and constants, not of names).
@@ -200,15 +201,11 @@ def cut_point_segments(gm: torch.fx.GraphModule) -> list[tuple[str, str, list]]:
         segments[-1].append(n)
         if running == 1 and last_use.get(n, i) > i and i < end - 1:
             segments.append([])
-    segments = [s for s in segments if s]
-    segments = _merge_parameterless(segments)
-    segments = _merge_periodic(gm, segments)
-    out = []
-    for i, nodes in enumerate(segments):
-        kind = "pre" if i == 0 else "post" if i == len(segments) - 1 else "block"
-        name = kind if kind != "block" else f"segment.{i - 1}"
-        out.append((name, kind, nodes))
-    return out
+    segments = _merge_parameterless([s for s in segments if s])
+    pre, blocks, post = _periodic_blocks(segments)
+    out = [("pre", "pre", pre)] if pre else []
+    out += [(f"segment.{i}", "block", nodes) for i, nodes in enumerate(blocks)]
+    return out + ([("post", "post", post)] if post else [])
 
 
 def _uses_param(nodes: list[torch.fx.Node]) -> bool:
@@ -231,16 +228,29 @@ def _merge_parameterless(segments: list[list]) -> list[list]:
     return merged
 
 
-def _merge_periodic(gm: torch.fx.GraphModule, segments: list[list]) -> list[list]:
-    """Merge middle segments k at a time when their signatures repeat with period k (k = 2..4)."""
-    middle = segments[1:-1]
-    sigs = [_signature(nodes) for nodes in middle]
-    for k in (2, 3, 4):
-        if len(sigs) >= 2 * k and len(sigs) % k == 0 and len(set(sigs[:k])) == k and all(
-                sigs[i] == sigs[i % k] for i in range(len(sigs))):
-            grouped = [sum(middle[i:i + k], []) for i in range(0, len(middle), k)]
-            return [segments[0], *grouped, segments[-1]]
-    return segments
+def _periodic_blocks(segments: list[list]) -> tuple[list, list[list], list]:
+    if not segments:
+        return [], [], []
+    """Split segments into (pre, blocks, post) around the longest periodic run.
+
+    The most frequent segment signature (earliest first on ties) marks the period: the distance
+    between its occurrences (e.g. 2 for an attention half followed by an MLP half). Consecutive
+    periods with the same signature sequence become blocks; what precedes is pre, the rest post.
+    """
+    sigs = [_signature(nodes) for nodes in segments]
+    counts = {s: sigs.count(s) for s in sigs}
+    best = max(sigs, key=lambda s: (counts[s], -sigs.index(s)))
+    where = [i for i, s in enumerate(sigs) if s == best]
+    steps = {b - a for a, b in zip(where, where[1:])}
+    if counts[best] < 2 or len(steps) != 1:
+        return [], [], []  # nothing repeats: the caller falls back to one layer
+    k, first = steps.pop(), where[0]
+    period = sigs[first:first + k]
+    n = 0
+    while first + (n + 1) * k <= len(sigs) and sigs[first + n * k:first + (n + 1) * k] == period:
+        n += 1
+    blocks = [sum(segments[first + i * k:first + (i + 1) * k], []) for i in range(n)]
+    return sum(segments[:first], []), blocks, sum(segments[first + n * k:], [])
 
 
 # ---------------------------------------------------------------------------------------------

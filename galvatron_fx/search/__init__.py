@@ -1,0 +1,51 @@
+"""The pure search core: strategy space, per-stage DP and pipeline partition.
+
+Everything here takes numpy arrays, plain numbers and dataclasses (never a GraphModule or a process
+group), so it can be unit-tested and benchmarked alone (see ../../shared/STYLE.md).
+
+* :mod:`.strategy` — :class:`Strategy` and :func:`strategy_space` (the per-stage decision tree and
+  its pruning :data:`RULES`).
+* :mod:`.dp` — :func:`solve_stage`: exact DP over layers x strategies x discretised memory.
+* :mod:`.pipeline` — :func:`partition_stages` (min-max contiguous stage split) and the pipeline
+  time / in-flight micro-batch formulas.
+"""
+
+from .dp import StageSolution, memory_units, solve_stage
+from .pipeline import (
+    SCHEDULES,
+    Partition,
+    even_split,
+    in_flight_microbatches,
+    partition_stages,
+    pipeline_step_time,
+)
+from .strategy import (
+    RULES,
+    SDP_KINDS,
+    Rule,
+    Strategy,
+    candidate_counts,
+    paper_comparable_count,
+    rejecting_rules,
+    strategy_space,
+)
+
+__all__ = [
+    "RULES",
+    "SCHEDULES",
+    "SDP_KINDS",
+    "Partition",
+    "Rule",
+    "StageSolution",
+    "Strategy",
+    "candidate_counts",
+    "even_split",
+    "in_flight_microbatches",
+    "memory_units",
+    "paper_comparable_count",
+    "partition_stages",
+    "pipeline_step_time",
+    "rejecting_rules",
+    "solve_stage",
+    "strategy_space",
+]
