@@ -9,12 +9,16 @@ Public API (see ../shared/CONTRACT.md and README.md)::
 from . import models
 from ._version import __version__
 from .capture import capture, layers
+from .cluster import Cluster
+from .plan import Plan
 from .errors import CaptureError, ConfigError, GalvatronError, InfeasibleError, PlanMismatchError
 from .units import format_bytes, parse_bytes
 
 __all__ = [
     "__version__",
     "capture",
+    "Cluster",
+    "Plan",
     "layers",
     "models",
     "CaptureError",

@@ -1,0 +1,417 @@
+"""The cluster model: devices, links and α-β time models of the collectives a plan uses.
+
+A :class:`Cluster` is plain data (no torch.distributed needed): ``nodes`` × ``devices_per_node``
+devices, each with ``memory_bytes`` of memory and a peak FLOP/s per dtype, linked inside a node by
+the intra-node link and across nodes by the inter-node link. The cost model asks it three things:
+
+* :meth:`Cluster.collective_time` — seconds for ``all_reduce`` / ``all_gather`` / ``reduce_scatter`` /
+  ``all_to_all`` of a message over a group of global ranks (ring α-β formulas, below);
+* :meth:`Cluster.p2p_time` — seconds for one point-to-point send (pipeline stage boundaries);
+* :meth:`Cluster.compute_time` — seconds for a number of FLOPs in a dtype.
+
+Ring formulas, for a group of ``n`` ranks over a link of bandwidth ``B`` (bytes/s) and latency ``α`` (s),
+where ``S`` is always the **full** message size in bytes as stated per kind:
+
+=================  ==========================================  =============================================
+kind               time                                        ``S`` is
+=================  ==========================================  =============================================
+``all_reduce``     ``2(n-1)/n · S/B + 2(n-1)·α``               the buffer each rank holds (input = output)
+``all_gather``     ``(n-1)/n · S/B + (n-1)·α``                 the gathered output (n × each rank's shard)
+``reduce_scatter`` ``(n-1)/n · S/B + (n-1)·α``                 the full input (n × each rank's output shard)
+``all_to_all``     ``(n-1)/n · S/B + (n-1)·α``                 each rank's whole send buffer
+p2p                ``S/B + α``                                 the tensor sent
+=================  ==========================================  =============================================
+
+A group of one rank costs 0. Rank ``r`` lives on node ``r // devices_per_node``. A group inside one node
+uses the intra-node link. A group spanning nodes is bound by the inter-node link: its bandwidth is
+``min(intra_bandwidth, inter_bandwidth × k)`` where ``k`` is the largest number of the group's ranks on
+one node, and its latency is ``inter_latency``.
+
+NOTE: ``inter_bandwidth`` is the inter-node bandwidth **per device** — the share of the node's network
+each device gets when all devices of a node talk across nodes at once (one NIC per GPU on DGX-class
+machines). A ring whose group has ``k`` devices on a node can drive ``k`` such shares in parallel (NCCL
+runs one channel per NIC), hence the ``× k``; a strided group such as ``[0, 8]`` gets one share.
+
+Measured clusters (:meth:`Cluster.profile`) also carry ``fits``: per collective kind and group size, the
+link bandwidth and latency that reproduce the measured times through the same formulas. They replace the
+link figures for groups of that size laid out like the measured one (consecutive ranks from 0).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
+
+from .errors import ConfigError
+from .units import format_bytes, parse_bytes
+
+FORMAT = "galvatron_fx.cluster/1"
+DTYPES = ("fp32", "bf16", "fp16")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+P2P = "p2p"
+
+# NOTE: 0.5 of peak is a typical sustained fraction for transformer training matmuls on data-centre
+# GPUs (model-FLOPs utilisation of large-model training is commonly reported at 40-60 %).
+DEFAULT_EFFICIENCY = 0.5
+# NOTE: compute and communication sharing a device slow each other down (SM / memory-bandwidth and
+# PCIe contention); Galvatron-BMW models this with an overlap coefficient. 1.3 is a middle-of-the-road
+# default; Cluster.profile() measures the real one.
+DEFAULT_OVERLAP_SLOWDOWN = 1.3
+
+_DTYPE_ALIASES = {
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32", "torch.float": "fp32",
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16", "torch.half": "fp16",
+}
+
+
+def normalize_dtype(dtype: Any) -> str:
+    """``'fp32' | 'bf16' | 'fp16'`` for a dtype name or a ``torch.dtype``; ConfigError otherwise."""
+    key = str(dtype).lower()
+    if key not in _DTYPE_ALIASES:
+        raise ConfigError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)} (or the torch dtype)")
+    return _DTYPE_ALIASES[key]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Presets. Figures are dense (no sparsity) vendor datasheet numbers; bandwidths are per direction.
+# ---------------------------------------------------------------------------------------------------
+_T = 1e12
+_GB = 1e9
+
+
+@dataclass(frozen=True)
+class _DeviceSpec:
+    display: str  # canonical spelling in preset names
+    memory: str  # device memory, parse_bytes syntax
+    fp32: float  # peak FLOP/s per dtype
+    bf16: float
+    fp16: float
+    intra_bandwidth: float  # bytes/s per direction between two devices of a node
+    intra_latency: float  # s
+    nic_bandwidth: float  # bytes/s of one inter-node NIC
+    devices_per_nic: int | None  # devices sharing one NIC; None: one NIC for the whole node
+    inter_latency: float  # s
+
+    def inter_share(self, per_node: int) -> float:
+        """Inter-node bytes/s per device when all ``per_node`` devices send across nodes at once."""
+        sharing = per_node if self.devices_per_nic is None else min(self.devices_per_nic, per_node)
+        return self.nic_bandwidth / sharing
+
+
+_DEVICES: dict[str, _DeviceSpec] = {
+    # NVIDIA A100 datasheet (SXM4): FP32 19.5 TFLOPS, BF16/FP16 Tensor Core 312 TFLOPS (dense; TF32 156).
+    # NVLink 3: 600 GB/s total per GPU -> 300 GB/s per direction. DGX A100: 8x ConnectX-6 HDR
+    # InfiniBand 200 Gb/s (25 GB/s), one per GPU.
+    "a100-40gb": _DeviceSpec("A100-40GB", "40GiB", 19.5 * _T, 312 * _T, 312 * _T, 300 * _GB, 5e-6, 25 * _GB, 1, 1e-5),
+    "a100-80gb": _DeviceSpec("A100-80GB", "80GiB", 19.5 * _T, 312 * _T, 312 * _T, 300 * _GB, 5e-6, 25 * _GB, 1, 1e-5),
+    # NVIDIA H100 datasheet (SXM5): FP32 67 TFLOPS, BF16/FP16 Tensor Core 989 TFLOPS dense (1979 sparse).
+    # NVLink 4: 900 GB/s total -> 450 GB/s per direction. DGX H100: 8x ConnectX-7 NDR 400 Gb/s (50 GB/s).
+    "h100-80gb": _DeviceSpec("H100-80GB", "80GiB", 67 * _T, 989 * _T, 989 * _T, 450 * _GB, 5e-6, 50 * _GB, 1, 1e-5),
+    # NVIDIA H200 datasheet (SXM): same compute as H100 SXM (FP32 67, BF16/FP16 989 TFLOPS dense),
+    # 141 GB HBM3e (nvidia-smi reports 143771 MiB), NVLink 900 GB/s total; DGX H200: 8x NDR 400 Gb/s.
+    "h200-141gb": _DeviceSpec(
+        "H200-141GB", "143771MiB", 67 * _T, 989 * _T, 989 * _T, 450 * _GB, 5e-6, 50 * _GB, 1, 1e-5
+    ),
+    # NVIDIA V100 datasheet (SXM2): FP32 15.7 TFLOPS, FP16 Tensor Core 125 TFLOPS; no BF16 hardware
+    # (BF16 runs at the FP32 rate). NVLink 2: 300 GB/s total -> 150 GB/s per direction.
+    # DGX-1: 4x EDR InfiniBand 100 Gb/s (12.5 GB/s) for 8 GPUs -> two GPUs per NIC.
+    "v100-32gb": _DeviceSpec("V100-32GB", "32GiB", 15.7 * _T, 15.7 * _T, 125 * _T, 150 * _GB, 5e-6, 12.5 * _GB, 2, 1e-5),
+    # NVIDIA TITAN RTX spec sheet: FP32 16.3 TFLOPS, 130 Tensor TFLOPS FP16; no BF16 hardware.
+    # No NVLink between the cards: PCIe 3.0 x16, 15.75 GB/s per direction. The Galvatron paper's
+    # testbed (arXiv 2211.13878, Sec. 5): 8 TITAN RTX per node over PCIe 3.0, nodes on 100 Gb/s
+    # InfiniBand (12.5 GB/s), one NIC shared by the node's devices.
+    "rtx-titan-24gb": _DeviceSpec(
+        "RTX-TITAN-24GB", "24GiB", 16.3 * _T, 16.3 * _T, 130 * _T, 15.75 * _GB, 1e-5, 12.5 * _GB, None, 2e-5
+    ),
+}
+_PRESET_RE = re.compile(r"^(?:(\d+)x)?(\d+)x(.+)$", re.IGNORECASE)
+_PRESET_HELP = (
+    "valid presets: 'local' (profile the live torch.distributed world), 'NxDEVICE' (N devices in one "
+    "node) or 'MxNxDEVICE' (M nodes of N devices), e.g. '8xA100-80GB', '2x8xA100-80GB'; DEVICE is one of "
+    "A100-40GB, A100-80GB, H100-80GB, H200-141GB, V100-32GB, RTX-TITAN-24GB"
+)
+
+
+def _positive(name: str, value: Any, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"cluster field {name!r} must be a number, got {value!r}")
+    ok = value >= 0 if allow_zero else value > 0
+    if not ok or not math.isfinite(value):
+        bound = "non-negative" if allow_zero else "positive"
+        raise ConfigError(f"cluster field {name!r} must be {bound} and finite, got {value!r}")
+    return float(value)
+
+
+def _count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"cluster field {name!r} must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclass
+class Cluster:
+    """A homogeneous GPU (or CPU) cluster: ``nodes`` × ``devices_per_node`` devices.
+
+    Units: ``memory_bytes`` bytes per device; ``peak_flops`` FLOP/s per device per dtype (keys
+    ``fp32``, ``bf16``, ``fp16``); ``efficiency`` the achievable fraction of peak (0, 1];
+    bandwidths bytes/s per direction; latencies seconds; ``overlap_slowdown`` ≥ 1 is the factor by which
+    compute and communication slow each other while they overlap. ``inter_*`` default to the ``intra_*``
+    figures. ``fits`` holds measured per-collective link figures (see the module docstring):
+    ``{kind: {str(group_size): {"bandwidth": bytes/s, "latency": s}}}``, kind one of
+    :data:`COLLECTIVES` or ``"p2p"``.
+    """
+
+    memory_bytes: int
+    peak_flops: dict[str, float]
+    intra_bandwidth: float
+    intra_latency: float
+    nodes: int = 1
+    devices_per_node: int = 1
+    inter_bandwidth: float | None = None
+    inter_latency: float | None = None
+    efficiency: float = DEFAULT_EFFICIENCY
+    overlap_slowdown: float = DEFAULT_OVERLAP_SLOWDOWN
+    name: str = "custom"
+    fits: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.nodes = _count("nodes", self.nodes)
+        self.devices_per_node = _count("devices_per_node", self.devices_per_node)
+        self.memory_bytes = parse_bytes(self.memory_bytes, "cluster field 'memory_bytes'")
+        if not isinstance(self.peak_flops, Mapping):
+            raise ConfigError(f"cluster field 'peak_flops' must map {DTYPES} to FLOP/s, got {self.peak_flops!r}")
+        missing = [d for d in DTYPES if d not in self.peak_flops]
+        if missing:
+            raise ConfigError(f"cluster field 'peak_flops' lacks {missing}; it needs FLOP/s for {list(DTYPES)}")
+        self.peak_flops = {
+            normalize_dtype(k): _positive(f"peak_flops.{k}", v) for k, v in self.peak_flops.items()
+        }
+        self.intra_bandwidth = _positive("intra_bandwidth", self.intra_bandwidth)
+        self.intra_latency = _positive("intra_latency", self.intra_latency, allow_zero=True)
+        if self.inter_bandwidth is None:
+            self.inter_bandwidth = self.intra_bandwidth
+        if self.inter_latency is None:
+            self.inter_latency = self.intra_latency
+        self.inter_bandwidth = _positive("inter_bandwidth", self.inter_bandwidth)
+        self.inter_latency = _positive("inter_latency", self.inter_latency, allow_zero=True)
+        self.efficiency = _positive("efficiency", self.efficiency)
+        if self.efficiency > 1:
+            raise ConfigError(f"cluster field 'efficiency' is a fraction of peak in (0, 1], got {self.efficiency}")
+        self.overlap_slowdown = _positive("overlap_slowdown", self.overlap_slowdown)
+        if self.overlap_slowdown < 1:
+            raise ConfigError(f"cluster field 'overlap_slowdown' must be >= 1, got {self.overlap_slowdown}")
+        if not isinstance(self.name, str):
+            raise ConfigError(f"cluster field 'name' must be a string, got {self.name!r}")
+        self.fits = self._check_fits(self.fits)
+
+    @staticmethod
+    def _check_fits(fits: Any) -> dict[str, dict[str, dict[str, float]]]:
+        if not isinstance(fits, Mapping):
+            raise ConfigError(f"cluster field 'fits' must be a mapping, got {type(fits).__name__}")
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for kind, by_size in fits.items():
+            if kind not in COLLECTIVES and kind != P2P:
+                raise ConfigError(f"cluster field 'fits.{kind}': unknown kind; use {list(COLLECTIVES) + [P2P]}")
+            if not isinstance(by_size, Mapping):
+                raise ConfigError(f"cluster field 'fits.{kind}' must map group sizes to figures")
+            out[kind] = {}
+            for size, fig in by_size.items():
+                where = f"fits.{kind}.{size}"
+                if not str(size).isdigit() or not isinstance(fig, Mapping) or set(fig) != {"bandwidth", "latency"}:
+                    raise ConfigError(
+                        f"cluster field {where!r} must be a group size mapped to "
+                        "{'bandwidth': bytes/s, 'latency': s}"
+                    )
+                out[kind][str(int(size))] = {
+                    "bandwidth": _positive(f"{where}.bandwidth", fig["bandwidth"]),
+                    "latency": _positive(f"{where}.latency", fig["latency"], allow_zero=True),
+                }
+        return out
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def world_size(self) -> int:
+        """Number of devices in the cluster (``nodes × devices_per_node``)."""
+        return self.nodes * self.devices_per_node
+
+    @property
+    def device_memory(self) -> int:
+        """Memory of one device, in bytes."""
+        return self.memory_bytes
+
+    def node_of(self, rank: int) -> int:
+        """The node index of global rank ``rank``."""
+        return rank // self.devices_per_node
+
+    # ------------------------------------------------------------------ time models
+    def achievable_flops(self, dtype: Any = "fp32") -> float:
+        """Sustained FLOP/s of one device in ``dtype`` (peak × efficiency)."""
+        return self.peak_flops[normalize_dtype(dtype)] * self.efficiency
+
+    def compute_time(self, flops: float, dtype: Any = "fp32") -> float:
+        """Seconds one device needs for ``flops`` floating-point operations in ``dtype``."""
+        return float(flops) / self.achievable_flops(dtype)
+
+    def _group(self, ranks: Sequence[int] | int) -> list[int]:
+        if isinstance(ranks, numbers.Integral):
+            return self._group(range(int(ranks)))
+        group = sorted({int(r) for r in ranks})
+        bad = [r for r in group if not 0 <= r < self.world_size]
+        if bad:
+            raise ConfigError(f"ranks {bad} lie outside this cluster of {self.world_size} devices")
+        return group
+
+    def group_link(self, ranks: Sequence[int] | int) -> tuple[float, float]:
+        """``(bandwidth bytes/s, latency s)`` of the link that bounds a ring over ``ranks``."""
+        per_node = Counter(self.node_of(r) for r in self._group(ranks))
+        if len(per_node) <= 1:
+            return self.intra_bandwidth, self.intra_latency
+        k = max(per_node.values())
+        return min(self.intra_bandwidth, self.inter_bandwidth * k), self.inter_latency
+
+    def _measured_link(self, kind: str, group: list[int]) -> tuple[float, float] | None:
+        fig = self.fits.get(kind, {}).get(str(len(group)))
+        if fig is None:
+            return None
+        # A fit applies to groups laid out like the measured one: consecutive ranks from 0, i.e. the
+        # same number of nodes with the same number of ranks on the busiest one.
+        if sorted(Counter(map(self.node_of, group)).values()) != sorted(
+            Counter(map(self.node_of, range(len(group)))).values()
+        ):
+            return None
+        return fig["bandwidth"], fig["latency"]
+
+    def collective_time(self, kind: str, nbytes: float, ranks: Sequence[int] | int) -> float:
+        """Seconds for collective ``kind`` of ``nbytes`` bytes over the global ``ranks``.
+
+        ``kind`` is one of ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``.
+        ``nbytes`` is the full size: the all-reduced buffer, the all-gather **output**, the
+        reduce-scatter **input**, or each rank's all-to-all send buffer. ``ranks`` is a sequence of
+        global ranks (an int ``n`` means ``range(n)``). A group of one rank, or 0 bytes, costs 0.
+        """
+        if kind not in COLLECTIVES:
+            raise ConfigError(f"unknown collective {kind!r}; use one of {', '.join(COLLECTIVES)}")
+        group = self._group(ranks)
+        n = len(group)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        bandwidth, latency = self._measured_link(kind, group) or self.group_link(group)
+        steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+        return steps / n * nbytes / bandwidth + steps * latency
+
+    def p2p_time(self, nbytes: float, src: int, dst: int) -> float:
+        """Seconds to send ``nbytes`` bytes from global rank ``src`` to ``dst`` (0 when equal)."""
+        group = self._group([src, dst])
+        if len(group) <= 1 or nbytes <= 0:
+            return 0.0
+        bandwidth, latency = self._measured_link(P2P, group) or self.group_link(group)
+        return nbytes / bandwidth + latency
+
+    def overlap_time(self, compute_s: float, comm_s: float) -> float:
+        """Seconds for ``compute_s`` of compute overlapped with ``comm_s`` of communication.
+
+        While both run, both are slowed by ``overlap_slowdown``: the overlapped stretch takes
+        ``overlap_slowdown × min(compute_s, comm_s)``, the rest of the longer one runs alone.
+        """
+        short, long = sorted((float(compute_s), float(comm_s)))
+        return long + (self.overlap_slowdown - 1.0) * short
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (with the versioned ``format`` key)."""
+        return {"format": FORMAT, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Cluster:
+        """Inverse of :meth:`to_dict`; ConfigError naming the bad key on malformed input."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a cluster description must be a JSON object, got {type(data).__name__}")
+        if data.get("format") != FORMAT:
+            raise ConfigError(f"cluster key 'format' must be {FORMAT!r}, got {data.get('format')!r}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names - {"format"})
+        if unknown:
+            raise ConfigError(f"unknown cluster key(s) {unknown}; valid keys: {sorted(names)}")
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise ConfigError(f"cluster key(s) {missing} missing")
+        kwargs = {k: v for k, v in data.items() if k != "format"}
+        if isinstance(kwargs.get("memory_bytes"), float) and kwargs["memory_bytes"].is_integer():
+            kwargs["memory_bytes"] = int(kwargs["memory_bytes"])
+        return cls(**kwargs)
+
+    def save(self, path: str) -> None:
+        """Write the cluster to ``path`` as JSON."""
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(self.to_dict(), fh, indent=2, sort_keys=True)
+            fh.write("\n")
+
+    @classmethod
+    def load(cls, path: str) -> Cluster:
+        """Read a cluster written by :meth:`save`; ConfigError on unreadable or malformed files."""
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except OSError as exc:
+            raise ConfigError(f"cannot read cluster file {path!r}: {exc}") from exc
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"cluster file {path!r} is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def preset(cls, name: str) -> Cluster:
+        """A datasheet cluster such as ``'8xA100-80GB'`` or ``'2x8xH100-80GB'``; ``'local'`` profiles.
+
+        Devices: A100-40GB, A100-80GB, H100-80GB, H200-141GB, V100-32GB, RTX-TITAN-24GB.
+        """
+        if not isinstance(name, str):
+            raise ConfigError(f"cluster preset must be a string; {_PRESET_HELP}")
+        if name.strip().lower() == "local":
+            return cls.profile()
+        m = _PRESET_RE.match(name.strip())
+        spec = _DEVICES.get(m.group(3).lower()) if m else None
+        if spec is None:
+            raise ConfigError(f"unknown cluster preset {name!r}; {_PRESET_HELP}")
+        nodes, per_node = int(m.group(1) or 1), int(m.group(2))
+        if nodes < 1 or per_node < 1:
+            raise ConfigError(f"cluster preset {name!r} needs at least one node and one device; {_PRESET_HELP}")
+        canonical = f"{per_node}x{spec.display}" if m.group(1) is None else f"{nodes}x{per_node}x{spec.display}"
+        return cls(
+            memory_bytes=parse_bytes(spec.memory),
+            peak_flops={"fp32": spec.fp32, "bf16": spec.bf16, "fp16": spec.fp16},
+            intra_bandwidth=spec.intra_bandwidth,
+            intra_latency=spec.intra_latency,
+            nodes=nodes,
+            devices_per_node=per_node,
+            inter_bandwidth=spec.inter_share(per_node),
+            inter_latency=spec.inter_latency,
+            name=canonical,
+        )
+
+    @classmethod
+    def profile(cls, group=None, out: str | None = None, sizes=None, progress: bool = True, **kwargs) -> Cluster:
+        """Measure the live torch.distributed world; see :func:`galvatron_fx.cluster_profile.profile`."""
+        from .cluster_profile import profile
+
+        return profile(group=group, out=out, sizes=sizes, progress=progress, **kwargs)
+
+    def summary(self) -> str:
+        """One line per figure, human-readable."""
+        flops = ", ".join(f"{d} {self.peak_flops[d] / 1e12:.3g}" for d in DTYPES)
+        return "\n".join([
+            f"cluster {self.name}: {self.nodes} node(s) x {self.devices_per_node} device(s), "
+            f"{format_bytes(self.memory_bytes)} each",
+            f"  peak TFLOP/s: {flops}; efficiency {self.efficiency:.2f}",
+            f"  intra-node {self.intra_bandwidth / 1e9:.3g} GB/s, {self.intra_latency * 1e6:.3g} us; "
+            f"inter-node {self.inter_bandwidth / 1e9:.3g} GB/s/device, {self.inter_latency * 1e6:.3g} us",
+            f"  overlap slowdown {self.overlap_slowdown:.2f}",
+        ])

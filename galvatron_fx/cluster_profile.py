@@ -1,0 +1,389 @@
+"""Live measurement of a torch.distributed world into a :class:`~galvatron_fx.cluster.Cluster`.
+
+:func:`profile` (also ``Cluster.profile()`` and ``Cluster.preset("local")``) must be called by every
+rank of ``group``. It measures, in this order:
+
+1. the layout: ranks sharing a hostname form a node;
+2. for every group size a plan can use (powers of two up to the group size, and the group size
+   itself; consecutive ranks from 0)
+   and every collective kind, the time at each of ``sizes`` (bytes) — ``warmup`` untimed runs, then
+   ``repeats`` timed runs, each the slowest rank's time, median over runs — and fits ``t = a + b·S``,
+   turned into the link bandwidth and latency that reproduce it through the ring formulas of
+   :mod:`galvatron_fx.cluster`;
+3. point-to-point (ping-pong between group ranks 0 and 1, and across nodes when there are several);
+4. the overlap slowdown: an all-reduce of the largest size while a matmul loop runs in another thread
+   (on its own CUDA stream on GPUs), against the same all-reduce alone;
+5. local matmul throughput per dtype (tiny on CPU for bf16/fp16, which are ~80x slower there).
+
+Rank 0's figures are broadcast, so every rank returns the same Cluster. The measured matmul FLOP/s are
+stored as ``peak_flops`` with ``efficiency = 1.0`` (they already are achieved rates).
+
+If torch.distributed is not initialised, a world of one is profiled (compute only; collectives of a
+group of one cost 0) with a warning.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .cluster import COLLECTIVES, P2P, Cluster
+from .distributed import all_gather_single, is_distributed, pick_device, reduce_scatter_single, synchronize
+
+# NOTE: a world of one never communicates; these placeholders only keep the Cluster valid.
+_UNMEASURED_BANDWIDTH = 1e12  # bytes/s
+_UNMEASURED_LATENCY = 0.0  # s
+# Latencies fitted below this are measurement noise; floor them so that every figure stays positive.
+_MIN_LATENCY = 1e-6  # s
+
+_CPU_SIZES = (2**16, 2**20, 2**23)  # bytes
+_GPU_SIZES = (2**20, 2**24, 2**27)  # bytes
+_CPU_MATMUL = {"fp32": 256, "bf16": 48, "fp16": 48}  # square matmul side
+_GPU_MATMUL = {"fp32": 4096, "bf16": 8192, "fp16": 8192}
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _Reporter:
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.start = time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        if self.enabled:
+            print(f"[galvatron_fx.profile +{time.perf_counter() - self.start:5.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _steps(kind: str, n: int) -> tuple[float, float]:
+    """(bandwidth coefficient, latency coefficient) of the ring formula of ``kind`` over ``n`` ranks."""
+    if kind == P2P:
+        return 1.0, 1.0
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    return steps / n, float(steps)
+
+
+def fit_link(kind: str, n: int, sizes: Sequence[float], times: Sequence[float]) -> dict[str, float]:
+    """Least-squares fit of ``times`` (s) against ``sizes`` (bytes) as ``{"bandwidth", "latency"}``.
+
+    The line ``t = a + b·S`` is mapped through the ring formula of ``kind`` over ``n`` ranks:
+    ``bandwidth = c_bw / b`` bytes/s and ``latency = a / c_lat`` s. A non-positive slope (noise) falls
+    back to the largest message's mean rate; a negative intercept refits through the origin.
+    """
+    if len(sizes) < 2 or len(sizes) != len(times):
+        raise ValueError("fit_link needs at least two (size, time) pairs")
+    xm, ym = statistics.fmean(sizes), statistics.fmean(times)
+    var = sum((x - xm) ** 2 for x in sizes)
+    b = sum((x - xm) * (y - ym) for x, y in zip(sizes, times)) / var if var > 0 else 0.0
+    a = ym - b * xm
+    if b <= 0:
+        b, a = max(times) / max(sizes), 0.0
+    elif a < 0:
+        b, a = sum(x * y for x, y in zip(sizes, times)) / sum(x * x for x in sizes), 0.0
+    c_bw, c_lat = _steps(kind, n)
+    return {"bandwidth": c_bw / b, "latency": max(a / c_lat, _MIN_LATENCY)}
+
+
+def _barrier(pg, device: torch.device) -> None:
+    """Wait for every rank of ``pg``."""
+    # NOTE: a tiny all-reduce instead of dist.barrier(): NCCL's barrier has to guess the device.
+    dist.all_reduce(torch.zeros(1, device=device), group=pg)
+    synchronize(device)
+
+
+class _Timer:
+    """Times an operation on the ranks of ``pg``; returns the median over runs of the slowest rank."""
+
+    def __init__(self, device: torch.device, pg, repeats: int, warmup: int) -> None:
+        self.device, self.pg, self.repeats, self.warmup = device, pg, repeats, warmup
+
+    def __call__(self, op: Callable[[], object]) -> float:
+        for _ in range(self.warmup):
+            op()
+        synchronize(self.device)
+        times = []
+        for _ in range(self.repeats):
+            _barrier(self.pg, self.device)
+            t0 = time.perf_counter()
+            op()
+            synchronize(self.device)
+            times.append(time.perf_counter() - t0)
+        slowest = torch.tensor(times, dtype=torch.float64, device=self.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.pg)
+        return statistics.median(slowest.tolist())
+
+
+def _collective_op(kind: str, nbytes: int, n: int, device: torch.device, pg) -> Callable[[], object]:
+    """A closure running ``kind`` with the full size ``nbytes`` (see Cluster.collective_time) on ``pg``."""
+    numel = max(n, (nbytes // 4) // n * n)
+    full = torch.ones(numel, dtype=torch.float32, device=device)
+    part = torch.empty(numel // n, dtype=torch.float32, device=device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(full, group=pg)
+    if kind == "all_gather":
+        return lambda: all_gather_single(full, part, group=pg)
+    if kind == "reduce_scatter":
+        return lambda: reduce_scatter_single(part, full, group=pg)
+    out = torch.empty_like(full)
+    return lambda: dist.all_to_all_single(out, full, group=pg)
+
+
+def _ping_pong(nbytes: int, me: int, a: int, b: int, device: torch.device, repeats: int, warmup: int) -> float:
+    """Median one-way seconds of ``nbytes`` between global ranks ``a`` and ``b`` (measured on ``a``)."""
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    times = []
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        if me == a:
+            dist.send(buf, b)
+            dist.recv(buf, b)
+        else:
+            dist.recv(buf, a)
+            dist.send(buf, a)
+        synchronize(device)
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) / 2)
+    return statistics.median(times)
+
+
+def _matmul_flops(dtype: str, side: int, device: torch.device, repeats: int) -> float:
+    """Measured FLOP/s of a ``side``×``side`` matmul in ``dtype`` (median of ``repeats``)."""
+    a = torch.randn(side, side, device=device).to(_TORCH_DTYPES[dtype])
+    b = torch.randn(side, side, device=device).to(_TORCH_DTYPES[dtype])
+    c = torch.mm(a, b)
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=c)
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return 2.0 * side**3 / max(statistics.median(times), 1e-9)
+
+
+class _Background:
+    """A matmul loop in another thread (and CUDA stream) for as long as the ``with`` block runs."""
+
+    def __init__(self, device: torch.device, side: int) -> None:
+        self.device = device
+        self.a = torch.randn(side, side, device=device)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        stream = None
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread
+            stream = torch.cuda.Stream(self.device)
+        out = torch.empty_like(self.a)
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            while not self.stop.is_set():
+                torch.mm(self.a, self.a, out=out)
+                if stream is not None:
+                    stream.synchronize()
+
+    def __enter__(self) -> _Background:
+        self.thread.start()
+        time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _layout(pg, world: int) -> int:
+    """Devices per node: the number of ranks sharing group rank 0's hostname (1 node on doubt)."""
+    hosts: list[str | None] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname(), group=pg)
+    per_node = hosts.count(hosts[0])
+    uniform = world % per_node == 0 and all(
+        hosts[i] == hosts[i - i % per_node] and (i < per_node or hosts[i] != hosts[0]) for i in range(world)
+    )
+    if not uniform:
+        warnings.warn(
+            f"ranks are not laid out as equal consecutive blocks per host ({hosts}); "
+            "profiling them as one node", stacklevel=3,
+        )
+        return world
+    return per_node
+
+
+def _device_memory(device: torch.device, per_node: int) -> int:
+    """Bytes of memory of one device (CPU: physical RAM split between the node's ranks)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 16 * 2**30
+    return max(1, int(total) // per_node)
+
+
+def profile(
+    group=None,
+    out: str | None = None,
+    sizes: Sequence[int] | None = None,
+    progress: bool = True,
+    repeats: int = 7,
+    warmup: int = 1,
+    matmul_sides: dict[str, int] | None = None,
+) -> Cluster:
+    """Measure the live world (or process ``group``) and return the same :class:`Cluster` on every rank.
+
+    ``sizes``: message sizes in bytes (≥ 2; default 16 KiB-2 MiB on CPU, 1-128 MiB on GPU).
+    ``repeats`` timed runs (median) after ``warmup`` untimed ones. ``matmul_sides``: square matmul side
+    per dtype for the compute measurement. ``out``: JSON path written by rank 0. Progress goes to
+    stderr on rank 0 when ``progress``. Must be called by every rank of ``group``.
+    """
+    device = pick_device()
+    sizes = sorted(set(int(s) for s in (sizes or (_GPU_SIZES if device.type == "cuda" else _CPU_SIZES))))
+    if len(sizes) < 2:
+        raise ValueError("Cluster.profile needs at least two message sizes to fit latency and bandwidth")
+    sides = dict(_GPU_MATMUL if device.type == "cuda" else _CPU_MATMUL)
+    sides.update(matmul_sides or {})
+
+    if not is_distributed():
+        warnings.warn(
+            "torch.distributed is not initialised: profiling a world of one device (compute only)", stacklevel=2
+        )
+        say = _Reporter(progress)
+        flops = _measure_compute(device, sides, repeats, say)
+        cluster = Cluster(
+            memory_bytes=_device_memory(device, 1), peak_flops=flops, efficiency=1.0,
+            intra_bandwidth=_UNMEASURED_BANDWIDTH, intra_latency=_UNMEASURED_LATENCY,
+            overlap_slowdown=1.0, name=f"local-1x{device.type}",
+        )
+        if out:
+            cluster.save(out)
+        return cluster
+
+    pg = group if group is not None else dist.group.WORLD
+    world, me_local = dist.get_world_size(pg), dist.get_rank(pg)
+    ranks = [dist.get_global_rank(pg, i) for i in range(world)] if pg is not dist.group.WORLD else list(range(world))
+    me = ranks[me_local]
+    say = _Reporter(progress and me_local == 0)
+    say(f"profiling {world} rank(s) on {device.type} with {dist.get_backend(pg)}; sizes {sizes} bytes")
+    per_node = _layout(pg, world)
+    nodes = world // per_node
+
+    fits: dict[str, dict[str, dict[str, float]]] = {kind: {} for kind in COLLECTIVES}
+    group_sizes = [2**i for i in range(1, world.bit_length()) if 2**i <= world]
+    if world > 1 and world not in group_sizes:
+        group_sizes.append(world)
+    for n in group_sizes:
+        members = ranks[:n]
+        sub = pg if n == world else dist.new_group(members, use_local_synchronization=True)
+        if me in members:
+            timer = _Timer(device, sub, repeats, warmup)
+            for kind in COLLECTIVES:
+                times = [timer(_collective_op(kind, s, n, device, sub)) for s in sizes]
+                fit = fit_link(kind, n, sizes, times)
+                fits[kind][str(n)] = fit
+                say(f"{kind:>14} n={n}: {fit['bandwidth'] / 1e9:8.3f} GB/s, {fit['latency'] * 1e6:8.1f} us")
+    _barrier(pg, device)
+
+    fits[P2P] = {}
+    inter_p2p = None
+    pairs = [(ranks[0], ranks[1], "intra" if per_node > 1 else "inter")] if world > 1 else []
+    if nodes > 1 and per_node > 1:
+        pairs.append((ranks[0], ranks[per_node], "inter"))
+    for a, b, where in pairs:
+        if me in (a, b):
+            times = [_ping_pong(s, me, a, b, device, repeats, warmup) for s in sizes]
+            fit = fit_link(P2P, 2, sizes, times)
+            if where == "intra" or per_node == 1:
+                fits[P2P]["2"] = fit
+            inter_p2p = fit if where == "inter" else inter_p2p
+            say(f"{'p2p ' + where:>14}: {fit['bandwidth'] / 1e9:8.3f} GB/s, {fit['latency'] * 1e6:8.1f} us")
+        _barrier(pg, device)
+
+    overlap = _measure_overlap(device, pg, max(sizes), world, sides["fp32"], repeats, warmup, say)
+    flops = _measure_compute(device, sides, repeats, say)
+
+    cluster = None
+    if me_local == 0:
+        cluster = _assemble(fits, inter_p2p, per_node, nodes, flops, overlap, device)
+        if out:
+            cluster.save(out)
+            say(f"wrote {out}")
+        say(f"done in {time.perf_counter() - say.start:.1f}s")
+    box = [cluster.to_dict() if cluster is not None else None]
+    dist.broadcast_object_list(box, src=ranks[0], group=pg)
+    return Cluster.from_dict(box[0])
+
+
+def _measure_compute(device: torch.device, sides: dict[str, int], repeats: int, say: _Reporter) -> dict[str, float]:
+    flops = {}
+    for dtype, side in sides.items():
+        flops[dtype] = _matmul_flops(dtype, side, device, repeats)
+        say(f"{'matmul ' + dtype:>14}: {flops[dtype] / 1e9:8.2f} GFLOP/s ({side}x{side})")
+    return flops
+
+
+def _measure_overlap(device, pg, nbytes, world, side, repeats, warmup, say) -> float:
+    """Slowdown (≥ 1) of an all-reduce of ``nbytes`` while a matmul runs alongside, slowest rank."""
+    if world < 2:
+        return 1.0
+    timer = _Timer(device, pg, repeats, warmup)
+    op = _collective_op("all_reduce", nbytes, world, device, pg)
+    alone = timer(op)
+    with _Background(device, side):
+        together = timer(op)
+    factor = max(1.0, together / alone) if alone > 0 else 1.0
+    if not math.isfinite(factor):
+        factor = 1.0
+    say(f"{'overlap':>14}: all_reduce {alone * 1e3:.2f} ms alone, {together * 1e3:.2f} ms beside a matmul "
+        f"-> slowdown {factor:.2f}")
+    return factor
+
+
+def _assemble(fits, inter_p2p, per_node, nodes, flops, overlap, device) -> Cluster:
+    """Build the Cluster on rank 0 from the measured fits."""
+    def link(n: int) -> dict[str, float] | None:
+        return fits["all_reduce"].get(str(n))
+
+    sizes = sorted(int(k) for k in fits["all_reduce"])
+    intra_sizes = [s for s in sizes if s <= per_node]
+    inter_sizes = [s for s in sizes if s > per_node]
+    intra = link(intra_sizes[-1]) if intra_sizes else None
+    inter = None
+    if inter_sizes:
+        fig = link(inter_sizes[0])
+        # The consecutive group has min(n, per_node) ranks on its busiest node, each driving one device
+        # share of the node's network (see the cluster module docstring).
+        inter = {"bandwidth": fig["bandwidth"] / min(inter_sizes[0], per_node), "latency": fig["latency"]}
+    elif inter_p2p is not None:
+        inter = {"bandwidth": inter_p2p["bandwidth"] / per_node, "latency": inter_p2p["latency"]}
+    intra = intra or inter or {"bandwidth": _UNMEASURED_BANDWIDTH, "latency": _UNMEASURED_LATENCY}
+    inter = inter or intra
+    return Cluster(
+        memory_bytes=_device_memory(device, per_node),
+        peak_flops=flops,
+        efficiency=1.0,
+        intra_bandwidth=intra["bandwidth"],
+        intra_latency=intra["latency"],
+        inter_bandwidth=inter["bandwidth"],
+        inter_latency=inter["latency"],
+        nodes=nodes,
+        devices_per_node=per_node,
+        overlap_slowdown=overlap,
+        name=f"local-{nodes}x{per_node}x{device.type}",
+        fits={k: v for k, v in fits.items() if v},
+    )

@@ -1,0 +1,91 @@
+"""Small runtime helpers: which device and backend this process uses, and a few torch.distributed shims.
+
+The device and backend come from the environment, never from a hard-coded choice:
+
+* ``GALVATRON_DEVICE`` (``cuda`` | ``cpu`` | any ``torch.device`` string) overrides the device;
+  otherwise it is ``cuda`` when CUDA is available, else ``cpu``.
+* ``GALVATRON_BACKEND`` (``nccl`` | ``gloo`` | ...) overrides the process-group backend;
+  otherwise it is ``nccl`` when the device is CUDA, else ``gloo``.
+
+With several CUDA devices per node, rank ``LOCAL_RANK`` (set by torchrun) uses ``cuda:LOCAL_RANK``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConfigError
+
+DEVICE_ENV = "GALVATRON_DEVICE"
+BACKEND_ENV = "GALVATRON_BACKEND"
+
+
+def local_rank() -> int:
+    """This process's rank inside its node (``LOCAL_RANK``, default 0)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def pick_device() -> torch.device:
+    """The device this process computes on (see the module docstring for the rules)."""
+    wanted = os.environ.get(DEVICE_ENV, "").strip()
+    if wanted:
+        try:
+            device = torch.device(wanted)
+        except (RuntimeError, ValueError) as exc:
+            raise ConfigError(f"{DEVICE_ENV}={wanted!r} is not a torch device; use e.g. 'cuda' or 'cpu'") from exc
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"{DEVICE_ENV}={wanted!r} but CUDA is not available; unset it or use 'cpu'")
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank() % max(torch.cuda.device_count(), 1))
+    return device
+
+
+def pick_backend(device: torch.device | None = None) -> str:
+    """The torch.distributed backend matching ``device`` (default :func:`pick_device`)."""
+    wanted = os.environ.get(BACKEND_ENV, "").strip()
+    if wanted:
+        return wanted
+    device = device if device is not None else pick_device()
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until all queued work on ``device`` has finished (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def init_distributed() -> tuple[int, int]:
+    """Initialise the default process group from torchrun's environment unless it already is.
+
+    Uses :func:`pick_backend` and ``init_method='env://'``; on CUDA also selects the local device.
+    Returns ``(rank, world_size)``.
+    """
+    if not dist.is_initialized():
+        device = pick_device()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend=pick_backend(device), init_method="env://")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def is_distributed() -> bool:
+    """True when torch.distributed is available and its default group is initialised."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_gather_single(output: torch.Tensor, inp: torch.Tensor, group=None) -> None:
+    """All-gather ``inp`` from every rank of ``group`` into the flat ``output`` (name-stable shim)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, inp, group=group)
+
+
+def reduce_scatter_single(output: torch.Tensor, inp: torch.Tensor, group=None) -> None:
+    """Sum ``inp`` over ``group`` and keep this rank's slice in ``output`` (name-stable shim)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(output, inp, group=group)

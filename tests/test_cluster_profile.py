@@ -1,0 +1,111 @@
+"""Tests of the live cluster measurement, the device/backend helpers and the multi-process helper."""
+
+import math
+import time
+import warnings
+
+import pytest
+import torch
+
+from galvatron_fx import distributed as gdist
+from galvatron_fx.cluster import COLLECTIVES, Cluster
+from galvatron_fx.cluster_profile import fit_link
+from galvatron_fx.errors import ConfigError
+from tests.dist_utils import DistributedTestError, run_distributed
+
+SIZES = (2**14, 2**18, 2**21)  # bytes: keep the 2-rank test well under a few seconds
+SIDES = {"fp32": 128, "bf16": 32, "fp16": 32}
+
+
+@pytest.mark.parametrize("kind, n", [("all_reduce", 4), ("all_gather", 2), ("reduce_scatter", 8), ("p2p", 2)])
+def test_fit_link_recovers_exact_figures(kind, n):
+    probe = Cluster(memory_bytes=1, peak_flops={"fp32": 1, "bf16": 1, "fp16": 1},
+                    intra_bandwidth=3e9, intra_latency=5e-5, devices_per_node=n)
+    sizes = [1e4, 1e6, 1e8]
+    if kind == "p2p":
+        times = [probe.p2p_time(s, 0, 1) for s in sizes]
+    else:
+        times = [probe.collective_time(kind, s, range(n)) for s in sizes]
+    fit = fit_link(kind, n, sizes, times)
+    assert fit["bandwidth"] == pytest.approx(3e9, rel=1e-6)
+    assert fit["latency"] == pytest.approx(5e-5, rel=1e-6)
+
+
+def test_fit_link_survives_noise():
+    fit = fit_link("all_reduce", 2, [1e3, 1e6], [2e-3, 1e-3])  # slower small message: slope < 0
+    assert fit["bandwidth"] > 0 and fit["latency"] > 0
+    fit = fit_link("all_reduce", 2, [1e3, 1e6], [1e-9, 1e-3])  # negative intercept
+    assert fit["bandwidth"] > 0 and fit["latency"] > 0
+    with pytest.raises(ValueError):
+        fit_link("all_reduce", 2, [1e3], [1e-3])
+
+
+def test_device_and_backend_from_environment(monkeypatch):
+    monkeypatch.delenv(gdist.DEVICE_ENV, raising=False)
+    monkeypatch.delenv(gdist.BACKEND_ENV, raising=False)
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert gdist.pick_device().type == expected
+    assert gdist.pick_backend() == ("nccl" if expected == "cuda" else "gloo")
+    monkeypatch.setenv(gdist.DEVICE_ENV, "cpu")
+    assert gdist.pick_device() == torch.device("cpu") and gdist.pick_backend() == "gloo"
+    monkeypatch.setenv(gdist.BACKEND_ENV, "mpi")
+    assert gdist.pick_backend() == "mpi"
+    monkeypatch.setenv(gdist.DEVICE_ENV, "not-a-device")
+    with pytest.raises(ConfigError, match=gdist.DEVICE_ENV):
+        gdist.pick_device()
+
+
+def test_profile_world_of_one_warns(tmp_path, monkeypatch):
+    monkeypatch.setenv(gdist.DEVICE_ENV, "cpu")
+    out = tmp_path / "local.json"
+    with pytest.warns(UserWarning, match="not initialised"):
+        c = Cluster.profile(out=str(out), progress=False, sizes=SIZES, repeats=2, matmul_sides=SIDES)
+    assert c.world_size == 1 and c.overlap_slowdown == 1.0
+    assert all(v > 0 and math.isfinite(v) for v in c.peak_flops.values())
+    assert c.collective_time("all_reduce", 1e9, [0]) == 0.0
+    assert Cluster.load(str(out)) == c
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert Cluster.preset("local").world_size == 1
+
+
+def _profile_body(rank, world_size, out):
+    t0 = time.perf_counter()
+    c = Cluster.profile(out=out if rank == 0 else None, sizes=SIZES, progress=(rank == 0), matmul_sides=SIDES)
+    return c.to_dict(), time.perf_counter() - t0
+
+
+@pytest.mark.dist
+def test_profile_two_gloo_ranks(tmp_path):
+    out = tmp_path / "cluster.json"
+    results = run_distributed(_profile_body, 2, str(out), timeout=120)
+    (d0, seconds), (d1, _) = results
+    assert d0 == d1, "every rank must return the same cluster"
+    assert seconds < 60
+    c = Cluster.from_dict(d0)
+    assert Cluster.load(str(out)) == c
+    assert (c.nodes, c.devices_per_node, c.world_size) == (1, 2, 2)
+    figures = [c.intra_bandwidth, c.intra_latency, c.inter_bandwidth, c.inter_latency, c.device_memory,
+               *c.peak_flops.values()]
+    figures += [v for by_size in c.fits.values() for fig in by_size.values() for v in fig.values()]
+    assert all(v > 0 and math.isfinite(v) for v in figures), c.to_dict()
+    assert c.overlap_slowdown >= 1 and math.isfinite(c.overlap_slowdown)
+    assert set(c.fits) == {*COLLECTIVES, "p2p"} and all("2" in c.fits[k] for k in c.fits)
+    sizes = [0, 1e3, 1e5, 1e7, 1e9]
+    for kind in COLLECTIVES:
+        times = [c.collective_time(kind, s, [0, 1]) for s in sizes]
+        assert times == sorted(times) and len(set(times)) == len(times), (kind, times)
+    p2p = [c.p2p_time(s, 0, 1) for s in sizes]
+    assert p2p == sorted(p2p) and len(set(p2p)) == len(p2p)
+
+
+def _failing_body(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    return rank
+
+
+@pytest.mark.dist
+def test_run_distributed_reports_the_failing_rank():
+    with pytest.raises(DistributedTestError, match=r"(?s)rank 1 of 2 failed.*boom on purpose"):
+        run_distributed(_failing_body, 2, timeout=60)
