@@ -1,0 +1,39 @@
+"""Shared helpers of the benchmark scripts: argument parsing, table printing, JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
+    return p
+
+
+def machine() -> dict:
+    return {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "torch": torch.__version__,
+            "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+            "cpus": torch.get_num_threads()}
+
+
+def print_table(headers: list[str], rows: list[list]) -> None:
+    cells = [[str(c) for c in headers]] + [[f"{c:.3g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for k, r in enumerate(cells):
+        print("  ".join(c.ljust(w) if i == 0 or k == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if k == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def write_json(path: str | None, data: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"machine": machine(), **data}, f, indent=2, sort_keys=True)
+            f.write("\n")
+        print(f"wrote {path}")
