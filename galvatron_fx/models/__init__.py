@@ -18,7 +18,9 @@ Structure every model follows, for capture and layer grouping:
 * per-model constants (masks, position bias, rotary tables) are computed once above the blocks
   and passed to each block as arguments, so all blocks of a list run the same graph;
 * every model traces with ``torch.fx`` (no leaf modules), ``torch.compile(fullgraph=True)`` and
-  ``torch.export.export(strict=False)``.
+  ``torch.export.export(strict=False)``;
+* no model has buffers (constants are computed from static sizes in ``forward``), so a meta-built
+  model materialises with ``model.to_empty(device=...)`` followed by :func:`init_weights`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ..errors import ConfigError
 from . import bert, gpt, llama, swin, t5, vit
 from .layers import init_weights
 
-__all__ = ["build", "config", "names", "param_count"]
+__all__ = ["build", "config", "init_weights", "names", "param_count"]
 
 _FAMILIES = (gpt, llama, bert, vit, t5, swin)
 _REGISTRY = {name: (family, preset) for family in _FAMILIES for name, preset in family.PRESETS.items()}

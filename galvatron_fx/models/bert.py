@@ -14,25 +14,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import ZooConfig, random_ints
+from ._common import TransformerConfig, random_ints
 from .layers import MLP, Attention, lm_loss
 
 
 @dataclasses.dataclass
-class Config(ZooConfig):
+class Config(TransformerConfig):
     layers: int = 32
     hidden: int = 1280
     heads: int = 16
-    ffn_hidden: int | None = None  # default 4 * hidden
     seq_len: int = 512
     vocab: int = 30522
     norm_eps: float = 1e-12
 
     def __post_init__(self):
-        if self.ffn_hidden is None:
-            self.ffn_hidden = 4 * self.hidden
-        self.check_positive("layers", "hidden", "heads", "ffn_hidden", "seq_len", "vocab", "batch")
-        self.check_divides("heads", "hidden")
+        super().__post_init__()
+        self.check_positive("seq_len", "vocab")
 
 
 PRESETS = {

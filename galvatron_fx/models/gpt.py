@@ -11,25 +11,19 @@ import dataclasses
 import torch
 from torch import nn
 
-from ._common import ZooConfig, random_ints
+from ._common import TransformerConfig, causal_lm_args
 from .layers import PreLNBlock, lm_loss
 
 
 @dataclasses.dataclass
-class Config(ZooConfig):
-    layers: int = 12
-    hidden: int = 768
-    heads: int = 12
-    ffn_hidden: int | None = None  # default 4 * hidden
+class Config(TransformerConfig):
     seq_len: int = 2048
     vocab: int = 50257
     tie_embeddings: bool = True  # GPT-2/3 share the token embedding with the LM head
 
     def __post_init__(self):
-        if self.ffn_hidden is None:
-            self.ffn_hidden = 4 * self.hidden
-        self.check_positive("layers", "hidden", "heads", "ffn_hidden", "seq_len", "vocab", "batch")
-        self.check_divides("heads", "hidden")
+        super().__post_init__()
+        self.check_positive("seq_len", "vocab")
 
 
 PRESETS = {
@@ -77,8 +71,4 @@ class GPT(nn.Module):
 
 
 Model = GPT
-
-
-def example_args(cfg: Config, device, generator, dtype):
-    ids = random_ints((cfg.batch, cfg.seq_len), cfg.vocab, device, generator)
-    return ids, ids.clone()
+example_args = causal_lm_args

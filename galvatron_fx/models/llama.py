@@ -12,12 +12,12 @@ import dataclasses
 
 from torch import nn
 
-from ._common import ZooConfig, random_ints
+from ._common import TransformerConfig, causal_lm_args
 from .layers import Attention, GatedMLP, RMSNorm, lm_loss, rotary_cos_sin
 
 
 @dataclasses.dataclass
-class Config(ZooConfig):
+class Config(TransformerConfig):
     layers: int = 32
     hidden: int = 4096
     heads: int = 32
@@ -29,10 +29,10 @@ class Config(ZooConfig):
     norm_eps: float = 1e-5
 
     def __post_init__(self):
+        super().__post_init__()
         if self.kv_heads is None:
             self.kv_heads = self.heads
-        self.check_positive("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "seq_len", "vocab", "batch")
-        self.check_divides("heads", "hidden")
+        self.check_positive("kv_heads", "seq_len", "vocab")
         self.check_divides("kv_heads", "heads")
         self.check((self.hidden // self.heads) % 2 == 0, "head dim (hidden / heads) must be even for rotary embeddings")
 
@@ -80,8 +80,4 @@ class Llama(nn.Module):
 
 
 Model = Llama
-
-
-def example_args(cfg: Config, device, generator, dtype):
-    ids = random_ints((cfg.batch, cfg.seq_len), cfg.vocab, device, generator)
-    return ids, ids.clone()
+example_args = causal_lm_args

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import ZooConfig, random_floats, random_ints
+from ._common import ZooConfig, image_classification_args
 from .layers import MLP, Attention
 from .vit import patchify
 
@@ -206,10 +206,4 @@ class Swin(nn.Module):
 
 
 Model = Swin
-
-
-def example_args(cfg: Config, device, generator, dtype):
-    return (
-        random_floats((cfg.batch, cfg.channels, cfg.image_size, cfg.image_size), dtype, device, generator),
-        random_ints((cfg.batch,), cfg.num_classes, device, generator),
-    )
+example_args = image_classification_args

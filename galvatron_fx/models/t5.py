@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import ZooConfig, random_ints
+from ._common import TransformerConfig, random_ints
 from .layers import MLP, Attention, RMSNorm, lm_loss
 
 
 @dataclasses.dataclass
-class Config(ZooConfig):
+class Config(TransformerConfig):
     layers: int = 32  # total: half encoder, half decoder
     hidden: int = 1024
     heads: int = 16
@@ -35,11 +35,11 @@ class Config(ZooConfig):
     max_distance: int = 128
 
     def __post_init__(self):
+        super().__post_init__()
         if self.tgt_len is None:
             self.tgt_len = self.seq_len
-        self.check_positive("layers", "hidden", "heads", "ffn_hidden", "seq_len", "tgt_len", "vocab", "batch")
+        self.check_positive("seq_len", "tgt_len", "vocab")
         self.check(self.layers % 2 == 0, f"layers (encoder + decoder total) must be even, got {self.layers}")
-        self.check_divides("heads", "hidden")
 
 
 PRESETS = {

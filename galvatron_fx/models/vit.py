@@ -13,27 +13,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import ZooConfig, random_floats, random_ints
+from ._common import TransformerConfig, image_classification_args
 from .layers import PreLNBlock
 
 
 @dataclasses.dataclass
-class Config(ZooConfig):
+class Config(TransformerConfig):
     layers: int = 32
     hidden: int = 1280
     heads: int = 16
-    ffn_hidden: int | None = None  # default 4 * hidden
     image_size: int = 224
     patch: int = 14
     channels: int = 3
     num_classes: int = 1000
 
     def __post_init__(self):
-        if self.ffn_hidden is None:
-            self.ffn_hidden = 4 * self.hidden
-        self.check_positive("layers", "hidden", "heads", "ffn_hidden", "image_size", "patch", "channels",
-                            "num_classes", "batch")
-        self.check_divides("heads", "hidden")
+        super().__post_init__()
+        self.check_positive("image_size", "patch", "channels", "num_classes")
         self.check_divides("patch", "image_size")
 
 
@@ -76,10 +72,4 @@ class ViT(nn.Module):
 
 
 Model = ViT
-
-
-def example_args(cfg: Config, device, generator, dtype):
-    return (
-        random_floats((cfg.batch, cfg.channels, cfg.image_size, cfg.image_size), dtype, device, generator),
-        random_ints((cfg.batch,), cfg.num_classes, device, generator),
-    )
+example_args = image_classification_args
