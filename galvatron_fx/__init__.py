@@ -11,6 +11,7 @@ from ._version import __version__
 from .capture import capture, layers
 from .cluster import Cluster
 from .plan import Plan
+from .planner import baselines, estimate, search
 from .errors import CaptureError, ConfigError, GalvatronError, InfeasibleError, PlanMismatchError
 from .units import format_bytes, parse_bytes
 
@@ -19,6 +20,9 @@ __all__ = [
     "capture",
     "Cluster",
     "Plan",
+    "baselines",
+    "estimate",
+    "search",
     "layers",
     "models",
     "CaptureError",

@@ -312,6 +312,14 @@ class Plan:
                    stages, layers, d["estimate"], d["model_fingerprint"], d["cluster"], extra)
 
     @classmethod
+    def uniform(cls, gm: Any, world_size: int, **kwargs: Any) -> Plan:
+        """A hand-chosen plan for a captured graph ``gm``: every layer on the same strategy (keyword
+        arguments as :meth:`uniform_from_layer_names`), with the graph's fingerprint."""
+        info = gm.meta["galvatron"]
+        return cls.uniform_from_layer_names([rec.name for rec in info.layers], world_size,
+                                            model_fingerprint=info.fingerprint, **kwargs)
+
+    @classmethod
     def uniform_from_layer_names(
         cls,
         names: list[str],

@@ -1,0 +1,23 @@
+"""Cost model: per-layer FLOPs, activation and state memory, communication, for any strategy.
+
+::
+
+    from galvatron_fx.cost import CostModel
+    cm = CostModel(gm, cluster, dtype="bf16", mode="analytic", mixed_precision=True)
+    cm.layer_cost(3, Strategy(tp=2, dp=4), micro_batch_size=8)   # -> LayerCost (seconds, bytes)
+
+See :mod:`galvatron_fx.cost.model` for the scaling rules, :mod:`.memory` for model states,
+:mod:`.measure` for the fake-tensor measurement and :mod:`.profile` for profiled mode.
+"""
+
+from .extract import LayerGraph, extract_layer, tp_roles
+from .measure import SDPA_FORMULAS, Affine, LayerMeasure, flop_counter, measure_layer
+from .memory import OPTIMIZER_STATES, StatesBytes, states_bytes
+from .model import B, CostModel, LayerCost, dp_group, tp_group
+from .profile import PROFILE_CALLS, cache_dir, profile_layer
+
+__all__ = [
+    "Affine", "B", "CostModel", "LayerCost", "LayerGraph", "LayerMeasure", "OPTIMIZER_STATES",
+    "PROFILE_CALLS", "SDPA_FORMULAS", "StatesBytes", "cache_dir", "dp_group", "extract_layer",
+    "flop_counter", "measure_layer", "profile_layer", "states_bytes", "tp_group", "tp_roles",
+]

@@ -1,0 +1,276 @@
+"""Per-layer measurement on fake tensors: FLOPs, bytes saved for backward, boundary bytes.
+
+:func:`measure_layer` runs an extracted layer (:mod:`galvatron_fx.cost.extract`) forward and
+backward under :class:`~torch._subclasses.fake_tensor.FakeTensorMode` (no real memory) with
+:class:`~torch.utils.flop_counter.FlopCounterMode`, at micro-batch sizes ``(1, 2)``, and fits every
+figure as ``a * n + c`` in the number of samples ``n`` (exact for transformer layers). When the
+graph bakes in the capture batch size (e.g. ``view(8, ...)``) the run happens at the capture batch
+only and figures are taken proportional to ``n``.
+
+Bytes saved for backward are the unique storages packed by
+:func:`torch.autograd.graph.saved_tensors_hooks`, identified by the storage's C pointer
+(``untyped_storage()._cdata``, stable across views and valid on fake tensors), parameters excluded.
+Each saved storage is attributed to the node that produced it (or, for a buffer made inside an op,
+such as an attention log-sum-exp or a norm's statistics, to the node running) and classified as
+TP-sharded or replicated with :func:`galvatron_fx.cost.extract.tp_roles`. Floating-point bytes are
+kept as element counts so the cost model can price them in any dtype.
+
+FLOPs: ``FlopCounterMode`` counts matmuls, convolutions and attention; CPU SDPA kernels have no
+formula in torch, so :data:`SDPA_FORMULAS` adds them: ``4 b h s_q s_kv d`` forward, twice that
+backward. Elementwise ops and norms count 0 FLOPs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+from .extract import LayerGraph
+
+aten = torch.ops.aten
+
+
+def _sdpa_fwd(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    b, h, s_q, d = query
+    s_kv, d_v = key[-2], value[-1]
+    return 2 * b * h * s_q * s_kv * d + 2 * b * h * s_q * s_kv * d_v
+
+
+def _sdpa_bwd(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return 2 * _sdpa_fwd(query, key, value)
+
+
+def _sdpa_ops() -> dict:
+    table = {}
+    for name, fn in (("_scaled_dot_product_flash_attention_for_cpu", _sdpa_fwd),
+                     ("_scaled_dot_product_flash_attention_for_cpu_backward", _sdpa_bwd),
+                     ("_scaled_dot_product_fused_attention_overrideable", _sdpa_fwd),
+                     ("_scaled_dot_product_fused_attention_overrideable_backward", _sdpa_bwd)):
+        op = getattr(aten, name, None)
+        if op is not None:
+            table[op] = fn
+    return table
+
+
+SDPA_FORMULAS = _sdpa_ops()
+"""Extra ``FlopCounterMode(custom_mapping=...)`` entries for SDPA kernels torch has no formula for."""
+
+MEASURE_SIZES = (1, 2)
+
+
+def flop_counter() -> FlopCounterMode:
+    """A silent FlopCounterMode that also counts the CPU SDPA kernels."""
+    return FlopCounterMode(display=False, custom_mapping=SDPA_FORMULAS)
+
+
+@dataclass
+class Point:
+    """Raw figures of one layer at one micro-batch size ``n`` (samples); bytes unless noted."""
+
+    n: int
+    fwd_flops_sharded: float = 0.0   # FLOPs of ops TP splits (column/row matmuls, attention)
+    fwd_flops_rep: float = 0.0       # FLOPs of ops TP replicates
+    bwd_flops: float = 0.0
+    saved_sharded_elems: float = 0.0  # floating-point elements saved for backward, TP-sharded
+    saved_rep_elems: float = 0.0      # floating-point elements saved for backward, replicated
+    saved_other_bytes: float = 0.0    # non-floating saved bytes (indices, masks), replicated
+    input_elems: float = 0.0          # floating activation / graph inputs (kept by checkpointing)
+    output_elems: float = 0.0         # floating outputs consumed by later layers
+    fwd_allreduce_elems: list[float] = field(default_factory=list)  # per TP collective, forward
+    bwd_allreduce_elems: list[float] = field(default_factory=list)  # per TP collective, backward
+
+
+@dataclass(frozen=True)
+class Affine:
+    """``a * n + c``."""
+
+    a: float
+    c: float
+
+    def __call__(self, n):
+        return self.a * n + self.c
+
+    @staticmethod
+    def fit(n1: float, y1: float, n2: float | None = None, y2: float | None = None) -> Affine:
+        if n2 is None or n2 == n1:
+            return Affine(y1 / n1, 0.0)
+        a = (y2 - y1) / (n2 - n1)
+        return Affine(a, y1 - a * n1)
+
+
+@dataclass
+class LayerMeasure:
+    """Affine fits (in samples ``n``) of every :class:`Point` figure of one layer signature."""
+
+    signature: str
+    sizes: tuple[int, ...]
+    fits: dict[str, Affine]
+    fwd_allreduce: list[Affine]
+    bwd_allreduce: list[Affine]
+
+    def __getattr__(self, name: str) -> Affine:
+        fits = self.__dict__.get("fits", {})
+        if name in fits:
+            return fits[name]
+        raise AttributeError(name)
+
+    def to_dict(self) -> dict:
+        return {"signature": self.signature, "sizes": list(self.sizes),
+                "fits": {k: [v.a, v.c] for k, v in self.fits.items()},
+                "fwd_allreduce": [[v.a, v.c] for v in self.fwd_allreduce],
+                "bwd_allreduce": [[v.a, v.c] for v in self.bwd_allreduce]}
+
+
+_SCALARS = ("fwd_flops_sharded", "fwd_flops_rep", "bwd_flops", "saved_sharded_elems", "saved_rep_elems",
+            "saved_other_bytes", "input_elems", "output_elems")
+
+
+def measure_layer(layer: LayerGraph, sizes: tuple[int, ...] = MEASURE_SIZES) -> LayerMeasure:
+    """Fit the layer's figures over ``sizes`` samples (see the module docstring)."""
+    try:
+        points = [measure_point(layer, n) for n in sizes]
+    except Exception:  # noqa: BLE001 - a batch size baked into the graph: proportional fallback
+        points = [measure_point(layer, layer.batch)]
+    p1, p2 = points[0], points[-1] if len(points) > 1 else None
+
+    def fit(y1, y2):
+        return Affine.fit(p1.n, y1, p2.n if p2 else None, y2)
+
+    fits = {k: fit(getattr(p1, k), getattr(p2, k) if p2 else None) for k in _SCALARS}
+    fwd = [fit(y, p2.fwd_allreduce_elems[i] if p2 else None) for i, y in enumerate(p1.fwd_allreduce_elems)]
+    bwd = [fit(y, p2.bwd_allreduce_elems[i] if p2 else None) for i, y in enumerate(p1.bwd_allreduce_elems)]
+    return LayerMeasure(layer.signature, tuple(p.n for p in points), fits, fwd, bwd)
+
+
+def _numel(t) -> int:
+    return t.numel() if isinstance(t, torch.Tensor) else 0
+
+
+class _Recorder(torch.fx.Interpreter):
+    """Runs the layer node by node, noting which node produced each storage and each node's FLOPs."""
+
+    def __init__(self, gm, counter: FlopCounterMode):
+        super().__init__(gm)
+        self.counter = counter
+        self.producer: dict[int, str] = {}
+        self.current: str | None = None
+        self.node_flops: dict[str, int] = {}
+        self.values: dict[str, object] = {}
+
+    def run_node(self, n):
+        self.current = n.name
+        before = self.counter.get_total_flops()
+        out = super().run_node(n)
+        self.node_flops[n.name] = self.counter.get_total_flops() - before
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.producer.setdefault(t.untyped_storage()._cdata, n.name)
+        self.values[n.name] = out
+        return out
+
+
+def make_inputs(layer: LayerGraph, n: int, *, device=None, dtype=None, real: bool = False,
+                shard: dict[str, tuple[int, int]] | None = None) -> list[torch.Tensor]:
+    """Tensors for the layer's placeholders with batched dims set to ``n`` samples.
+
+    Call under a FakeTensorMode for fake tensors, or with ``real=True`` for real random values
+    (floats ~ N(0, 0.02), integers 0). ``dtype`` replaces floating dtypes; ``shard`` maps a
+    placeholder to ``(dim, tp)`` to divide that dim (tensor-parallel shards).
+    """
+    out = []
+    for spec in layer.inputs:
+        shape = list(spec.shape)
+        if spec.batched:
+            shape[0] = n
+        if shard and spec.name in shard:
+            dim, tp = shard[spec.name]
+            shape[dim] //= tp
+        dt = dtype if (dtype is not None and spec.dtype.is_floating_point) else spec.dtype
+        dev = device if device is not None else ("cpu" if spec.device.type == "meta" else spec.device)
+        if dt.is_floating_point:
+            t = torch.randn(shape, dtype=dt, device=dev) * 0.02 if real else torch.empty(shape, dtype=dt, device=dev)
+        else:
+            t = torch.zeros(shape, dtype=dt, device=dev)
+        out.append(t.requires_grad_(spec.requires_grad and dt.is_floating_point))
+    return out
+
+
+def measure_point(layer: LayerGraph, n: int) -> Point:
+    """Run the layer on fake CPU tensors with ``n`` samples; see the module docstring."""
+    p = Point(n)
+    # NOTE: fake tensors live on the CPU (also for meta-device models) so SDPA dispatches to the
+    # flash kernel, which saves what the GPU flash kernels save (q, k, v, out, log-sum-exp), not
+    # the math fallback's full attention matrix.
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        args = make_inputs(layer, n)
+        param_storages = {a.untyped_storage()._cdata for a, s in zip(args, layer.inputs)
+                          if s.kind in ("param", "buffer")}
+        saved: dict[int, tuple] = {}
+        counter = flop_counter()
+        rec = _Recorder(layer.gm, counter)
+
+        def pack(t):
+            key = t.untyped_storage()._cdata
+            if key not in param_storages and key not in saved:
+                saved[key] = (rec.producer.get(key), rec.current, t)
+            return t
+
+        with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            outs = rec.run(*args)
+        outs = [o for o in pytree.tree_leaves(outs) if isinstance(o, torch.Tensor)]
+        for name, v in rec.node_flops.items():
+            if layer.roles.get(name) in ("column", "row") or layer.in_sharded.get(name, False):
+                p.fwd_flops_sharded += v
+            else:
+                p.fwd_flops_rep += v
+        for key, (producer, running, t) in saved.items():
+            nbytes = t.untyped_storage().nbytes()
+            if not t.dtype.is_floating_point:
+                p.saved_other_bytes += nbytes
+                continue
+            elems = nbytes / t.dtype.itemsize
+            if producer is not None:
+                sharded = layer.out_sharded.get(producer, False)
+            else:
+                sharded = layer.in_sharded.get(running, False)
+            if sharded:
+                p.saved_sharded_elems += elems
+            else:
+                p.saved_rep_elems += elems
+        p.input_elems = sum(_numel(a) for a, s in zip(args, layer.inputs)
+                            if s.kind in ("activation", "graph_input") and s.dtype.is_floating_point)
+        p.output_elems = sum(_numel(o) for o in outs if o.dtype.is_floating_point)
+        _tp_collectives(layer, rec.values, p)
+        grads = [o for o in outs if o.requires_grad]
+        if grads:
+            with counter:
+                before = counter.get_total_flops()
+                torch.autograd.backward(grads, [torch.ones_like(o) for o in grads])
+                p.bwd_flops = counter.get_total_flops() - before
+    return p
+
+
+def _tp_collectives(layer: LayerGraph, values: dict, p: Point) -> None:
+    """Megatron's TP collectives: an all-reduce of each row-parallel / vocab-parallel output in
+    forward, and of each replicated input of column-parallel ops (once per tensor) in backward."""
+    names = {i.name for i in layer.inputs}
+    col_inputs: list[str] = []
+    for node in layer.gm.graph.nodes:
+        role = layer.roles.get(node.name)
+        if role in ("row", "vocab"):
+            p.fwd_allreduce_elems.append(_numel(values[node.name]))
+        elif role == "column":
+            src = node.args[0]
+            if isinstance(src, torch.fx.Node) and src.name not in col_inputs:
+                col_inputs.append(src.name)
+    for name in col_inputs:
+        val = values.get(name)
+        if val is None and name in names:
+            continue  # a graph input (data): no gradient to reduce
+        if isinstance(val, torch.Tensor) and val.requires_grad:
+            p.bwd_allreduce_elems.append(_numel(val))

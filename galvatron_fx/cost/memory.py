@@ -1,0 +1,69 @@
+"""Memory rules: model states (parameters, gradients, optimizer states) per device, in bytes.
+
+For a layer whose parameters have ``sharded`` elements TP splits (linear weights, column-parallel
+biases, vocab-parallel embeddings) and ``replicated`` elements it keeps whole (norms, row-parallel
+biases), one device holds ``n = ceil(sharded / tp) + replicated`` elements of each state, then:
+
+========================  ===========================  ==========================================
+state                     plain (``mixed=False``)       mixed precision (``mixed=True``)
+========================  ===========================  ==========================================
+parameters                ``n * w``                     ``n * w`` (low-precision working copy)
+gradients                 ``n * w``                     ``n * w``
+optimizer states          ``k * n * w``                 ``4 n`` (fp32 master copy) ``+ k * 4 n``
+========================  ===========================  ==========================================
+
+``w`` is the training dtype's itemsize and ``k`` the optimizer's states per parameter (Adam 2:
+first and second moments; SGD with momentum 1; SGD 0). ZeRO-2 divides gradients and optimizer
+states by ``dp``, ZeRO-3 parameters too (each rounded up: the last rank's shard is padded).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from ..search.strategy import Strategy
+
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1}
+
+
+@dataclass(frozen=True)
+class StatesBytes:
+    """Per-device bytes of one layer's model states."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def optimizer_states(optimizer: str) -> int:
+    """States per parameter of ``optimizer`` (see :data:`OPTIMIZER_STATES`)."""
+    try:
+        return OPTIMIZER_STATES[optimizer.lower()]
+    except KeyError:
+        raise ConfigError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATES)}") from None
+
+
+def per_tp_elements(sharded: int, replicated: int, tp: int) -> int:
+    """Parameter elements one device of a TP group holds."""
+    return math.ceil(sharded / tp) + replicated
+
+
+def states_bytes(sharded: int, replicated: int, strategy: Strategy, *, itemsize: int,
+                 mixed_precision: bool = False, optimizer: str = "adam") -> StatesBytes:
+    """Per-device bytes of parameters, gradients and optimizer states (module docstring)."""
+    n = per_tp_elements(sharded, replicated, strategy.tp)
+    k = optimizer_states(optimizer)
+    params, grads = n * itemsize, n * itemsize
+    opt = (4 * n + k * 4 * n) if mixed_precision else k * n * itemsize
+    dp = strategy.dp
+    if strategy.sdp in ("zero2", "zero3"):
+        grads, opt = math.ceil(grads / dp), math.ceil(opt / dp)
+    if strategy.sdp == "zero3":
+        params = math.ceil(params / dp)
+    return StatesBytes(params, grads, opt)

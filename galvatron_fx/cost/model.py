@@ -1,0 +1,321 @@
+"""The cost model the search consumes: per-layer time and memory for a strategy and micro-batch.
+
+``micro_batch_size`` ``b`` is the samples of one micro-batch across the whole stage (all ``dp``
+ranks together, as :attr:`galvatron_fx.plan.Plan.micro_batch_size`); one device runs ``n = b / dp``.
+
+Scaling rules (per device, per micro-batch unless noted), from the fake-tensor measurement
+(:mod:`.measure`) and the TP roles (:mod:`.extract`):
+
+* **FLOPs**: sharded ops (column/row-parallel matmuls, attention between them) ``/ tp``; the rest
+  replicated, ``/ tp`` too with SP (sequence split). ``fwd_s``/``bwd_s`` via
+  :meth:`Cluster.compute_time`; checkpointing adds the forward to the backward.
+  Backward FLOPs are split sharded/replicated in the forward's proportion.
+* **Saved activations**: tensors produced by sharded ops ``/ tp``, others ``/ tp`` only with SP;
+  with checkpointing only the layer's activation inputs (``/ tp`` with SP), and the full saved
+  set becomes a transient of the recomputation.
+* **TP communication** (``tp_comm_s``, not overlappable): an all-reduce of each row-/vocab-parallel
+  output in forward and of each replicated column-parallel input in backward (Megatron: 2 + 2 per
+  block); with SP each is an all-gather plus a reduce-scatter of the same size; checkpointing
+  repeats the forward ones. TP group: ``tp`` consecutive ranks.
+* **Data parallel** (``grad_sync_s``, per step): DP all-reduces the layer's gradients (``/ tp``);
+  ZeRO-2 reduce-scatters them and all-gathers the updated parameters; ZeRO-3 reduce-scatters them,
+  and ``zero3_gather_s`` (per micro-batch) all-gathers the parameters in forward and in backward.
+  DP group: ``dp`` ranks strided by ``tp``. These overlap with compute (:meth:`CostModel.layer_time`).
+* **Memory**: :mod:`.memory` for states; transients are ZeRO-3's gathered parameters of the layer,
+  the gradient bucket (``bucket_bytes``, full gradients for ZeRO-3's reduce-scatter) and the
+  recomputed activations under checkpointing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import sympy
+import torch
+import torch.fx
+
+from ..cluster import Cluster, normalize_dtype
+from ..errors import ConfigError
+from ..ir import META_KEY
+from ..search.strategy import Strategy
+from ..units import parse_bytes
+from .extract import LayerGraph, capture_batch, extract_layer, needs_grad
+from .measure import LayerMeasure, measure_layer
+from .memory import StatesBytes, states_bytes
+
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+B = sympy.Symbol("b", positive=True)
+"""The micro-batch size symbol of :meth:`CostModel.symbolic`."""
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer under one strategy and micro-batch size, per device. Seconds and bytes.
+
+    ``fwd_s``/``bwd_s``/``tp_comm_s``/``zero3_gather_s``/``activation_bytes``/``output_bytes`` are per
+    micro-batch; ``grad_sync_s`` per step; ``param_bytes``/``grad_bytes``/``optimizer_bytes``/
+    ``transient_bytes`` are resident (transient: the layer's largest temporary buffer).
+    """
+
+    fwd_s: float
+    bwd_s: float
+    tp_comm_s: float
+    grad_sync_s: float
+    zero3_gather_s: float
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float
+    transient_bytes: float
+    output_bytes: float
+
+    @property
+    def states_bytes(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """Element counts of the parameters a layer owns: TP-sharded and replicated."""
+
+    sharded: int
+    replicated: int
+
+
+def tp_group(strategy: Strategy) -> list[int]:
+    """Ranks of the first TP group of a stage (consecutive)."""
+    return list(range(strategy.tp))
+
+
+def dp_group(strategy: Strategy) -> list[int]:
+    """Ranks of the first data-parallel group of a stage (strided by ``tp``)."""
+    return list(range(0, strategy.tp * strategy.dp, strategy.tp))
+
+
+class CostModel:
+    """Per-layer costs of a captured graph on a cluster (module docstring for the rules).
+
+    ``mode="analytic"`` prices FLOPs with the cluster's compute rate; ``"profiled"`` times the
+    layers on the local device (:mod:`.profile`, cached in ``cache_dir``). Structurally identical
+    layers (equal signatures) are measured once.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, cluster: Cluster, dtype: str = "fp32", mode: str = "analytic",
+                 optimizer: str = "adam", mixed_precision: bool = False, reserve_bytes: int | str = "1GiB",
+                 bucket_bytes: int | str = "25MiB", cache_dir=None, profile_sizes: tuple[int, ...] | None = None):
+        if mode not in ("analytic", "profiled"):
+            raise ConfigError(f"cost mode must be 'analytic' or 'profiled', got {mode!r}")
+        self.gm, self.cluster, self.mode = gm, cluster, mode
+        self.dtype = normalize_dtype(dtype)
+        self.itemsize = ITEMSIZE[self.dtype]
+        if mixed_precision and self.dtype == "fp32":
+            raise ConfigError("mixed_precision=True needs dtype='bf16' or 'fp16' (the low-precision copy)")
+        self.optimizer, self.mixed_precision = optimizer, mixed_precision
+        self.reserve_bytes = parse_bytes(reserve_bytes, "reserve_bytes") if reserve_bytes else 0
+        self.bucket_bytes = parse_bytes(bucket_bytes, "bucket_bytes") if bucket_bytes else 0
+        self.cache_dir, self.profile_sizes = cache_dir, profile_sizes
+        info = gm.meta.get(META_KEY)
+        if info is None or not info.layers:
+            from ..capture import layers
+            layers(gm)
+            info = gm.meta[META_KEY]
+        self.layers = info.layers
+        grad_nodes, batch = needs_grad(gm), capture_batch(gm)
+        self.graphs: dict[str, LayerGraph] = {}
+        self.measures: dict[str, LayerMeasure] = {}
+        self.params: list[LayerParams] = []
+        for rec in self.layers:
+            graph = extract_layer(gm, rec, grad_nodes, batch)
+            if rec.signature not in self.graphs:
+                self.graphs[rec.signature] = graph
+                self.measures[rec.signature] = measure_layer(graph)
+            self.params.append(self._layer_params(rec.index, graph))
+        self._profiles: dict[tuple, dict] = {}
+
+    # ------------------------------------------------------------------ inputs
+    def _layer_params(self, index: int, graph: LayerGraph) -> LayerParams:
+        """Owned parameter elements of layer ``index``, split by whether TP shards them."""
+        shard = {spec.fqn: graph.param_shard_dim.get(spec.name) for spec in graph.inputs if spec.kind == "param"}
+        sharded = replicated = 0
+        for n in self.gm.graph.nodes:
+            info = n.meta.get(META_KEY)
+            if n.op == "get_attr" and info is not None and info.layer == index and info.param is not None:
+                if not info.param.is_param:
+                    continue
+                if shard.get(info.param.fqn) is not None:
+                    sharded += info.param.numel
+                else:
+                    replicated += info.param.numel
+        return LayerParams(sharded, replicated)
+
+    def measure(self, index: int) -> LayerMeasure:
+        return self.measures[self.layers[index].signature]
+
+    # ------------------------------------------------------------------ public figures
+    def states_bytes(self, index: int, strategy: Strategy) -> StatesBytes:
+        """Per-device parameter, gradient and optimizer-state bytes of layer ``index``."""
+        p = self.params[index]
+        return states_bytes(p.sharded, p.replicated, strategy, itemsize=self.itemsize,
+                            mixed_precision=self.mixed_precision, optimizer=self.optimizer)
+
+    def boundary_bytes(self, index: int, micro_batch_size: float) -> float:
+        """Bytes of the activations layer ``index`` hands to later layers for ``micro_batch_size``
+        samples (whole micro-batch, unsharded): what a pipeline boundary after it sends in total."""
+        return self.measure(index).output_elems(micro_batch_size) * self.itemsize
+
+    def _fwd_flops(self, m: LayerMeasure, n: float, s: Strategy) -> tuple[float, float]:
+        rep_div = s.tp if s.sp else 1
+        fs, fr = m.fwd_flops_sharded(n), m.fwd_flops_rep(n)
+        total = fs + fr
+        fwd = fs / s.tp + fr / rep_div
+        bwd = m.bwd_flops(n) * (fwd / total if total else 1.0)
+        return fwd, bwd
+
+    def _tp_comm(self, m: LayerMeasure, n: float, s: Strategy) -> float:
+        if s.tp == 1:
+            return 0.0
+        group = tp_group(s)
+
+        def one(elems: float) -> float:
+            nbytes = elems * self.itemsize
+            if s.sp:
+                return (self.cluster.collective_time("all_gather", nbytes, group)
+                        + self.cluster.collective_time("reduce_scatter", nbytes, group))
+            return self.cluster.collective_time("all_reduce", nbytes, group)
+
+        fwd = sum(one(f(n)) for f in m.fwd_allreduce)
+        bwd = sum(one(f(n)) for f in m.bwd_allreduce)
+        return fwd * (2 if s.ckpt else 1) + bwd
+
+    def _compute_times(self, index: int, n: float, s: Strategy) -> tuple[float, float]:
+        m = self.measure(index)
+        if self.mode == "analytic":
+            fwd_f, bwd_f = self._fwd_flops(m, n, s)
+            fwd = self.cluster.compute_time(fwd_f, self.dtype)
+            bwd = self.cluster.compute_time(bwd_f, self.dtype)
+            return fwd, bwd + (fwd if s.ckpt else 0.0)
+        prof = self.profile(index, s)
+        return prof["fwd"](n), prof["bwd"](n)
+
+    def profile(self, index: int, s: Strategy) -> dict:
+        """Profiled ``{"fwd": Affine, "bwd": Affine}`` seconds per sample count for layer ``index``."""
+        from .profile import PROFILE_SIZES, profile_layer
+
+        sig = self.layers[index].signature
+        key = (sig, s.tp, s.sp, s.ckpt)
+        if key not in self._profiles:
+            m = self.measures[sig]
+            fs, fr = m.fwd_flops_sharded(1), m.fwd_flops_rep(1)
+            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]
+            self._profiles[key] = profile_layer(
+                self.graphs[sig], tp=s.tp, sp=s.sp, ckpt=s.ckpt, dtype=dtype,
+                sharded_fraction=fs / (fs + fr) if fs + fr else 1.0,
+                sizes=self.profile_sizes or PROFILE_SIZES, cache=self.cache_dir)
+        return self._profiles[key]
+
+    def activation_bytes(self, index: int, strategy: Strategy, micro_batch_size: float) -> float:
+        """Bytes saved for backward per micro-batch per device (see the module docstring)."""
+        return self._activations(self.measure(index), micro_batch_size / strategy.dp, strategy)[0]
+
+    def _activations(self, m: LayerMeasure, n: float, s: Strategy) -> tuple[float, float]:
+        """(saved bytes kept until backward, saved bytes without checkpointing)."""
+        rep_div = s.tp if s.sp else 1
+        full = ((m.saved_sharded_elems(n) / s.tp + m.saved_rep_elems(n) / rep_div) * self.itemsize
+                + m.saved_other_bytes(n) / rep_div)
+        if s.ckpt:
+            return m.input_elems(n) * self.itemsize / rep_div, full
+        return full, full
+
+    def layer_cost(self, index: int, strategy: Strategy, micro_batch_size: float) -> LayerCost:
+        """Costs of layer ``index`` under ``strategy`` for a micro-batch of ``micro_batch_size`` samples."""
+        s, m = strategy, self.measure(index)
+        n = micro_batch_size / s.dp
+        fwd, bwd = self._compute_times(index, n, s)
+        st = self.states_bytes(index, s)
+        p = self.params[index]
+        elems_tp = math.ceil(p.sharded / s.tp) + p.replicated
+        full_params, full_grads = elems_tp * self.itemsize, elems_tp * self.itemsize
+        dpg = dp_group(s)
+        ct = self.cluster.collective_time
+        if s.sdp == "none":
+            sync = ct("all_reduce", full_grads, dpg)
+        elif s.sdp == "zero2":
+            sync = ct("reduce_scatter", full_grads, dpg) + ct("all_gather", full_params, dpg)
+        else:
+            sync = ct("reduce_scatter", full_grads, dpg)
+        gather = 2 * ct("all_gather", full_params, dpg) if s.sdp == "zero3" else 0.0
+        act, recompute = self._activations(m, n, s)
+        transient = 0.0
+        if s.dp > 1:
+            transient = full_grads if s.sdp == "zero3" else min(self.bucket_bytes, full_grads)
+        if s.sdp == "zero3" and s.dp > 1:
+            transient += full_params
+        if s.ckpt:
+            transient += recompute
+        out = m.output_elems(n) * self.itemsize / (s.tp if s.sp else 1)
+        return LayerCost(fwd, bwd, self._tp_comm(m, n, s), sync, gather, st.params, st.grads, st.optimizer,
+                         act, transient, out)
+
+    def layer_time(self, index: int, strategy: Strategy, micro_batch_size: float, micro_batches: int = 1) -> float:
+        """Seconds per step of layer ``index`` over ``micro_batches`` micro-batches, with ZeRO-3
+        gathers overlapped with forward/backward and the gradient sync with the last backward
+        (:meth:`Cluster.overlap_time`); TP communication is not overlapped."""
+        c = self.layer_cost(index, strategy, micro_batch_size)
+        ov = self.cluster.overlap_time
+        fwd = ov(c.fwd_s, c.zero3_gather_s / 2)
+        bwd = ov(c.bwd_s, c.zero3_gather_s / 2)
+        return (micro_batches * (fwd + c.tp_comm_s) + (micro_batches - 1) * bwd + ov(bwd, c.grad_sync_s))
+
+    def memory_bytes(self, index: int, strategy: Strategy, micro_batch_size: float, in_flight: int = 1) -> float:
+        """Per-device bytes of layer ``index``: states + ``in_flight`` micro-batches of activations +
+        its transient buffer. A stage's peak is the sum over its layers with the largest transient
+        only, plus :attr:`reserve_bytes`: see :meth:`stage_memory_bytes`."""
+        c = self.layer_cost(index, strategy, micro_batch_size)
+        return c.states_bytes + in_flight * c.activation_bytes + c.transient_bytes
+
+    def stage_memory_bytes(self, indices, strategies, micro_batch_size: float, in_flight: int = 1) -> float:
+        """Peak per-device bytes of a pipeline stage holding layers ``indices`` with ``strategies``;
+        ``in_flight`` from :func:`galvatron_fx.search.pipeline.in_flight_microbatches`."""
+        costs = [self.layer_cost(i, s, micro_batch_size) for i, s in zip(indices, strategies)]
+        return (sum(c.states_bytes + in_flight * c.activation_bytes for c in costs)
+                + max((c.transient_bytes for c in costs), default=0) + self.reserve_bytes)
+
+    # ------------------------------------------------------------------ resharding
+    def _gather_time(self, nbytes: float, have: Strategy, want: Strategy) -> float:
+        """Seconds to give each rank of layout ``want`` its slice from layout ``have``."""
+        sample_k = want.tp // have.tp if want.tp > have.tp else 1
+        seq_k = have.tp if have.sp and (not want.sp or want.tp != have.tp) else 1
+        if sample_k * seq_k == 1:
+            return 0.0
+        ranks = sorted({a + have.tp * k for a in range(seq_k) for k in range(sample_k)})
+        need = nbytes / want.dp / (want.tp if want.sp else 1)
+        return self.cluster.collective_time("all_gather", need, ranks)
+
+    def reshard_time(self, index: int, prev: Strategy, next: Strategy, micro_batch_size: float) -> float:
+        """Seconds per micro-batch to move the activation after layer ``index`` from ``prev``'s layout
+        (batch split over its ``dp`` groups, replicated or sequence-split in its TP groups) to
+        ``next``'s: an all-gather where ``next`` needs data ``prev`` spread out, a local slice
+        otherwise; the backward moves the gradient the other way. 0 when the layouts match."""
+        if (prev.tp, prev.dp, prev.sp) == (next.tp, next.dp, next.sp):
+            return 0.0
+        nbytes = self.boundary_bytes(index, micro_batch_size)
+        return self._gather_time(nbytes, prev, next) + self._gather_time(nbytes, next, prev)
+
+    # ------------------------------------------------------------------ symbolic form
+    def symbolic(self, index: int, strategy: Strategy) -> dict[str, sympy.Expr]:
+        """Every :class:`LayerCost` field as an affine sympy expression in :data:`B` (micro-batch size)."""
+        d = strategy.dp
+        c1, c2 = self.layer_cost(index, strategy, d).to_dict(), self.layer_cost(index, strategy, 2 * d).to_dict()
+        out = {}
+        for k, y1 in c1.items():
+            a = (c2[k] - y1) / d
+            out[k] = sympy.Float(a) * B + sympy.Float(y1 - a * d)
+        return out
+
+    def lambdified(self, index: int, strategy: Strategy) -> dict:
+        """:meth:`symbolic` as numpy functions of ``b`` (arrays welcome)."""
+        return {k: sympy.lambdify(B, e, "numpy") for k, e in self.symbolic(index, strategy).items()}

@@ -1,0 +1,177 @@
+"""Profiled mode: time a layer's real forward and backward on the local device, with a disk cache.
+
+:func:`profile_layer` runs an extracted layer (:mod:`galvatron_fx.cost.extract`) with random
+weights in its tensor-parallel shapes (column-parallel weights split on rows, row-parallel on
+columns, vocab-parallel embeddings on rows; reshapes after sharded ops get their head counts
+divided) at several micro-batch sizes, and fits ``seconds = a * n + c`` for forward and backward.
+With ``ckpt`` the layer runs under :func:`torch.utils.checkpoint.checkpoint`, so backward includes
+the recomputation. When the sharded layer cannot run (an op with a baked full-width size the
+reshape rule does not cover) the unsharded times are scaled by the share of sharded FLOPs and the
+record says ``"method": "scaled"``.
+
+Results are cached as one JSON file per key under :func:`cache_dir` (``$GALVATRON_CACHE``, else
+``~/.cache/galvatron_fx``), keyed by layer signature, ``(tp, sp, ckpt)``, device name, dtype and the
+sizes, so a second annotation re-profiles nothing. ``PROFILE_CALLS`` counts real profiling runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from ..ir import short_hash
+from .extract import LayerGraph
+from .measure import Affine, make_inputs
+
+CACHE_ENV = "GALVATRON_CACHE"
+PROFILE_SIZES = (1, 2, 4)
+PROFILE_CALLS = {"count": 0}
+"""Number of layer profiling runs in this process (tests check that the cache prevents them)."""
+
+
+def cache_dir(path: str | os.PathLike | None = None) -> Path:
+    """The profile cache folder: ``path``, else ``$GALVATRON_CACHE``, else ``~/.cache/galvatron_fx``."""
+    if path is None:
+        path = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "galvatron_fx"
+    return Path(path)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type}:{platform.machine()}:{platform.processor() or 'unknown'}:{torch.get_num_threads()}t"
+
+
+def _reshape_sizes(node: torch.fx.Node, args: tuple, x: torch.Tensor) -> tuple:
+    """``args`` of a view/reshape/unflatten with the head (or hidden) count divided to fit ``x``."""
+    full = node.args[0].meta["val"]
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    dim = args[1] if name == "unflatten" else -1
+    ratio = int(full.shape[dim]) // max(int(x.shape[dim]), 1)
+    if ratio <= 1:
+        return args
+    if name == "unflatten":
+        dim, sizes = args[1], list(args[2])
+        sizes[0] //= ratio
+        return (args[0], dim, tuple(sizes)) + tuple(args[3:])
+    sizes = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
+    last = int(full.shape[-1])
+    for i in range(len(sizes)):
+        if math.prod(s for s in sizes[i:]) == last and sizes[i] % ratio == 0:
+            sizes[i] //= ratio
+            return (args[0], tuple(sizes))
+    raise RuntimeError(f"cannot shard the sizes of {node.format_node()}")
+
+
+class _ShardedRunner(torch.fx.Interpreter):
+    """Runs a layer with TP-sharded weights, fixing reshapes of sharded tensors."""
+
+    RESHAPES = ("view", "reshape", "unflatten")
+
+    def run_node(self, n):
+        self._node = n
+        return super().run_node(n)
+
+    def _call(self, kind, target, args, kwargs):
+        node = self._node
+        name = target if isinstance(target, str) else getattr(target, "__name__", "")
+        if name in self.RESHAPES and isinstance(args[0], torch.Tensor) and isinstance(node.args[0], torch.fx.Node):
+            args = _reshape_sizes(node, args, args[0])
+        return getattr(super(), kind)(target, args, kwargs)
+
+    def call_function(self, target, args, kwargs):
+        return self._call("call_function", target, args, kwargs)
+
+    def call_method(self, target, args, kwargs):
+        return self._call("call_method", target, args, kwargs)
+
+
+def _shards(layer: LayerGraph, tp: int) -> dict[str, tuple[int, int]]:
+    return {name: (dim, tp) for name, dim in layer.param_shard_dim.items() if dim is not None and tp > 1}
+
+
+def time_layer(layer: LayerGraph, n: int, *, tp: int = 1, ckpt: bool = False, dtype=None, device=None,
+               repeats: int = 5, warmup: int = 2) -> tuple[float, float]:
+    """Median seconds of one forward and one backward of the layer with ``n`` samples."""
+    from ..distributed import pick_device, synchronize
+
+    device = device or pick_device()
+    args = make_inputs(layer, n, device=device, dtype=dtype, real=True, shard=_shards(layer, tp))
+    runner = _ShardedRunner(layer.gm) if tp > 1 else layer.gm
+
+    def forward():
+        if ckpt:
+            return torch.utils.checkpoint.checkpoint(lambda *a: runner.run(*a) if tp > 1 else runner(*a),
+                                                     *args, use_reentrant=False)
+        return runner.run(*args) if tp > 1 else runner(*args)
+
+    fwd, bwd = [], []
+    for i in range(warmup + repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        outs = [o for o in pytree.tree_leaves(forward()) if isinstance(o, torch.Tensor) and o.requires_grad]
+        synchronize(device)
+        t1 = time.perf_counter()
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        synchronize(device)
+        t2 = time.perf_counter()
+        for a in args:
+            a.grad = None
+        if i >= warmup:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def _fit(ns, ys) -> Affine:
+    """Least-squares ``a * n + c``."""
+    k = len(ns)
+    mx, my = sum(ns) / k, sum(ys) / k
+    sxx = sum((x - mx) ** 2 for x in ns)
+    a = sum((x - mx) * (y - my) for x, y in zip(ns, ys)) / sxx if sxx else my / mx
+    return Affine(a, my - a * mx)
+
+
+def profile_layer(layer: LayerGraph, *, tp: int = 1, sp: bool = False, ckpt: bool = False, dtype=None,
+                  sharded_fraction: float = 1.0, sizes: tuple[int, ...] = PROFILE_SIZES,
+                  cache: str | os.PathLike | None = None, device=None, repeats: int = 5) -> dict:
+    """``{"fwd": Affine, "bwd": Affine, "method": ...}`` seconds per sample count, cached on disk."""
+    from ..distributed import pick_device
+
+    device = device or pick_device()
+    dtype_name = str(dtype or "native").replace("torch.", "")
+    key = dict(signature=layer.signature, tp=tp, sp=sp, ckpt=ckpt, device=device_name(device),
+               dtype=dtype_name, sizes=list(sizes))
+    path = cache_dir(cache) / "layers" / f"{short_hash(sorted(key.items()), n=24)}.json"
+    if path.exists():
+        try:
+            rec = json.loads(path.read_text())
+            return {"fwd": Affine(*rec["fwd"]), "bwd": Affine(*rec["bwd"]), "method": rec["method"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable entry: profile again and overwrite it
+    PROFILE_CALLS["count"] += 1
+    method = "sharded" if tp > 1 else "direct"
+    try:
+        times = [time_layer(layer, n, tp=tp, ckpt=ckpt, dtype=dtype, device=device, repeats=repeats) for n in sizes]
+    except RuntimeError:
+        method = "scaled"
+        share = sharded_fraction / tp + (1.0 - sharded_fraction)
+        times = [tuple(t * share for t in time_layer(layer, n, ckpt=ckpt, dtype=dtype, device=device,
+                                                        repeats=repeats)) for n in sizes]
+    fwd, bwd = _fit(sizes, [t[0] for t in times]), _fit(sizes, [t[1] for t in times])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**key, "fwd": [fwd.a, fwd.c], "bwd": [bwd.a, bwd.c], "method": method,
+                               "times": times}, indent=1))
+    tmp.replace(path)
+    return {"fwd": fwd, "bwd": bwd, "method": method}

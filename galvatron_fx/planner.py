@@ -1,0 +1,237 @@
+"""Public planning API: ``gfx.search``, ``gfx.estimate``, ``Plan.uniform`` and the baselines.
+
+This module is the glue between a captured graph and the pure search core: it builds the cost
+model (:class:`galvatron_fx.cost.CostModel`), derives which TP degrees each layer admits, runs
+:class:`galvatron_fx.search.engine.Engine` and turns its result into a :class:`Plan`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+
+from .cluster import Cluster
+from .errors import ConfigError, InfeasibleError
+from .ir import META_KEY
+from .plan import LayerPlan, Plan
+from .search.engine import Engine, SearchOptions, SearchResult, stderr_progress
+from .search.objective import estimate_plan
+from .search.strategy import Strategy
+from .units import parse_bytes
+
+# constraint key -> where it goes: SearchOptions field, or strategy_space keyword
+_OUTER = ("pp", "micro_batches", "schedule", "global_batch_size")
+_SPACE = ("ckpt", "sp", "zero2", "zero3", "max_tp", "allow_cross_node_tp", "power_of_two")
+_COST = ("dtype", "mode", "mixed_precision", "reserve_bytes", "optimizer")
+CONSTRAINT_KEYS = _OUTER + _SPACE + ("tp", "sdp", "granularity", "uniform")
+"""Keys ``gfx.search(..., constraints={...})`` accepts: ``pp``, ``micro_batches``, ``schedule``
+pin the outer loop; ``tp`` (int) pins the TP degree of every layer; ``sdp`` (list of "none",
+"zero2", "zero3") limits data-parallel kinds; ``ckpt``/``sp``/``zero2``/``zero3`` (bool) switch
+options off; ``max_tp``, ``allow_cross_node_tp``, ``power_of_two`` shape the strategy tree;
+``granularity`` (bytes) sets the DP's memory unit; ``uniform`` (bool) searches uniform plans only."""
+
+
+def _as_graph(model, example_inputs, method: str) -> torch.fx.GraphModule:
+    from .capture import capture
+
+    if isinstance(model, torch.fx.GraphModule) and isinstance(model.meta.get(META_KEY), object) \
+            and model.meta.get(META_KEY) is not None:
+        return model
+    if example_inputs is None:
+        raise ConfigError("gfx.search on an nn.Module needs example_inputs=(...) to capture it "
+                          "(or pass a graph from gfx.capture)")
+    if isinstance(example_inputs, dict):
+        return capture(model, (), example_inputs, method=method)
+    return capture(model, tuple(example_inputs), method=method)
+
+
+def _cluster(cluster) -> Cluster:
+    if cluster is None:
+        return Cluster.preset("local")
+    if isinstance(cluster, Cluster):
+        return cluster
+    if isinstance(cluster, str):
+        return Cluster.load(cluster) if cluster.endswith(".json") else Cluster.preset(cluster)
+    if isinstance(cluster, dict):
+        return Cluster.from_dict(cluster)
+    raise ConfigError(f"cluster must be a Cluster, a preset name or a JSON path, got {type(cluster).__name__}")
+
+
+def cost_model_for(gm: torch.fx.GraphModule, cluster: Cluster, **cost_options):
+    """The (cached per cluster and options) cost model of a captured graph."""
+    from .cost import CostModel
+
+    info = gm.meta[META_KEY]
+    cache = info.__dict__.setdefault("_cost_models", {})
+    key = (repr(sorted(cluster.to_dict().items())), repr(sorted(cost_options.items())))
+    if key not in cache:
+        cache[key] = CostModel(gm, cluster, **cost_options)
+    return cache[key]
+
+
+def tp_admissible(cost_model) -> Callable[[int, int], bool]:
+    """``(layer, tp) -> bool``: TP must divide every attention head count and every dimension TP
+    splits (column/row-parallel weights) in the layer; vocabulary-parallel tables that do not
+    divide run replicated instead, so they do not constrain."""
+    limits: dict[str, int] = {}
+    for sig, graph in cost_model.graphs.items():
+        dims: list[int] = []
+        for inp in graph.inputs:
+            d = graph.param_shard_dim.get(inp.name)
+            if d is not None and inp.kind == "param":
+                consumers = [n for n in graph.gm.graph.nodes if any(a.name == inp.name for a in n.all_input_nodes)]
+                if not any(graph.roles.get(c.name) == "vocab" for c in consumers):
+                    dims.append(inp.shape[d])
+        for n in graph.gm.graph.nodes:
+            if n.op == "call_function" and "scaled_dot_product" in str(n.target):
+                for a in n.args[:2]:
+                    val = getattr(a, "meta", {}).get("val")
+                    if isinstance(val, torch.Tensor) and val.dim() == 4:
+                        dims.append(int(val.shape[1]))
+        limits[sig] = math.gcd(*dims) if dims else 0
+    sigs = [rec.signature for rec in cost_model.layers]
+    return lambda layer, tp: tp == 1 or limits[sigs[layer]] == 0 or limits[sigs[layer]] % tp == 0
+
+
+def _options(constraints: dict | None, global_batch_size, reserve: float) -> SearchOptions:
+    c = dict(constraints or {})
+    unknown = sorted(set(c) - set(CONSTRAINT_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown search constraint(s) {unknown}; valid keys: {', '.join(CONSTRAINT_KEYS)}")
+    opt = SearchOptions(global_batch_size=global_batch_size, reserve_bytes=reserve)
+    for k in ("pp", "micro_batches", "schedule"):
+        setattr(opt, k, c.get(k))
+    opt.space = {k: c[k] for k in _SPACE if k in c}
+    if "granularity" in c:
+        opt.granularity = parse_bytes(c["granularity"], "granularity")
+    tp, kinds = c.get("tp"), c.get("sdp")
+    if tp is not None or kinds is not None:
+        kinds = [kinds] if isinstance(kinds, str) else kinds
+        opt.strategy_filter = lambda s: (tp is None or s.tp == tp) and (kinds is None or s.sdp in kinds)
+    opt.uniform_only = bool(c.get("uniform", False))
+    return opt
+
+
+def _plan(result: SearchResult, names: list[str], world_size: int, fingerprint: str, cluster: Cluster,
+          cost_options: dict) -> Plan:
+    layers = [LayerPlan(n, s.tp, s.dp, s.sdp, s.sp, s.ckpt) for n, s in zip(names, result.strategies)]
+    return Plan(world_size, result.pp, result.schedule, result.micro_batches, result.global_batch_size,
+                [tuple(s) for s in result.stages], layers, _json_estimate(result.estimate), fingerprint,
+                cluster.to_dict(), {"cost_model": dict(cost_options)})
+
+
+def _json_estimate(est: dict) -> dict:
+    """Round floats to 12 significant digits so the plan JSON is stable and re-estimates exactly."""
+    def r(x):
+        if isinstance(x, float):
+            return float(f"{x:.12g}")
+        if isinstance(x, list):
+            return [r(v) for v in x]
+        if isinstance(x, dict):
+            return {k: r(v) for k, v in x.items()}
+        return x
+    return r(est)
+
+
+def _engine(gm, cluster, world_size, budget, global_batch_size, constraints, cost_options, progress):
+    cm = cost_model_for(gm, cluster, **cost_options)
+    opt = _options(constraints, global_batch_size, cm.reserve_bytes)
+    sigs = [rec.signature for rec in cm.layers]
+    return Engine(cm, cluster, sigs, world_size, budget, opt, allowed_tp=tp_admissible(cm),
+                  progress=stderr_progress if progress is True else (progress or None))
+
+
+def search(model, cluster=None, memory_budget=None, global_batch_size: int | None = None, *,
+           example_inputs=None, constraints: dict | None = None, world_size: int | None = None,
+           method: str = "dynamo", progress: bool | Callable[[str], None] = False, **cost_options) -> Plan:
+    """Search the best plan for ``model`` (a captured graph, or an ``nn.Module`` with
+    ``example_inputs``, meta-device models welcome) on ``cluster`` under ``memory_budget`` bytes per
+    device (default: the device memory). ``global_batch_size=None`` chooses it for throughput.
+
+    ``cost_options`` go to the cost model (``dtype``, ``mode``, ``mixed_precision``,
+    ``reserve_bytes``, ``optimizer``). Raises :class:`InfeasibleError` with the least memory any
+    plan needs when nothing fits.
+    """
+    cluster = _cluster(cluster)
+    gm = _as_graph(model, example_inputs, method)
+    world = int(world_size or cluster.world_size)
+    budget = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else cluster.device_memory
+    if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
+        raise ConfigError(f"global_batch_size must be a positive int, got {global_batch_size!r}")
+    engine = _engine(gm, cluster, world, budget, global_batch_size, constraints, cost_options, progress)
+    result = engine.run()
+    info = gm.meta[META_KEY]
+    plan = _plan(result, [rec.name for rec in info.layers], world, info.fingerprint, cluster, cost_options)
+    plan.extra["memory_budget_bytes"] = int(budget)
+    return plan
+
+
+def estimate(gm: torch.fx.GraphModule, plan: Plan, cluster=None, **cost_options) -> dict:
+    """The cost model's figures for any plan (searched, loaded or hand-made): the plan JSON's
+    ``estimate`` keys plus ``per_device`` (``states_bytes``, ``activation_bytes``,
+    ``transient_bytes``, ``reserve_bytes``, one entry per stage) and ``stage_time_s``.
+
+    Cost options default to those recorded in the plan, so re-estimating a saved plan reproduces it.
+    """
+    cluster = _cluster(cluster if cluster is not None else (plan.cluster or None))
+    opts = {**plan.extra.get("cost_model", {}), **cost_options}
+    info = gm.meta[META_KEY]
+    plan.validate_for(fingerprint=info.fingerprint, layer_names=[rec.name for rec in info.layers])
+    cm = cost_model_for(gm, cluster, **opts)
+    est = estimate_plan(cm, cluster, strategies=plan.layer_strategies(), stages=list(plan.stages),
+                        micro_batches=plan.micro_batches, global_batch_size=plan.global_batch_size,
+                        schedule=plan.schedule, world_size=plan.world_size, reserve_bytes=cm.reserve_bytes)
+    return _json_estimate(est)
+
+
+# ------------------------------------------------------------------------------------------------
+# baselines: the limited strategies of the Galvatron paper, judged by the same cost model
+
+BASELINES: dict[str, dict[str, Any]] = {
+    "dp": {"uniform": True, "pp": 1, "tp": 1, "sdp": ["none"], "ckpt": False, "sp": False, "micro_batches": 1},
+    "zero3": {"uniform": True, "pp": 1, "tp": 1, "sdp": ["zero3"], "ckpt": False, "sp": False, "micro_batches": 1},
+    "tp": {"uniform": True, "pp": 1, "sdp": ["none"], "ckpt": False, "sp": False, "micro_batches": 1},
+    "pp": {"uniform": True, "tp": 1, "sdp": ["none"], "ckpt": False, "sp": False, "schedule": "gpipe"},
+    "3d": {"uniform": True, "sdp": ["none"], "ckpt": False, "sp": False},
+    "dp+tp": {"pp": 1, "sdp": ["none"], "ckpt": False, "sp": False, "micro_batches": 1},
+    "dp+pp": {"tp": 1, "sdp": ["none"], "ckpt": False, "sp": False},
+}
+"""Baseline name -> search constraints. ``tp``: TP over a whole node (or the world, if smaller) then
+DP; ``pp``: one stage per device (or per layer), GPipe; ``3d``: the best uniform DP x TP x PP grid;
+``dp+tp`` / ``dp+pp``: the paper's limited Galvatron variants (per-layer search in two dimensions)."""
+
+
+def baselines(gm: torch.fx.GraphModule, cluster=None, memory_budget=None, global_batch_size: int | None = None,
+              *, world_size: int | None = None, names: list[str] | None = None, **cost_options) -> dict[str, Any]:
+    """Estimate of every baseline (name -> estimate dict, or ``"oom"`` when it cannot fit)."""
+    cluster = _cluster(cluster)
+    world = int(world_size or cluster.world_size)
+    out: dict[str, Any] = {}
+    for name in names or list(BASELINES):
+        cons = dict(BASELINES[name])
+        if name == "tp":
+            cons["tp"] = min(world, getattr(cluster, "devices_per_node", world))
+        if name == "pp":
+            n_layers = len(gm.meta[META_KEY].layers)
+            pp = max(d for d in range(1, world + 1) if world % d == 0 and d <= n_layers)
+            cons["pp"] = pp
+        try:
+            out[name] = search(gm, cluster, memory_budget, global_batch_size, constraints=cons,
+                               world_size=world, **cost_options).estimate
+        except InfeasibleError:
+            out[name] = "oom"
+    return out
+
+
+def speedups(plan: Plan, base: dict[str, Any]) -> dict[str, float | None]:
+    """Searched throughput over each baseline's (None where the baseline is "oom")."""
+    t = plan.estimate["throughput_samples_s"]
+    return {k: (t / v["throughput_samples_s"] if isinstance(v, dict) else None) for k, v in base.items()}
+
+
+def plan_strategy(plan: Plan, index: int) -> Strategy:
+    return plan.layers[index].strategy

@@ -1,0 +1,45 @@
+"""Profiled mode: real timing with TP-sharded shapes, and the on-disk cache."""
+
+from __future__ import annotations
+
+import json
+
+import galvatron_fx as gfx
+from galvatron_fx.cluster import Cluster
+from galvatron_fx.cost import PROFILE_CALLS, CostModel
+from galvatron_fx.passes.cost_annotation import CostAnnotationPass
+from galvatron_fx.search.strategy import Strategy
+
+
+def test_profiled_cache_hit(tmp_path):
+    model, args = gfx.models.build("gpt-tiny", device="cpu", layers=2, batch=2)
+    gm = gfx.capture(model, args, method="fx")
+    cluster = Cluster.preset("2xA100-80GB")
+    opts = dict(mode="profiled", cache_dir=tmp_path, profile_sizes=(1, 2))
+    strategies = [Strategy(1, 2), Strategy(2, 1), Strategy(2, 1, ckpt=True)]
+    start = PROFILE_CALLS["count"]
+    gm = CostAnnotationPass(cluster, **opts)(gm).graph_module
+    cm = gm.meta["galvatron"].cost_model
+    first = [cm.layer_cost(i, s, 2) for i in range(len(cm.layers)) for s in strategies]
+    calls = PROFILE_CALLS["count"] - start
+    assert calls == 3 * 3  # pre, block (one signature for both blocks), post x 3 strategies
+    assert all(c.fwd_s > 0 for c in first[3:])
+    records = [json.loads(p.read_text()) for p in (tmp_path / "layers").glob("*.json")]
+    assert len(records) == 9
+    assert {r["method"] for r in records if r["tp"] == 2} == {"sharded"}  # TP shapes really ran
+
+    again = CostModel(gm, cluster, **opts)
+    second = [again.layer_cost(i, s, 2) for i in range(len(again.layers)) for s in strategies]
+    assert PROFILE_CALLS["count"] - start == calls  # nothing re-profiled
+    assert second == first
+
+
+def test_annotation_attaches_costs():
+    model, args = gfx.models.build("gpt-tiny", device="meta")
+    gm = gfx.capture(model, args, method="fx")
+    gm = CostAnnotationPass(Cluster.preset("8xA100-80GB"))(gm).graph_module
+    info = gm.meta["galvatron"]
+    assert len(info.costs) == len(info.layers)
+    block = info.costs[1]
+    assert block["fwd_flops_sharded"][0] > 0 and block["params_sharded"] > 0
+    assert len(info.cost_model.measures) == 3  # identical blocks measured once
