@@ -83,6 +83,80 @@ def cmd_layers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _capture_for_planning(args: argparse.Namespace):
+    from . import capture
+
+    model, example_args = load_model(args.model, device="meta", overrides=parse_overrides(args.set))
+    progress(f"capturing {args.model} on the meta device (method={args.method})")
+    return capture(model, example_args, method=args.method)
+
+
+def _cluster_arg(spec: str):
+    from .cluster import Cluster
+
+    return Cluster.load(spec) if spec.endswith(".json") else Cluster.preset(spec)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Search a plan for MODEL on a cluster under a memory budget; optionally print baselines."""
+    from .planner import baselines, search, speedups
+    from .units import parse_bytes
+
+    cluster = _cluster_arg(args.cluster)
+    budget = parse_bytes(args.memory_budget) if args.memory_budget else cluster.device_memory
+    gm = _capture_for_planning(args)
+    cost = {"dtype": args.dtype, "mixed_precision": args.mixed_precision}
+    if args.reserve is not None:
+        cost["reserve_bytes"] = parse_bytes(args.reserve, "--reserve") if args.reserve not in ("0", 0) else 0
+    t0 = time.perf_counter()
+    plan = search(gm, cluster, budget, args.global_batch_size, progress=progress, **cost)
+    progress(f"search took {time.perf_counter() - t0:.2f}s")
+    print(plan.explain())
+    data = plan.to_dict()
+    if args.baselines:
+        progress("estimating baselines")
+        base = baselines(gm, cluster, budget, plan.global_batch_size, **cost)
+        ups = speedups(plan, base)
+        print(f"\nbaselines (same cost model, global batch {plan.global_batch_size}):")
+        print(f"  {'strategy':<10} {'samples/s':>12} {'peak memory':>12}  galvatron_fx speedup")
+        for name, est in base.items():
+            if est == "oom":
+                print(f"  {name:<10} {'oom':>12} {'-':>12}  -")
+            else:
+                print(f"  {name:<10} {est['throughput_samples_s']:>12.3f} "
+                      f"{max(est['memory_bytes_per_device']) / 2**30:>11.2f}G  {ups[name]:.2f}x")
+        print(f"  {'searched':<10} {plan.estimate['throughput_samples_s']:>12.3f} "
+              f"{max(plan.estimate['memory_bytes_per_device']) / 2**30:>11.2f}G")
+        data["baselines"] = base
+    if args.json:
+        from .plan import Plan
+
+        Plan.from_dict(data).save(args.json)
+        progress(f"wrote {args.json}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """Print a saved plan as a table."""
+    from .plan import Plan
+
+    print(Plan.load(args.plan).explain())
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Measure the local torch.distributed world (run under torchrun) or this process."""
+    from .cluster import Cluster
+    from .distributed import init_distributed
+
+    if "RANK" in os.environ:
+        init_distributed()
+    cluster = Cluster.profile(out=args.out, progress=True)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(cluster.summary())
+    return 0
+
+
 def _write_json(path: str, data: dict) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2, sort_keys=True)
@@ -107,6 +181,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model override, e.g. --set layers=4 --set hidden=256 (repeatable)")
     p.add_argument("--json", metavar="PATH", help="also write the layer list as JSON")
     p.set_defaults(func=cmd_layers)
+
+    p = sub.add_parser("plan", help="search a parallel plan for a model on a cluster",
+                       description="Search the best hybrid-parallel plan for MODEL (built on the meta device: "
+                                   "no weight memory) on CLUSTER under a per-device memory budget.")
+    p.add_argument("model", metavar="MODEL")
+    p.add_argument("--cluster", required=True, help="preset (e.g. 8xA100-80GB, 2x8xH100-80GB) or cluster JSON")
+    p.add_argument("--memory-budget", help="per-device budget, e.g. 16GiB (default: the device memory)")
+    p.add_argument("--global-batch-size", type=int, help="samples per step (default: chosen for throughput)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--mixed-precision", action="store_true", help="fp32 master weights + low-precision copies")
+    p.add_argument("--reserve", help="framework reserve per device (default 1GiB)")
+    p.add_argument("--method", default="fx", choices=["dynamo", "export", "fx"], help="capture front end")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override (repeatable)")
+    p.add_argument("--baselines", action="store_true", help="also estimate DP, ZeRO-3, TP, PP, 3D, DP+TP, DP+PP")
+    p.add_argument("--json", metavar="PATH", help="write the plan JSON (with baselines) to PATH")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("show", help="print a saved plan", description="Print PLAN.json as a table.")
+    p.add_argument("plan", metavar="PLAN.json")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("profile", help="measure the local cluster (run under torchrun for several ranks)",
+                       description="Measure collective bandwidth/latency, overlap slowdown and compute "
+                                   "throughput of the torch.distributed world (or this process).")
+    p.add_argument("--out", metavar="PATH", help="write the cluster JSON to PATH")
+    p.set_defaults(func=cmd_profile)
     return parser
 
 

@@ -298,11 +298,14 @@ class Cluster:
         """
         if kind not in COLLECTIVES:
             raise ConfigError(f"unknown collective {kind!r}; use one of {', '.join(COLLECTIVES)}")
-        group = self._group(ranks)
-        n = len(group)
+        key = (kind, ranks if isinstance(ranks, numbers.Integral) else tuple(ranks))
+        links = self.__dict__.setdefault("_links", {})  # NOTE: the search asks for the same groups often
+        if key not in links:
+            group = self._group(ranks)
+            links[key] = (len(group), *(self._measured_link(kind, group) or self.group_link(group)))
+        n, bandwidth, latency = links[key]
         if n <= 1 or nbytes <= 0:
             return 0.0
-        bandwidth, latency = self._measured_link(kind, group) or self.group_link(group)
         steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
         return steps / n * nbytes / bandwidth + steps * latency
 

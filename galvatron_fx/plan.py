@@ -37,6 +37,10 @@ _TOP_KEYS = ("format", "world_size", "pp", "schedule", "micro_batches", "global_
              "layers", "estimate", "model_fingerprint", "cluster")
 
 
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}G" if n >= 2**27 else f"{n / 2**20:.1f}M"
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -244,6 +248,42 @@ class Plan:
                     f"the plan's layers differ from the model's at index {diff} (plan has {len(names)} "
                     f"layers, model {len(layer_names)}); re-run the search for this model")
         return self
+
+    # ---------------------------------------------------------- explanation
+    def explain(self) -> str:
+        """Human-readable plan: per stage and layer the strategy, step-time share and memory
+        (states, in-flight activations, transient) against the budget the plan was searched for."""
+        est = self.estimate or {}
+        per_layer = est.get("layers") or [None] * self.num_layers
+        budget = self.extra.get("memory_budget_bytes")
+        lines = [f"plan: {self.world_size} devices = pp {self.pp} x {self.devices_per_stage} per stage, "
+                 f"{self.schedule}, {self.micro_batches} micro-batch(es) of {self.micro_batch_size} "
+                 f"(global batch {self.global_batch_size})"]
+        if est.get("step_time_s") is not None:
+            lines.append(f"estimate: {est['step_time_s'] * 1e3:.3f} ms/step, "
+                         f"{est['throughput_samples_s']:.2f} samples/s")
+        for k, (first, last) in enumerate(self.stages):
+            mem = (est.get("memory_bytes_per_device") or [None] * self.pp)[k]
+            head = f"stage {k}: layers {first}..{last}"
+            if mem is not None:
+                head += f", {_gib(mem)} per device"
+                if budget:
+                    head += f" of {_gib(budget)} budget ({100 * mem / budget:.0f}%)"
+                pd = est.get("per_device", {})
+                if pd:
+                    head += (f" = states {_gib(pd['states_bytes'][k])} + activations "
+                             f"{_gib(pd['activation_bytes'][k])} + transient {_gib(pd['transient_bytes'][k])}"
+                             f" + reserve {_gib(pd.get('reserve_bytes', 0))}")
+            lines.append(head)
+            lines.append(f"  {'#':>4}  {'layer':<26} {'strategy':<24} {'time ms':>9} {'states':>10} "
+                         f"{'activ.':>10} {'transient':>10}")
+            for i in range(first, last + 1):
+                layer, row = self.layers[i], per_layer[i]
+                cells = (f"{row['time_s'] * 1e3:>9.3f} {_gib(row['states_bytes']):>10} "
+                         f"{_gib(row['activation_bytes']):>10} {_gib(row['transient_bytes']):>10}"
+                         if row else "")
+                lines.append(f"  {i:>4}  {layer.name:<26} {layer.strategy.label:<24} {cells}")
+        return "\n".join(lines)
 
     # ---------------------------------------------------------- serialisation
     def to_dict(self) -> dict[str, Any]:

@@ -150,6 +150,7 @@ class Engine:
         self.tables = CachedCosts(costs, cluster, signatures)
         self.progress = progress or (lambda msg: None)
         self.min_memory_seen = math.inf
+        self._tables_memo: dict = {}
 
     # ------------------------------------------------------------------ spaces
     def configs(self) -> Iterable[tuple[int, int, str, int]]:
@@ -175,7 +176,13 @@ class Engine:
     # ------------------------------------------------------------------ tables
     def _layer_tables(self, p: int, m: int, b: int, space: list[Strategy]):
         """[L, S] arrays: step time, states, activations per micro-batch, transient (inf = not allowed).
-        Built once per distinct layer signature, then gathered per layer."""
+        Built once per distinct layer signature, then gathered per layer; memoised per configuration."""
+        key = (p, m, b, tuple(space))
+        if key not in self._tables_memo:
+            self._tables_memo = {key: self._build_tables(p, m, b, space)}
+        return self._tables_memo[key]
+
+    def _build_tables(self, p: int, m: int, b: int, space: list[Strategy]):
         rows: dict[str, np.ndarray] = {}
         out = np.empty((4, self.L, len(space)))
         for i in range(self.L):
@@ -201,15 +208,16 @@ class Engine:
         p, m, b, space, sched = ctx["p"], ctx["m"], ctx["b"], ctx["space"], ctx["schedule"]
         t, states, act, trans = ctx["tables"]
         inflight = in_flight_microbatches(sched, m, p, k)
-        mem = states[i:j + 1] + inflight * act[i:j + 1]
-        mem = np.where(np.isfinite(t[i:j + 1]), mem, np.inf)
-        transient = np.nanmax(np.where(np.isfinite(trans[i:j + 1]), trans[i:j + 1], 0.0))
+        mem = np.where(np.isfinite(t[i:j + 1]), states[i:j + 1] + inflight * act[i:j + 1], np.inf)
+        keep = _undominated(t[i:j + 1], mem, trans[i:j + 1], space)
+        tt, mem, tr = t[i:j + 1][:, keep], mem[:, keep], trans[i:j + 1][:, keep]
+        transient = float(np.max(np.where(np.isfinite(tr), tr, 0.0)))
         budget = self.budget - self.opt.reserve_bytes - transient
-        reshard = (np.stack([self.tables.reshard_matrix(layer, space, b) * (m + p - 1) for layer in range(i, j)])
+        sub = [space[x] for x in keep]
+        reshard = (np.stack([self.tables.reshard_matrix(layer, sub, b) * (m + p - 1) for layer in range(i, j)])
                    if j > i else None)
-        sol = solve_stage(t[i:j + 1], mem, reshard, budget, self._granularity())
-        self.min_memory_seen = min(self.min_memory_seen,
-                                   sol.min_memory_bytes + self.opt.reserve_bytes + transient)
+        sol = solve_stage(tt, mem, reshard, budget, self._granularity())
+        ctx["min_memory"][key] = sol.min_memory_bytes + self.opt.reserve_bytes + transient
         if not sol.feasible:
             out = (math.inf, None)
         else:
@@ -217,8 +225,8 @@ class Engine:
             if k < p - 1:
                 per_stage = self.N // p
                 cost += (m + p - 1) * p2p_time_per_microbatch(
-                    self.tables, self.cluster, j, space[sol.strategies[-1]], b, k * per_stage, (k + 1) * per_stage)
-            out = (cost, list(sol.strategies))
+                    self.tables, self.cluster, j, sub[sol.strategies[-1]], b, k * per_stage, (k + 1) * per_stage)
+            out = (cost, [int(keep[x]) for x in sol.strategies])
         ctx["memo"][key] = out
         return out
 
@@ -231,14 +239,18 @@ class Engine:
         if not space:
             return None
         tables = self._layer_tables(p, m, b, space)
-        ctx = {"p": p, "m": m, "b": b, "space": space, "schedule": sched, "tables": tables, "memo": {}}
+        ctx = {"p": p, "m": m, "b": b, "space": space, "schedule": sched, "tables": tables, "memo": {},
+               "min_memory": {}}
         stages = self._initial_partition(ctx)
         if stages is None:
             return None
         stages = self._refine(stages, ctx)
         strategies: list[Strategy] = []
-        for k, (i, j) in enumerate(stages):
-            cost, idx = self._solve(i, j, k, ctx)
+        solved = [self._solve(i, j, k, ctx) for k, (i, j) in enumerate(stages)]
+        # the least memory this configuration's partition needs: its hungriest stage's minimum
+        self.min_memory_seen = min(self.min_memory_seen,
+                                   max(ctx["min_memory"][(i, j, k)] for k, (i, j) in enumerate(stages)))
+        for _cost, idx in solved:
             if idx is None:
                 return None
             strategies += [space[x] for x in idx]
@@ -325,12 +337,37 @@ class Engine:
         return stages
 
     def uniform_candidates(self, p: int, m: int, sched: str, gbs: int) -> Iterable[SearchResult]:
-        """Every uniform plan of this configuration (even stage split), estimated."""
+        """The best uniform plans of this configuration (even stage split).
+
+        Every uniform strategy is screened with the tables (vectorised over strategies); the ones
+        that fit and tie for the best screened throughput are then estimated exactly.
+        """
         b = gbs // m
+        space = self.space(p, b)
+        if not space or gbs % m:
+            return
+        t, states, act, trans = self._layer_tables(p, m, b, space)
         stages = even_split(self.L, p)
-        for s in self.space(p, b):
-            if all(self.allowed_tp(i, s.tp) for i in range(self.L)):
-                yield self._result([s] * self.L, stages, p, m, sched, gbs)
+        per_stage = self.N // p
+        step = np.zeros(len(space))
+        peak = np.zeros(len(space))
+        for k, (i, j) in enumerate(stages):
+            inflight = in_flight_microbatches(sched, m, p, k)
+            time_k = t[i:j + 1].sum(axis=0)
+            if k < p - 1:
+                time_k = time_k + (m + p - 1) * np.array([
+                    p2p_time_per_microbatch(self.tables, self.cluster, j, s, b, k * per_stage, (k + 1) * per_stage)
+                    for s in space])
+            mem_k = (states[i:j + 1].sum(axis=0) + inflight * act[i:j + 1].sum(axis=0)
+                     + trans[i:j + 1].max(axis=0) + self.opt.reserve_bytes)
+            step, peak = np.maximum(step, time_k), np.maximum(peak, mem_k)
+        ok = np.isfinite(step) & (peak <= self.budget * (1 + 1e-9))
+        if np.isfinite(peak).any():
+            self.min_memory_seen = min(self.min_memory_seen, float(peak[np.isfinite(peak)].min()))
+        if ok.any():
+            best = step[ok].min()
+            for j in np.flatnonzero(ok & (step <= best * (1 + 1e-9))):
+                yield self._result([space[j]] * self.L, stages, p, m, sched, gbs)
 
     def fits(self, r: SearchResult) -> bool:
         return max(r.estimate["memory_bytes_per_device"]) <= self.budget
@@ -359,7 +396,8 @@ class Engine:
         msg = (f"no parallel plan fits the per-device memory budget of {self.budget / 2**30:.2f} GiB on "
                f"{self.N} devices")
         if math.isfinite(need):
-            msg += f"; the least memory any searched plan needs is {need / 2**30:.2f} GiB per device"
+            msg += (f"; the least memory any searched plan needs is {need / 2**30:.3f} GiB "
+                    f"({int(math.ceil(need))} bytes) per device")
         hints = ["raise memory_budget", "use more devices"]
         if self.opt.global_batch_size and self.opt.global_batch_size > 1:
             hints.append(f"use a smaller global_batch_size (e.g. {self.opt.global_batch_size // 2})")
@@ -368,6 +406,31 @@ class Engine:
         err = InfeasibleError(msg + "; fix: " + ", or ".join(hints))
         err.min_memory_bytes = need
         return err
+
+
+def _undominated(t: np.ndarray, mem: np.ndarray, trans: np.ndarray, space: list[Strategy]) -> np.ndarray:
+    """Indices of the strategies worth keeping for these layers.
+
+    A strategy is dropped when another of the same activation layout (tp, dp, sp: so resharding
+    costs are identical) is no slower, needs no more memory and no larger transient at every layer,
+    and is strictly better somewhere or earlier in the list: swapping it in never hurts, so the DP
+    stays exact and keeps its lowest-index tie rule.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for idx, st in enumerate(space):
+        groups.setdefault((st.tp, st.dp, st.sp), []).append(idx)
+    stacked = np.stack([t, mem, trans])  # [3, L, S]
+    keep = []
+    for members in groups.values():
+        x = stacked[:, :, members]                               # [3, L, g]
+        le = np.all(x[:, :, :, None] <= x[:, :, None, :], axis=(0, 1))  # le[c, a]: c no worse than a
+        lt = np.any(x[:, :, :, None] < x[:, :, None, :], axis=(0, 1))
+        order = np.arange(len(members))
+        beats = le & (lt | (order[:, None] < order[None, :]))
+        np.fill_diagonal(beats, False)
+        keep += [members[a] for a in range(len(members)) if not beats[:, a].any()]
+    keep.sort()
+    return np.array(keep, dtype=int)
 
 
 def _better(a: SearchResult, b: SearchResult) -> bool:

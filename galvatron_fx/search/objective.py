@@ -89,22 +89,28 @@ def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy]
                   reserve_bytes: float = 0.0) -> dict:
     """The cost model's figures for one plan (the Plan JSON's ``estimate`` plus a breakdown).
 
+    ``layers`` gives each layer's step-time share (seconds, resharding into it included) and its
+    bytes per device (states, in-flight activations, transient).
     ``memory_bytes_per_device`` has one entry per pipeline stage: every device of a stage holds the
     same amount under galvatron_fx's rank layout.
     """
     pp = len(stages)
     per_stage = world_size // pp
     b = global_batch_size // micro_batches
-    stage_time, states, acts, transient, mem = [], [], [], [], []
+    stage_time, states, acts, transient, mem, per_layer = [], [], [], [], [], []
     for k, (first, last) in enumerate(stages):
         inflight = in_flight_microbatches(schedule, micro_batches, pp, k)
         t = 0.0
         st = ac = tr = 0.0
         for i in range(first, last + 1):
             terms = layer_terms(costs.layer_cost(i, strategies[i], b), cluster)
-            t += layer_step_time(terms, micro_batches, pp)
+            lt = layer_step_time(terms, micro_batches, pp)
             if i > first:
-                t += (micro_batches + pp - 1) * costs.reshard_time(i - 1, strategies[i - 1], strategies[i], b)
+                lt += (micro_batches + pp - 1) * costs.reshard_time(i - 1, strategies[i - 1], strategies[i], b)
+            t += lt
+            per_layer.append({"time_s": lt, "states_bytes": int(round(terms.states_bytes)),
+                              "activation_bytes": int(round(inflight * terms.activation_bytes)),
+                              "transient_bytes": int(round(terms.transient_bytes))})
             st += terms.states_bytes
             ac += inflight * terms.activation_bytes
             tr = max(tr, terms.transient_bytes)
@@ -122,6 +128,7 @@ def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy]
         "throughput_samples_s": global_batch_size / step if step > 0 else float("inf"),
         "memory_bytes_per_device": [int(round(x)) for x in mem],
         "stage_time_s": stage_time,
+        "layers": per_layer,
         "per_device": {
             "states_bytes": [int(round(x)) for x in states],
             "activation_bytes": [int(round(x)) for x in acts],

@@ -1,0 +1,75 @@
+"""Search speed: capture, cost annotation and search time for the reference cases (one core).
+
+Reference cases (issue 4): bert-huge-32 on 8xRTX-TITAN-24GB, llama-70b on 8x8xH100-80GB, gpt3-175b on
+128x8xA100-80GB, with checkpointing and sequence parallelism in the space. Targets: search <= 1 s
+for <= 64 devices, <= 5 s for 1024 devices.
+
+    python benchmarks/search_speed.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import parser, print_table, write_json  # noqa: E402
+
+import galvatron_fx as gfx  # noqa: E402
+from galvatron_fx.planner import cost_model_for  # noqa: E402
+
+CASES = [
+    # model, cluster, budget, global batch, cost-model options
+    ("bert-huge-32", "8xRTX-TITAN-24GB", "16GB", 32, {"dtype": "fp32"}),
+    ("llama-70b", "8x8xH100-80GB", "80GB", 512, {"dtype": "bf16", "mixed_precision": True}),
+    ("gpt3-175b", "128x8xA100-80GB", "80GB", 1536, {"dtype": "bf16", "mixed_precision": True}),
+]
+
+
+def run_case(model_name, preset, budget, gbs, cost, repeats=3):
+    t0 = time.perf_counter()
+    model, args = gfx.models.build(model_name, device="meta")
+    gm = gfx.capture(model, args, method="fx")
+    t1 = time.perf_counter()
+    cluster = gfx.Cluster.preset(preset)
+    cost_model_for(gm, cluster, **cost)
+    t2 = time.perf_counter()
+    times, plan = [], None
+    for _ in range(repeats):
+        cluster = gfx.Cluster.preset(preset)  # fresh: no cached collective links
+        cost_model_for(gm, cluster, **cost)
+        s = time.perf_counter()
+        plan = gfx.search(gm, cluster, budget, gbs, **cost)
+        times.append(time.perf_counter() - s)
+    times.sort()
+    return {"model": model_name, "cluster": preset, "devices": cluster.world_size, "memory_budget": budget,
+            "global_batch_size": gbs, "layers": plan.num_layers, "capture_s": t1 - t0, "annotate_s": t2 - t1,
+            "search_s": times[len(times) // 2], "pp": plan.pp, "micro_batches": plan.micro_batches,
+            "strategies": sorted({la.strategy.label for la in plan.layers}),
+            "throughput_samples_s": plan.estimate["throughput_samples_s"]}
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    rows, results = [], []
+    for case in CASES:
+        r = run_case(*case, repeats=args.repeats)
+        results.append(r)
+        target = 1.0 if r["devices"] <= 64 else 5.0
+        rows.append([r["model"], r["cluster"], r["devices"], r["layers"], r["capture_s"], r["annotate_s"],
+                     r["search_s"], f"<= {target:g} s", "yes" if r["search_s"] <= target else "NO",
+                     f"pp{r['pp']} m{r['micro_batches']}", " ".join(r["strategies"])[:60]])
+    print_table(["model", "cluster", "devices", "layers", "capture s", "annotate s", "search s", "target", "met",
+                 "plan", "strategies"], rows)
+    print("summary: search " + ", ".join(f"{r['model']} {r['search_s']:.2f} s" for r in results))
+    write_json(args.json, {"cases": results})
+
+
+if __name__ == "__main__":
+    main()
