@@ -1,0 +1,63 @@
+"""The galvatron-fx command line: happy paths and one-line errors for bad arguments."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from galvatron_fx import Plan
+from galvatron_fx.cli import main
+
+TINY = ["--set", "layers=2", "--set", "hidden=32", "--set", "heads=4", "--set", "seq_len=16"]
+
+
+def test_layers_prints_the_layer_table(capsys, tmp_path):
+    assert main(["layers", "gpt-tiny", "--method", "fx", *TINY, "--json", str(tmp_path / "l.json")]) == 0
+    out = capsys.readouterr().out
+    assert "blocks.0" in out and "blocks.1" in out and "post" in out
+    data = json.loads((tmp_path / "l.json").read_text())
+    assert [r["kind"] for r in data["layers"]] == ["pre", "block", "block", "post"]
+
+
+def test_plan_with_baselines_writes_a_loadable_plan(capsys, tmp_path):
+    path = tmp_path / "plan.json"
+    assert main(["plan", "gpt-tiny", *TINY, "--cluster", "4xA100-80GB", "--memory-budget", "2MiB",
+                 "--global-batch-size", "16", "--reserve", "0", "--baselines", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "baselines" in out and "searched" in out and "zero3" in out
+    plan = Plan.load(path)
+    assert plan.world_size == 4 and plan.global_batch_size == 16
+    assert set(plan.extra["baselines"]) == {"dp", "zero3", "tp", "pp", "3d", "dp+tp", "dp+pp"}
+    assert main(["show", str(path)]) == 0
+    assert "stage 0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["layers", "nonexistent-model"], "unknown model 'nonexistent-model'"),
+    (["plan", "gpt-tiny", "--cluster", "3xB200"], "unknown cluster preset '3xB200'"),
+    (["plan", "gpt-tiny", "--cluster", "2xA100-80GB", "--memory-budget", "lots"], "cannot parse memory budget"),
+    (["plan", "gpt-tiny", "--cluster", "2xA100-80GB", "--memory-budget=-4GB"], "must be positive"),
+    (["plan", "gpt-tiny", "--cluster", "2xA100-80GB", "--memory-budget", "1KiB", "--global-batch-size", "8"],
+     "no parallel plan fits"),
+    (["layers", "gpt-tiny", "--set", "bogus=1"], "unknown override(s) bogus"),
+])
+def test_bad_arguments_give_one_line_errors_and_exit_2(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("galvatron-fx ")]
+    assert len(errors) == 1 and needle in errors[0], err
+    assert "Traceback" not in err
+
+
+def test_console_script_help():
+    out = subprocess.run([sys.executable, "-m", "galvatron_fx.cli", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for cmd in ("layers", "plan", "show", "profile"):
+        assert cmd in out.stdout
+
+
+def test_profile_without_torchrun_measures_this_process(tmp_path, capsys):
+    assert main(["profile", "--out", str(tmp_path / "c.json")]) == 0
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["peak_flops"]["fp32"] > 0
