@@ -1,0 +1,1 @@
+"""Runtime helpers the rewritten graphs call (collectives, process groups)."""
