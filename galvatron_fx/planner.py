@@ -27,11 +27,13 @@ from .units import parse_bytes
 _OUTER = ("pp", "micro_batches", "schedule", "global_batch_size")
 _SPACE = ("ckpt", "sp", "zero2", "zero3", "max_tp", "allow_cross_node_tp", "power_of_two")
 _COST = ("dtype", "mode", "mixed_precision", "reserve_bytes", "optimizer")
-CONSTRAINT_KEYS = _OUTER + _SPACE + ("tp", "sdp", "granularity", "uniform")
+CONSTRAINT_KEYS = _OUTER + _SPACE + ("tp", "sdp", "granularity", "uniform", "max_global_batch_size",
+                                     "max_micro_batches")
 """Keys ``gfx.search(..., constraints={...})`` accepts: ``pp``, ``micro_batches``, ``schedule``
 pin the outer loop; ``tp`` (int) pins the TP degree of every layer; ``sdp`` (list of "none",
 "zero2", "zero3") limits data-parallel kinds; ``ckpt``/``sp``/``zero2``/``zero3`` (bool) switch
 options off; ``max_tp``, ``allow_cross_node_tp``, ``power_of_two`` shape the strategy tree;
+``max_global_batch_size`` / ``max_micro_batches`` bound the searched batch and micro-batch counts;
 ``granularity`` (bytes) sets the DP's memory unit; ``uniform`` (bool) searches uniform plans only."""
 
 
@@ -106,6 +108,9 @@ def _options(constraints: dict | None, global_batch_size, reserve: float) -> Sea
     for k in ("pp", "micro_batches", "schedule"):
         setattr(opt, k, c.get(k))
     opt.space = {k: c[k] for k in _SPACE if k in c}
+    for k in ("max_global_batch_size", "max_micro_batches"):
+        if k in c:
+            setattr(opt, k, int(c[k]))
     if "granularity" in c:
         opt.granularity = parse_bytes(c["granularity"], "granularity")
     tp, kinds = c.get("tp"), c.get("sdp")

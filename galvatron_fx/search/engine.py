@@ -52,7 +52,8 @@ DEFAULT_MEMORY_UNITS = 256
 class SearchOptions:
     """What the search may choose. ``None`` means "search it"; a value pins it.
 
-    ``pp``/``micro_batches``/``schedule``/``global_batch_size`` pin the outer loop; ``space`` holds
+    ``pp``/``micro_batches``/``schedule``/``global_batch_size`` pin the outer loop (a free global
+    batch is searched over powers of two up to ``max_global_batch_size``); ``space`` holds
     :func:`strategy_space` keyword arguments (``ckpt``, ``sp``, ``zero2``, ``zero3``, ``max_tp``,
     ``allow_cross_node_tp``, ``power_of_two``, ``devices_per_node``); ``strategy_filter`` drops
     per-layer strategies (e.g. the baselines' "DP only"). GPipe is searched only when pinned: under
@@ -66,6 +67,7 @@ class SearchOptions:
     space: dict = field(default_factory=dict)
     strategy_filter: Callable[[Strategy], bool] | None = None
     max_micro_batches: int = 64
+    max_global_batch_size: int = 4096
     granularity: int | None = None
     reserve_bytes: float = 0.0
     include_uniform: bool = True
@@ -157,7 +159,7 @@ class Engine:
         o = self.opt
         pps = [o.pp] if o.pp else [p for p in _pow2_divisors(self.N) if p <= self.L]
         gbss = [o.global_batch_size] if o.global_batch_size else [
-            g for g in (2**i for i in range(0, 13)) if g >= self.N // max(pps)]
+            g for g in (2**i for i in range(0, 31)) if self.N // max(pps) <= g <= o.max_global_batch_size]
         schedules = [o.schedule] if o.schedule else ["1f1b"]
         for gbs in gbss:
             for p in pps:

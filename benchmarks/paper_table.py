@@ -1,0 +1,101 @@
+"""The Galvatron paper's table: estimated throughput of every baseline and of galvatron_fx.
+
+Eight workloads (bert-huge-32/48, vit-huge-32/48, t5-large-32/48, swin-huge-32/48) x per-device
+memory budgets 8/12/16/20 GB on 8xRTX-TITAN-24GB (the paper's testbed) and 2x8xRTX-TITAN-24GB.
+Every method (DP, ZeRO-3, TP, PP, best 3D, DP+TP, DP+PP, galvatron_fx) chooses its own global
+batch size (powers of two up to --max-batch) for the best throughput under the same cost model;
+"oom" where it cannot fit. Prints per cell the searched plan's speedup over the best baseline and the
+geometric mean.
+
+    python benchmarks/paper_table.py [--models ...] [--clusters ...] [--budgets 8 12 16 20] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import parser, print_table, write_json  # noqa: E402
+
+import galvatron_fx as gfx  # noqa: E402
+from galvatron_fx.planner import BASELINES  # noqa: E402
+
+MODELS = ["bert-huge-32", "bert-huge-48", "vit-huge-32", "vit-huge-48", "t5-large-32", "t5-large-48",
+          "swin-huge-32", "swin-huge-48"]
+CLUSTERS = ["8xRTX-TITAN-24GB", "2x8xRTX-TITAN-24GB"]
+
+
+def cell(gm, cluster, budget_gb: int, max_batch: int) -> dict:
+    budget = f"{budget_gb}GB"
+    cons = {"max_global_batch_size": max_batch}
+    try:
+        plan = gfx.search(gm, cluster, budget, None, constraints=cons)
+        searched = {"throughput_samples_s": plan.estimate["throughput_samples_s"], "plan": plan.to_dict()}
+    except gfx.InfeasibleError:
+        searched = "oom"
+    return {"galvatron_fx": searched, "baselines": _baselines(gm, cluster, budget, cons)}
+
+
+def _baselines(gm, cluster, budget, cons) -> dict:
+    out = {}
+    layers = len(gfx.layers(gm))
+    world = cluster.world_size
+    for name, c in BASELINES.items():
+        c = {**c, **cons}
+        if name == "tp":
+            c["tp"] = min(world, cluster.devices_per_node)
+        if name == "pp":
+            c["pp"] = max(d for d in range(1, world + 1) if world % d == 0 and d <= layers)
+        try:
+            est = gfx.search(gm, cluster, budget, None, constraints=c).estimate
+            out[name] = {"throughput_samples_s": est["throughput_samples_s"]}
+        except gfx.InfeasibleError:
+            out[name] = "oom"
+    return out
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=MODELS)
+    p.add_argument("--clusters", nargs="+", default=CLUSTERS)
+    p.add_argument("--budgets", nargs="+", type=int, default=[8, 12, 16, 20], help="GB per device")
+    p.add_argument("--max-batch", type=int, default=256, help="largest global batch any method may use")
+    args = p.parse_args()
+    cells, rows, ratios, worse = [], [], [], []
+    t0 = time.perf_counter()
+    for model_name in args.models:
+        model, example = gfx.models.build(model_name, device="meta")
+        gm = gfx.capture(model, example, method="fx")
+        for preset in args.clusters:
+            cluster = gfx.Cluster.preset(preset)
+            for gb in args.budgets:
+                c = cell(gm, cluster, gb, args.max_batch)
+                c.update(model=model_name, cluster=preset, memory_budget_gb=gb)
+                cells.append(c)
+                fits = {k: v["throughput_samples_s"] for k, v in c["baselines"].items() if v != "oom"}
+                best_name = max(fits, key=fits.get) if fits else None
+                ours = c["galvatron_fx"]["throughput_samples_s"] if c["galvatron_fx"] != "oom" else None
+                ratio = ours / fits[best_name] if ours and best_name else None
+                if ratio is not None:
+                    ratios.append(ratio)
+                    if ratio < 1 - 1e-9:
+                        worse.append(f"{model_name}/{preset}/{gb}GB")
+                rows.append([model_name, preset, gb] + [
+                    f"{c['baselines'][k]['throughput_samples_s']:.2f}" if c["baselines"][k] != "oom" else "oom"
+                    for k in BASELINES] + [f"{ours:.2f}" if ours else "oom",
+                                           f"{ratio:.2f}x ({best_name})" if ratio else "-"])
+                print(f"[paper_table] {model_name} {preset} {gb}GB done ({time.perf_counter() - t0:.0f}s)",
+                      file=sys.stderr, flush=True)
+    print_table(["model", "cluster", "GB"] + list(BASELINES) + ["galvatron_fx", "speedup vs best"], rows)
+    geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else float("nan")
+    print(f"summary: geometric-mean speedup over the best baseline {geo:.3f}x over {len(ratios)} cells; "
+          f"cells where galvatron_fx < best baseline: {len(worse)} {worse if worse else ''}; "
+          f"{time.perf_counter() - t0:.0f}s")
+    write_json(args.json, {"cells": cells, "geomean_speedup": geo, "worse_cells": worse})
+
+
+if __name__ == "__main__":
+    main()
