@@ -1,5 +1,7 @@
 """Search speed: capture, cost annotation and search time for the reference cases (one core).
 
+Then a scaling sweep: search time vs layers (24..192) and vs devices (8..1024).
+
 Reference cases (issue 4): bert-huge-32 on 8xRTX-TITAN-24GB, llama-70b on 8x8xH100-80GB, gpt3-175b on
 128x8xA100-80GB, with checkpointing and sequence parallelism in the space. Targets: search <= 1 s
 for <= 64 devices, <= 5 s for 1024 devices.
@@ -52,9 +54,40 @@ def run_case(model_name, preset, budget, gbs, cost, repeats=3):
             "throughput_samples_s": plan.estimate["throughput_samples_s"]}
 
 
+def sweep(layers_list, device_presets, model="gpt3-13b", gbs=512):
+    """Search time vs layer count (on 8x8xA100-80GB) and vs device count (model's own depth)."""
+    rows, out = [], []
+    cost = {"dtype": "bf16", "mixed_precision": True}
+    for layers in layers_list:
+        m, a = gfx.models.build(model, device="meta", layers=layers)
+        gm = gfx.capture(m, a, method="fx")
+        cluster = gfx.Cluster.preset("8x8xA100-80GB")
+        cost_model_for(gm, cluster, **cost)
+        s = time.perf_counter()
+        gfx.search(gm, cluster, "80GB", gbs, **cost)
+        out.append({"sweep": "layers", "layers": layers + 2, "devices": 64, "search_s": time.perf_counter() - s})
+    m, a = gfx.models.build(model, device="meta")
+    gm = gfx.capture(m, a, method="fx")
+    for preset in device_presets:
+        cluster = gfx.Cluster.preset(preset)
+        cost_model_for(gm, cluster, **cost)
+        s = time.perf_counter()
+        gfx.search(gm, cluster, "80GB", max(gbs, cluster.world_size), **cost)
+        out.append({"sweep": "devices", "layers": len(gfx.layers(gm)), "devices": cluster.world_size,
+                    "search_s": time.perf_counter() - s})
+    for r in out:
+        rows.append([r["sweep"], r["layers"], r["devices"], r["search_s"]])
+    print(f"\nscaling sweep ({model}, bf16 mixed precision, 80 GB budget)")
+    print_table(["sweep", "layers", "devices", "search s"], rows)
+    return out
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sweep-layers", nargs="*", type=int, default=[24, 48, 96, 192])
+    p.add_argument("--sweep-devices", nargs="*", default=["8xA100-80GB", "8x8xA100-80GB", "32x8xA100-80GB",
+                                                           "128x8xA100-80GB"])
     args = p.parse_args()
     torch.set_num_threads(1)
     rows, results = [], []
@@ -68,7 +101,8 @@ def main() -> None:
     print_table(["model", "cluster", "devices", "layers", "capture s", "annotate s", "search s", "target", "met",
                  "plan", "strategies"], rows)
     print("summary: search " + ", ".join(f"{r['model']} {r['search_s']:.2f} s" for r in results))
-    write_json(args.json, {"cases": results})
+    scaling = sweep(args.sweep_layers, args.sweep_devices) if args.sweep_layers or args.sweep_devices else []
+    write_json(args.json, {"cases": results, "sweep": scaling})
 
 
 if __name__ == "__main__":
