@@ -12,6 +12,7 @@ from .capture import capture, layers
 from .cluster import Cluster
 from .plan import Plan
 from .planner import baselines, estimate, search
+from .transform import transform
 from .errors import CaptureError, ConfigError, GalvatronError, InfeasibleError, PlanMismatchError
 from .units import format_bytes, parse_bytes
 
@@ -23,6 +24,7 @@ __all__ = [
     "baselines",
     "estimate",
     "search",
+    "transform",
     "layers",
     "models",
     "CaptureError",

@@ -51,6 +51,21 @@ class ParamInfo:
         return self.numel * self.dtype.itemsize
 
 
+@dataclass(frozen=True)
+class ShardInfo:
+    """Set on the get_attr node of a tensor-parallel parameter shard (``ParamInfo`` keeps the full shape).
+
+    Along ``dim`` the full tensor is a sequence of ``blocks`` (global sizes; one block unless a fused
+    projection such as q/k/v is sharded per block); rank ``r`` of the ``tp`` ranks holds chunk ``r``
+    of every block, concatenated. :func:`galvatron_fx.passes.tensor_parallel.unshard` reassembles.
+    """
+
+    dim: int
+    tp: int
+    rank: int
+    blocks: tuple[int, ...]
+
+
 @dataclass
 class NodeInfo:
     """Per-node record: which layer the node belongs to and where it came from."""
@@ -59,6 +74,7 @@ class NodeInfo:
     layer: int | None = None       # index into GraphInfo.layers
     param: ParamInfo | None = None  # set on get_attr nodes of parameters and buffers
     input_index: int | None = None  # set on placeholders: position among the graph inputs
+    shard: ShardInfo | None = None  # set on get_attr nodes of tensor-parallel parameter shards
 
 
 @dataclass

@@ -1,0 +1,271 @@
+"""Per-layer data parallelism and ZeRO-2/3 on one flat parameter buffer per layer.
+
+Every layer's trainable parameters are packed, in graph order, into one flat 1-D buffer padded to a
+multiple of the layer's ``dp`` (:class:`FlatParams`). The layer's graph reads its parameters as
+views of that buffer (``param_view``); one call at the top of the layer graph produces the buffer
+and decides what its backward does:
+
+=========  ==========================  ==========================  ============================
+``sdp``    rank holds at rest          forward                     backward (gradient of buffer)
+=========  ==========================  ==========================  ============================
+"none"     whole buffer (a Parameter)  ``dp_params``: nothing      accumulate; last micro-batch:
+                                                                   async all-reduce per bucket
+"zero2"    whole buffer; the Parameter ``zero2_params``: nothing    accumulate; last micro-batch:
+           is this rank's 1/dp view                                async reduce-scatter
+"zero3"    its 1/dp shard only         ``zero3_all_gather``;        async reduce-scatter each
+                                       ``zero3_release`` frees the micro-batch, then free
+                                       buffer after the layer      the re-gathered buffer
+=========  ==========================  ==========================  ============================
+
+The optimizer sees one Parameter per layer (``FlatParams.flat_param``: the whole buffer, or this
+rank's shard), whose ``.grad`` :func:`finish_grad_sync` fills with the gradient of the global-batch
+loss. After ``optimizer.step()``, :func:`sync_params` all-gathers ZeRO-2 shards into the whole
+buffer (the shard *is* a view of it, so the step already updated this rank's part in place).
+
+NOTE: why not DDP / FSDP2. Layers here are fx submodules that share the default world with
+per-layer DP groups, tied weights cross layers (BERT's decoder reads the embedding) and the cost
+model predicts state bytes from storages. One autograd Function at the entry of each layer fires
+exactly once per layer per backward, when the layer's whole gradient is complete: the natural
+bucket (overlap granularity = one layer; ``bucket_bytes`` splits big layers into several async
+all-reduces). Owning the storages makes ZeRO-2 (replicated params, sharded grads and optimizer
+states) exact, which FSDP2 has no mode for, and keeps the measured bytes equal to the model's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .groups import Ranks, all_gather_single, group, reduce_scatter_single
+
+SDP_MODES = ("none", "zero2", "zero3")
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+class FlatParams(nn.Module):
+    """One layer's trainable parameters as one flat buffer (see the module docstring).
+
+    ``fqns``, ``shapes`` and ``offsets`` (elements) locate each original parameter in the buffer.
+    ``numel`` is the unpadded size, ``padded`` the size rounded up to a multiple of ``dp``.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], mode: str, dp_ranks: Ranks, rank: int,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        super().__init__()
+        if mode not in SDP_MODES:
+            raise ValueError(f"sdp mode must be one of {SDP_MODES}, got {mode!r}")
+        self.mode, self.dp_ranks, self.bucket_bytes = mode, tuple(dp_ranks), int(bucket_bytes)
+        self.dp = len(self.dp_ranks)
+        self.dp_index = self.dp_ranks.index(rank)
+        self.fqns = list(tensors)
+        self.shapes = [tuple(t.shape) for t in tensors.values()]
+        self.offsets, n = [], 0
+        for t in tensors.values():
+            self.offsets.append(n)
+            n += t.numel()
+        self.numel = n
+        self.padded = math.ceil(max(n, 1) / self.dp) * self.dp
+        self.shard_numel = self.padded // self.dp
+        first = next(iter(tensors.values()), torch.empty(0))
+        full = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            for t, off in zip(tensors.values(), self.offsets):
+                full[off:off + t.numel()].copy_(t.reshape(-1))
+        lo = self.dp_index * self.shard_numel
+        if mode == "none":
+            self.flat_param = nn.Parameter(full)
+            self.full = None
+        elif mode == "zero2":
+            self.full = full
+            self.flat_param = nn.Parameter(full[lo:lo + self.shard_numel])  # a view: shares storage
+        else:
+            self.flat_param = nn.Parameter(full[lo:lo + self.shard_numel].clone())
+            self.full = full
+            _free(self.full)
+        # zero3: set when a view of the buffer leaves the layer (tied weight): the buffer then
+        # stays gathered from the layer's forward until its backward
+        self.keep_gathered = False
+        self.regather_in_backward = True  # zero3: False under checkpointing (recompute gathers)
+        self._acc: torch.Tensor | None = None
+        self._pending: list = []
+        self.last_micro_batch = True
+
+    def extra_repr(self) -> str:
+        return (f"mode={self.mode}, dp_ranks={self.dp_ranks}, params={len(self.fqns)}, "
+                f"numel={self.numel}, padded={self.padded}")
+
+    # ------------------------------------------------------------------ buffer
+    def gather_full(self) -> torch.Tensor:
+        """zero3: all-gather the whole buffer into ``self.full``'s storage (allocating it)."""
+        if self.full.untyped_storage().size() == 0:
+            self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+            with torch.no_grad():
+                if self.dp == 1:
+                    self.full.data.copy_(self.flat_param.data)
+                else:
+                    all_gather_single(self.full.data, self.flat_param.data.contiguous(),
+                                                group=group(self.dp_ranks))
+        return self.full
+
+    def free_full(self) -> None:
+        """zero3: drop the gathered buffer (its storage shrinks to 0 bytes)."""
+        if self.mode == "zero3":
+            _free(self.full)
+
+    def unsharded(self) -> dict[str, torch.Tensor]:
+        """fqn -> a copy of this rank's whole parameter (zero3 gathers: collective over DP)."""
+        if self.mode == "zero3":
+            full = _gathered_copy(self.flat_param.data, self.padded, self.dp_ranks)
+        else:
+            full = (self.full if self.mode == "zero2" else self.flat_param.data).clone()
+        return {fqn: full[off:off + math.prod(shape)].view(shape)
+                for fqn, off, shape in zip(self.fqns, self.offsets, self.shapes)}
+
+    # --------------------------------------------------------------- gradients
+    def on_grad(self, grad: torch.Tensor) -> None:
+        """Backward of the layer-entry call: ``grad`` is the whole-buffer gradient of one pass."""
+        if self.mode == "zero3":
+            self._launch_reduce_scatter(grad)
+            self.free_full()
+            return
+        if self._acc is None:
+            self._acc = grad.detach().clone()
+        else:
+            self._acc.add_(grad)
+        if not self.last_micro_batch:
+            return
+        acc, self._acc = self._acc, None
+        if self.mode == "zero2":
+            self._launch_reduce_scatter(acc)
+        elif self.dp == 1:
+            self._pending.append((None, acc))
+        else:
+            step = max(1, self.bucket_bytes // acc.element_size())
+            for lo in range(0, acc.numel(), step):
+                bucket = acc[lo:lo + step]
+                self._pending.append((dist.all_reduce(bucket, group=group(self.dp_ranks), async_op=True), None))
+            self._pending.append((None, acc))
+
+    def _launch_reduce_scatter(self, grad: torch.Tensor) -> None:
+        if self.dp == 1:
+            self._pending.append((None, grad.detach().clone()))
+            return
+        out = grad.new_empty(self.shard_numel)
+        work = reduce_scatter_single(out, grad.contiguous(), group=group(self.dp_ranks), async_op=True)
+        self._pending.append((work, grad))   # keep the input alive until the op completes
+        self._pending.append((None, out))
+
+    def finish_grad_sync(self) -> None:
+        """Wait for this layer's collectives and set ``flat_param.grad`` (sum of the results)."""
+        total = None
+        for work, value in self._pending:
+            if work is not None:
+                work.wait()
+        for work, value in self._pending:
+            if work is None:
+                total = value if total is None else total + value
+        self._pending = []
+        self._acc = None
+        if total is not None:
+            self.flat_param.grad = total.detach()
+
+    def zero_grad_state(self) -> None:
+        """Start of a step: no gradient, no pending op, no stale gathered buffer."""
+        self._pending, self._acc = [], None
+        self.flat_param.grad = None
+        self.free_full()
+
+    def sync_after_step(self) -> None:
+        """zero2: all-gather the updated shards into the whole buffer (collective over DP)."""
+        if self.mode == "zero2" and self.dp > 1:
+            with torch.no_grad():
+                all_gather_single(self.full, self.flat_param.data.clone(), group=group(self.dp_ranks))
+
+
+def _free(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def _gathered_copy(shard: torch.Tensor, padded: int, ranks: Ranks) -> torch.Tensor:
+    out = shard.new_empty(padded)
+    if len(ranks) == 1:
+        out.copy_(shard)
+    else:
+        all_gather_single(out, shard.contiguous(), group=group(ranks))
+    return out
+
+
+# ------------------------------------------------------------------------------ graph calls
+class _LayerParams(torch.autograd.Function):
+    """Entry of a layer: returns the whole buffer; backward hands its gradient to ``store``."""
+
+    @staticmethod
+    def forward(ctx, flat_param, store: FlatParams):
+        ctx.store = store
+        if store.mode == "zero3":
+            return store.gather_full().data
+        if store.mode == "zero2":
+            return store.full.data
+        return flat_param.data
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.store.on_grad(grad)
+        return None, None
+
+
+class _Release(torch.autograd.Function):
+    """Exit of a ZeRO-3 layer: free the gathered buffer; re-gather it before the layer's backward."""
+
+    @staticmethod
+    def forward(ctx, store: FlatParams, *outs):
+        ctx.store = store
+        store.free_full()
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.store.regather_in_backward:
+            ctx.store.gather_full()
+        return (None, *grads)
+
+
+def dp_params(store: FlatParams) -> torch.Tensor:
+    """Data parallel: the whole parameter buffer; backward all-reduces its gradient over DP."""
+    return _LayerParams.apply(store.flat_param, store)
+
+
+def zero2_params(store: FlatParams) -> torch.Tensor:
+    """ZeRO-2: the whole (replicated) buffer; backward reduce-scatters its gradient over DP."""
+    return _LayerParams.apply(store.flat_param, store)
+
+
+def zero3_all_gather(store: FlatParams) -> torch.Tensor:
+    """ZeRO-3: all-gather the buffer over DP; backward reduce-scatters its gradient."""
+    return _LayerParams.apply(store.flat_param, store)
+
+
+def zero3_release(store: FlatParams, outs: tuple) -> tuple:
+    """ZeRO-3: free the gathered buffer after the layer; re-gather before its backward."""
+    if torch._C._current_graph_task_id() != -1:  # checkpoint recomputation inside backward
+        return tuple(outs)
+    diff = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+    if not diff:
+        store.free_full()
+        return tuple(outs)
+    released = _Release.apply(store, *[outs[i] for i in diff])
+    out = list(outs)
+    for i, r in zip(diff, released):
+        out[i] = r
+    return tuple(out)
+
+
+def param_view(flat: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Parameter ``shape`` at element ``offset`` of a layer's buffer (a differentiable view)."""
+    return flat[offset:offset + math.prod(shape)].view(shape)
+
+
+ENTRY = {"none": dp_params, "zero2": zero2_params, "zero3": zero3_all_gather}

@@ -1,0 +1,134 @@
+"""Rank layout of a layer and the process-group cache.
+
+Rank layout (fixed; the cost model and the search assume the same):
+
+* pipeline stages are outermost: stage ``s`` of ``pp`` owns the consecutive global ranks
+  ``[s * N, (s + 1) * N)`` with ``N = world_size / pp`` (``pp = 1`` here: one stage, all ranks);
+* inside a stage, a layer with strategy ``(tp, dp)`` puts its TP groups on *consecutive* ranks:
+  the TP group of local rank ``r`` is ``[r // tp * tp, r // tp * tp + tp)``;
+* its DP group is the strided set ``{r % tp + k * tp  for k in range(dp)}``;
+* the batch slice a rank holds is number ``r // tp`` of ``dp`` equal slices along dim 0 (all ranks
+  of one TP group hold the same samples); with sequence parallelism (``sp``) a rank of a TP group
+  also holds only slice ``r % tp`` of ``tp`` along the sequence dim 1.
+
+NOTE: TP innermost (consecutive ranks) is the Megatron / Galvatron convention: TP talks every
+layer, twice per pass, so it gets the closest devices (same node, NVLink); DP talks once per step.
+
+:class:`ProcessGroups` creates one ``torch.distributed`` group per distinct rank set and hands the
+same group back afterwards. ``dist.new_group`` is collective over the *whole* world, so every rank
+must create the same sets in the same order: :meth:`ProcessGroups.ensure` sorts them first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ..errors import ConfigError
+
+Ranks = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a layer's data lives: ``tp`` x ``dp`` ranks of one stage, ``sp`` on/off.
+
+    ``base`` is the stage's first global rank (0 for ``pp = 1``).
+    """
+
+    tp: int
+    dp: int
+    sp: bool = False
+    base: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.dp
+
+    def local(self, rank: int) -> int:
+        return rank - self.base
+
+    def tp_ranks(self, rank: int) -> Ranks:
+        """Global ranks of ``rank``'s TP group (consecutive)."""
+        start = self.local(rank) // self.tp * self.tp
+        return tuple(self.base + start + i for i in range(self.tp))
+
+    def dp_ranks(self, rank: int) -> Ranks:
+        """Global ranks of ``rank``'s DP group (stride ``tp``)."""
+        return tuple(self.base + self.local(rank) % self.tp + k * self.tp for k in range(self.dp))
+
+    def batch_index(self, rank: int) -> int:
+        """Which of the ``dp`` batch slices ``rank`` holds."""
+        return self.local(rank) // self.tp
+
+    def tp_index(self, rank: int) -> int:
+        """Position of ``rank`` in its TP group (its sequence slice under ``sp``)."""
+        return self.local(rank) % self.tp
+
+
+class ProcessGroups:
+    """One process group per distinct rank set, created collectively and cached.
+
+    ``get(ranks)`` returns the group for a set created earlier (``None`` for a single rank: no
+    communication is needed). The world group is used for the full set of ranks.
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[Ranks, object] = {}
+        self._world = None
+
+    def _check_world(self) -> None:
+        # NOTE: groups die with the default group; a re-initialised world starts a fresh cache.
+        if self._world is not dist.group.WORLD:
+            self._groups.clear()
+            self._world = dist.group.WORLD
+
+    def ensure(self, rank_sets) -> None:
+        """Create every set not yet cached, in sorted order, on every rank (collective)."""
+        self._check_world()
+        world = dist.get_world_size()
+        wanted = sorted({tuple(sorted(s)) for s in rank_sets if len(s) > 1})
+        for ranks in wanted:
+            if ranks in self._groups:
+                continue
+            if ranks == tuple(range(world)):
+                self._groups[ranks] = dist.group.WORLD
+            else:
+                self._groups[ranks] = dist.new_group(list(ranks))
+
+    def get(self, ranks: Ranks):
+        ranks = tuple(sorted(ranks))
+        if len(ranks) <= 1:
+            return None
+        self._check_world()
+        try:
+            return self._groups[ranks]
+        except KeyError:
+            raise ConfigError(f"internal: no process group for ranks {ranks}; ProcessGroups.ensure() "
+                              "must create every group before use") from None
+
+
+#: the process-wide cache (groups outlive one transform and are reused by the next)
+GROUPS = ProcessGroups()
+
+
+def group(ranks: Ranks):
+    """The cached process group of ``ranks`` (``None`` for one rank)."""
+    return GROUPS.get(ranks)
+
+
+# NOTE: torch renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and deprecated
+# the old names; use whichever this torch has (both accept async_op).
+_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_single(output, inp, group=None, async_op=False):
+    """All-gather ``inp`` from every rank of ``group`` into the flat ``output`` (rank order)."""
+    return _AG(output, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output, inp, group=None, async_op=False):
+    """Sum ``inp`` over ``group`` and keep this rank's equal slice in ``output``."""
+    return _RS(output, inp, group=group, async_op=async_op)

@@ -1,0 +1,223 @@
+"""Autograd-aware tensor-parallel collectives (Megatron's f / g and their sequence-parallel kin).
+
+The tensor-parallel pass inserts these as ``call_function`` nodes, so ``print(gm.code)`` reads e.g.
+``tp_copy_to_region(layer_norm, 'tp[0,1]')``. A process group cannot be written into generated
+code, so nodes carry a *group key* (a short string) that :func:`register_group` maps to the group
+and its size; the pass registers every group it uses.
+
+=============================  ===========================  ============================
+op                             forward                      backward
+=============================  ===========================  ============================
+``tp_copy_to_region``          identity                     all-reduce
+``tp_reduce_from_region``      all-reduce                   identity
+``tp_scatter_to_region``       keep this rank's chunk       all-gather
+``tp_gather_from_region``      all-gather                   keep this rank's chunk
+``tp_all_gather_sequence``     all-gather                   reduce-scatter
+``tp_reduce_scatter_sequence`` reduce-scatter               all-gather
+=============================  ===========================  ============================
+
+Chunks are contiguous, equal and in group-rank order along ``dim``. On fake or meta tensors the ops
+only compute the output shape (no communication), so FakeTensorProp and meta-device planning run
+through rewritten graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..distributed import all_gather_single, reduce_scatter_single
+
+__all__ = [
+    "register_group", "group_of", "tp_copy_to_region", "tp_reduce_from_region", "tp_scatter_to_region",
+    "tp_gather_from_region", "tp_all_gather_sequence", "tp_reduce_scatter_sequence",
+    "vocab_parallel_embedding",
+]
+
+_GROUPS: dict[str, tuple[object, int]] = {}
+
+
+def register_group(group, size: int) -> str:
+    """Remember ``group`` (a ProcessGroup, or None for the default group) of ``size`` ranks; return its key."""
+    if group is not None and dist.is_available() and dist.is_initialized():
+        key = "tp[" + ",".join(str(r) for r in dist.get_process_group_ranks(group)) + "]"
+    elif group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() == size:
+        key = "tp[world]"
+    else:
+        key = f"tp{size}[{id(group):x}]" if group is not None else f"tp{size}"
+    _GROUPS[key] = (group, size)
+    return key
+
+
+def group_of(key: str):
+    """``(group, size)`` registered under ``key``."""
+    try:
+        return _GROUPS[key]
+    except KeyError:
+        raise RuntimeError(f"tensor-parallel group {key!r} is not registered in this process; "
+                           "apply_tensor_parallel registers the groups it uses") from None
+
+
+def _is_fake(x: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return x.device.type == "meta" or is_fake(x)
+
+
+def _all_reduce(x: torch.Tensor, key: str) -> torch.Tensor:
+    group, size = group_of(key)
+    if size == 1 or _is_fake(x):
+        return x.clone()
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _all_gather(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
+    group, size = group_of(key)
+    dim = dim % x.dim()
+    if _is_fake(x):
+        shape = list(x.shape)
+        shape[dim] *= size
+        return x.new_empty(shape)
+    if size == 1:
+        return x.clone()
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((size * front.shape[0],) + tuple(front.shape[1:]))
+    all_gather_single(out, front, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
+    group, size = group_of(key)
+    dim = dim % x.dim()
+    if x.shape[dim] % size:
+        raise RuntimeError(f"reduce-scatter: dim {dim} of size {x.shape[dim]} is not divisible by {size}")
+    if _is_fake(x):
+        shape = list(x.shape)
+        shape[dim] //= size
+        return x.new_empty(shape)
+    if size == 1:
+        return x.clone()
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] // size,) + tuple(front.shape[1:]))
+    reduce_scatter_single(out, front, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _chunk(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
+    group, size = group_of(key)
+    dim = dim % x.dim()
+    if x.shape[dim] % size:
+        raise RuntimeError(f"split: dim {dim} of size {x.shape[dim]} is not divisible by {size}")
+    n = x.shape[dim] // size
+    rank = 0 if _is_fake(x) or size == 1 else dist.get_rank(group)
+    return x.narrow(dim, rank * n, n).contiguous()
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, key):
+        ctx.key = key
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.key), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, key):
+        return _all_reduce(x, key)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, key):
+        ctx.dim, ctx.key = dim, key
+        return _chunk(x, dim, key)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.key), None, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, key):
+        ctx.dim, ctx.key = dim, key
+        return _all_gather(x, dim, key)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _chunk(grad, ctx.dim, ctx.key), None, None
+
+
+class _AllGatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, key):
+        ctx.dim, ctx.key = dim, key
+        return _all_gather(x, dim, key)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.key), None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, key):
+        ctx.dim, ctx.key = dim, key
+        return _reduce_scatter(x, dim, key)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.key), None, None
+
+
+def tp_copy_to_region(x: torch.Tensor, key: str) -> torch.Tensor:
+    """Megatron's f: a replicated value entering a sharded region (identity; backward all-reduce)."""
+    return _CopyToRegion.apply(x, key)
+
+
+def tp_reduce_from_region(x: torch.Tensor, key: str) -> torch.Tensor:
+    """Megatron's g: sum the partial results of a row-parallel op (all-reduce; backward identity)."""
+    return _ReduceFromRegion.apply(x, key)
+
+
+def tp_scatter_to_region(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
+    """Keep this rank's chunk of a replicated value along ``dim`` (backward all-gather)."""
+    return _ScatterToRegion.apply(x, dim, key)
+
+
+def tp_gather_from_region(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
+    """All-gather chunks along ``dim`` into a replicated value (backward: keep this rank's chunk)."""
+    return _GatherFromRegion.apply(x, dim, key)
+
+
+def tp_all_gather_sequence(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
+    """Sequence parallel, entering a column-parallel region: all-gather along the sequence
+    ``dim``; backward reduce-scatters (the gradients of the ranks' column shards are partial sums)."""
+    return _AllGatherSequence.apply(x, dim, key)
+
+
+def tp_reduce_scatter_sequence(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
+    """Sequence parallel, leaving a row-parallel region: sum the partial results and keep this rank's
+    chunk along the sequence ``dim`` (backward all-gather)."""
+    return _ReduceScatterSequence.apply(x, dim, key)
+
+
+def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """This rank's part of an embedding lookup whose table rows ``[vocab_start, vocab_start + n)``
+    it holds: ids outside the range give zero rows. Summing over the group (``tp_reduce_from_region``
+    or ``tp_reduce_scatter_sequence``) gives the full lookup."""
+    n = weight.shape[0]
+    outside = (ids < vocab_start) | (ids >= vocab_start + n)
+    local = (ids - vocab_start).masked_fill(outside, 0)
+    return F.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)

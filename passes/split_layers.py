@@ -1,0 +1,146 @@
+"""Split layers pass: the flat captured graph -> a top graph calling one submodule per layer.
+
+Input: a captured, layer-grouped GraphModule (``node.meta["galvatron"].layer`` on every node,
+``gm.meta["galvatron"].layers`` in execution order; a layer reads only earlier layers' values).
+
+Output: a new GraphModule whose graph has the same placeholders and output and, for each layer
+``i`` in order, one ``call_module`` of the submodule ``layers_<i>`` (a GraphModule of its own):
+
+* the submodule's placeholders are the values it reads from graph inputs or earlier layers (named
+  after the producing node), its output the values later layers or the graph output read (bare
+  when there is one, else a tuple unpacked in the top graph by ``getitem`` nodes named after the
+  producing node);
+* a trainable parameter lives in exactly one submodule, its owner layer's (the layer of its first
+  user), as a ``get_attr`` whose target is its original fully qualified name (so
+  ``dist_model.layers_3.get_parameter("blocks.2.attn.q.weight")`` holds it); a later layer that
+  shares it (tied weights) receives it as an input from the owner's output;
+* buffers, frozen parameters and constants are duplicated into every layer that reads them;
+* every top-graph value node carries ``meta["val"]`` and ``meta["galvatron"]`` (a NodeInfo whose
+  ``layer`` is the producing layer; ``None`` for graph inputs); each submodule's
+  ``meta["galvatron"]`` is its :class:`~galvatron_fx.ir.LayerRecord`, and the top module's is the
+  input's :class:`~galvatron_fx.ir.GraphInfo`.
+
+Semantics are unchanged: the top module computes what the input did.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import torch
+import torch.fx
+from torch.fx.passes.infra.pass_base import PassResult
+
+from ..errors import CaptureError
+from ..ir import META_KEY, GraphInfo, NodeInfo
+from .base import GraphPass
+
+
+def layer_module_name(index: int) -> str:
+    return f"layers_{index}"
+
+
+def is_trainable_param(node: torch.fx.Node) -> bool:
+    """A get_attr node holding a parameter that receives gradients."""
+    info = node.meta.get(META_KEY)
+    p = getattr(info, "param", None)
+    return node.op == "get_attr" and p is not None and p.is_param and p.requires_grad
+
+
+def _is_shared_constant(node: torch.fx.Node) -> bool:
+    return node.op == "get_attr" and not is_trainable_param(node)
+
+
+def _fetch(gm: torch.nn.Module, target: str):
+    obj = gm
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+class SplitLayersPass(GraphPass):
+    """See the module docstring."""
+
+    def requires(self, graph_module: torch.fx.GraphModule) -> None:
+        info = graph_module.meta.get(META_KEY)
+        if not isinstance(info, GraphInfo) or not info.layers:
+            raise CaptureError("split_layers needs a layer-grouped graph; capture it with gfx.capture()")
+
+    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        gm = graph_module
+        info: GraphInfo = gm.meta[META_KEY]
+        n_layers = len(info.layers)
+        layer_of = {n: n.meta[META_KEY].layer for n in gm.graph.nodes if n.op not in ("placeholder", "output")}
+        members: list[list[torch.fx.Node]] = [[] for _ in range(n_layers)]
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "output") or _is_shared_constant(node):
+                continue
+            members[layer_of[node]].append(node)
+            for a in node.all_input_nodes:
+                if a.op != "placeholder" and not _is_shared_constant(a) and layer_of[a] > layer_of[node]:
+                    raise CaptureError(f"node {node.name} of layer {layer_of[node]} reads {a.name} of the "
+                                       f"later layer {layer_of[a]}; layers must be in execution order")
+
+        top = torch.fx.Graph()
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = top.placeholder(node.name)
+                env[node].meta = {"val": node.meta.get("val"), META_KEY: copy.copy(node.meta[META_KEY])}
+        out_node = next(n for n in gm.graph.nodes if n.op == "output")
+        root: dict[str, torch.nn.Module] = {}
+        for i, nodes in enumerate(members):
+            own = set(nodes)
+            sub, inputs, outputs = self._layer_graph(gm, nodes, own)
+            sub_gm = torch.fx.GraphModule(sub[1], sub[0], class_name="Layer")
+            sub_gm.meta[META_KEY] = info.layers[i]
+            name = layer_module_name(i)
+            root[name] = sub_gm
+            call = top.call_module(name, tuple(env[a] for a in inputs))
+            call.meta = {META_KEY: NodeInfo(layer=i)}
+            if len(outputs) == 1:
+                env[outputs[0]] = call
+                call.meta["val"] = outputs[0].meta.get("val")
+            else:
+                for k, o in enumerate(outputs):
+                    env[o] = top.create_node("call_function", operator.getitem, (call, k), name=o.name)
+                    env[o].meta = {"val": o.meta.get("val"), META_KEY: NodeInfo(layer=i)}
+        top.output(torch.fx.node.map_arg(out_node.args[0], lambda n: env[n]))
+        result = torch.fx.GraphModule(root, top, class_name="GalvatronDistributed")
+        result.meta[META_KEY] = info
+        return PassResult(result, True)
+
+    @staticmethod
+    def _layer_graph(gm, nodes, own):
+        sub = torch.fx.Graph()
+        senv: dict[torch.fx.Node, torch.fx.Node] = {}
+        attrs: dict[str, object] = {}
+        inputs: list[torch.fx.Node] = []
+        for node in nodes:
+            for a in node.all_input_nodes:
+                if a not in own and not _is_shared_constant(a) and a not in inputs:
+                    inputs.append(a)
+        for a in inputs:
+            senv[a] = sub.placeholder(a.name)
+            senv[a].meta = dict(a.meta)
+        for node in nodes:
+            for a in node.all_input_nodes:
+                if _is_shared_constant(a) and a not in senv:
+                    senv[a] = sub.get_attr(a.target)
+                    senv[a].meta = dict(a.meta)
+                    attrs[a.target] = _fetch(gm, a.target)
+            if node.op == "get_attr":
+                attrs[node.target] = _fetch(gm, node.target)
+            senv[node] = sub.node_copy(node, lambda x: senv[x])
+        outputs = [n for n in nodes if any(u not in own for u in n.users)]
+        if len(outputs) == 1:
+            sub.output(senv[outputs[0]])
+        else:
+            sub.output(tuple(senv[o] for o in outputs))
+        return (sub, attrs), inputs, outputs
+
+
+def split_layers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Run :class:`SplitLayersPass` and return the top GraphModule."""
+    return SplitLayersPass()(gm).graph_module

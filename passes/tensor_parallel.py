@@ -1,0 +1,379 @@
+"""Tensor-parallel (+ sequence-parallel) rewrite pass: Megatron-style sharding found in the graph.
+
+Input: a captured, layer-grouped GraphModule (see :mod:`galvatron_fx.capture`) and, per layer with
+``tp > 1``, its degree and sequence-parallel flag. Which ops shard is decided by
+:mod:`galvatron_fx.passes.tp_patterns` from the ops and shapes alone (no module names).
+
+Output (the same GraphModule, edited in place), for every such layer:
+
+* column-parallel linears hold this rank's rows of the weight (and bias); fused projections split
+  along their output are sharded per block (each rank its q, k and v heads); row-parallel linears
+  hold this rank's columns, their partial output is summed, then the (whole) bias is added once;
+  embeddings whose rows divide by ``tp`` are vocab parallel (out-of-range ids give zero rows, then
+  the sum); shards are new ``nn.Parameter`` objects registered under the *same* fully qualified
+  names, and their get_attr nodes carry :class:`~galvatron_fx.ir.ShardInfo`;
+* size arguments of view / reshape / unflatten / expand / split that carry a sharded extent
+  (number of heads, width, sequence length under sp) are divided by ``tp``;
+* conjugate collectives from :mod:`galvatron_fx.runtime.tp_ops` sit on the edges:
+  ``tp_copy_to_region`` before a sharded region (f), ``tp_reduce_from_region`` after it (g);
+  under sp ``tp_all_gather_sequence`` / ``tp_reduce_scatter_sequence`` instead; logits of a
+  vocab-parallel head are all-gathered (``tp_gather_from_region``) before the loss;
+* ``node.meta["val"]`` is recomputed (FakeTensorProp), so later passes see local shapes.
+
+Layout contract at layer boundaries: a value leaves and enters a layer with ``sp`` *sequence
+sharded* (dim 1, this rank's contiguous chunk in its TP group) when it is a 3-D floating tensor
+(``[batch, seq, hidden]``); every other boundary value (and every value of a layer without sp) is
+*replicated* in the TP group. Where producer and consumer layouts differ (e.g. a non-sp embedding
+feeding an sp block, or an sp block feeding the loss) the pass inserts ``tp_scatter_to_region`` /
+``tp_gather_from_region`` on the edge, so graph inputs and outputs stay replicated and the caller
+only reshards the batch (DP). Norms, dropout and residual adds of an sp layer run on sequence
+shards; replicated parameters used on shards receive their full gradient through
+``tp_copy_to_region`` (its backward all-reduce), so no extra gradient sync is needed inside TP.
+
+Anything of a tp > 1 layer that cannot be sharded runs replicated in the TP group; the pass logs it
+and :func:`tensor_parallel_report` lists, per layer, the sharded and replicated parameters.
+
+NOTE: dropout is not given per-rank RNG streams (Megatron's RNG tracker): on head / sequence shards
+every rank draws from the same generator state, which is statistically correlated across shards.
+The zoo models have no dropout; a model that trains with dropout under TP should be revisited.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Callable
+
+import torch
+import torch.fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from ..errors import ConfigError
+from ..ir import META_KEY, NodeInfo, ShardInfo, graph_info, node_info
+from ..runtime import tp_ops
+from .tp_patterns import LayerTP, ParamShard, Sharded, analyze, boundary_layout, op_name
+
+log = logging.getLogger(__name__)
+
+REPORT_KEY = "galvatron.tp"
+
+_CONVERSION_OPS = {
+    "copy": tp_ops.tp_copy_to_region,
+    "scatter": tp_ops.tp_scatter_to_region,
+    "gather": tp_ops.tp_gather_from_region,
+    "all_gather_seq": tp_ops.tp_all_gather_sequence,
+    "all_reduce": tp_ops.tp_reduce_from_region,
+    "reduce_scatter": tp_ops.tp_reduce_scatter_sequence,
+}
+
+
+def shard_tensor(full: torch.Tensor, shard: ParamShard | ShardInfo, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of ``full``: chunk ``rank`` of every block along ``shard.dim``."""
+    pieces, offset = [], 0
+    for size in shard.blocks:
+        n = size // shard.tp
+        pieces.append(full.narrow(shard.dim, offset + rank * n, n))
+        offset += size
+    return torch.cat(pieces, dim=shard.dim) if len(pieces) > 1 else pieces[0]
+
+
+def unshard(shards: list[torch.Tensor], info: ShardInfo) -> torch.Tensor:
+    """The full tensor from every rank's shard (in TP-group rank order), inverse of :func:`shard_tensor`."""
+    per_block = [[] for _ in info.blocks]
+    for s in shards:
+        offset = 0
+        for b, size in enumerate(info.blocks):
+            n = size // info.tp
+            per_block[b].append(s.narrow(info.dim, offset, n))
+            offset += n
+    return torch.cat([t for block in per_block for t in block], dim=info.dim)
+
+
+def apply_tensor_parallel(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[int, bool]], *,
+                          tp_rank_of: Callable[[int], int],
+                          tp_group_of: Callable[[int], object]) -> torch.fx.GraphModule:
+    """Shard the layers of ``layer_tp`` (layer index -> (tp degree, sp flag)); see the module docstring.
+
+    ``tp_rank_of(layer)`` is this rank's index in the layer's TP group, ``tp_group_of(layer)`` the
+    ProcessGroup (None = the default group). Edits ``gm`` in place and returns it.
+
+    Raises:
+        ConfigError: heads / key-value heads / ffn width of a block (or the sequence length under
+            sp) not divisible by its tp, or ranks inconsistent with the groups.
+    """
+    layer_tp = {int(k): (int(v[0]), bool(v[1])) for k, v in layer_tp.items() if int(v[0]) > 1}
+    plans = analyze(gm, layer_tp)
+    keys = {}
+    for idx, (tp, _sp) in layer_tp.items():
+        group = tp_group_of(idx)
+        keys[idx] = tp_ops.register_group(group, tp)
+        rank = int(tp_rank_of(idx))
+        if not 0 <= rank < tp:
+            raise ConfigError(f"layer {plans[idx].name}: tp rank {rank} out of range for tp={tp}")
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            size = torch.distributed.get_world_size(group)
+            if size != tp or torch.distributed.get_rank(group) != rank:
+                raise ConfigError(f"layer {plans[idx].name}: its TP group has {size} ranks (this one is "
+                                  f"{torch.distributed.get_rank(group)}), but tp={tp}, tp_rank={rank}")
+    _Rewriter(gm, plans, keys, tp_rank_of, layer_tp).run()
+    gm.meta[REPORT_KEY] = {idx: _report(p) for idx, p in plans.items()}
+    kinds = {r.index: r.kind for r in graph_info(gm).layers}
+    for idx, p in plans.items():
+        if p.replicated_linears:
+            # NOTE: a block that cannot shard some projection is worth a warning (it costs memory and
+            # time the cost model may not expect); replicated embedding / head parts are routine.
+            (log.warning if kinds[idx] == "block" else log.info)(
+                "layer %s (tp=%d): %s run replicated in the TP group", p.name, p.tp, ", ".join(p.replicated_linears))
+    return gm
+
+
+def tensor_parallel_report(gm: torch.fx.GraphModule) -> dict[int, dict]:
+    """Per tp layer: ``column`` / ``row`` / ``vocab_parallel`` ops, ``replicated_ops``, ``sharded`` and
+    ``replicated`` parameter fqns, ``shape_args`` rewritten (for the cost model and for logs)."""
+    return dict(gm.meta.get(REPORT_KEY, {}))
+
+
+def param_shards(gm: torch.fx.GraphModule) -> dict[str, ShardInfo]:
+    """fqn -> :class:`ShardInfo` of every tensor-parallel parameter shard in ``gm`` (for gathering a
+    full state dict: ``unshard([shard of rank 0, ..., shard of rank tp-1], info)``)."""
+    return {n.target: n.meta[META_KEY].shard for n in gm.graph.nodes
+            if n.op == "get_attr" and META_KEY in n.meta and n.meta[META_KEY].shard is not None}
+
+
+def _report(p: LayerTP) -> dict:
+    return {"name": p.name, "tp": p.tp, "sp": p.sp, "column": list(p.column), "row": list(p.row),
+            "vocab_parallel": list(p.vocab_embeddings), "replicated_ops": list(p.replicated_linears),
+            "sharded": list(p.sharded_params), "replicated": list(p.replicated_params),
+            "shape_args": dict(p.shape_args)}
+
+
+class _Rewriter:
+    def __init__(self, gm, plans: dict[int, LayerTP], keys, tp_rank_of, layer_tp):
+        self.gm, self.plans, self.keys, self.rank_of, self.layer_tp = gm, plans, keys, tp_rank_of, layer_tp
+        self.graph = gm.graph
+        self.by_name = {n.name: n for n in gm.graph.nodes}
+        self.cache: dict[tuple, torch.fx.Node] = {}
+        self.new_nodes: dict[int, list[str]] = {}
+        self.alias: dict[str, str] = {}   # replacement node -> name of the node it stands for
+
+    def run(self):
+        self.shard_params()
+        for idx, plan in self.plans.items():
+            self.rewrite_layer(idx, plan)
+        self.convert_boundaries()
+        self.graph.lint()
+        self.gm.recompile()
+        self.refresh_meta()
+
+    # --- parameters
+    def shard_params(self):
+        done = set()
+        for idx, plan in self.plans.items():
+            rank = int(self.rank_of(idx))
+            for node_name, shard in plan.param_shards.items():
+                if node_name in done:
+                    continue
+                done.add(node_name)
+                node = self.by_name[node_name]
+                full = self.gm.get_parameter(node.target) if _is_parameter(self.gm, node.target) \
+                    else _fetch(self.gm, node.target)
+                with torch.no_grad():
+                    local = shard_tensor(full.detach(), shard, rank).clone()
+                _set_param(self.gm, node.target, nn.Parameter(local, requires_grad=full.requires_grad))
+                node_info(node).shard = ShardInfo(shard.dim, shard.tp, rank, tuple(shard.blocks))
+
+    # --- one layer
+    def new_node(self, layer, fn, args, like: torch.fx.Node):
+        node = self.graph.call_function(fn, args)
+        node.meta[META_KEY] = NodeInfo(module_path=node_info(like).module_path if META_KEY in like.meta else "",
+                                       layer=layer)
+        if "nn_module_stack" in like.meta:
+            node.meta["nn_module_stack"] = like.meta["nn_module_stack"]
+        self.new_nodes.setdefault(layer, []).append(node.name)
+        return node
+
+    def converted(self, layer, x, op, key, before, *, after=None):
+        cache_key = (layer, x, op, key)
+        if cache_key not in self.cache:
+            fn = _CONVERSION_OPS[op[0]]
+            with self.graph.inserting_after(after) if after is not None else self.graph.inserting_before(before):
+                self.cache[cache_key] = self.new_node(layer, fn, (x, *op[1:], key), before)
+        return self.cache[cache_key]
+
+    def rewrite_layer(self, idx, plan: LayerTP):
+        key = self.keys[idx]
+        by_consumer: dict[str, dict[str, tuple]] = {}
+        for (consumer, inp), op in plan.conversions.items():
+            by_consumer.setdefault(consumer, {})[inp] = op
+        for node in list(self.graph.nodes):
+            if node.op in ("placeholder", "get_attr", "output") or node_info(node).layer != idx:
+                continue
+            convs = by_consumer.get(node.name)
+            if convs:
+                def sub(a, node=node, convs=convs):
+                    op = convs.get(self.alias.get(a.name, a.name))
+                    return self.converted(idx, a, op, key, node) if op else a
+                node.args = torch.fx.node.map_arg(node.args, sub)
+                node.kwargs = torch.fx.node.map_arg(node.kwargs, sub)
+            if node.name in plan.shape_args:
+                _set_size(node, *plan.shape_args[node.name])
+            if node.name in plan.split_sizes:
+                _set_split_sizes(node, plan.split_sizes[node.name][1])
+            if node.name in plan.vocab_embeddings:
+                node = self.vocab_embedding(idx, node)
+            if node.name in plan.reduce_after or node.meta.get("_tp_reduce"):
+                self.reduce(idx, node, plan.reduce_after[node.meta.get("_tp_reduce", node.name)], key)
+
+    def vocab_embedding(self, idx, node):
+        from .tp_patterns import embedding_operands
+
+        ids, w = embedding_operands(node)
+        start = int(self.rank_of(idx)) * (_local_rows(w))
+        with self.graph.inserting_before(node):
+            new = self.new_node(idx, tp_ops.vocab_parallel_embedding, (ids, w, start), node)
+        new.meta["_tp_reduce"] = node.name
+        node.replace_all_uses_with(new)
+        self.graph.erase_node(node)
+        return new
+
+    def reduce(self, idx, node, how, key):
+        """Sum a partial result (row-parallel linear, vocab-parallel lookup), then add the bias."""
+        bias = None
+        if op_name(node) == "linear":
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            if bias is not None:
+                if len(node.args) > 2:
+                    node.args = node.args[:2]
+                else:
+                    node.kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
+        with self.graph.inserting_after(node):
+            red = self.new_node(idx, _CONVERSION_OPS[how[0]], (node, *how[1:], key), node)
+        last = red
+        if bias is not None:
+            if how[0] == "reduce_scatter":
+                with self.graph.inserting_after(red):
+                    bias = self.new_node(idx, tp_ops.tp_copy_to_region, (bias, key), node)
+                    last = bias
+            with self.graph.inserting_after(last):
+                last = self.new_node(idx, operator.add, (red, bias), node)
+        node.replace_all_uses_with(last, delete_user_cb=lambda u: u is not red)
+        self.alias[last.name] = node.meta.pop("_tp_reduce", node.name)
+
+    # --- layer boundaries
+    def layout_out(self, node) -> tuple[Sharded | None, int | None]:
+        layer = node_info(node).layer if node.op != "placeholder" else None
+        plan = self.plans.get(layer)
+        if plan is None or node.op == "get_attr":
+            return None, None
+        return plan.outputs.get(node.name), layer
+
+    def convert_boundaries(self):
+        for node in list(self.graph.nodes):
+            if node.op == "get_attr" or META_KEY not in node.meta:
+                continue
+            src_layout, src_layer = self.layout_out(node)
+            for user in list(node.users):
+                dst_layer = None if user.op == "output" else node_info(user).layer
+                if dst_layer == node_info(node).layer and node.op != "placeholder":
+                    continue
+                if user.op != "output" and node_info(user).layer is None:
+                    continue
+                want = boundary_layout(self.gm, node, dst_layer, self.layer_tp)
+                x, before = node, user
+                same = src_layout == want and (want is None or self.keys[src_layer] == self.keys[dst_layer])
+                if not same and isinstance(src_layout, Sharded):   # to replicated, in the producer's group
+                    # NOTE: the gather belongs to the producer's layer (right after the value): the
+                    # caller's batch resharding between the layers must see the whole sequence.
+                    x = self.converted(src_layer, x, ("gather", src_layout.dim), self.keys[src_layer], before,
+                                       after=node)
+                if not same and isinstance(want, Sharded):         # replicated to this rank's chunk
+                    x = self.converted(dst_layer, x, ("scatter", want.dim), self.keys[dst_layer], before)
+                if x is not node:
+                    user.args = torch.fx.node.map_arg(user.args, lambda a: x if a is node else a)
+                    user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a: x if a is node else a)
+
+    # --- metadata
+    def refresh_meta(self):
+        info = graph_info(self.gm)
+        names = {n.name for n in self.graph.nodes}
+        for record in info.layers:
+            record.nodes = [n for n in record.nodes if n in names] + self.new_nodes.get(record.index, [])
+        _propagate_fake(self.gm)
+
+
+def _local_rows(w: torch.fx.Node) -> int:
+    return int(w.meta["val"].shape[0]) // w.meta[META_KEY].shard.tp
+
+
+def _set_size(node, slot, old, new):
+    name = op_name(node)
+    if name == "unflatten":
+        if len(node.args) > 2:
+            sizes = list(node.args[2])
+            sizes[slot] = new
+            node.args = (*node.args[:2], type(node.args[2])(sizes), *node.args[3:])
+        else:
+            sizes = list(node.kwargs["sizes"])
+            sizes[slot] = new
+            node.kwargs = {**node.kwargs, "sizes": sizes}
+        return
+    rest = node.args[1:]
+    if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
+        sizes = list(rest[0])
+        sizes[slot] = new
+        node.args = (node.args[0], type(rest[0])(sizes))
+    elif rest:
+        args = list(node.args)
+        args[1 + slot] = new
+        node.args = tuple(args)
+    else:
+        k = "size" if "size" in node.kwargs else "shape"
+        sizes = list(node.kwargs[k])
+        sizes[slot] = new
+        node.kwargs = {**node.kwargs, k: sizes}
+
+
+def _set_split_sizes(node, new_sizes):
+    arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("split_size_or_sections", node.kwargs.get("split_size"))
+    new = new_sizes[0] if isinstance(arg, int) else list(new_sizes)
+    if len(node.args) > 1:
+        node.args = (node.args[0], new, *node.args[2:])
+    else:
+        k = "split_size_or_sections" if "split_size_or_sections" in node.kwargs else "split_size"
+        node.kwargs = {**node.kwargs, k: new}
+
+
+def _fetch(gm, target: str):
+    obj = gm
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def _is_parameter(gm, target: str) -> bool:
+    return isinstance(_fetch(gm, target), nn.Parameter)
+
+
+def _set_param(gm: torch.fx.GraphModule, target: str, value: nn.Parameter) -> None:
+    prefix, _, name = target.rpartition(".")
+    owner = gm.get_submodule(prefix) if prefix else gm
+    if name in owner._parameters:
+        owner._parameters[name] = value
+    else:
+        if hasattr(owner, name):
+            delattr(owner, name)
+        owner.register_parameter(name, value)
+
+
+def _propagate_fake(gm: torch.fx.GraphModule) -> None:
+    """Recompute ``node.meta['val']`` from the placeholders' fake values (static shapes)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    inputs = []
+    with mode:
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                v = n.meta["val"]
+                inputs.append(torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device))
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
