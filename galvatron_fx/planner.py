@@ -7,7 +7,6 @@ model (:class:`galvatron_fx.cost.CostModel`), derives which TP degrees each laye
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -76,27 +75,10 @@ def cost_model_for(gm: torch.fx.GraphModule, cluster: Cluster, **cost_options):
 
 
 def tp_admissible(cost_model) -> Callable[[int, int], bool]:
-    """``(layer, tp) -> bool``: TP must divide every attention head count and every dimension TP
-    splits (column/row-parallel weights) in the layer; vocabulary-parallel tables that do not
-    divide run replicated instead, so they do not constrain."""
-    limits: dict[str, int] = {}
-    for sig, graph in cost_model.graphs.items():
-        dims: list[int] = []
-        for inp in graph.inputs:
-            d = graph.param_shard_dim.get(inp.name)
-            if d is not None and inp.kind == "param":
-                consumers = [n for n in graph.gm.graph.nodes if any(a.name == inp.name for a in n.all_input_nodes)]
-                if not any(graph.roles.get(c.name) == "vocab" for c in consumers):
-                    dims.append(inp.shape[d])
-        for n in graph.gm.graph.nodes:
-            if n.op == "call_function" and "scaled_dot_product" in str(n.target):
-                for a in n.args[:2]:
-                    val = getattr(a, "meta", {}).get("val")
-                    if isinstance(val, torch.Tensor) and val.dim() == 4:
-                        dims.append(int(val.shape[1]))
-        limits[sig] = math.gcd(*dims) if dims else 0
-    sigs = [rec.signature for rec in cost_model.layers]
-    return lambda layer, tp: tp == 1 or limits[sigs[layer]] == 0 or limits[sigs[layer]] % tp == 0
+    """``(layer, tp) -> bool``: whether the tensor-parallel pass accepts layer ``layer`` at degree
+    ``tp`` (heads, key/value heads and widths it splits must divide; see passes/tp_patterns.py).
+    The answer comes from the pass's own analysis, so the search never emits a plan it rejects."""
+    return lambda layer, tp: tp == 1 or not isinstance(cost_model.tp_analysis(layer, tp), Exception)
 
 
 def _options(constraints: dict | None, global_batch_size, reserve: float) -> SearchOptions:

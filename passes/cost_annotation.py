@@ -5,8 +5,8 @@ Output: the same GraphModule; ``gm.meta["galvatron"]`` gains two attributes (set
 :mod:`galvatron_fx.ir` needs no new fields):
 
 * ``costs``: one dict per layer (``layer``, ``signature``, FLOPs and bytes per sample as
-  ``[a, c]`` affine fits in the per-device sample count, owned parameter elements split into
-  TP-sharded / replicated);
+  ``[a, c]`` affine fits in the per-device sample count, owned parameter elements ``params`` and
+  how many of them TP at degree 2 shards, ``params_sharded_tp2``);
 * ``cost_model``: the :class:`galvatron_fx.cost.CostModel` the search consumes.
 """
 
@@ -38,8 +38,8 @@ class CostAnnotationPass(GraphPass):
         info = graph_module.meta[META_KEY]
         info.cost_model = cm
         info.costs = [{"layer": rec.index, "signature": rec.signature,
-                       "params_sharded": cm.params[rec.index].sharded,
-                       "params_replicated": cm.params[rec.index].replicated,
+                       "params": cm.layer_params(rec.index, 1).replicated,
+                       "params_sharded_tp2": cm.layer_params(rec.index, 2).sharded,
                        **cm.measure(rec.index).to_dict()["fits"]} for rec in info.layers]
         return PassResult(graph_module, False)
 

@@ -49,7 +49,11 @@ def test_tiny_param_split(tiny):
     gm, i = tiny
     cm = CostModel(gm, CLUSTER)
     # fc1 weight+bias (column) and fc2 weight (row) are sharded; LayerNorm and fc2's bias are not.
-    assert (cm.params[i].sharded, cm.params[i].replicated) == (128 + 16 + 128, 8 + 8 + 8)
+    p = cm.layer_params(i, 2)
+    assert (p.sharded, p.replicated) == (128 + 16 + 128, 8 + 8 + 8)
+    assert (cm.layer_params(i, 1).sharded, cm.layer_params(i, 1).replicated) == (0, 296)
+    # the split is the tensor-parallel pass's own: a degree it rejects (16 ffn columns / 32) says so
+    assert isinstance(cm.tp_analysis(i, 32), gfx.ConfigError)
 
 
 @pytest.mark.parametrize("strategy, mixed, expect", [
@@ -73,6 +77,13 @@ def test_states_bytes_by_hand(tiny, strategy, mixed, expect):
 def test_states_bytes_sgd():
     st = states_bytes(10, 2, Strategy(2, 1), itemsize=4, optimizer="sgd")
     assert (st.params, st.grads, st.optimizer) == (28, 28, 0)
+
+
+def test_states_bytes_follow_the_runtime_flat_buffer_padding():
+    # 7 elements over dp=4: the flat buffer is padded to 8, each rank's shard holds 2
+    for sdp, expect in (("none", (32, 32, 64)), ("zero2", (32, 8, 16)), ("zero3", (8, 8, 16))):
+        st = states_bytes(0, 7, Strategy(1, 4, sdp), itemsize=4)
+        assert (st.params, st.grads, st.optimizer) == expect, sdp
 
 
 def test_tiny_scaling_rules(tiny):

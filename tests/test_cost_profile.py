@@ -41,5 +41,5 @@ def test_annotation_attaches_costs():
     info = gm.meta["galvatron"]
     assert len(info.costs) == len(info.layers)
     block = info.costs[1]
-    assert block["fwd_flops_sharded"][0] > 0 and block["params_sharded"] > 0
+    assert block["fwd_flops_sharded"][0] > 0 and block["params_sharded_tp2"] > 0
     assert len(info.cost_model.measures) == 3  # identical blocks measured once

@@ -13,8 +13,10 @@ optimizer states          ``k * n * w``                 ``4 n`` (fp32 master cop
 ========================  ===========================  ==========================================
 
 ``w`` is the training dtype's itemsize and ``k`` the optimizer's states per parameter (Adam 2:
-first and second moments; SGD with momentum 1; SGD 0). ZeRO-2 divides gradients and optimizer
-states by ``dp``, ZeRO-3 parameters too (each rounded up: the last rank's shard is padded).
+first and second moments; SGD with momentum 1; SGD 0). The runtime keeps each layer's ``n``
+elements in one flat buffer padded to a multiple of ``dp`` (:func:`flat_layout`, shared with
+:mod:`galvatron_fx.runtime.data_parallel`); plain DP holds the padded buffer, ZeRO-2 the padded
+parameters but a ``1/dp`` shard of gradients and optimizer states, ZeRO-3 a shard of all three.
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ def optimizer_states(optimizer: str) -> int:
         raise ConfigError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATES)}") from None
 
 
+def flat_layout(numel: int, dp: int) -> tuple[int, int]:
+    """``(padded, shard)`` elements of a layer's flat buffer of ``numel`` elements over ``dp`` ranks:
+    padded to a multiple of ``dp`` (at least one element per rank), each rank's shard ``padded/dp``."""
+    padded = math.ceil(max(numel, 1) / dp) * dp
+    return padded, padded // dp
+
+
 def per_tp_elements(sharded: int, replicated: int, tp: int) -> int:
     """Parameter elements one device of a TP group holds."""
     return math.ceil(sharded / tp) + replicated
@@ -57,13 +66,9 @@ def per_tp_elements(sharded: int, replicated: int, tp: int) -> int:
 def states_bytes(sharded: int, replicated: int, strategy: Strategy, *, itemsize: int,
                  mixed_precision: bool = False, optimizer: str = "adam") -> StatesBytes:
     """Per-device bytes of parameters, gradients and optimizer states (module docstring)."""
-    n = per_tp_elements(sharded, replicated, strategy.tp)
+    padded, shard = flat_layout(per_tp_elements(sharded, replicated, strategy.tp), strategy.dp)
+    held = {"none": (padded, padded, padded), "zero2": (padded, shard, shard),
+            "zero3": (shard, shard, shard)}[strategy.sdp]  # elements of params, grads, optimizer
     k = optimizer_states(optimizer)
-    params, grads = n * itemsize, n * itemsize
-    opt = (4 * n + k * 4 * n) if mixed_precision else k * n * itemsize
-    dp = strategy.dp
-    if strategy.sdp in ("zero2", "zero3"):
-        grads, opt = math.ceil(grads / dp), math.ceil(opt / dp)
-    if strategy.sdp == "zero3":
-        params = math.ceil(params / dp)
-    return StatesBytes(params, grads, opt)
+    opt = (4 + 4 * k) * held[2] if mixed_precision else k * held[2] * itemsize
+    return StatesBytes(held[0] * itemsize, held[1] * itemsize, opt)

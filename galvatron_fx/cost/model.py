@@ -127,30 +127,49 @@ class CostModel:
         grad_nodes, batch = needs_grad(gm), capture_batch(gm)
         self.graphs: dict[str, LayerGraph] = {}
         self.measures: dict[str, LayerMeasure] = {}
-        self.params: list[LayerParams] = []
+        self._tp: dict[tuple, object] = {}
         for rec in self.layers:
             graph = extract_layer(gm, rec, grad_nodes, batch)
             if rec.signature not in self.graphs:
                 self.graphs[rec.signature] = graph
                 self.measures[rec.signature] = measure_layer(graph)
-            self.params.append(self._layer_params(rec.index, graph))
         self._profiles: dict[tuple, dict] = {}
 
     # ------------------------------------------------------------------ inputs
-    def _layer_params(self, index: int, graph: LayerGraph) -> LayerParams:
-        """Owned parameter elements of layer ``index``, split by whether TP shards them."""
-        shard = {spec.fqn: graph.param_shard_dim.get(spec.name) for spec in graph.inputs if spec.kind == "param"}
-        sharded = replicated = 0
+    def _owned_params(self, index: int) -> dict[str, int]:
+        """fqn -> elements of the trainable parameters layer ``index`` owns (tied weights: the first user)."""
+        out = {}
         for n in self.gm.graph.nodes:
             info = n.meta.get(META_KEY)
-            if n.op == "get_attr" and info is not None and info.layer == index and info.param is not None:
-                if not info.param.is_param:
-                    continue
-                if shard.get(info.param.fqn) is not None:
-                    sharded += info.param.numel
-                else:
-                    replicated += info.param.numel
-        return LayerParams(sharded, replicated)
+            if n.op == "get_attr" and info is not None and info.layer == index and info.param is not None \
+                    and info.param.is_param:
+                out[info.param.fqn] = info.param.numel
+        return out
+
+    def tp_analysis(self, index: int, tp: int):
+        """The tensor-parallel pass's own analysis of layer ``index`` at degree ``tp`` (cached per
+        signature), or the :class:`ConfigError` it raises when the layer cannot take that degree."""
+        key = (self.layers[index].signature, tp)
+        if key not in self._tp:
+            from ..passes.tp_patterns import analyze
+
+            try:
+                self._tp[key] = analyze(self.gm, {index: (tp, False)}).get(index)
+            except ConfigError as exc:
+                self._tp[key] = exc
+        return self._tp[key]
+
+    def layer_params(self, index: int, tp: int) -> LayerParams:
+        """Owned parameter elements of layer ``index``, split by whether TP at degree ``tp`` shards
+        them, exactly as :mod:`galvatron_fx.passes.tensor_parallel` will (vocabularies that do not
+        divide, or linears feeding a norm, stay replicated)."""
+        owned = self._owned_params(index)
+        analysis = self.tp_analysis(index, tp) if tp > 1 else None
+        if analysis is None or isinstance(analysis, Exception):
+            return LayerParams(0, sum(owned.values()))
+        sharded_fqns = {shard.fqn for shard in analysis.param_shards.values()}
+        sharded = sum(n for fqn, n in owned.items() if fqn in sharded_fqns)
+        return LayerParams(sharded, sum(owned.values()) - sharded)
 
     def measure(self, index: int) -> LayerMeasure:
         return self.measures[self.layers[index].signature]
@@ -158,7 +177,7 @@ class CostModel:
     # ------------------------------------------------------------------ public figures
     def states_bytes(self, index: int, strategy: Strategy) -> StatesBytes:
         """Per-device parameter, gradient and optimizer-state bytes of layer ``index``."""
-        p = self.params[index]
+        p = self.layer_params(index, strategy.tp)
         return states_bytes(p.sharded, p.replicated, strategy, itemsize=self.itemsize,
                             mixed_precision=self.mixed_precision, optimizer=self.optimizer)
 
@@ -236,7 +255,7 @@ class CostModel:
         n = micro_batch_size / s.dp
         fwd, bwd = self._compute_times(index, n, s)
         st = self.states_bytes(index, s)
-        p = self.params[index]
+        p = self.layer_params(index, s.tp)
         elems_tp = math.ceil(p.sharded / s.tp) + p.replicated
         full_params, full_grads = elems_tp * self.itemsize, elems_tp * self.itemsize
         dpg = dp_group(s)

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..cost.memory import flat_layout
 from .groups import Ranks, all_gather_single, group, reduce_scatter_single
 
 SDP_MODES = ("none", "zero2", "zero3")
@@ -67,8 +68,7 @@ class FlatParams(nn.Module):
             self.offsets.append(n)
             n += t.numel()
         self.numel = n
-        self.padded = math.ceil(max(n, 1) / self.dp) * self.dp
-        self.shard_numel = self.padded // self.dp
+        self.padded, self.shard_numel = flat_layout(n, self.dp)  # the cost model predicts the same
         first = next(iter(tensors.values()), torch.empty(0))
         full = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
         with torch.no_grad():
