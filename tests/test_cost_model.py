@@ -92,16 +92,17 @@ def test_tiny_scaling_rules(tiny):
     # per sample: fc1 2*3*8*16 + fc2 2*3*16*8 = 1536 forward FLOPs; backward twice that
     m = cm.measure(i)
     assert m.fwd_flops_sharded(1) == 1536 and m.fwd_flops_rep(1) == 0 and m.bwd_flops(1) == 3072
-    # saved per sample (fp32): ln input 24 + stats 6, ln out 24 (replicated);
+    # saved per sample (fp32): ln input 24 + stats 6 (replicated); ln out 24, saved by the
+    # column-parallel fc1 (whole sequence under SP: the runtime gathers it first);
     # relu out 48, saved by relu and by fc2 (one storage, sharded)
-    assert (m.saved_rep_elems(1), m.saved_sharded_elems(1)) == (54, 48)
+    assert (m.saved_rep_elems(1), m.saved_gathered_elems(1), m.saved_sharded_elems(1)) == (30, 24, 48)
     one = cm.layer_cost(i, Strategy(1, 1), 4)
     tp2 = cm.layer_cost(i, Strategy(2, 1), 4)
     sp2 = cm.layer_cost(i, Strategy(2, 1, sp=True), 4)
     ck = cm.layer_cost(i, Strategy(1, 1, ckpt=True), 4)
     assert one.activation_bytes == 4 * (54 + 48) * 4
     assert tp2.activation_bytes == 4 * (54 + 24) * 4
-    assert sp2.activation_bytes == 4 * (27 + 24) * 4
+    assert sp2.activation_bytes == 4 * (15 + 24 + 24) * 4
     assert ck.activation_bytes == 4 * 24 * 4 and ck.transient_bytes == one.activation_bytes
     assert tp2.fwd_s == pytest.approx(one.fwd_s / 2) and ck.bwd_s == pytest.approx(one.bwd_s + one.fwd_s)
     # TP: one all-reduce forward (fc2 out) + one backward (ln out), 3*8 fp32 per sample each

@@ -78,6 +78,7 @@ class Point:
     bwd_flops: float = 0.0
     saved_sharded_elems: float = 0.0  # floating-point elements saved for backward, TP-sharded
     saved_rep_elems: float = 0.0      # floating-point elements saved for backward, replicated
+    saved_gathered_elems: float = 0.0  # replicated inputs saved by column-parallel ops (whole under SP)
     saved_other_bytes: float = 0.0    # non-floating saved bytes (indices, masks), replicated
     input_elems: float = 0.0          # floating activation / graph inputs (kept by checkpointing)
     output_elems: float = 0.0         # floating outputs consumed by later layers
@@ -127,6 +128,7 @@ class LayerMeasure:
 
 
 _SCALARS = ("fwd_flops_sharded", "fwd_flops_rep", "bwd_flops", "saved_sharded_elems", "saved_rep_elems",
+            "saved_gathered_elems",
             "saved_other_bytes", "input_elems", "output_elems")
 
 
@@ -240,6 +242,10 @@ def measure_point(layer: LayerGraph, n: int) -> Point:
                 sharded = layer.in_sharded.get(running, False)
             if sharded:
                 p.saved_sharded_elems += elems
+            elif layer.roles.get(running) == "column":
+                # NOTE: under SP the runtime all-gathers the sequence before a column-parallel op,
+                # which saves that gathered (whole-sequence) tensor for its backward
+                p.saved_gathered_elems += elems
             else:
                 p.saved_rep_elems += elems
         p.input_elems = sum(_numel(a) for a, s in zip(args, layer.inputs)

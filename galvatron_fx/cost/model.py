@@ -153,8 +153,12 @@ class CostModel:
         if key not in self._tp:
             from ..passes.tp_patterns import analyze
 
+            # NOTE: a tied weight is sharded only if every layer reading it is; analyse those
+            # layers together at the same degree (what a uniform plan does)
+            mine = set(self.layers[index].params)
+            partners = [r.index for r in self.layers if mine & set(r.params)]
             try:
-                self._tp[key] = analyze(self.gm, {index: (tp, False)}).get(index)
+                self._tp[key] = analyze(self.gm, {j: (tp, False) for j in partners}).get(index)
             except ConfigError as exc:
                 self._tp[key] = exc
         return self._tp[key]
@@ -167,8 +171,12 @@ class CostModel:
         analysis = self.tp_analysis(index, tp) if tp > 1 else None
         if analysis is None or isinstance(analysis, Exception):
             return LayerParams(0, sum(owned.values()))
-        sharded_fqns = {shard.fqn for shard in analysis.param_shards.values()}
-        sharded = sum(n for fqn, n in owned.items() if fqn in sharded_fqns)
+        # NOTE: the analysis is cached per signature: it may come from another layer of the same
+        # structure, whose parameters correspond to these one to one, in graph order.
+        rep_owned = self._owned_params(analysis.layer)
+        rep_sharded = {shard.fqn for shard in analysis.param_shards.values()}
+        flags = [fqn in rep_sharded for fqn in rep_owned]
+        sharded = sum(n for flag, n in zip(flags, owned.values()) if flag)
         return LayerParams(sharded, sum(owned.values()) - sharded)
 
     def measure(self, index: int) -> LayerMeasure:
@@ -243,7 +251,8 @@ class CostModel:
     def _activations(self, m: LayerMeasure, n: float, s: Strategy) -> tuple[float, float]:
         """(saved bytes kept until backward, saved bytes without checkpointing)."""
         rep_div = s.tp if s.sp else 1
-        full = ((m.saved_sharded_elems(n) / s.tp + m.saved_rep_elems(n) / rep_div) * self.itemsize
+        full = ((m.saved_sharded_elems(n) / s.tp + m.saved_rep_elems(n) / rep_div + m.saved_gathered_elems(n))
+                * self.itemsize
                 + m.saved_other_bytes(n) / rep_div)
         if s.ckpt:
             return m.input_elems(n) * self.itemsize / rep_div, full

@@ -1,0 +1,206 @@
+"""gfx.transform with pipeline stages (pp > 1) on real gloo ranks: trains exactly like one device.
+
+Each spawned run builds a zoo model, trains it 5 AdamW steps on one device as the reference, then
+for several plans (GPipe / 1F1B, pp 2 and 4, TP / DP / ZeRO-3 / checkpointing inside the stages,
+heterogeneous layers) checks every step's loss and the final gathered parameters against it, the
+schedule's forward/backward order and in-flight micro-batches (GPipe holds all ``m``, 1F1B at most
+``pp - stage``), and records each rank's measured state bytes beside the cost model's figure.
+
+T5 (small) is cut where several values cross: the encoder output, the decoder input embedding,
+the decoder position bias (replicated, needs a gradient) and the tied embedding / LM-head weight.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+
+STEPS = 5
+LR = 1e-3
+EPS = 1e-6  # see tests/test_transform_dist.py
+TOL = 1e-5
+GPT = dict(layers=2, batch=8)   # layers: pre, blocks.0, blocks.1, post
+T5 = dict(layers=4, hidden=32, heads=4, ffn_hidden=64, seq_len=16, tgt_len=8, vocab=64, batch=8)
+# T5 layers: pre, enc.0, enc.1, between, dec.0, dec.1, post
+
+
+def _identity_tp(gm, plan, rank, base=0):
+    return gm
+
+
+def _reference(model, args):
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = model(*args)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=True):
+    import importlib
+
+    import galvatron_fx as gfx
+
+    T = importlib.import_module("galvatron_fx.transform")
+
+    model, args = gfx.models.build(model_name, device="cpu", **overrides)
+    gm = gfx.capture(model, args, method="fx")
+    ref_losses, ref_params = _reference(copy.deepcopy(model), args)
+    cluster = gfx.Cluster.preset(f"{world_size}xA100-80GB")
+    results = {}
+    for label, plan_kw, specs in cases:
+        plan_kw = dict(plan_kw)
+        stages = plan_kw.pop("stages", None)
+        plan = gfx.Plan.uniform(gm, world_size, global_batch_size=args[0].shape[0], **plan_kw)
+        if stages is not None:
+            plan.stages = [tuple(s) for s in stages]
+        for i, lp in enumerate(plan.layers):
+            for key, value in specs[i % len(specs)].items():
+                setattr(lp, key, value)
+        plan.validate()
+        saved = T.apply_tensor_parallel
+        if not real_tp:
+            T.apply_tensor_parallel = _identity_tp
+        try:
+            dm = T.transform(gm, plan=plan)
+        finally:
+            T.apply_tensor_parallel = saved
+        opt = dm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+        t0 = time.perf_counter()
+        losses = []
+        for _ in range(STEPS):
+            losses.append(dm.train_step(*args).item())
+            opt.step()
+        seconds = time.perf_counter() - t0
+        sd = dm.full_state_dict()
+        diff = torch.cat([(sd[k] - p).flatten() for k, p in ref_params.items()])
+        ref = torch.cat([p.flatten() for p in ref_params.values()])
+        est = gfx.estimate(gm, plan, cluster)["per_device"]
+        results[label] = {
+            "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            "param_err": (diff.norm() / ref.norm()).item(),
+            "keys_ok": set(sd) == set(ref_params),
+            "losses_equal_on_ranks": losses,
+            "stage": dm.stage_index, "pp": plan.pp, "m": plan.micro_batches, "schedule": plan.schedule,
+            "stats": dm.schedule_stats,
+            "states": dm.states_bytes(opt)["total"],
+            "predicted_states": est["states_bytes"][dm.stage_index],
+            "predicted_activation": est["activation_bytes"][dm.stage_index],
+            "seconds": seconds,
+            "code": dm.code,
+        }
+    return results
+
+
+def _check(results):
+    for label in results[0]:
+        losses = [r[label]["losses_equal_on_ranks"] for r in results]
+        assert all(x == losses[0] for x in losses), (label, "loss differs between ranks")
+        for r in results:
+            r = r[label]
+            assert r["keys_ok"], label
+            assert r["loss_err"] <= TOL, (label, r["loss_err"])
+            assert r["param_err"] <= TOL, (label, r["param_err"])
+            st, m, p = r["stats"], r["m"], r["pp"]
+            assert sorted(st["order"]) == sorted([f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)])
+            # peak in-flight activations follow the schedule
+            expect = m if r["schedule"] == "gpipe" else min(m, p - r["stage"])
+            assert st["peak_in_flight"] == expect, (label, r["stage"], st)
+            if r["schedule"] == "gpipe":
+                assert st["order"] == [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
+            assert st["peak_saved_bytes"] > 0
+
+
+def _report(results, name):
+    for label in results[0]:
+        rows = [(r[label]["stage"], r[label]["states"], r[label]["predicted_states"],
+                 r[label]["stats"]["peak_saved_bytes"], r[label]["predicted_activation"]) for r in results]
+        print(f"{name} {label}: {results[0][label]['seconds']:.2f}s (stage, states B, predicted, "
+              f"peak saved activation B, predicted) {rows}")
+
+
+CASES_2 = [
+    ("pp2-gpipe", dict(pp=2, tp=1, dp=1, schedule="gpipe", micro_batches=4), [{}]),
+    ("pp2-1f1b-ckpt", dict(pp=2, tp=1, dp=1, schedule="1f1b", micro_batches=4), [{}, dict(ckpt=True)]),
+]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("model_name, overrides", [("gpt-tiny", GPT), ("t5-large-32", T5)])
+def test_pipeline_world2(model_name, overrides):
+    results = run_distributed(_run_cases, 2, model_name, overrides, CASES_2, timeout=120)
+    _report(results, model_name)
+    _check(results)
+    code = results[1]["pp2-gpipe"]["code"]
+    last = "layers_3" if model_name == "gpt-tiny" else "layers_6"
+    assert f"self.{last}(" in code and "self.layers_0(" not in code
+
+
+HETERO = [dict(tp=2, dp=1, sdp="none"), dict(tp=1, dp=2, sdp="zero3", ckpt=True), dict(tp=1, dp=2, sdp="zero2"),
+          dict(tp=2, dp=1, ckpt=True)]
+CASES_4_GPT = [
+    ("pp4-gpipe", dict(pp=4, tp=1, dp=1, schedule="gpipe", micro_batches=4), [{}]),
+    ("pp4-1f1b", dict(pp=4, tp=1, dp=1, schedule="1f1b", micro_batches=4), [{}]),
+    ("pp2xdp2-1f1b", dict(pp=2, tp=1, dp=2, schedule="1f1b", micro_batches=2), [{}]),
+    ("pp2xtp2-gpipe", dict(pp=2, tp=2, dp=1, schedule="gpipe", micro_batches=2), [{}]),
+    ("pp2-zero3", dict(pp=2, tp=1, dp=2, sdp="zero3", schedule="1f1b", micro_batches=2), [{}]),
+    ("pp2-hetero", dict(pp=2, tp=1, dp=2, schedule="1f1b", micro_batches=2, stages=[[0, 0], [1, 3]]), HETERO),
+]
+
+
+@pytest.mark.dist
+def test_pipeline_world4_gpt():
+    results = run_distributed(_run_cases, 4, "gpt-tiny", GPT, CASES_4_GPT, timeout=150)
+    _report(results, "gpt-tiny")
+    _check(results)
+
+
+CASES_4_T5 = [
+    ("pp4-1f1b", dict(pp=4, tp=1, dp=1, schedule="1f1b", micro_batches=4), [{}]),
+    ("pp2xdp2-gpipe", dict(pp=2, tp=1, dp=2, schedule="gpipe", micro_batches=2), [{}]),
+    # NOTE: T5 with tp > 1 is not covered: the tied embedding / LM head crosses the stages whole, so its
+    # layers need tp=1 (a clear ConfigError, tested below), and a tp=1 -> tp=2 change inside a stage
+    # slices T5's position bias as if batched (a pp = 1 resharding limitation). Heterogeneous sdp/ckpt:
+    ("pp2-hetero", dict(pp=2, tp=1, dp=2, schedule="1f1b", micro_batches=2, stages=[[0, 2], [3, 6]]),
+     [dict(sdp="zero3"), dict(sdp="none", ckpt=True), dict(sdp="zero2"), dict(sdp="zero3", ckpt=True)]),
+    ("pp2-zero3", dict(pp=2, tp=1, dp=2, sdp="zero3", schedule="1f1b", micro_batches=2), [{}]),
+]
+
+
+@pytest.mark.dist
+def test_pipeline_world4_t5():
+    results = run_distributed(_run_cases, 4, "t5-large-32", T5, CASES_4_T5, timeout=150)
+    _report(results, "t5")
+    _check(results)
+
+
+def _errors(rank, world_size):
+    import galvatron_fx as gfx
+
+    model, args = gfx.models.build("t5-large-32", device="cpu", **T5)
+    gm = gfx.capture(model, args, method="fx")
+    seen = []
+    bad = [gfx.Plan.uniform(gm, world_size * 2, pp=2, tp=1, dp=world_size, global_batch_size=8),
+           gfx.Plan.uniform(gm, world_size, pp=2, tp=2, dp=1, global_batch_size=8)]
+    for plan in bad:
+        try:
+            gfx.transform(gm, plan=plan)
+        except (gfx.PlanMismatchError, gfx.ConfigError) as exc:
+            seen.append((type(exc).__name__, str(exc)))
+    return seen
+
+
+@pytest.mark.dist
+def test_pipeline_rejects_bad_plans():
+    seen = run_distributed(_errors, 4, timeout=60)[0]
+    assert [k for k, _ in seen] == ["PlanMismatchError", "ConfigError"], seen
+    assert "world_size" in seen[0][1] and "tied across pipeline stages" in seen[1][1]
