@@ -157,6 +157,27 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train MODEL under torchrun with the galvatron backend (or eagerly with --single-device)."""
+    from .train import print_log, train
+
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    if args.global_batch_size is not None and args.global_batch_size < 1:
+        raise ConfigError(f"--global-batch-size must be >= 1, got {args.global_batch_size}")
+    if args.plan and not os.path.isfile(args.plan):
+        raise ConfigError(f"--plan {args.plan!r}: no such file")
+    log = train(args.model, steps=args.steps, plan=args.plan, memory_budget=args.memory_budget,
+                global_batch_size=args.global_batch_size, cluster=args.cluster, reserve=args.reserve,
+                single_device=args.single_device, lr=args.lr, seed=args.seed,
+                overrides=parse_overrides(args.set), progress=progress)
+    if log["rank"] == 0:
+        print_log(log)
+        if args.json:
+            _write_json(args.json, log)
+    return 0
+
+
 def _write_json(path: str, data: dict) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2, sort_keys=True)
@@ -207,6 +228,23 @@ def build_parser() -> argparse.ArgumentParser:
                                    "throughput of the torch.distributed world (or this process).")
     p.add_argument("--out", metavar="PATH", help="write the cluster JSON to PATH")
     p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("train", help="train a model with a plan (run under torchrun)",
+                       description="Train MODEL on synthetic data with torch.compile(backend='galvatron') under "
+                                   "torchrun (gloo on CPU, NCCL on GPU), or eagerly with --single-device.")
+    p.add_argument("model", metavar="MODEL")
+    p.add_argument("--plan", metavar="PATH", help="plan JSON to run (default: search one at the first step)")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
+    p.add_argument("--memory-budget", help="per-device budget for the search, e.g. 16GiB")
+    p.add_argument("--global-batch-size", type=int, help="samples per step (zoo models: sets batch)")
+    p.add_argument("--cluster", help="preset or cluster JSON for the search (default: profile the world)")
+    p.add_argument("--reserve", help="framework reserve per device for the search (default 1GiB)")
+    p.add_argument("--single-device", action="store_true", help="train eagerly in this one process (reference)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override (repeatable)")
+    p.add_argument("--json", metavar="PATH", help="write the training log (rank 0)")
+    p.set_defaults(func=cmd_train)
     return parser
 
 

@@ -68,6 +68,7 @@ def transform(gm: torch.fx.GraphModule, plan: Plan | None = None, loss_fn=None, 
 
     gm = apply_tensor_parallel(gm, plan, rank)
     top = split_layers(gm)
+    apply_local_batch(top, plan)
     apply_checkpointing(top, plan)
     stores = apply_data_parallel(top, plan, rank, bucket_bytes)
     output_layout = apply_resharding(top, plan, rank)
@@ -137,6 +138,17 @@ def _layer_calls(top: torch.fx.GraphModule) -> dict[int, torch.fx.Node]:
         elif n.op == "call_function" and n.target is checkpoint_layer:
             calls[int(n.args[0].target.split("_")[1])] = n
     return calls
+
+
+def apply_local_batch(top: torch.fx.GraphModule, plan: Plan) -> None:
+    """Rewrite shape constants baked for the captured batch (dynamo / export graphs) to each
+    layer's micro-batch slice (see :mod:`galvatron_fx.passes.local_batch`; fx graphs: no-op)."""
+    from .passes.local_batch import global_batch_of, localize_batch
+
+    info = top.meta.get(META_KEY)
+    batch = global_batch_of(top)
+    if batch and getattr(info, "method", "") in ("dynamo", "export"):  # fx graphs keep x.size(0)
+        localize_batch(top, batch, [batch // (plan.micro_batches * lp.dp) for lp in plan.layers])
 
 
 def apply_checkpointing(top: torch.fx.GraphModule, plan: Plan) -> None:

@@ -129,7 +129,7 @@ class LayerMeasure:
 
 _SCALARS = ("fwd_flops_sharded", "fwd_flops_rep", "bwd_flops", "saved_sharded_elems", "saved_rep_elems",
             "saved_gathered_elems",
-            "saved_other_bytes", "input_elems", "output_elems")
+            "saved_other_bytes", "input_elems", "input_other_bytes", "output_elems")
 
 
 def measure_layer(layer: LayerGraph, sizes: tuple[int, ...] = MEASURE_SIZES) -> LayerMeasure:
@@ -250,6 +250,8 @@ def measure_point(layer: LayerGraph, n: int) -> Point:
                 p.saved_rep_elems += elems
         p.input_elems = sum(_numel(a) for a, s in zip(args, layer.inputs)
                             if s.kind in ("activation", "graph_input") and s.dtype.is_floating_point)
+        p.input_other_bytes = sum(a.untyped_storage().nbytes() for a, s in zip(args, layer.inputs)
+                                  if s.kind in ("activation", "graph_input") and not s.dtype.is_floating_point)
         p.output_elems = sum(_numel(o) for o in outs if o.dtype.is_floating_point)
         _tp_collectives(layer, rec.values, p)
         grads = [o for o in outs if o.requires_grad]

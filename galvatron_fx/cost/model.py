@@ -255,7 +255,7 @@ class CostModel:
                 * self.itemsize
                 + m.saved_other_bytes(n) / rep_div)
         if s.ckpt:
-            return m.input_elems(n) * self.itemsize / rep_div, full
+            return m.input_elems(n) * self.itemsize / rep_div + m.input_other_bytes(n), full
         return full, full
 
     def layer_cost(self, index: int, strategy: Strategy, micro_batch_size: float) -> LayerCost:

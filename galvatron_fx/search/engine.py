@@ -163,7 +163,10 @@ class Engine:
         schedules = [o.schedule] if o.schedule else ["1f1b"]
         for gbs in gbss:
             for p in pps:
-                ms = [o.micro_batches] if o.micro_batches else _pow2_divisors(gbs, o.max_micro_batches)
+                # NOTE: a pipeline needs at least one micro-batch per stage (torch.distributed.pipelining
+                # refuses fewer, and fewer would leave stages idle anyway)
+                ms = [o.micro_batches] if o.micro_batches else [
+                    m for m in _pow2_divisors(gbs, o.max_micro_batches) if m >= p]
                 for m in ms:
                     for sched in schedules:
                         yield p, m, sched, gbs

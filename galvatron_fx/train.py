@@ -1,0 +1,138 @@
+"""The example trainer behind ``galvatron-fx train MODEL`` (run it under torchrun).
+
+Builds MODEL (zoo name or ``package.module:factory``) on every rank with the same seed, creates
+AdamW over ``model.parameters()``, compiles with ``torch.compile(backend="galvatron",
+fullgraph=True, dynamic=False, options=...)`` and trains ``--steps`` steps on synthetic data: the
+model's example inputs re-sampled per step from a seeded generator (the same global batch on every
+rank). Logs per step: loss, step time (seconds), samples/s, and per rank the measured state bytes
+(parameters + gradients + optimizer states of the DistributedModel) and peak memory (CUDA
+``max_memory_allocated`` or the process's peak RSS, bytes). ``--single-device`` trains the same
+model eagerly in one process (the reference). ``--json`` writes the log (rank 0).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConfigError
+
+
+def synthetic_batch(example: tuple, step: int, seed: int) -> tuple:
+    """``example`` re-sampled for ``step``: integer tensors uniformly in ``[0, max]`` (negative entries,
+    e.g. ignore-index labels, stay), floats ~ N(0, 1), anything else unchanged."""
+    g = torch.Generator().manual_seed(seed * 100003 + step)
+    out = []
+    for t in example:
+        if isinstance(t, torch.Tensor) and t.dtype in (torch.int32, torch.int64) and t.numel():
+            new = torch.randint(0, int(t.max()) + 1, t.shape, generator=g, dtype=t.dtype)
+            out.append(torch.where(t < 0, t, new).to(t.device))
+        elif isinstance(t, torch.Tensor) and t.is_floating_point():
+            out.append(torch.randn(t.shape, generator=g, dtype=t.dtype).to(t.device))
+        else:
+            out.append(t)
+    return tuple(out)
+
+
+def _loss_of(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if loss is None and isinstance(out, (tuple, list)):
+        loss = out[0]
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError("the model's output is not a loss (a scalar tensor, .loss or ['loss'])")
+    return loss
+
+
+def _peak_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
+
+
+def train(model_spec: str, *, steps: int = 10, plan: str | None = None, memory_budget=None,
+          global_batch_size: int | None = None, cluster=None, reserve=None, single_device: bool = False,
+          lr: float = 1e-3, seed: int = 0, overrides: dict | None = None, progress=None) -> dict:
+    """Train and return the log ``{"mode", "world_size", "steps": [...], "summary": {...}}``."""
+    from .cli import load_model
+    from .distributed import init_distributed, is_distributed, pick_device, synchronize
+
+    overrides = dict(overrides or {})
+    if global_batch_size is not None and ":" not in model_spec:
+        overrides["batch"] = global_batch_size
+    device = pick_device()
+    if not single_device:
+        import os
+
+        if "RANK" not in os.environ and not is_distributed():
+            raise ConfigError("galvatron-fx train runs under torchrun (e.g. torchrun --nproc-per-node 2 -m "
+                              "galvatron_fx.cli train MODEL); use --single-device for the eager reference")
+        init_distributed()
+    torch.manual_seed(seed)
+    model, example = load_model(model_spec, device="cpu", overrides=overrides)
+    model = model.to(device)
+    example = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in example)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-6)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if not single_device else (0, 1)
+    step_fn = model
+    if not single_device:
+        options = {k: v for k, v in {"plan": plan, "memory_budget": memory_budget, "cluster": cluster,
+                                     "reserve": reserve}.items() if v is not None}
+        step_fn = torch.compile(model, backend="galvatron", fullgraph=True, dynamic=False, options=options)
+    batch = next(int(t.shape[0]) for t in example if isinstance(t, torch.Tensor) and t.dim() >= 1)
+    rows = []
+    for step in range(steps):
+        inputs = synthetic_batch(example, step, seed)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = _loss_of(step_fn(*inputs))
+        loss.backward()
+        opt.step()
+        synchronize(device)
+        dt = time.perf_counter() - t0
+        row = {"step": step + 1, "loss": float(loss.item()), "step_time_s": dt, "samples_per_s": batch / dt}
+        rows.append(row)
+        if progress and rank == 0:
+            progress(f"step {step + 1:>4}  loss {row['loss']:.6f}  {dt * 1e3:8.1f} ms  "
+                     f"{row['samples_per_s']:8.2f} samples/s")
+    memory = _memory(model, opt, device, single_device)
+    timed = rows[1:] or rows  # NOTE: step 1 includes compiling (capture, search, transform)
+    summary = {"samples_per_s": sum(r["samples_per_s"] for r in timed) / len(timed),
+               "step_time_s": sum(r["step_time_s"] for r in timed) / len(timed),
+               "first_step_s": rows[0]["step_time_s"] if rows else 0.0, "global_batch_size": batch}
+    return {"model": model_spec, "mode": "single-device" if single_device else "galvatron",
+            "world_size": world, "rank": rank, "steps": rows, "memory": memory, "summary": summary}
+
+
+def _memory(model, opt, device, single_device: bool) -> list[dict]:
+    """Per-rank ``{"rank", "states_bytes", "peak_bytes"}`` (all-gathered under torch.distributed)."""
+    if single_device:
+        states = sum(t.numel() * t.element_size() for t in model.parameters())
+        states += sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+        states += sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                      if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return [{"rank": 0, "states_bytes": int(states), "peak_bytes": _peak_bytes(device)}]
+    from .backend import distributed_model
+
+    dm = distributed_model(model)
+    states = dm.states_bytes(opt)["total"] if dm is not None and hasattr(dm, "states_bytes") else None
+    mine = {"rank": dist.get_rank(), "states_bytes": states, "peak_bytes": _peak_bytes(device)}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def print_log(log: dict, out=sys.stdout) -> None:
+    s = log["summary"]
+    print(f"{log['model']} ({log['mode']}, world {log['world_size']}): {len(log['steps'])} steps, "
+          f"{s['samples_per_s']:.2f} samples/s after step 1 (step 1: {s['first_step_s']:.1f}s)", file=out)
+    for m in log["memory"]:
+        st = "-" if m["states_bytes"] is None else f"{m['states_bytes'] / 2**20:.2f} MiB"
+        print(f"  rank {m['rank']}: states {st}, peak {m['peak_bytes'] / 2**20:.1f} MiB", file=out)

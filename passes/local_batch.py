@@ -1,0 +1,145 @@
+"""Local batch pass: shape constants written for the captured global batch -> this rank's batch.
+
+Graphs from dynamo and export (static shapes) bake the captured batch ``B`` into shape arguments
+(``x.view(4, 8, 96)``, ``aten.expand(mask, [4, 1, 8, 8])``, ``x.view(32, 32)`` for ``B * S``);
+fx graphs compute them from ``x.size(0)`` and need nothing. A layer that runs on ``b`` samples
+(``b = B / (micro_batches * dp)``) must use ``b``.
+
+Input: the top module of :mod:`.split_layers` (``meta["val"]`` of every node still describes the
+captured global batch) and, per layer, its local batch ``b``.
+
+Output (in place): in every layer graph, the *first* integer of a shape argument (a list/tuple
+argument, or the integer varargs of ``view``/``reshape``/``expand``/``repeat``-style method calls) is
+scaled by ``b / B`` when it equals dim 0 of the node's output, that dim is a multiple of ``B`` and
+the node is
+
+* *batched*: it depends on a layer input whose dim 0 is ``B`` (activations, graph inputs), or
+* *batch-shaped constant*: it depends on no trainable parameter and no batched value, its output's
+  dim 0 is ``B`` exactly and a later node combines it with a batched value or it leaves the layer
+  (HF's expanded ``token_type_ids`` buffer, masks built from ``torch.arange(B)``). Such a value
+  crossing to a layer with another ``dp`` keeps the producer's batch (a known limitation).
+
+Convention (the runtime's, see :mod:`galvatron_fx.runtime.reshard`): batch on dim 0; flattening
+keeps the batch outermost (``[B, S, H] -> [B*S, H]``). Returns the number of rewritten constants.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ..errors import ConfigError
+from .split_layers import is_trainable_param, layer_module_name
+
+
+def localize_batch(top: torch.fx.GraphModule, global_batch: int, local_batches: list[int]) -> int:
+    """Rewrite every ``layers_<i>`` of ``top`` for ``local_batches[i]`` samples (see module docstring)."""
+    count = 0
+    for i, b in enumerate(local_batches):
+        layer = getattr(top, layer_module_name(i), None)
+        if layer is None or b == global_batch:
+            continue
+        n = _localize_layer(layer, global_batch, b)
+        if n:
+            layer.recompile()
+        count += n
+    return count
+
+
+def global_batch_of(gm: torch.fx.GraphModule) -> int | None:
+    """Dim 0 of the first batched graph input (the captured global batch)."""
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() >= 1:
+            return int(v.shape[0])
+    return None
+
+
+def _localize_layer(layer: torch.fx.GraphModule, B: int, b: int) -> int:
+    batched: dict[torch.fx.Node, bool] = {}
+    has_param: dict[torch.fx.Node, bool] = {}
+    for n in layer.graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "placeholder":
+            batched[n] = isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == B
+            has_param[n] = not batched[n] and bool(getattr(v, "requires_grad", False))
+        elif n.op == "get_attr":
+            batched[n], has_param[n] = False, is_trainable_param(n)
+        else:
+            ins = n.all_input_nodes
+            # NOTE: ``x.device`` / ``x.dtype`` of a batched x carry no batch (``arange(S, device=x.device)``)
+            batched[n] = not isinstance(v, (torch.device, torch.dtype)) and any(batched.get(x, False) for x in ins)
+            has_param[n] = any(has_param.get(x, False) for x in ins)
+    count = 0
+    for n in layer.graph.nodes:
+        if n.op not in ("call_function", "call_method"):
+            continue
+        v = n.meta.get("val")
+        if not (isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] % B == 0 and v.shape[0] > 0):
+            continue
+        if not batched[n] and not (not has_param[n] and v.shape[0] == B and _meets_batched(n, batched)):
+            continue
+        count += _rewrite_first_shape_int(n, int(v.shape[0]), B, b)
+    return count
+
+
+def _meets_batched(n: torch.fx.Node, batched: dict) -> bool:
+    """Some later node reads a value derived from ``n`` together with a batched value."""
+    seen, todo = set(), [n]
+    while todo:
+        x = todo.pop()
+        for u in x.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if u.op == "output":
+                return True  # NOTE: leaves the layer (a mask for the blocks): assume it meets the batch there
+            if any(batched.get(y, False) for y in u.all_input_nodes if y is not x):
+                return True
+            todo.append(u)
+    return False
+
+
+SHAPE_OPS = frozenset({"view", "reshape", "_unsafe_view", "expand", "broadcast_to", "repeat", "tile",
+                       "new_zeros", "new_ones", "new_empty", "new_full", "zeros", "ones", "empty", "full",
+                       "rand", "randn", "empty_strided", "arange"})
+"""Ops whose integer list / integer varargs are a shape (by name: method, function or aten packet)."""
+
+
+def _op_name(n: torch.fx.Node) -> str:
+    if n.op == "call_method":
+        return str(n.target)
+    name = getattr(n.target, "__name__", "")
+    return name.split(".")[0]
+
+
+def _rewrite_first_shape_int(n: torch.fx.Node, dim0: int, B: int, b: int) -> int:
+    if _op_name(n) not in SHAPE_OPS:
+        return 0
+
+    def scaled(c: int) -> int:
+        if (c * b) % B:
+            raise ConfigError(f"cannot localise the batch in {n.format_node()}: {c} x {b} / {B} is not whole")
+        return c * b // B
+
+    args = list(n.args)
+    for j, a in enumerate(args):
+        if isinstance(a, (list, tuple)) and a and isinstance(a[0], int) and not isinstance(a[0], bool):
+            if a[0] == dim0:
+                args[j] = type(a)([scaled(a[0]), *a[1:]])
+                n.args = tuple(args)
+                return 1
+            return 0
+    ints = [j for j, a in enumerate(args) if isinstance(a, int) and not isinstance(a, bool)]
+    first = 1 if n.op == "call_method" else 0
+    if _op_name(n) == "arange" and len(args) != 1:
+        return 0
+    if ints and ints[0] == first and args[first] == dim0:
+        args[first] = scaled(args[first])
+        n.args = tuple(args)
+        return 1
+    size = n.kwargs.get("size")
+    if isinstance(size, (list, tuple)) and size and size[0] == dim0:
+        n.kwargs = {**n.kwargs, "size": type(size)([scaled(size[0]), *size[1:]])}
+        return 1
+    return 0
