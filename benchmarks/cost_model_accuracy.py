@@ -1,0 +1,134 @@
+"""Cost model vs reality on the local 2-rank gloo cluster: step time and per-rank memory of DP, ZeRO-3,
+TP2, PP2 and the searched plan, predicted (gfx.estimate) vs measured.
+
+Inside the spawned world the cluster is profiled first (``Cluster.profile()``: collective bandwidths,
+p2p, overlap, matmul FLOP/s); the cost model runs in ``--mode profiled`` (layers timed on this CPU,
+fresh cache) by default, or ``analytic`` on the profiled cluster. Rank 0 estimates and searches (under
+a budget every baseline fits) and broadcasts the plans. Measured: median step time (``train_step``,
+optimizer excluded, slowest rank) over interleaved rounds after warm-up; states bytes exact
+(``states_bytes(opt)``); saved activations of one micro-batch's forward (unique storages; for pp > 1
+the pipeline's peak saved bytes).
+
+    python benchmarks/cost_model_accuracy.py [--mode profiled|analytic] [--hidden 128] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import parser, print_table, write_json  # noqa: E402
+from _dist import (add_model_args, build, gfx_step, interleaved, model_kw, plan_label,  # noqa: E402
+                   profiled_cluster, rel_err, saved_activation_bytes, spawn, uniform)
+
+BASELINE_SPECS = {  # label -> Plan.uniform keywords (2 devices)
+    "dp": dict(),
+    "zero3": dict(sdp="zero3"),
+    "tp2": dict(tp=2),
+    "pp2": dict(pp=2, micro_batches=4, schedule="1f1b"),
+}
+
+
+def _rank(rank, world, overrides, mode, steps):
+    import galvatron_fx as gfx
+
+    t0 = time.perf_counter()
+    cluster = profiled_cluster()
+    t_profile = time.perf_counter() - t0
+    model, args, gm = build(overrides)
+    gbs = args[0].shape[0]
+    cost = {"mode": mode, "reserve_bytes": 0}
+    plans, info = {}, {}
+    box = [None]
+    if rank == 0:
+        with tempfile.TemporaryDirectory() as cache:
+            if mode == "profiled":
+                cost.update(cache_dir=cache, profile_sizes=(2, 8, 16))
+            t1 = time.perf_counter()
+            for label, kw in BASELINE_SPECS.items():
+                plans[label] = uniform(gm, world, gbs, **kw)
+            ests = {k: gfx.estimate(gm, p, cluster, **cost) for k, p in plans.items()}
+            budget = max(max(e["memory_bytes_per_device"]) for e in ests.values())
+            plans["searched"] = gfx.search(gm, cluster, budget, gbs, **cost)
+            ests["searched"] = gfx.estimate(gm, plans["searched"], cluster, **cost)
+            info = {"budget_bytes": budget, "estimate_s": time.perf_counter() - t1}
+        box = [({k: p.to_dict() for k, p in plans.items()}, ests, info)]
+    dist.broadcast_object_list(box, src=0)
+    plan_dicts, ests, info = box[0]
+    plans = {k: gfx.Plan.from_dict(d) for k, d in plan_dicts.items()}
+
+    models, step_fns, out = {}, {}, {}
+    for label, plan in plans.items():
+        dm = gfx.transform(gm, plan=plan)
+        opt = dm.optimizer(torch.optim.AdamW, lr=1e-4)
+        dm.train_step(*args)
+        opt.step()
+        models[label] = (dm, opt)
+        step_fns[label] = gfx_step(dm, opt, args, with_optimizer=False)
+    times = interleaved(step_fns, steps)
+    for label, plan in plans.items():
+        dm, opt = models[label]
+        stage = getattr(dm, "stage_index", 0)
+        states = dm.states_bytes(opt)["total"]  # NOTE: before the activation probe, which frees the gradients
+        if plan.pp > 1:
+            dm.train_step(*args)
+            act = dm.schedule_stats["peak_saved_bytes"]
+        else:
+            act = saved_activation_bytes(dm, plan, args)
+        est = ests[label]
+        out[label] = {"plan": plan_label(plan), "stage": stage, "step_s": times[label],
+                      "pred_step_s": est["step_time_s"], "states": states,
+                      "pred_states": est["per_device"]["states_bytes"][stage], "activation": act,
+                      "pred_activation": est["per_device"]["activation_bytes"][stage]}
+    return {"results": out, "cluster": cluster.to_dict(), "profile_s": t_profile, **info}
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    add_model_args(p)
+    p.add_argument("--mode", choices=["profiled", "analytic"], default="profiled")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    ranks = spawn(_rank, 2, model_kw(args), args.mode, args.steps)
+    wall = time.perf_counter() - t0
+    rows, results = [], {}
+    for label in ranks[0]["results"]:
+        per_rank = [r["results"][label] for r in ranks]
+        r0 = per_rank[0]
+        results[label] = {"per_rank": per_rank, "step_err": rel_err(r0["pred_step_s"], r0["step_s"])}
+        for rank, r in enumerate(per_rank):
+            r["states_err"] = rel_err(r["pred_states"], r["states"])
+            r["activation_err"] = rel_err(r["pred_activation"], r["activation"])
+            rows.append([label if rank == 0 else "", rank, r["plan"] if rank == 0 else "",
+                         r["pred_step_s"] * 1e3 if rank == 0 else "", r["step_s"] * 1e3 if rank == 0 else "",
+                         f"{100 * results[label]['step_err']:+.0f}%" if rank == 0 else "",
+                         r["pred_states"] / 2**10, r["states"] / 2**10, f"{100 * r['states_err']:+.1f}%",
+                         r["pred_activation"] / 2**10, r["activation"] / 2**10,
+                         f"{100 * r['activation_err']:+.0f}%"])
+    print(f"gpt-tiny {model_kw(args)} on 2 gloo ranks; cost model mode {args.mode} on the profiled cluster; "
+          f"search budget {ranks[0]['budget_bytes'] / 2**20:.2f} MiB; step = train_step, "
+          f"median of {args.steps}")
+    print_table(["plan", "rank", "strategy", "pred ms", "meas ms", "err", "pred states KiB", "meas KiB",
+                 "err", "pred act KiB", "meas KiB", "err"], rows)
+    errs = [abs(v["step_err"]) for v in results.values()]
+    st_exact = all(r["states"] == r["pred_states"] for v in results.values() for r in v["per_rank"])
+    act_errs = [abs(r["activation_err"]) for v in results.values() for r in v["per_rank"]]
+    print(f"summary: step time |error| median {100 * sorted(errs)[len(errs) // 2]:.0f}% "
+          f"(max {100 * max(errs):.0f}%), "
+          f"states {'exact on every rank' if st_exact else 'NOT exact'}, activations |error| max "
+          f"{100 * max(act_errs):.0f}%; profile {ranks[0]['profile_s']:.1f} s, run {wall:.0f} s")
+    write_json(args.json, {"model": "gpt-tiny", "overrides": model_kw(args), "mode": args.mode,
+                           "plans": results,
+                           "cluster": ranks[0]["cluster"], "budget_bytes": ranks[0]["budget_bytes"],
+                           "profile_s": ranks[0]["profile_s"], "wall_s": wall})
+
+
+if __name__ == "__main__":
+    main()
