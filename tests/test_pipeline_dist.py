@@ -59,14 +59,22 @@ def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=True):
     results = {}
     for label, plan_kw, specs in cases:
         plan_kw = dict(plan_kw)
-        stages = plan_kw.pop("stages", None)
-        plan = gfx.Plan.uniform(gm, world_size, global_batch_size=args[0].shape[0], **plan_kw)
-        if stages is not None:
-            plan.stages = [tuple(s) for s in stages]
-        for i, lp in enumerate(plan.layers):
-            for key, value in specs[i % len(specs)].items():
-                setattr(lp, key, value)
-        plan.validate()
+        if "search" in plan_kw:  # a searched plan, under a budget the uniform pipeline does not meet
+            gbs = args[0].shape[0]
+            uniform = gfx.Plan.uniform(gm, world_size, pp=2, dp=world_size // 2, micro_batches=2,
+                                       global_batch_size=gbs)
+            full = max(gfx.estimate(gm, uniform, cluster, reserve_bytes=0)["memory_bytes_per_device"])
+            plan = gfx.search(gm, cluster, int(plan_kw["budget_fraction"] * full), gbs,
+                              constraints=plan_kw["search"], reserve_bytes=0)
+        else:
+            stages = plan_kw.pop("stages", None)
+            plan = gfx.Plan.uniform(gm, world_size, global_batch_size=args[0].shape[0], **plan_kw)
+            if stages is not None:
+                plan.stages = [tuple(s) for s in stages]
+            for i, lp in enumerate(plan.layers):
+                for key, value in specs[i % len(specs)].items():
+                    setattr(lp, key, value)
+            plan.validate()
         saved = T.apply_tensor_parallel
         if not real_tp:
             T.apply_tensor_parallel = _identity_tp
@@ -84,7 +92,7 @@ def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=True):
         sd = dm.full_state_dict()
         diff = torch.cat([(sd[k] - p).flatten() for k, p in ref_params.items()])
         ref = torch.cat([p.flatten() for p in ref_params.values()])
-        est = gfx.estimate(gm, plan, cluster)["per_device"]
+        est = gfx.estimate(gm, plan, cluster, **plan.extra.get("cost_model", {}))["per_device"]
         results[label] = {
             "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
             "param_err": (diff.norm() / ref.norm()).item(),
@@ -97,6 +105,7 @@ def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=True):
             "predicted_activation": est["activation_bytes"][dm.stage_index],
             "seconds": seconds,
             "code": dm.code,
+            "strategies": sorted({lp.strategy.label for lp in plan.layers}),
         }
     return results
 
@@ -162,6 +171,18 @@ def test_pipeline_world4_gpt():
     results = run_distributed(_run_cases, 4, "gpt-tiny", GPT, CASES_4_GPT, timeout=150)
     _report(results, "gpt-tiny")
     _check(results)
+
+
+@pytest.mark.dist
+def test_pipeline_searched_heterogeneous_plan_world4():
+    # gfx.search with pp=2 under 0.8 x the uniform pipeline's memory: checkpointing on some layers
+    # only and an uneven stage split (measured: stages [0..1], [2..5])
+    cases = [("pp2-searched", dict(search={"pp": 2}, budget_fraction=0.8), None)]
+    results = run_distributed(_run_cases, 4, "gpt-tiny", dict(layers=4, batch=8), cases, timeout=150)
+    _report(results, "gpt-tiny")
+    _check(results)
+    searched = results[0]["pp2-searched"]
+    assert searched["pp"] == 2 and len(searched["strategies"]) > 1, searched["strategies"]
 
 
 CASES_4_T5 = [
