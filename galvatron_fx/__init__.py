@@ -6,7 +6,7 @@ Public API (see ../shared/CONTRACT.md and README.md)::
     gfx.layers(gm)
 """
 
-from . import models
+from . import checkpoint, models
 from ._version import __version__
 from .capture import capture, layers
 from .cluster import Cluster
@@ -19,6 +19,7 @@ from .units import format_bytes, parse_bytes
 __all__ = [
     "__version__",
     "capture",
+    "checkpoint",
     "Cluster",
     "Plan",
     "baselines",

@@ -8,10 +8,15 @@ The device and backend come from the environment, never from a hard-coded choice
   otherwise it is ``nccl`` when the device is CUDA, else ``gloo``.
 
 With several CUDA devices per node, rank ``LOCAL_RANK`` (set by torchrun) uses ``cuda:LOCAL_RANK``.
+
+Collective timeout: ``GALVATRON_DIST_TIMEOUT_S`` (seconds, default 600) bounds how long a
+collective waits for a peer that is alive but silent (a rank that *died* closes its sockets and
+its peers fail at once; see docs/reliability.md). torch's own default is 30 minutes.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -21,6 +26,8 @@ from .errors import ConfigError
 
 DEVICE_ENV = "GALVATRON_DEVICE"
 BACKEND_ENV = "GALVATRON_BACKEND"
+TIMEOUT_ENV = "GALVATRON_DIST_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 600.0
 
 
 def local_rank() -> int:
@@ -54,6 +61,18 @@ def pick_backend(device: torch.device | None = None) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def collective_timeout() -> datetime.timedelta:
+    """How long a collective waits for its peers (``GALVATRON_DIST_TIMEOUT_S``, default 600 s)."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    try:
+        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ConfigError(f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds; unset it or use e.g. 300")
+    return datetime.timedelta(seconds=seconds)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait until all queued work on ``device`` has finished (a no-op on CPU)."""
     if device.type == "cuda":
@@ -63,14 +82,16 @@ def synchronize(device: torch.device) -> None:
 def init_distributed() -> tuple[int, int]:
     """Initialise the default process group from torchrun's environment unless it already is.
 
-    Uses :func:`pick_backend` and ``init_method='env://'``; on CUDA also selects the local device.
+    Uses :func:`pick_backend`, ``init_method='env://'`` and :func:`collective_timeout`; on CUDA also
+    selects the local device.
     Returns ``(rank, world_size)``.
     """
     if not dist.is_initialized():
         device = pick_device()
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend=pick_backend(device), init_method="env://")
+        dist.init_process_group(backend=pick_backend(device), init_method="env://",
+                                timeout=collective_timeout())
     return dist.get_rank(), dist.get_world_size()
 
 

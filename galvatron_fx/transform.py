@@ -126,6 +126,8 @@ def _fresh_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             root[n.target] = obj
     new_gm = torch.fx.GraphModule(root, graph, class_name=type(gm).__name__)
     new_gm.meta = dict(gm.meta)
+    if META_KEY in gm.meta:  # NOTE: the TP pass rewrites its layer records' node lists
+        new_gm.meta[META_KEY] = copy.deepcopy(gm.meta[META_KEY])
     return new_gm
 
 

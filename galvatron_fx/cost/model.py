@@ -128,6 +128,8 @@ class CostModel:
         self.graphs: dict[str, LayerGraph] = {}
         self.measures: dict[str, LayerMeasure] = {}
         self._tp: dict[tuple, object] = {}
+        self._params: dict[tuple, LayerParams] = {}
+        self._owned: list[dict[str, int]] | None = None
         for rec in self.layers:
             graph = extract_layer(gm, rec, grad_nodes, batch)
             if rec.signature not in self.graphs:
@@ -138,13 +140,14 @@ class CostModel:
     # ------------------------------------------------------------------ inputs
     def _owned_params(self, index: int) -> dict[str, int]:
         """fqn -> elements of the trainable parameters layer ``index`` owns (tied weights: the first user)."""
-        out = {}
-        for n in self.gm.graph.nodes:
-            info = n.meta.get(META_KEY)
-            if n.op == "get_attr" and info is not None and info.layer == index and info.param is not None \
-                    and info.param.is_param:
-                out[info.param.fqn] = info.param.numel
-        return out
+        if self._owned is None:
+            self._owned = [{} for _ in self.layers]
+            for n in self.gm.graph.nodes:
+                info = n.meta.get(META_KEY)
+                if n.op == "get_attr" and info is not None and info.layer is not None \
+                        and info.param is not None and info.param.is_param:
+                    self._owned[info.layer][info.param.fqn] = info.param.numel
+        return self._owned[index]
 
     def tp_analysis(self, index: int, tp: int):
         """The tensor-parallel pass's own analysis of layer ``index`` at degree ``tp`` (cached per
@@ -167,6 +170,11 @@ class CostModel:
         """Owned parameter elements of layer ``index``, split by whether TP at degree ``tp`` shards
         them, exactly as :mod:`galvatron_fx.passes.tensor_parallel` will (vocabularies that do not
         divide, or linears feeding a norm, stay replicated)."""
+        if (index, tp) not in self._params:
+            self._params[(index, tp)] = self._layer_params(index, tp)
+        return self._params[(index, tp)]
+
+    def _layer_params(self, index: int, tp: int) -> LayerParams:
         owned = self._owned_params(index)
         analysis = self.tp_analysis(index, tp) if tp > 1 else None
         if analysis is None or isinstance(analysis, Exception):

@@ -22,6 +22,7 @@ Pure: strategies, numbers and a duck-typed cost source in; plain data out.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Callable, Iterable
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, InfeasibleError
+from ..units import format_bytes
 from .dp import solve_stage
 from .objective import (
     CostSource,
@@ -148,7 +150,7 @@ class Engine:
         self.N = world_size
         self.budget = float(budget_bytes)
         self.opt = options or SearchOptions()
-        self.allowed_tp = allowed_tp or (lambda layer, tp: True)
+        self.allowed_tp = functools.lru_cache(maxsize=None)(allowed_tp or (lambda layer, tp: True))
         self.tables = CachedCosts(costs, cluster, signatures)
         self.progress = progress or (lambda msg: None)
         self.min_memory_seen = math.inf
@@ -398,7 +400,7 @@ class Engine:
 
     def infeasible(self) -> InfeasibleError:
         need = self.min_memory_seen
-        msg = (f"no parallel plan fits the per-device memory budget of {self.budget / 2**30:.2f} GiB on "
+        msg = (f"no parallel plan fits the per-device memory budget of {format_bytes(self.budget)} on "
                f"{self.N} devices")
         if math.isfinite(need):
             msg += (f"; the least memory any searched plan needs is {need / 2**30:.3f} GiB "
