@@ -24,8 +24,19 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import parser, print_table, write_json  # noqa: E402
-from _dist import (add_model_args, build, gfx_step, interleaved, model_kw, plan_label,  # noqa: E402
-                   profiled_cluster, rel_err, saved_activation_bytes, spawn, uniform)
+from _dist import (  # noqa: E402
+    add_model_args,
+    build,
+    gfx_step,
+    interleaved,
+    model_kw,
+    plan_label,
+    profiled_cluster,
+    rel_err,
+    saved_activation_bytes,
+    spawn,
+    uniform,
+)
 
 BASELINE_SPECS = {  # label -> Plan.uniform keywords (2 devices)
     "dp": dict(),

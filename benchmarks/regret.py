@@ -25,8 +25,18 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import parser, print_table, write_json  # noqa: E402
-from _dist import (add_model_args, build, gfx_step, interleaved, model_kw, plan_label,  # noqa: E402
-                   profiled_cluster, spawn, spearman, uniform)
+from _dist import (  # noqa: E402
+    add_model_args,
+    build,
+    gfx_step,
+    interleaved,
+    model_kw,
+    plan_label,
+    profiled_cluster,
+    spawn,
+    spearman,
+    uniform,
+)
 
 
 def candidates(pp1_micro_batches=(1, 2), pp2_micro_batches=(2, 4, 8)) -> list[dict]:

@@ -10,10 +10,10 @@ from . import checkpoint, models
 from ._version import __version__
 from .capture import capture, layers
 from .cluster import Cluster
+from .errors import CaptureError, ConfigError, GalvatronError, InfeasibleError, PlanMismatchError
 from .plan import Plan
 from .planner import baselines, estimate, search
 from .transform import transform
-from .errors import CaptureError, ConfigError, GalvatronError, InfeasibleError, PlanMismatchError
 from .units import format_bytes, parse_bytes
 
 __all__ = [

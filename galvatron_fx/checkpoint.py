@@ -118,7 +118,7 @@ def load(dist_model, optimizer: torch.optim.Optimizer | None, path: str | os.Pat
     want: dict[str, torch.Tensor] = {}
     opt_keys: dict[str, list[str]] = {}
     for s in stage._stores:
-        for fqn, shape in zip(s.fqns, s.shapes):
+        for fqn, _shape in zip(s.fqns, s.shapes):
             key = f"model.{fqn}"
             if key not in meta:
                 raise ConfigError(f"checkpoint {path!r} has no parameter {fqn!r}: it was saved for another "

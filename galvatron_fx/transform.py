@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from .errors import ConfigError, PlanMismatchError
+from .errors import ConfigError
 from .ir import META_KEY, GraphInfo
 from .passes.data_parallel import flatten_layer_params
 from .passes.split_layers import layer_module_name, split_layers
@@ -297,7 +297,6 @@ def _tp_shards(gm: torch.fx.GraphModule, layouts: list[Layout], rank: int) -> di
         if n.op != "get_attr":
             continue
         info = n.meta.get(META_KEY)
-        dim = None
         shard = getattr(info, "shard", None)
         if shard is None or info.layer is None:
             continue

@@ -295,7 +295,7 @@ def _records(gm: torch.fx.GraphModule, segments: list[tuple[str, str, list]]) ->
     # Parameters and inputs go with their first user.
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
-            users = sorted((layer_of[u] for u in node.users if u in layer_of))
+            users = sorted(layer_of[u] for u in node.users if u in layer_of)
             layer_of[node] = users[0] if users else (len(segments) - 1 if node.op == "placeholder" else 0)
 
     records = []

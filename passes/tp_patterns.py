@@ -704,7 +704,7 @@ def analyze(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[int, bool]]) -> 
     info = graph_info(gm)
     if info is None or not info.layers:
         raise ConfigError("apply_tensor_parallel needs a captured, layer-grouped GraphModule (gfx.capture)")
-    for idx, (tp, sp) in layer_tp.items():
+    for idx, (tp, _sp) in layer_tp.items():
         if not 0 <= idx < len(info.layers):
             raise ConfigError(f"layer index {idx} out of range (the graph has {len(info.layers)} layers)")
         if int(tp) < 1:

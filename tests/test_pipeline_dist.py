@@ -19,11 +19,8 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.training import EPS, LR, STEPS, TOL, reference
 
-STEPS = 5
-LR = 1e-3
-EPS = 1e-6  # see tests/test_transform_dist.py
-TOL = 1e-5
 GPT = dict(layers=2, batch=8)   # layers: pre, blocks.0, blocks.1, post
 T5 = dict(layers=4, hidden=32, heads=4, ffn_hidden=64, seq_len=16, tgt_len=8, vocab=64, batch=8)
 # T5 layers: pre, enc.0, enc.1, between, dec.0, dec.1, post
@@ -33,16 +30,6 @@ def _identity_tp(gm, plan, rank, base=0):
     return gm
 
 
-def _reference(model, args):
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss = model(*args)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
 
 
 def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=True):
@@ -54,7 +41,7 @@ def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=True):
 
     model, args = gfx.models.build(model_name, device="cpu", **overrides)
     gm = gfx.capture(model, args, method="fx")
-    ref_losses, ref_params = _reference(copy.deepcopy(model), args)
+    ref_losses, ref_params = reference(copy.deepcopy(model), args)
     cluster = gfx.Cluster.preset(f"{world_size}xA100-80GB")
     results = {}
     for label, plan_kw, specs in cases:

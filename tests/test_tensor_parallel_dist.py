@@ -88,7 +88,11 @@ def _tp_body(rank, world_size, name, method, tp, sp, steps, plan=None):
     """``plan``: layer index -> (tp, sp); default every layer ``(tp, sp)``."""
     import galvatron_fx as gfx
     from galvatron_fx.ir import META_KEY
-    from galvatron_fx.passes.tensor_parallel import apply_tensor_parallel, shard_tensor, tensor_parallel_report
+    from galvatron_fx.passes.tensor_parallel import (
+        apply_tensor_parallel,
+        shard_tensor,
+        tensor_parallel_report,
+    )
 
     model, args = build(name)
     ref = copy.deepcopy(model)

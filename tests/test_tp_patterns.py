@@ -9,7 +9,12 @@ import torch
 import galvatron_fx as gfx
 from galvatron_fx.errors import ConfigError
 from galvatron_fx.ir import META_KEY, ShardInfo
-from galvatron_fx.passes.tensor_parallel import apply_tensor_parallel, shard_tensor, tensor_parallel_report, unshard
+from galvatron_fx.passes.tensor_parallel import (
+    apply_tensor_parallel,
+    shard_tensor,
+    tensor_parallel_report,
+    unshard,
+)
 from galvatron_fx.passes.tp_patterns import analyze, embedding_operands, linear_operands
 from tests.test_tensor_parallel_dist import SMALL, build
 from tests.toy_models import ToyLM

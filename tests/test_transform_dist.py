@@ -19,13 +19,8 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.training import EPS, LR, STEPS, TOL, reference
 
-STEPS = 5  # AdamW steps per plan
-LR = 1e-3
-# NOTE: eps 1e-6 (not 1e-8): the attention key bias has a mathematically zero gradient (softmax
-# is shift-invariant), so Adam would otherwise turn round-off noise into full-size updates.
-EPS = 1e-6
-TOL = 1e-5
 BERT = dict(layers=2, hidden=64, heads=4, seq_len=16, vocab=96, batch=8)
 GPT = dict(layers=2, batch=8)
 
@@ -34,16 +29,6 @@ def _identity_tp(gm, plan, rank):
     return gm
 
 
-def _reference(model, args):
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss = model(*args)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
 
 
 def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=False):
@@ -55,7 +40,7 @@ def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=False):
 
     model, args = gfx.models.build(model_name, device="cpu", **overrides)
     gm = gfx.capture(model, args, method="fx")  # NOTE: same normal form as dynamo, faster on 2 cores
-    ref_losses, ref_params = _reference(copy.deepcopy(model), args)  # gm holds model's tensors
+    ref_losses, ref_params = reference(copy.deepcopy(model), args)  # gm holds model's tensors
     results = {}
     for label, micro_batches, specs in cases:
         plan = gfx.Plan.uniform(gm, world_size, global_batch_size=args[0].shape[0], micro_batches=micro_batches)

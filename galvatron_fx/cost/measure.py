@@ -230,7 +230,7 @@ def measure_point(layer: LayerGraph, n: int) -> Point:
                 p.fwd_flops_sharded += v
             else:
                 p.fwd_flops_rep += v
-        for key, (producer, running, t) in saved.items():
+        for _key, (producer, running, t) in saved.items():
             nbytes = t.untyped_storage().nbytes()
             if not t.dtype.is_floating_point:
                 p.saved_other_bytes += nbytes

@@ -161,7 +161,7 @@ class FlatParams(nn.Module):
     def finish_grad_sync(self) -> None:
         """Wait for this layer's collectives and set ``flat_param.grad`` (sum of the results)."""
         total = None
-        for work, value in self._pending:
+        for work, _value in self._pending:
             if work is not None:
                 work.wait()
         for work, value in self._pending:

@@ -137,48 +137,24 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, key):
+def _conjugate(name: str, forward, backward) -> type[torch.autograd.Function]:
+    """An autograd Function running ``forward(x, dim, key)`` and, in backward, its adjoint
+    ``backward(grad, dim, key)`` (the pairs below differ only in which collectives they are)."""
+
+    def fwd(ctx, x, dim, key):
         ctx.dim, ctx.key = dim, key
-        return _chunk(x, dim, key)
+        return forward(x, dim, key)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.key), None, None
+    def bwd(ctx, grad):
+        return backward(grad, ctx.dim, ctx.key), None, None
 
-
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, key):
-        ctx.dim, ctx.key = dim, key
-        return _all_gather(x, dim, key)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _chunk(grad, ctx.dim, ctx.key), None, None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _AllGatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, key):
-        ctx.dim, ctx.key = dim, key
-        return _all_gather(x, dim, key)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.key), None, None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, key):
-        ctx.dim, ctx.key = dim, key
-        return _reduce_scatter(x, dim, key)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.key), None, None
+_ScatterToRegion = _conjugate("_ScatterToRegion", _chunk, _all_gather)
+_GatherFromRegion = _conjugate("_GatherFromRegion", _all_gather, _chunk)
+_AllGatherSequence = _conjugate("_AllGatherSequence", _all_gather, _reduce_scatter)
+_ReduceScatterSequence = _conjugate("_ReduceScatterSequence", _reduce_scatter, _all_gather)
 
 
 def tp_copy_to_region(x: torch.Tensor, key: str) -> torch.Tensor:

@@ -38,7 +38,6 @@ from .objective import (
     CostSource,
     LayerTerms,
     estimate_plan,
-    layer_memory,
     layer_step_time,
     layer_terms,
     p2p_time_per_microbatch,

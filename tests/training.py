@@ -1,0 +1,25 @@
+"""Single-device reference training shared by the multi-process numerics tests."""
+
+from __future__ import annotations
+
+import torch
+
+STEPS = 5  # AdamW steps per plan
+LR = 1e-3
+# NOTE: eps 1e-6 (not 1e-8): the attention key bias has a mathematically zero gradient (softmax
+# is shift-invariant), so Adam would otherwise turn round-off noise into full-size updates.
+EPS = 1e-6
+TOL = 1e-5
+
+
+def reference(model: torch.nn.Module, args: tuple, steps: int = STEPS) -> tuple[list[float], dict]:
+    """Train ``model`` eagerly ``steps`` AdamW steps; return the losses and the final parameters."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(*args)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
