@@ -2,8 +2,14 @@
 
 Public API (see ../shared/CONTRACT.md and README.md)::
 
-    gm = gfx.capture(model, example_args, method="dynamo")
-    gfx.layers(gm)
+    gm = gfx.capture(model, example_args, method="dynamo")       # annotated torch.fx.GraphModule
+    gfx.layers(gm)                                                # ordered layer records
+    cluster = gfx.Cluster.preset("8xA100-80GB")                   # or .load(path), .profile()
+    plan = gfx.search(gm, cluster=cluster, memory_budget="16GiB", global_batch_size=32)
+    gfx.estimate(gm, plan, cluster); gfx.baselines(gm, cluster, "16GiB", 32)
+    dist_model = gfx.transform(gm, plan=plan)                     # under torchrun
+    gfx.checkpoint.save(dist_model, optimizer, path, step=...)
+    torch.compile(model, backend="galvatron", options={...})      # entry point, no import needed
 """
 
 from . import checkpoint, models
