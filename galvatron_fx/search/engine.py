@@ -375,6 +375,16 @@ class Engine:
             for j in np.flatnonzero(ok & (step <= best * (1 + 1e-9))):
                 yield self._result([space[j]] * self.L, stages, p, m, sched, gbs)
 
+    def _step_time_bound(self, p: int, m: int, gbs: int) -> float:
+        """A lower bound on the step time of any plan of this configuration: the slowest stage takes
+        at least the average of the layers' fastest strategies (resharding and p2p only add)."""
+        b = gbs // m
+        space = self.space(p, b) if gbs % m == 0 else []
+        if not space:
+            return math.inf
+        t = self._layer_tables(p, m, b, space)[0]
+        return float(np.sum(np.min(t, axis=1))) / p
+
     def fits(self, r: SearchResult) -> bool:
         return max(r.estimate["memory_bytes_per_device"]) <= self.budget
 
@@ -385,6 +395,8 @@ class Engine:
         for n, (p, m, sched, gbs) in enumerate(configs):
             if n % 8 == 0:
                 self.progress(f"search: configuration {n + 1}/{len(configs)} (pp={p}, m={m}, gbs={gbs})")
+            if best is not None and gbs / self._step_time_bound(p, m, gbs) < best.estimate["throughput_samples_s"]:
+                continue  # cannot beat the best plan so far (the bound is strict: ties are still searched)
             cands = [] if self.opt.uniform_only else [self.search_config(p, m, sched, gbs)]
             if self.opt.include_uniform or self.opt.uniform_only:
                 cands += list(self.uniform_candidates(p, m, sched, gbs))
