@@ -63,6 +63,7 @@ class LayerGraph:
     outputs: list[str]
     batch: int                                   # batch size the graph was captured with
     roles: dict[str, str] = field(default_factory=dict)        # node -> column|row|vocab
+    gathered: set = field(default_factory=set)                 # consumers the rewrite feeds a gathered (whole) input
     out_sharded: dict[str, bool] = field(default_factory=dict)  # node -> output sharded under TP
     in_sharded: dict[str, bool] = field(default_factory=dict)   # node -> some activation input sharded
     param_shard_dim: dict[str, int | None] = field(default_factory=dict)  # placeholder -> TP-split dim
@@ -141,6 +142,41 @@ def extract_layer(gm: torch.fx.GraphModule, rec: LayerRecord, grad_nodes: set[st
                        [n.name for n in outs], batch)
     tp_roles(layer)
     return layer
+
+
+def roles_from_analysis(layer: LayerGraph, analysis) -> None:
+    """Set ``layer``'s TP roles from the tensor-parallel pass's own analysis of the layer
+    (:class:`galvatron_fx.passes.tp_patterns.LayerTP`, node names shared with ``layer.gm``), or
+    mark everything replicated when ``analysis`` is ``None`` (the layer cannot take TP). This is
+    what the cost model uses, so it prices exactly what the rewrite will do."""
+    from ..passes.tp_patterns import TP, Sharded
+
+    def sharded(state) -> bool:
+        states = state if isinstance(state, (tuple, list)) else (state,)
+        return any(isinstance(x, Sharded) and x.kind == TP for x in states)
+
+    layer.roles.clear()
+    layer.out_sharded.clear()
+    layer.in_sharded.clear()
+    layer.gathered = set()
+    layer.param_shard_dim = {i.name: None for i in layer.inputs if i.kind == "param"}
+    if analysis is None:
+        return
+    for kind, names in (("column", analysis.column), ("row", analysis.row), ("vocab", analysis.vocab_embeddings)):
+        for name in names:
+            layer.roles[name] = kind
+    for name, state in analysis.states.items():
+        layer.out_sharded[name] = sharded(state)
+    for n in layer.gm.graph.nodes:
+        if n.op not in ("placeholder", "output"):
+            layer.in_sharded[n.name] = any(layer.out_sharded.get(a.name, False) for a in n.all_input_nodes)
+    for node_name, shard in analysis.param_shards.items():
+        if node_name in layer.param_shard_dim:
+            layer.param_shard_dim[node_name] = shard.dim
+    # a sharded value the rewrite gathers before a consumer (the logits before the loss) reaches
+    # that consumer whole: what the consumer saves for backward is not sharded
+    layer.gathered = {consumer for (consumer, _producer), op in analysis.conversions.items()
+                      if op and op[0] == "gather"}
 
 
 def _param_arg(node: torch.fx.Node, params: set[str], pos: int, key: str) -> torch.fx.Node | None:

@@ -240,7 +240,11 @@ def measure_point(layer: LayerGraph, n: int) -> Point:
                 sharded = layer.out_sharded.get(producer, False)
             else:
                 sharded = layer.in_sharded.get(running, False)
-            if sharded:
+            if running in layer.gathered:
+                # NOTE: the rewrite hands this op its input gathered whole (the logits before the
+                # loss), so what it saves is whole, under SP too
+                p.saved_gathered_elems += elems
+            elif sharded:
                 p.saved_sharded_elems += elems
             elif layer.roles.get(running) == "column":
                 # NOTE: under SP the runtime all-gathers the sequence before a column-parallel op,

@@ -40,7 +40,7 @@ from ..errors import ConfigError
 from ..ir import META_KEY
 from ..search.strategy import Strategy
 from ..units import parse_bytes
-from .extract import LayerGraph, capture_batch, extract_layer, needs_grad
+from .extract import LayerGraph, capture_batch, extract_layer, needs_grad, roles_from_analysis
 from .measure import LayerMeasure, measure_layer
 from .memory import StatesBytes, states_bytes
 
@@ -131,10 +131,16 @@ class CostModel:
         self._params: dict[tuple, LayerParams] = {}
         self._owned: list[dict[str, int]] | None = None
         for rec in self.layers:
+            if rec.signature in self.graphs:
+                continue
             graph = extract_layer(gm, rec, grad_nodes, batch)
-            if rec.signature not in self.graphs:
-                self.graphs[rec.signature] = graph
-                self.measures[rec.signature] = measure_layer(graph)
+            # NOTE: which ops TP shards comes from the tensor-parallel pass's own analysis (at degree
+            # 2, representative of any degree the layer admits), so FLOPs, activations and TP
+            # traffic are priced for exactly what the rewrite does
+            analysis = self.tp_analysis(rec.index, 2)
+            roles_from_analysis(graph, None if isinstance(analysis, Exception) else analysis)
+            self.graphs[rec.signature] = graph
+            self.measures[rec.signature] = measure_layer(graph)
         self._profiles: dict[tuple, dict] = {}
 
     # ------------------------------------------------------------------ inputs
@@ -259,9 +265,11 @@ class CostModel:
     def _activations(self, m: LayerMeasure, n: float, s: Strategy) -> tuple[float, float]:
         """(saved bytes kept until backward, saved bytes without checkpointing)."""
         rep_div = s.tp if s.sp else 1
+        # NOTE: integer tensors (token ids, labels, masks) are saved whole: the runtime does not
+        # split them along the sequence
         full = ((m.saved_sharded_elems(n) / s.tp + m.saved_rep_elems(n) / rep_div + m.saved_gathered_elems(n))
                 * self.itemsize
-                + m.saved_other_bytes(n) / rep_div)
+                + m.saved_other_bytes(n))
         if s.ckpt:
             return m.input_elems(n) * self.itemsize / rep_div + m.input_other_bytes(n), full
         return full, full

@@ -96,7 +96,12 @@ class _ShardedRunner(torch.fx.Interpreter):
 
 
 def _shards(layer: LayerGraph, tp: int) -> dict[str, tuple[int, int]]:
-    return {name: (dim, tp) for name, dim in layer.param_shard_dim.items() if dim is not None and tp > 1}
+    """Parameters to shrink to their TP shard for a timed run. Vocabulary-parallel tables keep their
+    rows: the runtime masks indices outside a rank's rows, which a plain lookup cannot."""
+    vocab = {a.name for n in layer.gm.graph.nodes if layer.roles.get(n.name) == "vocab"
+             for a in n.all_input_nodes}
+    return {name: (dim, tp) for name, dim in layer.param_shard_dim.items()
+            if dim is not None and tp > 1 and name not in vocab}
 
 
 def time_layer(layer: LayerGraph, n: int, *, tp: int = 1, ckpt: bool = False, dtype=None, device=None,

@@ -63,7 +63,9 @@ class _Slice(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ranks, index, dim):
         ctx.ranks, ctx.dim = ranks, dim
-        return _chunk(x, index, len(ranks), dim).contiguous()
+        # NOTE: a copy, not a view: a view would keep the whole (larger) tensor alive for as long
+        # as the next layer holds its slice for backward
+        return _chunk(x, index, len(ranks), dim).clone(memory_format=torch.contiguous_format)
 
     @staticmethod
     def backward(ctx, grad):
