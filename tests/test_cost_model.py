@@ -139,7 +139,10 @@ def test_attention_flops_counted():
     model, args = gfx.models.build("gpt-tiny", device="meta", layers=1)
     gm = gfx.capture(model, args, method="fx")
     rec = [r for r in gfx.layers(gm) if r.kind == "block"][0]
-    m = measure_layer(extract_layer(gm, rec))
+    m = CostModel(gm, CLUSTER).measure(rec.index)
+    # without the TP analysis every FLOP counts as replicated
+    replicated = measure_layer(extract_layer(gm, rec))
+    assert replicated.fwd_flops_sharded(1) == 0 and replicated.fwd_flops_rep(1) == m.fwd_flops_sharded(1) + m.fwd_flops_rep(1)
     b, s, h, heads, ffn = 1, 32, 64, 4, 256
     linear = 2 * b * s * h * (4 * h + 2 * ffn)
     attention = 4 * b * heads * s * s * (h // heads)

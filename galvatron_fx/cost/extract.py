@@ -5,31 +5,19 @@ order, the parameters and buffers it reads (its own and tied ones owned by other
 activations it reads from earlier layers and the graph inputs it reads; its outputs are the values
 later layers (or the graph output) consume.
 
-:func:`tp_roles` decides, from the graph alone, what Megatron-style tensor parallelism shards:
-
-* a ``linear`` (or ``x @ W``) whose weight is a >=2-D parameter is **column-parallel** when its
-  activation input is replicated (weight split on the output dim, bias split, output sharded) and
-  **row-parallel** when its input is sharded (weight split on the input dim, bias whole, output
-  replicated after an all-reduce);
-* an ``embedding`` with a 2-D weight is **vocab-parallel** (weight split on rows, output all-reduced);
-* any other op is sharded when one of its activation inputs is (attention between column- and
-  row-parallel linears runs on ``heads / tp`` heads), else replicated (norms, residual adds).
+:func:`roles_from_analysis` marks which of its ops and parameters tensor parallelism shards, from
+the tensor-parallel pass's own analysis (:func:`galvatron_fx.passes.tp_patterns.analyze`), so the
+cost model prices exactly what the rewrite does.
 """
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 
 from ..ir import META_KEY, LayerRecord
-
-LINEAR_TARGETS = {F.linear, torch._C._nn.linear, torch.ops.aten.linear.default, "linear"}
-MATMUL_TARGETS = {torch.matmul, operator.matmul, "matmul", "__matmul__"}
-EMBEDDING_TARGETS = {F.embedding, torch.ops.aten.embedding.default, "embedding"}
 
 
 @dataclass(frozen=True)
@@ -140,7 +128,7 @@ def extract_layer(gm: torch.fx.GraphModule, rec: LayerRecord, grad_nodes: set[st
     graph.output(tuple(env[n] for n in outs))
     layer = LayerGraph(rec.index, rec.signature, torch.fx.GraphModule(torch.nn.Module(), graph), inputs,
                        [n.name for n in outs], batch)
-    tp_roles(layer)
+    roles_from_analysis(layer, None)  # replicated until the cost model applies the TP analysis
     return layer
 
 
@@ -177,100 +165,3 @@ def roles_from_analysis(layer: LayerGraph, analysis) -> None:
     # that consumer whole: what the consumer saves for backward is not sharded
     layer.gathered = {consumer for (consumer, _producer), op in analysis.conversions.items()
                       if op and op[0] == "gather"}
-
-
-def _param_arg(node: torch.fx.Node, params: set[str], pos: int, key: str) -> torch.fx.Node | None:
-    arg = node.args[pos] if len(node.args) > pos else node.kwargs.get(key)
-    return arg if isinstance(arg, torch.fx.Node) and arg.name in params else None
-
-
-def _ndim(node: torch.fx.Node) -> int:
-    val = node.meta.get("val")
-    return val.dim() if isinstance(val, torch.Tensor) else 0
-
-
-NORM_TARGETS = {F.layer_norm, torch.layer_norm, F.group_norm, F.batch_norm, "layer_norm", "group_norm",
-                getattr(F, "rms_norm", F.layer_norm)}
-REDUCE_TARGETS = {torch.mean, torch.sum, torch.var, torch.std, torch.amax, "mean", "sum", "var", "std", "amax"}
-
-
-def _reduces_last_dim(node: torch.fx.Node) -> bool:
-    """A norm, or a reduction over the last dim: it cannot run on a hidden-sharded tensor."""
-    if node.target in NORM_TARGETS:
-        return True
-    if node.target in REDUCE_TARGETS:
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        dims = dim if isinstance(dim, (tuple, list)) else (dim,)
-        return any(d == -1 or (isinstance(d, int) and d == _ndim(node.args[0]) - 1) for d in dims)
-    return False
-
-
-def tp_roles(layer: LayerGraph) -> None:
-    """Fill ``layer.roles``, ``out_sharded``, ``in_sharded`` and ``param_shard_dim`` (module docstring).
-
-    A column-parallel candidate whose sharded outputs reach a norm or a last-dim reduction before
-    a row-parallel op (e.g. BERT's MLM head: dense, GELU, LayerNorm) stays replicated; the
-    propagation is repeated until no such conflict is left.
-    """
-    replicated: set[str] = set()
-    for _ in range(len(layer.gm.graph.nodes) + 1):
-        origin = _propagate(layer, replicated)
-        conflicts = {o for n in layer.gm.graph.nodes
-                     if layer.in_sharded.get(n.name) and _reduces_last_dim(n) for o in origin[n.name]}
-        if not conflicts:
-            return
-        replicated |= conflicts
-
-
-def _propagate(layer: LayerGraph, replicated: set[str]) -> dict[str, set[str]]:
-    """One pass of the propagation; returns, per node, the column-parallel ops its sharding comes from."""
-    params = {i.name for i in layer.inputs if i.kind == "param"}
-    graph_inputs = {i.name for i in layer.inputs if i.kind == "graph_input"}
-    shard_dim: dict[str, int | None] = {p: None for p in params}
-    sharded: dict[str, bool] = {}
-    origin: dict[str, set[str]] = {}
-    layer.roles.clear()
-    layer.in_sharded.clear()
-    layer.out_sharded.clear()
-    for n in layer.gm.graph.nodes:
-        if n.op in ("placeholder", "output"):
-            sharded[n.name], origin[n.name] = False, set()
-            continue
-        acts = [a for a in n.all_input_nodes if a.name not in params]
-        in_sh = any(sharded[a.name] for a in acts)
-        origin[n.name] = set().union(*(origin[a.name] for a in acts)) if acts else set()
-        layer.in_sharded[n.name] = in_sh
-        out_sh = in_sh
-        role = None
-        if n.target in LINEAR_TARGETS or n.target in MATMUL_TARGETS:
-            is_linear = n.target in LINEAR_TARGETS
-            weight = _param_arg(n, params, 1, "weight" if is_linear else "other")
-            if weight is not None and _ndim(weight) >= 2 and (in_sh or n.name not in replicated):
-                role = "row" if in_sh else "column"
-                k = _ndim(weight)
-                if is_linear:
-                    shard_dim[weight.name] = k - 1 if role == "row" else 0
-                    bias = _param_arg(n, params, 2, "bias")
-                    if bias is not None and role == "column":
-                        shard_dim[bias.name] = 0
-                else:
-                    shard_dim[weight.name] = k - 2 if role == "row" else k - 1
-                out_sh = role == "column"
-                origin[n.name] = {n.name} if role == "column" else set()
-        elif n.target in EMBEDDING_TARGETS:
-            weight = _param_arg(n, params, 1, "weight")
-            index = n.args[0] if n.args else n.kwargs.get("input")
-            # NOTE: only token embeddings (indices straight from the data) are vocab-parallel;
-            # position tables indexed by an arange stay replicated, as in Megatron.
-            if weight is not None and _ndim(weight) == 2 and getattr(index, "name", None) in graph_inputs:
-                role = "vocab"
-                shard_dim[weight.name] = 0
-                out_sh = False
-        if role is not None:
-            layer.roles[n.name] = role
-        if not out_sh:
-            origin[n.name] = set()
-        sharded[n.name] = out_sh
-        layer.out_sharded[n.name] = out_sh
-    layer.param_shard_dim = shard_dim
-    return origin

@@ -12,7 +12,7 @@ Bytes saved for backward are the unique storages packed by
 (``untyped_storage()._cdata``, stable across views and valid on fake tensors), parameters excluded.
 Each saved storage is attributed to the node that produced it (or, for a buffer made inside an op,
 such as an attention log-sum-exp or a norm's statistics, to the node running) and classified as
-TP-sharded or replicated with :func:`galvatron_fx.cost.extract.tp_roles`. Floating-point bytes are
+TP-sharded or replicated with :func:`galvatron_fx.cost.extract.roles_from_analysis`. Floating-point bytes are
 kept as element counts so the cost model can price them in any dtype.
 
 FLOPs: ``FlopCounterMode`` counts matmuls, convolutions and attention; CPU SDPA kernels have no
