@@ -88,6 +88,7 @@ def _rank(rank, world, overrides, mode, steps):
         stage = getattr(dm, "stage_index", 0)
         states = dm.states_bytes(opt)["total"]  # NOTE: before the activation probe, which frees the gradients
         if plan.pp > 1:
+            dm.track_memory = True   # after the timed steps: the probe costs a hook per saved tensor
             dm.train_step(*args)
             act = dm.schedule_stats["peak_saved_bytes"]
         else:

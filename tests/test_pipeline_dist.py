@@ -69,6 +69,7 @@ def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=True):
             dm = T.transform(gm, plan=plan)
         finally:
             T.apply_tensor_parallel = saved
+        dm.track_memory = True  # record the saved bytes per micro-batch (schedule_stats)
         opt = dm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
         t0 = time.perf_counter()
         losses = []

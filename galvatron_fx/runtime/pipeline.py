@@ -250,13 +250,19 @@ def _make_stage_class():
             stats = self.stats
             self.submod.chunk = fwd_chunk_id
             stats["order"].append(f"F{fwd_chunk_id}")
+            if not self.track_memory:
+                out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+                stats["in_flight"] += 1
+                stats["peak_in_flight"] = max(stats["peak_in_flight"], stats["in_flight"])
+                return out
             counted: dict = {}
-            params = self.param_storages
+            params = self.param_storages()  # NOTE: ZeRO-3 buffers are re-allocated per gather:
+            # the lookup below re-reads them when a saved tensor is not a known storage
 
             def pack(t):
                 st = t.untyped_storage()
                 ptr = st.data_ptr()
-                if ptr not in counted and ptr not in params():
+                if ptr not in counted and ptr not in params and ptr not in self.param_storages():
                     counted[ptr] = st.nbytes()
                 return t
 
@@ -313,6 +319,18 @@ class PipelineModel(nn.Module):
     @property
     def code(self) -> str:
         return self.stage.code
+
+    @property
+    def track_memory(self) -> bool:
+        """Record the bytes each micro-batch saves for backward in :attr:`schedule_stats`
+        (``peak_saved_bytes``). NOTE: off by default: it runs a Python hook per saved tensor."""
+        return self.__dict__.get("_track_memory", False)
+
+    @track_memory.setter
+    def track_memory(self, on: bool) -> None:
+        self.__dict__["_track_memory"] = bool(on)
+        if self._built is not None:
+            self._built[1]._stage.track_memory = bool(on)
 
     def extra_repr(self) -> str:
         return (f"stage_index={self.stage_index}, num_stages={self.num_stages}, layers "
@@ -397,6 +415,7 @@ class PipelineModel(nn.Module):
         stage = _make_stage_class()(self._runner, info.index, self.num_stages, device,
                                     input_args=inputs, output_args=outputs, group=pipe)
         stage.stats = {}
+        stage.track_memory = self.track_memory
         stage.stores = self.stage._stores
         stores = weakref.ref(self.stage)
 
