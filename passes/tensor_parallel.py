@@ -69,6 +69,10 @@ _CONVERSION_OPS = {
 }
 
 
+_MM = {torch.addmm: torch.mm, torch.ops.aten.addmm.default: torch.ops.aten.mm.default}
+"""addmm -> mm of a row-parallel Conv1D (its bias is added once, after the partial sums)."""
+
+
 def shard_tensor(full: torch.Tensor, shard: ParamShard | ShardInfo, rank: int) -> torch.Tensor:
     """Rank ``rank``'s shard of ``full``: chunk ``rank`` of every block along ``shard.dim``."""
     pieces, offset = [], 0
@@ -248,6 +252,9 @@ class _Rewriter:
                     node.args = node.args[:2]
                 else:
                     node.kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
+        elif op_name(node) == "addmm":   # addmm(bias, x, W) -> mm(x, W) + bias after the sum
+            bias, node.args = node.args[0], node.args[1:]
+            node.target = _MM[node.target]
         with self.graph.inserting_after(node):
             red = self.new_node(idx, _CONVERSION_OPS[how[0]], (node, *how[1:], key), node)
         last = red

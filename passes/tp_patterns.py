@@ -159,13 +159,18 @@ def linear_operands(node: torch.fx.Node):
     """``(x, weight, bias, weight_out_dim)`` of a linear op with a parameter weight, else None.
 
     ``weight_out_dim`` is the dim of the weight parameter that indexes output features
-    (0 for ``linear``'s ``[out, in]``, 1 for ``matmul(x, W[in, out])``)."""
+    (0 for ``linear``'s ``[out, in]``, 1 for ``matmul(x, W[in, out])`` and ``addmm(b, x, W[in, out])``)."""
     name = op_name(node)
     if name == "linear":
         x, w, b = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
         return (x, w, b, 0) if is_param(w) and _val(w).dim() == 2 else None
     if name == "matmul" and len(node.args) == 2 and is_param(node.args[1]) and _val(node.args[1]).dim() == 2:
         return node.args[0], node.args[1], None, 1
+    if (name == "addmm" and len(node.args) == 3 and not node.kwargs and is_param(node.args[2])
+            and _val(node.args[2]).dim() == 2):
+        # addmm(bias, x, W[in, out]): transformers' Conv1D (GPT-2) after flattening x to 2-D
+        b = node.args[0]
+        return node.args[1], node.args[2], b if is_param(b) else None, 1
     return None
 
 
