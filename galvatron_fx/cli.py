@@ -133,6 +133,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         Plan.from_dict(data).save(args.json)
         progress(f"wrote {args.json}")
+    if args.plot:
+        from .plot import plot_plan
+
+        progress(f"wrote {plot_plan(plan, args.plot)}")
     return 0
 
 
@@ -140,7 +144,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     """Print a saved plan as a table."""
     from .plan import Plan
 
-    print(Plan.load(args.plan).explain())
+    plan = Plan.load(args.plan)
+    print(plan.explain())
+    if args.plot:
+        from .plot import plot_plan
+
+        progress(f"wrote {plot_plan(plan, args.plot)}")
     return 0
 
 
@@ -217,10 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override (repeatable)")
     p.add_argument("--baselines", action="store_true", help="also estimate DP, ZeRO-3, TP, PP, 3D, DP+TP, DP+PP")
     p.add_argument("--json", metavar="PATH", help="write the plan JSON (with baselines) to PATH")
+    p.add_argument("--plot", metavar="PATH", help="draw the plan (PNG/SVG/PDF; needs matplotlib)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("show", help="print a saved plan", description="Print PLAN.json as a table.")
     p.add_argument("plan", metavar="PLAN.json")
+    p.add_argument("--plot", metavar="PATH", help="also draw the plan (PNG/SVG/PDF; needs matplotlib)")
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("profile", help="measure the local cluster (run under torchrun for several ranks)",

@@ -33,6 +33,18 @@ def test_plan_with_baselines_writes_a_loadable_plan(capsys, tmp_path):
     assert "stage 0" in capsys.readouterr().out
 
 
+def test_plot_draws_the_plan(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plan.png"
+    assert main(["plan", "gpt-tiny", *TINY, "--cluster", "4xA100-80GB", "--memory-budget", "2MiB",
+                 "--global-batch-size", "16", "--reserve", "0", "--json", str(tmp_path / "p.json"),
+                 "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    svg = tmp_path / "plan.svg"
+    assert main(["show", str(tmp_path / "p.json"), "--plot", str(svg)]) == 0
+    assert "<svg" in svg.read_text()[:500]
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["layers", "nonexistent-model"], "unknown model 'nonexistent-model'"),
     (["plan", "gpt-tiny", "--cluster", "3xB200"], "unknown cluster preset '3xB200'"),

@@ -115,6 +115,8 @@ def _check(results):
             if r["schedule"] == "gpipe":
                 assert st["order"] == [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
             assert st["peak_saved_bytes"] > 0
+            # per-rank bytes of parameters + gradients + optimizer states equal the cost model's
+            assert r["states"] == r["predicted_states"], (label, r["stage"], r["states"], r["predicted_states"])
 
 
 def _report(results, name):
