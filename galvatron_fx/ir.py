@@ -145,6 +145,13 @@ def tensor_meta(node: torch.fx.Node) -> tuple[tuple[int, ...], torch.dtype] | No
     return None
 
 
+def carries_batch(val: object) -> bool:
+    """Whether a value computed from batched inputs carries the batch itself: tensors and sizes
+    derived from them do; ``x.device`` / ``x.dtype`` do not (``torch.arange(S, device=x.device)``
+    is the same on every rank)."""
+    return not isinstance(val, (torch.device, torch.dtype))
+
+
 def short_hash(*parts: object, n: int = 16) -> str:
     h = hashlib.sha256()
     for p in parts:

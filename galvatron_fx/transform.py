@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.fx
 
 from .errors import ConfigError
-from .ir import META_KEY, GraphInfo
+from .ir import META_KEY, GraphInfo, carries_batch
 from .passes.data_parallel import flatten_layer_params
 from .passes.split_layers import layer_module_name, split_layers
 from .plan import Plan
@@ -282,7 +282,7 @@ def _batched_outputs(layer: torch.fx.GraphModule, in_flags: list[bool]) -> list[
             outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
             return [flags.get(o, False) if isinstance(o, torch.fx.Node) else False for o in outs]
         else:
-            flags[n] = any(flags.get(x, False) for x in n.all_input_nodes)
+            flags[n] = carries_batch(n.meta.get("val")) and any(flags.get(x, False) for x in n.all_input_nodes)
     return []
 
 

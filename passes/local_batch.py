@@ -29,6 +29,7 @@ import torch
 import torch.fx
 
 from ..errors import ConfigError
+from ..ir import carries_batch
 from .split_layers import is_trainable_param, layer_module_name
 
 
@@ -67,8 +68,7 @@ def _localize_layer(layer: torch.fx.GraphModule, B: int, b: int) -> int:
             batched[n], has_param[n] = False, is_trainable_param(n)
         else:
             ins = n.all_input_nodes
-            # NOTE: ``x.device`` / ``x.dtype`` of a batched x carry no batch (``arange(S, device=x.device)``)
-            batched[n] = not isinstance(v, (torch.device, torch.dtype)) and any(batched.get(x, False) for x in ins)
+            batched[n] = carries_batch(v) and any(batched.get(x, False) for x in ins)
             has_param[n] = any(has_param.get(x, False) for x in ins)
     count = 0
     for n in layer.graph.nodes:
