@@ -145,11 +145,16 @@ def tensor_meta(node: torch.fx.Node) -> tuple[tuple[int, ...], torch.dtype] | No
     return None
 
 
-def carries_batch(val: object) -> bool:
-    """Whether a value computed from batched inputs carries the batch itself: tensors and sizes
+def carries_batch(node: torch.fx.Node) -> bool:
+    """Whether a node computed from batched inputs carries the batch itself: tensors and sizes
     derived from them do; ``x.device`` / ``x.dtype`` do not (``torch.arange(S, device=x.device)``
-    is the same on every rank)."""
-    return not isinstance(val, (torch.device, torch.dtype))
+    is the same on every rank). Uses ``meta['val']`` when present, else the ``getattr`` target."""
+    val = node.meta.get("val")
+    if isinstance(val, (torch.device, torch.dtype)):
+        return False
+    if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
+        return node.args[1] not in ("device", "dtype", "is_cuda")
+    return True
 
 
 def short_hash(*parts: object, n: int = 16) -> str:

@@ -282,7 +282,7 @@ def _batched_outputs(layer: torch.fx.GraphModule, in_flags: list[bool]) -> list[
             outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
             return [flags.get(o, False) if isinstance(o, torch.fx.Node) else False for o in outs]
         else:
-            flags[n] = carries_batch(n.meta.get("val")) and any(flags.get(x, False) for x in n.all_input_nodes)
+            flags[n] = carries_batch(n) and any(flags.get(x, False) for x in n.all_input_nodes)
     return []
 
 

@@ -68,7 +68,7 @@ def _localize_layer(layer: torch.fx.GraphModule, B: int, b: int) -> int:
             batched[n], has_param[n] = False, is_trainable_param(n)
         else:
             ins = n.all_input_nodes
-            batched[n] = carries_batch(v) and any(batched.get(x, False) for x in ins)
+            batched[n] = carries_batch(n) and any(batched.get(x, False) for x in ins)
             has_param[n] = any(has_param.get(x, False) for x in ins)
     count = 0
     for n in layer.graph.nodes:
