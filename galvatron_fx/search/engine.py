@@ -402,7 +402,7 @@ class Engine:
                 cands += list(self.uniform_candidates(p, m, sched, gbs))
             for r in cands:
                 tried += 1
-                if r is not None and self.fits(r) and (best is None or _better(r, best)):
+                if r is not None and self.fits(r) and (best is None or is_better(r, best)):
                     best = r
         if best is None:
             raise self.infeasible()
@@ -451,7 +451,7 @@ def _undominated(t: np.ndarray, mem: np.ndarray, trans: np.ndarray, space: list[
     return np.array(keep, dtype=int)
 
 
-def _better(a: SearchResult, b: SearchResult) -> bool:
+def is_better(a: SearchResult, b: SearchResult) -> bool:
     """Higher throughput; ties: less peak memory, fewer stages, fewer micro-batches."""
     ka = (-a.estimate["throughput_samples_s"], max(a.estimate["memory_bytes_per_device"]), a.pp, a.micro_batches)
     kb = (-b.estimate["throughput_samples_s"], max(b.estimate["memory_bytes_per_device"]), b.pp, b.micro_batches)
