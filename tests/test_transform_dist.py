@@ -148,9 +148,9 @@ CASES_TP = [
 
 
 @pytest.mark.dist
-def test_transform_tensor_parallel_world4():
-    pytest.importorskip("galvatron_fx.passes.tensor_parallel")
-    results = run_distributed(_run_cases, 4, "gpt-tiny", dict(GPT, layers=2, batch=8), CASES_TP, True, timeout=90)
+@pytest.mark.parametrize("model_name, overrides", [("gpt-tiny", dict(GPT, layers=2, batch=8)), ("bert-huge-32", BERT)])
+def test_transform_tensor_parallel_world4(model_name, overrides):
+    results = run_distributed(_run_cases, 4, model_name, overrides, CASES_TP, True, timeout=150)
     _check(results)
 
 
