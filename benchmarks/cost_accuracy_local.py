@@ -17,23 +17,9 @@ import torch
 import galvatron_fx as gfx
 from galvatron_fx.cluster import Cluster
 from galvatron_fx.cost import CostModel
+from galvatron_fx.cost.measure import saved_bytes
 from galvatron_fx.cost.profile import time_layer
 from galvatron_fx.search.strategy import Strategy
-
-
-def real_saved_bytes(fn, params) -> int:
-    excluded = {p.untyped_storage()._cdata for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        key = t.untyped_storage()._cdata
-        if key not in excluded:
-            seen[key] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
 
 
 def main() -> None:
@@ -60,7 +46,7 @@ def main() -> None:
             rows.append({"what": f"block bwd time tp{tp} (ms)", "predicted": c.bwd_s * 1e3, "measured": bwd * 1e3})
     blk = model.blocks[0]
     x = torch.randn(args.held_out, 128, args.hidden, requires_grad=True)
-    real = real_saved_bytes(lambda: blk(x, is_causal=True), list(blk.parameters()))
+    real = saved_bytes(lambda: blk(x, is_causal=True), list(blk.parameters()))
     rows.append({"what": "block saved activations (KiB)", "predicted": cm.activation_bytes(block, Strategy(1, 1),
                  args.held_out) / 1024, "measured": real / 1024})
     print(f"held-out micro-batch size {args.held_out} (fit on 1, 2, 4)")

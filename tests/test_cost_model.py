@@ -10,6 +10,7 @@ from torch import nn
 import galvatron_fx as gfx
 from galvatron_fx.cluster import Cluster
 from galvatron_fx.cost import CostModel, extract_layer, measure_layer, states_bytes
+from galvatron_fx.cost.measure import saved_bytes
 from galvatron_fx.models.layers import MLP, Attention
 from galvatron_fx.search.strategy import Strategy
 
@@ -150,19 +151,6 @@ def test_attention_flops_counted():
     assert m.bwd_flops(1) == 2 * (linear + attention)
 
 
-def _real_saved_bytes(fn, params) -> int:
-    excluded = {p.untyped_storage()._cdata for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        key = t.untyped_storage()._cdata
-        if key not in excluded:
-            seen[key] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
 
 
 class ShardedGPTBlock(nn.Module):
@@ -190,11 +178,11 @@ def test_saved_activations_match_real_run(name, kw):
     block = model.blocks[0]
     x = torch.randn(3, 32, 64, requires_grad=True)
     extra = {"is_causal": True} if name == "gpt-tiny" else {}
-    real = _real_saved_bytes(lambda: block(x, **extra), list(block.parameters()))
+    real = saved_bytes(lambda: block(x, **extra), list(block.parameters()))
     predicted = cm.activation_bytes(1, Strategy(1, 1), 3)
     assert abs(predicted - real) <= 0.05 * real
     if name == "gpt-tiny":
         shard = ShardedGPTBlock()
-        real2 = _real_saved_bytes(lambda: shard(x), list(shard.parameters()))
+        real2 = saved_bytes(lambda: shard(x), list(shard.parameters()))
         predicted2 = cm.activation_bytes(1, Strategy(2, 1), 3)
         assert abs(predicted2 - real2) <= 0.05 * real2

@@ -19,25 +19,18 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.training import EPS, LR, STEPS, TOL, reference
+from tests.training import EPS, LR, STEPS, TOL, reference, transform
 
 GPT = dict(layers=2, batch=8)   # layers: pre, blocks.0, blocks.1, post
 T5 = dict(layers=4, hidden=32, heads=4, ffn_hidden=64, seq_len=16, tgt_len=8, vocab=64, batch=8)
 # T5 layers: pre, enc.0, enc.1, between, dec.0, dec.1, post
 
 
-def _identity_tp(gm, plan, rank, base=0):
-    return gm
-
 
 
 
 def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=True):
-    import importlib
-
     import galvatron_fx as gfx
-
-    T = importlib.import_module("galvatron_fx.transform")
 
     model, args = gfx.models.build(model_name, device="cpu", **overrides)
     gm = gfx.capture(model, args, method="fx")
@@ -62,13 +55,7 @@ def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=True):
                 for key, value in specs[i % len(specs)].items():
                     setattr(lp, key, value)
             plan.validate()
-        saved = T.apply_tensor_parallel
-        if not real_tp:
-            T.apply_tensor_parallel = _identity_tp
-        try:
-            dm = T.transform(gm, plan=plan)
-        finally:
-            T.apply_tensor_parallel = saved
+        dm = transform(gm, plan, real_tp)
         dm.track_memory = True  # record the saved bytes per micro-batch (schedule_stats)
         opt = dm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
         t0 = time.perf_counter()

@@ -19,24 +19,17 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.training import EPS, LR, STEPS, TOL, reference
+from tests.training import EPS, LR, STEPS, TOL, reference, transform
 
 BERT = dict(layers=2, hidden=64, heads=4, seq_len=16, vocab=96, batch=8)
 GPT = dict(layers=2, batch=8)
 
 
-def _identity_tp(gm, plan, rank):
-    return gm
-
 
 
 
 def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=False):
-    import importlib
-
     import galvatron_fx as gfx
-
-    T = importlib.import_module("galvatron_fx.transform")  # the package attribute is the function
 
     model, args = gfx.models.build(model_name, device="cpu", **overrides)
     gm = gfx.capture(model, args, method="fx")  # NOTE: same normal form as dynamo, faster on 2 cores
@@ -49,13 +42,7 @@ def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=False):
             for key, value in spec.items():
                 setattr(lp, key, value)
         plan.validate()
-        saved = T.apply_tensor_parallel
-        if not real_tp:
-            T.apply_tensor_parallel = _identity_tp
-        try:
-            dm = T.transform(gm, plan=plan)
-        finally:
-            T.apply_tensor_parallel = saved
+        dm = transform(gm, plan, real_tp)
         opt = dm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
         t0 = time.perf_counter()
         losses = []

@@ -23,3 +23,19 @@ def reference(model: torch.nn.Module, args: tuple, steps: int = STEPS) -> tuple[
         opt.step()
         losses.append(loss.item())
     return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def transform(gm, plan, real_tp: bool = True):
+    """``gfx.transform``; with ``real_tp=False`` the tensor-parallel pass is an identity (each TP rank
+    computes whole layers on its batch slice: mathematically the same), which tests the rank layout,
+    the per-layer groups and the resharding on their own."""
+    import importlib
+
+    T = importlib.import_module("galvatron_fx.transform")  # the package attribute is the function
+    saved = T.apply_tensor_parallel
+    if not real_tp:
+        T.apply_tensor_parallel = lambda gm, plan, rank, base=0: gm
+    try:
+        return T.transform(gm, plan=plan)
+    finally:
+        T.apply_tensor_parallel = saved

@@ -149,6 +149,23 @@ def measure_layer(layer: LayerGraph, sizes: tuple[int, ...] = MEASURE_SIZES) -> 
     return LayerMeasure(layer.signature, tuple(p.n for p in points), fits, fwd, bwd)
 
 
+def saved_bytes(fn, exclude=()) -> int:
+    """Bytes of the unique storages autograd saves for backward while ``fn()`` runs (real tensors),
+    leaving out the storages of the tensors in ``exclude`` (parameters). Used to check the model."""
+    excluded = {t.untyped_storage()._cdata for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        key = t.untyped_storage()._cdata
+        if key not in excluded:
+            seen[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
 def _numel(t) -> int:
     return t.numel() if isinstance(t, torch.Tensor) else 0
 
