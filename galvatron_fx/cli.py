@@ -156,11 +156,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     """Measure the local torch.distributed world (run under torchrun) or this process."""
     from .cluster import Cluster
-    from .distributed import init_distributed
+    from .distributed import init_distributed, shutdown
 
     if "RANK" in os.environ:
         init_distributed()
     cluster = Cluster.profile(out=args.out, progress=True)
+    shutdown()
     if int(os.environ.get("RANK", "0")) == 0:
         print(cluster.summary())
     return 0
@@ -184,6 +185,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         print_log(log)
         if args.json:
             _write_json(args.json, log)
+    from .distributed import shutdown
+
+    shutdown()
     return 0
 
 

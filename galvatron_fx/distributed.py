@@ -73,6 +73,16 @@ def collective_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+def shutdown() -> None:
+    """Tear the default process group down (collectively) before the process exits.
+
+    NOTE: a gloo group left alive at interpreter exit can abort the process from its destructor
+    ("terminate called without an active exception"), which torchrun reports as a failed rank."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def synchronize(device: torch.device) -> None:
     """Wait until all queued work on ``device`` has finished (a no-op on CPU)."""
     if device.type == "cuda":
