@@ -29,12 +29,12 @@ T5 = dict(layers=4, hidden=32, heads=4, ffn_hidden=64, seq_len=16, tgt_len=8, vo
 
 
 
-def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=True):
+def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=True, eps=EPS):
     import galvatron_fx as gfx
 
     model, args = gfx.models.build(model_name, device="cpu", **overrides)
     gm = gfx.capture(model, args, method="fx")
-    ref_losses, ref_params = reference(copy.deepcopy(model), args)
+    ref_losses, ref_params = reference(copy.deepcopy(model), args, eps=eps)
     cluster = gfx.Cluster.preset(f"{world_size}xA100-80GB")
     results = {}
     for label, plan_kw, specs in cases:
@@ -57,7 +57,7 @@ def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=True):
             plan.validate()
         dm = transform(gm, plan, real_tp)
         dm.track_memory = True  # record the saved bytes per micro-batch (schedule_stats)
-        opt = dm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+        opt = dm.optimizer(torch.optim.AdamW, lr=LR, eps=eps)
         t0 = time.perf_counter()
         losses = []
         for _ in range(STEPS):
@@ -165,9 +165,7 @@ def test_pipeline_searched_heterogeneous_plan_world4():
 CASES_4_T5 = [
     ("pp4-1f1b", dict(pp=4, tp=1, dp=1, schedule="1f1b", micro_batches=4), [{}]),
     ("pp2xdp2-gpipe", dict(pp=2, tp=1, dp=2, schedule="gpipe", micro_batches=2), [{}]),
-    # NOTE: T5 with tp > 1 is not covered: the tied embedding / LM head crosses the stages whole, so its
-    # layers need tp=1 (a clear ConfigError, tested below), and a tp=1 -> tp=2 change inside a stage
-    # slices T5's position bias as if batched (a pp = 1 resharding limitation). Heterogeneous sdp/ckpt:
+    # heterogeneous sdp/ckpt (TP on T5: test_pipeline_world4_t5_tensor_parallel_and_searched)
     ("pp2-hetero", dict(pp=2, tp=1, dp=2, schedule="1f1b", micro_batches=2, stages=[[0, 2], [3, 6]]),
      [dict(sdp="zero3"), dict(sdp="none", ckpt=True), dict(sdp="zero2"), dict(sdp="zero3", ckpt=True)]),
     ("pp2-zero3", dict(pp=2, tp=1, dp=2, sdp="zero3", schedule="1f1b", micro_batches=2), [{}]),
@@ -179,6 +177,30 @@ def test_pipeline_world4_t5():
     results = run_distributed(_run_cases, 4, "t5-large-32", T5, CASES_4_T5, timeout=150)
     _report(results, "t5")
     _check(results)
+
+
+# NOTE: T5's first decoder block has parameters whose gradients are nearly zero; with eps 1e-6
+# AdamW turns the round-off of a different reduction order into visible updates (1e-3 relative
+# after 5 steps while step-1 gradients agree to 1e-7). eps 1e-3 keeps the comparison meaningful.
+T5_EPS = 1e-3
+CASES_4_T5_TP = [
+    # TP on the blocks; the layers holding the tied embedding / LM head stay tp=1 (a tied weight
+    # crossing stages must be whole: tested below)
+    ("pp2xtp2", dict(pp=2, tp=1, dp=2, schedule="1f1b", micro_batches=2),
+     [dict(tp=1, dp=2), dict(tp=2, dp=1), dict(tp=2, dp=1), dict(tp=1, dp=2), dict(tp=2, dp=1),
+      dict(tp=2, dp=1), dict(tp=1, dp=2)]),
+    # searched with pp=2 under 0.8 x the uniform pipeline's memory: checkpointing on some layers
+    ("pp2-searched", dict(search={"pp": 2, "tp": 1}, budget_fraction=0.8), None),
+]
+
+
+@pytest.mark.dist
+def test_pipeline_world4_t5_tensor_parallel_and_searched():
+    results = run_distributed(_run_cases, 4, "t5-large-32", T5, CASES_4_T5_TP, True, T5_EPS, timeout=150)
+    _report(results, "t5")
+    _check(results)
+    searched = results[0]["pp2-searched"]
+    assert searched["pp"] == 2 and len(searched["strategies"]) > 1, searched["strategies"]
 
 
 def _errors(rank, world_size):

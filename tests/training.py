@@ -12,9 +12,9 @@ EPS = 1e-6
 TOL = 1e-5
 
 
-def reference(model: torch.nn.Module, args: tuple, steps: int = STEPS) -> tuple[list[float], dict]:
+def reference(model: torch.nn.Module, args: tuple, steps: int = STEPS, eps: float = EPS) -> tuple[list[float], dict]:
     """Train ``model`` eagerly ``steps`` AdamW steps; return the losses and the final parameters."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=eps)
     losses = []
     for _ in range(steps):
         opt.zero_grad()
