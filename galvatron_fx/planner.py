@@ -128,7 +128,9 @@ def _engine(gm, cluster, world_size, budget, global_batch_size, constraints, cos
     cm = cost_model_for(gm, cluster, **cost_options)
     opt = _options(constraints, global_batch_size, cm.reserve_bytes)
     sigs = [rec.signature for rec in cm.layers]
-    return Engine(cm, cluster, sigs, world_size, budget, opt, allowed_tp=tp_admissible(cm),
+    reads = [set(rec.params) for rec in cm.layers]
+    tied = [i for i, r in enumerate(reads) if any(r & other for j, other in enumerate(reads) if j != i)]
+    return Engine(cm, cluster, sigs, world_size, budget, opt, allowed_tp=tp_admissible(cm), tied_layers=tied,
                   progress=stderr_progress if progress is True else (progress or None))
 
 

@@ -140,3 +140,29 @@ def test_searched_plan_beats_the_limited_variants_where_the_partition_heuristic_
     for name in ("dp+tp", "dp+pp"):
         base = gfx.search(gm, cluster, "8GB", None, constraints={**BASELINES[name], **cons})
         assert plan.estimate["throughput_samples_s"] >= base.estimate["throughput_samples_s"], name
+
+
+def test_pipelined_plans_keep_tied_weight_layers_whole():
+    # gpt3-* ties the LM head to the embedding: with pp > 1 the runtime sends that weight between
+    # stages whole, so its layers must be tp=1 and not ZeRO-3 with checkpointing
+    from galvatron_fx.planner import _engine
+    from galvatron_fx.search.strategy import Strategy
+
+    model, args = gfx.models.build("gpt3-125m", device="meta", layers=4, hidden=64, heads=4, seq_len=32,
+                                   vocab=128, batch=8)
+    gm = gfx.capture(model, args, method="fx")
+    cluster = gfx.Cluster.preset("8xA100-80GB")
+    engine = _engine(gm, cluster, 8, 2**30, 32, None, {"reserve_bytes": 0}, None)
+    last = len(gfx.layers(gm)) - 1
+    assert engine.tied_layers == {0, last}
+    for p in (1, 2):
+        space = engine.space(p, 32)
+        t = engine._layer_tables(p, 4, 8, space)[0]
+        for j, s in enumerate(space):
+            whole = s.tp == 1 and not (s.sdp == "zero3" and s.ckpt)
+            for i in (0, last):
+                assert (t[i, j] < float("inf")) == (p == 1 or whole), (p, i, s)
+            assert t[1, j] < float("inf") or s.tp > 2, (p, s)  # blocks keep every admissible strategy
+    plan = gfx.search(gm, cluster, "2MiB", 32, constraints={"pp": 2}, reserve_bytes=0)
+    assert all(plan.layers[i].tp == 1 for i in (0, last))
+    assert Strategy(1, 4) in set(engine.space(2, 32))

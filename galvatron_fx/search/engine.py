@@ -143,6 +143,7 @@ class Engine:
     def __init__(self, costs: CostSource, cluster: Any, signatures: list[str], world_size: int,
                  budget_bytes: float, options: SearchOptions | None = None,
                  allowed_tp: Callable[[int, int], bool] | None = None,
+                 tied_layers: Iterable[int] = (),
                  progress: Callable[[str], None] | None = None):
         self.costs, self.cluster = costs, cluster
         self.L = len(signatures)
@@ -150,6 +151,7 @@ class Engine:
         self.budget = float(budget_bytes)
         self.opt = options or SearchOptions()
         self.allowed_tp = functools.lru_cache(maxsize=None)(allowed_tp or (lambda layer, tp: True))
+        self.tied_layers = frozenset(tied_layers)
         self.tables = CachedCosts(costs, cluster, signatures)
         self.progress = progress or (lambda msg: None)
         self.min_memory_seen = math.inf
@@ -193,7 +195,7 @@ class Engine:
         out = np.empty((4, self.L, len(space)))
         for i in range(self.L):
             sig = self.tables.signatures[i]
-            allowed = np.array([self.allowed_tp(i, s.tp) for s in space])
+            allowed = np.array([self.allowed_tp(i, s.tp) and self._pipeline_allows(i, s, p) for s in space])
             if sig not in rows:
                 terms = [self.tables.terms(i, s, b) for s in space]
                 rows[sig] = np.array([[layer_step_time(x, m, p) for x in terms],
@@ -202,6 +204,12 @@ class Engine:
                                       [x.transient_bytes for x in terms]])
             out[:, i, :] = np.where(allowed[None, :], rows[sig], np.inf)
         return out[0], out[1], out[2], out[3]
+
+    def _pipeline_allows(self, layer: int, s: Strategy, p: int) -> bool:
+        """NOTE: a weight tied across layers (embedding / LM head) may cross pipeline stages, where
+        the runtime sends it whole: with pp > 1 its layers run without TP and not as ZeRO-3 with
+        checkpointing (see galvatron_fx/runtime/pipeline.py). Conservative: applies whatever the split."""
+        return p == 1 or layer not in self.tied_layers or (s.tp == 1 and not (s.sdp == "zero3" and s.ckpt))
 
     def _granularity(self) -> int:
         return int(self.opt.granularity or max(1, self.budget // DEFAULT_MEMORY_UNITS))
