@@ -283,34 +283,25 @@ def _batch_size(data: list[torch.Tensor]) -> int:
 def _search(graph, opts: BackendOptions, batch: int, cluster):
     """Search a plan (rank 0). Separate so tests can count or forbid it."""
     from .planner import search
-    from .units import parse_bytes
 
     stats["searches"] += 1
     cost = {}
     if opts.reserve is not None:
-        cost["reserve_bytes"] = parse_bytes(opts.reserve, "reserve") if opts.reserve not in (0, "0") else 0
+        cost["reserve_bytes"] = opts.reserve
     return search(graph, cluster, opts.memory_budget, batch, constraints=opts.constraints,
                   world_size=dist.get_world_size(), **cost)
-
-
-def _cluster(spec):
-    from .cluster import Cluster
-    from .planner import _cluster as resolve
-
-    if spec is None:
-        return Cluster.preset("local")  # NOTE: profiles the live world (collective on every rank)
-    return resolve(spec)
 
 
 def _agreed_plan(graph, opts: BackendOptions, batch: int):
     """The plan every rank runs: loaded, or searched on rank 0 and broadcast; then verified."""
     from .plan import Plan
+    from .planner import resolve_cluster
 
     info = graph.meta[META_KEY]
     if opts.plan is not None:
         plan = opts.plan if isinstance(opts.plan, Plan) else Plan.load(opts.plan)
     else:
-        cluster = _cluster(opts.cluster)
+        cluster = resolve_cluster(opts.cluster)  # None: profiles the live world (collective on every rank)
         box: list = [None]
         if dist.get_rank() == 0:
             try:

@@ -91,23 +91,17 @@ def _capture_for_planning(args: argparse.Namespace):
     return capture(model, example_args, method=args.method)
 
 
-def _cluster_arg(spec: str):
-    from .cluster import Cluster
-
-    return Cluster.load(spec) if spec.endswith(".json") else Cluster.preset(spec)
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search a plan for MODEL on a cluster under a memory budget; optionally print baselines."""
-    from .planner import baselines, search, speedups
+    from .planner import baselines, resolve_cluster, search, speedups
     from .units import parse_bytes
 
-    cluster = _cluster_arg(args.cluster)
+    cluster = resolve_cluster(args.cluster)
     budget = parse_bytes(args.memory_budget) if args.memory_budget else cluster.device_memory
     gm = _capture_for_planning(args)
     cost = {"dtype": args.dtype, "mixed_precision": args.mixed_precision}
     if args.reserve is not None:
-        cost["reserve_bytes"] = parse_bytes(args.reserve, "--reserve") if args.reserve not in ("0", 0) else 0
+        cost["reserve_bytes"] = args.reserve
     t0 = time.perf_counter()
     plan = search(gm, cluster, budget, args.global_batch_size, progress=progress, **cost)
     progress(f"search took {time.perf_counter() - t0:.2f}s")
@@ -133,11 +127,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         Plan.from_dict(data).save(args.json)
         progress(f"wrote {args.json}")
-    if args.plot:
+    _maybe_plot(plan, args.plot)
+    return 0
+
+
+def _maybe_plot(plan, path: str | None) -> None:
+    if path:
         from .plot import plot_plan
 
-        progress(f"wrote {plot_plan(plan, args.plot)}")
-    return 0
+        progress(f"wrote {plot_plan(plan, path)}")
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -146,10 +144,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     plan = Plan.load(args.plan)
     print(plan.explain())
-    if args.plot:
-        from .plot import plot_plan
-
-        progress(f"wrote {plot_plan(plan, args.plot)}")
+    _maybe_plot(plan, args.plot)
     return 0
 
 

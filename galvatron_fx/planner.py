@@ -50,7 +50,8 @@ def _as_graph(model, example_inputs, method: str) -> torch.fx.GraphModule:
     return capture(model, tuple(example_inputs), method=method)
 
 
-def _cluster(cluster) -> Cluster:
+def resolve_cluster(cluster) -> Cluster:
+    """A Cluster from a Cluster, a preset name, a JSON path or a dict; ``None``: profile the live world."""
     if cluster is None:
         return Cluster.preset("local")
     if isinstance(cluster, Cluster):
@@ -164,7 +165,7 @@ def search(model, cluster=None, memory_budget=None, global_batch_size: int | Non
     ``reserve_bytes``, ``optimizer``). Raises :class:`InfeasibleError` with the least memory any
     plan needs when nothing fits.
     """
-    cluster = _cluster(cluster)
+    cluster = resolve_cluster(cluster)
     gm = _as_graph(model, example_inputs, method)
     world = int(world_size or cluster.world_size)
     budget = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else cluster.device_memory
@@ -187,7 +188,7 @@ def estimate(gm: torch.fx.GraphModule, plan: Plan, cluster=None, **cost_options)
 
     Cost options default to those recorded in the plan, so re-estimating a saved plan reproduces it.
     """
-    cluster = _cluster(cluster if cluster is not None else (plan.cluster or None))
+    cluster = resolve_cluster(cluster if cluster is not None else (plan.cluster or None))
     opts = {**plan.extra.get("cost_model", {}), **cost_options}
     info = gm.meta[META_KEY]
     plan.validate_for(fingerprint=info.fingerprint, layer_names=[rec.name for rec in info.layers])
@@ -218,7 +219,7 @@ DP; ``pp``: one stage per device (or per layer), GPipe; ``3d``: the best uniform
 def baselines(gm: torch.fx.GraphModule, cluster=None, memory_budget=None, global_batch_size: int | None = None,
               *, world_size: int | None = None, names: list[str] | None = None, **cost_options) -> dict[str, Any]:
     """Estimate of every baseline (name -> estimate dict, or ``"oom"`` when it cannot fit)."""
-    cluster = _cluster(cluster)
+    cluster = resolve_cluster(cluster)
     world = int(world_size or cluster.world_size)
     out: dict[str, Any] = {}
     for name in names or list(BASELINES):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.training import apply_specs
 
 GPT = dict(layers=2, hidden=64, heads=4, seq_len=32, vocab=128, batch=8)
 BERT = dict(layers=2, hidden=64, heads=4, seq_len=16, vocab=96, batch=8)
@@ -41,10 +42,7 @@ def _measure(rank, world, model_name, overrides, labels=None):
         if labels and label not in labels:
             continue
         plan = gfx.Plan.uniform(gm, world, global_batch_size=args[0].shape[0], micro_batches=m)
-        for i, lp in enumerate(plan.layers):
-            for k, v in specs[i % len(specs)].items():
-                setattr(lp, k, v)
-        plan.validate()
+        apply_specs(plan, specs)
         dm = gfx.transform(gm, plan=plan)
         opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
         dm.train_step(*args)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.training import EPS, LR, STEPS, TOL, reference, transform
+from tests.training import EPS, LR, STEPS, TOL, apply_specs, reference, transform
 
 GPT = dict(layers=2, batch=8)   # layers: pre, blocks.0, blocks.1, post
 T5 = dict(layers=4, hidden=32, heads=4, ffn_hidden=64, seq_len=16, tgt_len=8, vocab=64, batch=8)
@@ -51,10 +51,7 @@ def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=True, eps
             plan = gfx.Plan.uniform(gm, world_size, global_batch_size=args[0].shape[0], **plan_kw)
             if stages is not None:
                 plan.stages = [tuple(s) for s in stages]
-            for i, lp in enumerate(plan.layers):
-                for key, value in specs[i % len(specs)].items():
-                    setattr(lp, key, value)
-            plan.validate()
+            apply_specs(plan, specs)
         dm = transform(gm, plan, real_tp)
         dm.track_memory = True  # record the saved bytes per micro-batch (schedule_stats)
         opt = dm.optimizer(torch.optim.AdamW, lr=LR, eps=eps)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.training import EPS, LR, STEPS, TOL, reference, transform
+from tests.training import EPS, LR, STEPS, TOL, apply_specs, reference, transform
 
 BERT = dict(layers=2, hidden=64, heads=4, seq_len=16, vocab=96, batch=8)
 GPT = dict(layers=2, batch=8)
@@ -37,11 +37,7 @@ def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=False):
     results = {}
     for label, micro_batches, specs in cases:
         plan = gfx.Plan.uniform(gm, world_size, global_batch_size=args[0].shape[0], micro_batches=micro_batches)
-        for i, lp in enumerate(plan.layers):  # the specs repeat over the layers
-            spec = specs[i % len(specs)]
-            for key, value in spec.items():
-                setattr(lp, key, value)
-        plan.validate()
+        apply_specs(plan, specs)
         dm = transform(gm, plan, real_tp)
         opt = dm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
         t0 = time.perf_counter()

@@ -25,6 +25,14 @@ def reference(model: torch.nn.Module, args: tuple, steps: int = STEPS, eps: floa
     return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
 
 
+def apply_specs(plan, specs: list[dict]):
+    """Set each layer's strategy fields from ``specs`` (cycled over the layers); validate the plan."""
+    for i, layer in enumerate(plan.layers):
+        for key, value in specs[i % len(specs)].items():
+            setattr(layer, key, value)
+    return plan.validate()
+
+
 def transform(gm, plan, real_tp: bool = True):
     """``gfx.transform``; with ``real_tp=False`` the tensor-parallel pass is an identity (each TP rank
     computes whole layers on its batch slice: mathematically the same), which tests the rank layout,

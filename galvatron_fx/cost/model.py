@@ -20,7 +20,8 @@ Scaling rules (per device, per micro-batch unless noted), from the fake-tensor m
 * **Data parallel** (``grad_sync_s``, per step): DP all-reduces the layer's gradients (``/ tp``);
   ZeRO-2 reduce-scatters them and all-gathers the updated parameters; ZeRO-3 reduce-scatters them,
   and ``zero3_gather_s`` (per micro-batch) all-gathers the parameters in forward and in backward.
-  DP group: ``dp`` ranks strided by ``tp``. These overlap with compute (:meth:`CostModel.layer_time`).
+  DP group: ``dp`` ranks strided by ``tp``. How these overlap with compute, and how layers add up
+  to a step and a device's memory, is :mod:`galvatron_fx.search.objective` (one place for both).
 * **Memory**: :mod:`.memory` for states; transients are ZeRO-3's gathered parameters of the layer,
   the gradient bucket (``bucket_bytes``, full gradients for ZeRO-3's reduce-scatter) and the
   recomputed activations under checkpointing.
@@ -115,7 +116,8 @@ class CostModel:
         if mixed_precision and self.dtype == "fp32":
             raise ConfigError("mixed_precision=True needs dtype='bf16' or 'fp16' (the low-precision copy)")
         self.optimizer, self.mixed_precision = optimizer, mixed_precision
-        self.reserve_bytes = parse_bytes(reserve_bytes, "reserve_bytes") if reserve_bytes else 0
+        # NOTE: 0 (or "0", as a command line passes it) means no reserve; parse_bytes rejects zero sizes
+        self.reserve_bytes = parse_bytes(reserve_bytes, "reserve") if reserve_bytes not in (0, "0", None) else 0
         self.bucket_bytes = parse_bytes(bucket_bytes, "bucket_bytes") if bucket_bytes else 0
         self.cache_dir, self.profile_sizes = cache_dir, profile_sizes
         info = gm.meta.get(META_KEY)
@@ -303,30 +305,6 @@ class CostModel:
         out = m.output_elems(n) * self.itemsize / (s.tp if s.sp else 1)
         return LayerCost(fwd, bwd, self._tp_comm(m, n, s), sync, gather, st.params, st.grads, st.optimizer,
                          act, transient, out)
-
-    def layer_time(self, index: int, strategy: Strategy, micro_batch_size: float, micro_batches: int = 1) -> float:
-        """Seconds per step of layer ``index`` over ``micro_batches`` micro-batches, with ZeRO-3
-        gathers overlapped with forward/backward and the gradient sync with the last backward
-        (:meth:`Cluster.overlap_time`); TP communication is not overlapped."""
-        c = self.layer_cost(index, strategy, micro_batch_size)
-        ov = self.cluster.overlap_time
-        fwd = ov(c.fwd_s, c.zero3_gather_s / 2)
-        bwd = ov(c.bwd_s, c.zero3_gather_s / 2)
-        return (micro_batches * (fwd + c.tp_comm_s) + (micro_batches - 1) * bwd + ov(bwd, c.grad_sync_s))
-
-    def memory_bytes(self, index: int, strategy: Strategy, micro_batch_size: float, in_flight: int = 1) -> float:
-        """Per-device bytes of layer ``index``: states + ``in_flight`` micro-batches of activations +
-        its transient buffer. A stage's peak is the sum over its layers with the largest transient
-        only, plus :attr:`reserve_bytes`: see :meth:`stage_memory_bytes`."""
-        c = self.layer_cost(index, strategy, micro_batch_size)
-        return c.states_bytes + in_flight * c.activation_bytes + c.transient_bytes
-
-    def stage_memory_bytes(self, indices, strategies, micro_batch_size: float, in_flight: int = 1) -> float:
-        """Peak per-device bytes of a pipeline stage holding layers ``indices`` with ``strategies``;
-        ``in_flight`` from :func:`galvatron_fx.search.pipeline.in_flight_microbatches`."""
-        costs = [self.layer_cost(i, s, micro_batch_size) for i, s in zip(indices, strategies)]
-        return (sum(c.states_bytes + in_flight * c.activation_bytes for c in costs)
-                + max((c.transient_bytes for c in costs), default=0) + self.reserve_bytes)
 
     # ------------------------------------------------------------------ resharding
     def _gather_time(self, nbytes: float, have: Strategy, want: Strategy) -> float:
