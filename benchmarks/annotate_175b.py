@@ -12,7 +12,7 @@ import time
 import galvatron_fx as gfx
 from galvatron_fx.cluster import Cluster
 from galvatron_fx.passes.cost_annotation import CostAnnotationPass
-from galvatron_fx.search.strategy import Strategy
+from galvatron_fx.solver.strategy import Strategy
 
 
 def main() -> None:

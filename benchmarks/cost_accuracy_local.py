@@ -19,7 +19,7 @@ from galvatron_fx.cluster import Cluster
 from galvatron_fx.cost import CostModel
 from galvatron_fx.cost.measure import saved_bytes
 from galvatron_fx.cost.profile import time_layer
-from galvatron_fx.search.strategy import Strategy
+from galvatron_fx.solver.strategy import Strategy
 
 
 def main() -> None:

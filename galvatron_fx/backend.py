@@ -27,7 +27,7 @@ What one compile does (:func:`galvatron_backend`):
 2. *Plan.* ``options["plan"]`` is loaded on every rank, else rank 0 searches and broadcasts the plan.
    Either way every rank all-gathers a digest of (plan, model fingerprint) and **all** ranks raise
    :class:`PlanMismatchError` before the first step if any differs.
-3. *Program.* :func:`galvatron_fx.transform.transform` builds this rank's ``DistributedModel``.
+3. *Program.* :func:`galvatron_fx.parallelize.transform` builds this rank's ``DistributedModel``.
 4. *Parameters.* The original ``nn.Parameter`` objects (those an optimizer built from
    ``model.parameters()`` holds) are re-pointed with ``param.data = view`` onto the distributed
    program's storage: a view of the layer's flat buffer (``sdp="none"``: the whole, TP-local
@@ -133,7 +133,7 @@ def galvatron_backend(gm: torch.fx.GraphModule, example_inputs: list, options: d
         raise ConfigError(f"option global_batch_size={opts.global_batch_size} but the model was called with "
                           f"a batch of {batch}: call it with the whole global batch on every rank")
     plan = _agreed_plan(graph, opts, batch)
-    from .transform import transform
+    from .parallelize import transform
 
     dm = transform(graph, plan=plan)
     runtime = _Runtime(dm, plan, roles, example_inputs, out_node, loss_index)
@@ -201,7 +201,7 @@ def _classify_placeholders(gm: torch.fx.GraphModule, example_inputs) -> list[_Ro
 
 
 def _unique(name: str, used: set) -> str:
-    from .capture import _identifier
+    from .frontend import _identifier
 
     base, k = _identifier(name), 1
     name = base

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError, PlanMismatchError
-from .search.pipeline import SCHEDULES, even_split
-from .search.strategy import SDP_KINDS, Strategy
+from .solver.pipeline import SCHEDULES, even_split
+from .solver.strategy import SDP_KINDS, Strategy
 
 FORMAT = "galvatron_fx.plan/1"
 ESTIMATE_KEYS = ("step_time_s", "throughput_samples_s", "memory_bytes_per_device")
@@ -70,7 +70,7 @@ class LayerPlan:
 
     @property
     def strategy(self) -> Strategy:
-        """The layer's :class:`~galvatron_fx.search.strategy.Strategy`."""
+        """The layer's :class:`~galvatron_fx.solver.strategy.Strategy`."""
         return Strategy(self.tp, self.dp, self.sdp, self.sp, self.ckpt)
 
     def to_dict(self) -> dict[str, Any]:
@@ -378,7 +378,7 @@ class Plan:
         cluster: dict[str, Any] | None = None,
     ) -> Plan:
         """A hand-chosen plan: every layer on the same strategy, layers split evenly over ``pp``
-        stages (:func:`~galvatron_fx.search.pipeline.even_split`: the first ``L % pp`` stages get one
+        stages (:func:`~galvatron_fx.solver.pipeline.even_split`: the first ``L % pp`` stages get one
         more layer). ``dp`` defaults to ``world_size / (pp * tp)``. Estimates are ``None``."""
         names = list(names)
         _need_int("world_size", world_size)

@@ -2,7 +2,7 @@
 
 This module is the glue between a captured graph and the pure search core: it builds the cost
 model (:class:`galvatron_fx.cost.CostModel`), derives which TP degrees each layer admits, runs
-:class:`galvatron_fx.search.engine.Engine` and turns its result into a :class:`Plan`.
+:class:`galvatron_fx.solver.engine.Engine` and turns its result into a :class:`Plan`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from .cluster import Cluster
 from .errors import ConfigError, InfeasibleError
 from .ir import META_KEY
 from .plan import LayerPlan, Plan
-from .search.engine import Engine, SearchOptions, SearchResult, is_better, stderr_progress
-from .search.objective import estimate_plan
-from .search.strategy import Strategy
+from .solver.engine import Engine, SearchOptions, SearchResult, is_better, stderr_progress
+from .solver.objective import estimate_plan
+from .solver.strategy import Strategy
 from .units import parse_bytes
 
 # constraint key -> where it goes: SearchOptions field, or strategy_space keyword
@@ -37,7 +37,7 @@ options off; ``max_tp``, ``allow_cross_node_tp``, ``power_of_two`` shape the str
 
 
 def _as_graph(model, example_inputs, method: str) -> torch.fx.GraphModule:
-    from .capture import capture
+    from .frontend import capture
 
     if isinstance(model, torch.fx.GraphModule) and isinstance(model.meta.get(META_KEY), object) \
             and model.meta.get(META_KEY) is not None:

@@ -1,6 +1,6 @@
 """Tensor-parallel (+ sequence-parallel) rewrite pass: Megatron-style sharding found in the graph.
 
-Input: a captured, layer-grouped GraphModule (see :mod:`galvatron_fx.capture`) and, per layer with
+Input: a captured, layer-grouped GraphModule (see :mod:`galvatron_fx.frontend`) and, per layer with
 ``tp > 1``, its degree and sequence-parallel flag. Which ops shard is decided by
 :mod:`galvatron_fx.passes.tp_patterns` from the ops and shapes alone (no module names).
 

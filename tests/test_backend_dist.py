@@ -168,7 +168,7 @@ def test_backend_rejects_unknown_options():
 
 def _capture_methods(rank, world_size, method):
     import galvatron_fx as gfx
-    from galvatron_fx.transform import transform
+    from galvatron_fx.parallelize import transform
 
     model, args = gfx.models.build("gpt-tiny", device="cpu", layers=2, batch=4)
     ref_model = copy.deepcopy(model)

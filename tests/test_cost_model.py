@@ -12,7 +12,7 @@ from galvatron_fx.cluster import Cluster
 from galvatron_fx.cost import CostModel, extract_layer, measure_layer, states_bytes
 from galvatron_fx.cost.measure import saved_bytes
 from galvatron_fx.models.layers import MLP, Attention
-from galvatron_fx.search.strategy import Strategy
+from galvatron_fx.solver.strategy import Strategy
 
 
 class TinyBlock(nn.Module):

@@ -8,7 +8,7 @@ import galvatron_fx as gfx
 from galvatron_fx.cluster import Cluster
 from galvatron_fx.cost import PROFILE_CALLS, CostModel
 from galvatron_fx.passes.cost_annotation import CostAnnotationPass
-from galvatron_fx.search.strategy import Strategy
+from galvatron_fx.solver.strategy import Strategy
 
 
 def test_profiled_cache_hit(tmp_path):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from galvatron_fx.errors import ConfigError, InfeasibleError
-from galvatron_fx.search.dp import memory_units, solve_stage
+from galvatron_fx.solver.dp import memory_units, solve_stage
 
 
 def _brute(time, mem, reshard, budget, gran):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from galvatron_fx.errors import ConfigError, InfeasibleError
-from galvatron_fx.search.pipeline import (
+from galvatron_fx.solver.pipeline import (
     even_split,
     in_flight_microbatches,
     partition_stages,

@@ -9,7 +9,7 @@ import pytest
 
 from galvatron_fx.errors import ConfigError, PlanMismatchError
 from galvatron_fx.plan import FORMAT, Plan
-from galvatron_fx.search.strategy import Strategy
+from galvatron_fx.solver.strategy import Strategy
 
 NAMES = ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]
 

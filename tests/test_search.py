@@ -146,7 +146,7 @@ def test_pipelined_plans_keep_tied_weight_layers_whole():
     # gpt3-* ties the LM head to the embedding: with pp > 1 the runtime sends that weight between
     # stages whole, so its layers must be tp=1 and not ZeRO-3 with checkpointing
     from galvatron_fx.planner import _engine
-    from galvatron_fx.search.strategy import Strategy
+    from galvatron_fx.solver.strategy import Strategy
 
     model, args = gfx.models.build("gpt3-125m", device="meta", layers=4, hidden=64, heads=4, seq_len=32,
                                    vocab=128, batch=8)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from galvatron_fx.errors import ConfigError
-from galvatron_fx.search.strategy import (
+from galvatron_fx.solver.strategy import (
     RULES,
     Strategy,
     candidate_counts,

@@ -139,7 +139,7 @@ def test_transform_tensor_parallel_world4(model_name, overrides):
 
 def _errors(rank, world_size):
     import galvatron_fx as gfx
-    from galvatron_fx.transform import transform
+    from galvatron_fx.parallelize import transform
 
     model, args = gfx.models.build("gpt-tiny", device="cpu", layers=1)
     gm = gfx.capture(model, args, method="fx")

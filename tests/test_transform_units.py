@@ -13,7 +13,7 @@ from galvatron_fx.runtime.reshard import gather, plan_batched, take
 
 
 def test_transform_needs_distributed():
-    from galvatron_fx.transform import transform
+    from galvatron_fx.parallelize import transform
 
     model, args = gfx.models.build("gpt-tiny", device="cpu", layers=1)
     gm = gfx.capture(model, args, method="fx")

@@ -39,7 +39,7 @@ def transform(gm, plan, real_tp: bool = True):
     the per-layer groups and the resharding on their own."""
     import importlib
 
-    T = importlib.import_module("galvatron_fx.transform")  # the package attribute is the function
+    T = importlib.import_module("galvatron_fx.parallelize")  # the package attribute is the function
     saved = T.apply_tensor_parallel
     if not real_tp:
         T.apply_tensor_parallel = lambda gm, plan, rank, base=0: gm

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..search.strategy import Strategy
+from ..solver.strategy import Strategy
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1}
 

@@ -21,7 +21,7 @@ Scaling rules (per device, per micro-batch unless noted), from the fake-tensor m
   ZeRO-2 reduce-scatters them and all-gathers the updated parameters; ZeRO-3 reduce-scatters them,
   and ``zero3_gather_s`` (per micro-batch) all-gathers the parameters in forward and in backward.
   DP group: ``dp`` ranks strided by ``tp``. How these overlap with compute, and how layers add up
-  to a step and a device's memory, is :mod:`galvatron_fx.search.objective` (one place for both).
+  to a step and a device's memory, is :mod:`galvatron_fx.solver.objective` (one place for both).
 * **Memory**: :mod:`.memory` for states; transients are ZeRO-3's gathered parameters of the layer,
   the gradient bucket (``bucket_bytes``, full gradients for ZeRO-3's reduce-scatter) and the
   recomputed activations under checkpointing.
@@ -39,7 +39,7 @@ import torch.fx
 from ..cluster import Cluster, normalize_dtype
 from ..errors import ConfigError
 from ..ir import META_KEY
-from ..search.strategy import Strategy
+from ..solver.strategy import Strategy
 from ..units import parse_bytes
 from .extract import LayerGraph, capture_batch, extract_layer, needs_grad, roles_from_analysis
 from .measure import LayerMeasure, measure_layer
@@ -122,7 +122,7 @@ class CostModel:
         self.cache_dir, self.profile_sizes = cache_dir, profile_sizes
         info = gm.meta.get(META_KEY)
         if info is None or not info.layers:
-            from ..capture import layers
+            from ..frontend import layers
             layers(gm)
             info = gm.meta[META_KEY]
         self.layers = info.layers

@@ -1,6 +1,6 @@
 """Pipeline parallelism: ``gfx.transform`` for plans with ``pp > 1``.
 
-Per rank, top to bottom (the pp = 1 steps of :mod:`galvatron_fx.transform` run on the stage)::
+Per rank, top to bottom (the pp = 1 steps of :mod:`galvatron_fx.parallelize` run on the stage)::
 
     stage = stage_split(gm, plan.stages, k)        # this rank's stage k as a flat graph (passes/stage_split.py)
     stage = apply_tensor_parallel(stage, sub, rank, base)
@@ -54,11 +54,11 @@ from .reshard import slice_input
 
 
 def _transform_module():
-    # NOTE: ``galvatron_fx.transform`` the attribute is the function (re-exported by the package);
+    # NOTE: ``galvatron_fx.parallelize`` the attribute is the function (re-exported by the package);
     # the apply_* steps live in the module of that name.
     import importlib
 
-    return importlib.import_module("galvatron_fx.transform")
+    return importlib.import_module("galvatron_fx.parallelize")
 
 
 def boundary_layout(n: int, base: int) -> Layout:
@@ -155,7 +155,7 @@ def apply_boundary_outputs(top: torch.fx.GraphModule, info: StageInfo, layouts: 
 
 def apply_boundary_inputs(top: torch.fx.GraphModule, sub, info: StageInfo, plan, boundary: Layout,
                           rank: int, base: int) -> Layout:
-    """:func:`galvatron_fx.transform.apply_resharding` for the stage, then every read of a received
+    """:func:`galvatron_fx.parallelize.apply_resharding` for the stage, then every read of a received
     value is rebuilt from the boundary layout (batched) or wrapped in :func:`~.reshard.replicated`.
     Returns the stage's output layout."""
     T = _transform_module()

@@ -4,7 +4,7 @@ A :class:`Strategy` says how one layer runs on the ``tp * dp`` devices of its pi
 tensor parallelism of degree ``tp`` (optionally with sequence parallelism), a data-parallel degree
 ``dp`` whose kind is plain DP, ZeRO-2 or ZeRO-3 (never a mix), and activation checkpointing on/off.
 The pipeline degree is *not* part of a strategy: it is chosen outside this space (the caller loops
-over pipeline degrees and partitions layers with :mod:`galvatron_fx.search.pipeline`).
+over pipeline degrees and partitions layers with :mod:`galvatron_fx.solver.pipeline`).
 
 :func:`strategy_space` walks the decision tree (TP degree, then data-parallel kind, then SP, then
 checkpointing) and keeps the strategies that pass every rule in :data:`RULES`. Every pruning rule

@@ -4,7 +4,7 @@
 stage's time per micro-batch, subject to every stage fitting in memory (Galvatron-BMW's bi-objective
 partition: minimise the maximum, not an even split). The caller supplies ``stage_cost(i, j, k)``: the
 best time per micro-batch (seconds) of layers ``i..j`` (inclusive) on stage ``k``, or ``inf`` when
-they do not fit (typically a :func:`galvatron_fx.search.dp.solve_stage` objective with the stage's
+they do not fit (typically a :func:`galvatron_fx.solver.dp.solve_stage` objective with the stage's
 memory budget, which depends on ``k`` through the number of in-flight micro-batches).
 
 Exact by dynamic programming over stage boundaries, with every ``stage_cost`` call memoised
