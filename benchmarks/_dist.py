@@ -126,7 +126,7 @@ def saved_activation_bytes(dm, plan, args) -> int:
 
     def pack(t):
         st = t.untyped_storage()
-        full = {s.full.untyped_storage().data_ptr() for s in dm._stores if s.full is not None}
+        full = {s.full.untyped_storage().data_ptr() for s in dm.stores if s.full is not None}
         if st.data_ptr() not in params and st.data_ptr() not in full and st.nbytes() > 0:
             seen[st.data_ptr()] = st.nbytes()
         return t
@@ -135,7 +135,7 @@ def saved_activation_bytes(dm, plan, args) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = dm(*[a[:b] for a in args])
     loss.backward()
-    for s in dm._stores:
+    for s in dm.stores:
         s.zero_grad_state()
     return sum(seen.values())
 

@@ -11,7 +11,7 @@ state of it, always the *whole* tensor, whatever the plan sharded:
 
 =========================  ===================================================================
 ``model.<fqn>``            the full parameter (flat-buffer slice, ZeRO shards gathered over DP,
-                           TP shards reassembled with ``passes.tensor_parallel.unshard``)
+                           TP shards reassembled with ``sharding.unshard``)
 ``optim.<fqn>.<key>``      an elementwise optimizer state of it, reassembled the same way
                            (AdamW: ``exp_avg``, ``exp_avg_sq``), or a 0-dim one (``step``)
 =========================  ===================================================================
@@ -109,7 +109,7 @@ def load(dist_model, optimizer: torch.optim.Optimizer | None, path: str | os.Pat
 
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     stage = _stage(dist_model)
-    flat_params = {id(s.flat_param) for s in stage._stores}
+    flat_params = {id(s.flat_param) for s in stage.stores}
     if optimizer is not None:
         mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
         if not flat_params <= mine:
@@ -117,7 +117,7 @@ def load(dist_model, optimizer: torch.optim.Optimizer | None, path: str | os.Pat
                               "dist_model.optimizer(...) before gfx.checkpoint.load")
     want: dict[str, torch.Tensor] = {}
     opt_keys: dict[str, list[str]] = {}
-    for s in stage._stores:
+    for s in stage.stores:
         for fqn, _shape in zip(s.fqns, s.shapes):
             key = f"model.{fqn}"
             if key not in meta:
@@ -133,7 +133,7 @@ def load(dist_model, optimizer: torch.optim.Optimizer | None, path: str | os.Pat
                     want[prefix + k] = torch.empty(m.size, dtype=m.properties.dtype)
     dcp.load(want, checkpoint_id=path)
     with torch.no_grad():
-        for s in stage._stores:
+        for s in stage.stores:
             full = _local_buffer(s, stage, lambda fqn: want[f"model.{fqn}"])
             if s.mode == "zero2":
                 s.full.copy_(full)            # flat_param is this rank's view of it
@@ -226,7 +226,7 @@ def state_dict(dist_model, optimizer: torch.optim.Optimizer | None = None) -> di
     layers' DP and TP groups. Every rank holding a layer returns its whole tensors."""
     stage = _stage(dist_model)
     out: dict[str, torch.Tensor] = {}
-    for s in stage._stores:
+    for s in stage.stores:
         _add_whole(out, "model.", "", s, stage, s.flat_param.data)
         if optimizer is None:
             continue
@@ -258,7 +258,7 @@ def _add_whole(out, prefix, suffix, s, stage, local: torch.Tensor) -> None:
 
 def _local_buffer(s, stage, whole_of) -> torch.Tensor:
     """The layer's padded flat buffer on this rank (TP-local slices) from whole tensors."""
-    from .passes.tensor_parallel import shard_tensor
+    from .sharding import shard_tensor
 
     buf = torch.zeros(s.padded, dtype=s.flat_param.dtype)
     for fqn, off, shape in zip(s.fqns, s.offsets, s.shapes):

@@ -8,12 +8,12 @@ traceback (set ``GALVATRON_DEBUG=1`` to see it).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
 import time
 
+from . import models
 from .errors import ConfigError, GalvatronError
 
 
@@ -36,29 +36,12 @@ def parse_overrides(items: list[str] | None) -> dict:
     return out
 
 
-def load_model(spec: str, device: str = "meta", overrides: dict | None = None):
-    """``MODEL`` argument -> ``(model, example_args)``: a zoo name or ``package.module:factory``."""
-    from . import models
-
-    if ":" in spec:
-        module_name, _, attr = spec.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"cannot load model factory {spec!r}: {exc}") from None
-        result = factory(**(overrides or {}))
-        if not (isinstance(result, tuple) and len(result) == 2):
-            raise ConfigError(f"model factory {spec!r} must return (model, example_inputs)")
-        return result
-    return models.build(spec, device=device, **(overrides or {}))
-
-
 def cmd_layers(args: argparse.Namespace) -> int:
     """Capture MODEL and print its layer list."""
     from . import capture, layers
 
     t0 = time.perf_counter()
-    model, example_args = load_model(args.model, device=args.device, overrides=parse_overrides(args.set))
+    model, example_args = models.load(args.model, device=args.device, overrides=parse_overrides(args.set))
     progress(f"capturing {args.model} with method={args.method} on {args.device}")
     gm = capture(model, example_args, method=args.method)
     records = layers(gm)
@@ -86,7 +69,7 @@ def cmd_layers(args: argparse.Namespace) -> int:
 def _capture_for_planning(args: argparse.Namespace):
     from . import capture
 
-    model, example_args = load_model(args.model, device="meta", overrides=parse_overrides(args.set))
+    model, example_args = models.load(args.model, device="meta", overrides=parse_overrides(args.set))
     progress(f"capturing {args.model} on the meta device (method={args.method})")
     return capture(model, example_args, method=args.method)
 

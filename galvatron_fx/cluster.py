@@ -43,18 +43,20 @@ import json
 import math
 import numbers
 import re
+import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
+import torch.distributed as dist
+
+from .cluster_profile import COLLECTIVES, P2P, profile
 from .errors import ConfigError
 from .units import format_bytes, parse_bytes
 
 FORMAT = "galvatron_fx.cluster/1"
 DTYPES = ("fp32", "bf16", "fp16")
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-P2P = "p2p"
 
 # NOTE: 0.5 of peak is a typical sustained fraction for transformer training matmuls on data-centre
 # GPUs (model-FLOPs utilisation of large-model training is commonly reported at 40-60 %).
@@ -403,9 +405,12 @@ class Cluster:
     @classmethod
     def profile(cls, group=None, out: str | None = None, sizes=None, progress: bool = True, **kwargs) -> Cluster:
         """Measure the live torch.distributed world; see :func:`galvatron_fx.cluster_profile.profile`."""
-        from .cluster_profile import profile
-
-        return profile(group=group, out=out, sizes=sizes, progress=progress, **kwargs)
+        cluster = cls(**profile(group=group, sizes=sizes, progress=progress, **kwargs))
+        if out and (not dist.is_initialized() or dist.get_rank(group) == 0):
+            cluster.save(out)
+            if progress:
+                print(f"[galvatron_fx.profile] wrote {out}", file=sys.stderr, flush=True)
+        return cluster
 
     def summary(self) -> str:
         """One line per figure, human-readable."""

@@ -37,8 +37,13 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .cluster import COLLECTIVES, P2P, Cluster
 from .distributed import all_gather_single, is_distributed, pick_device, reduce_scatter_single, synchronize
+from .runtime.groups import GROUPS
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+P2P = "p2p"
+"""The link kinds measured here and priced by :class:`~galvatron_fx.cluster.Cluster` (which
+re-exports them). NOTE: they live here, below ``cluster``, so the import goes one way only."""
 
 # NOTE: a world of one never communicates; these placeholders only keep the Cluster valid.
 _UNMEASURED_BANDWIDTH = 1e12  # bytes/s
@@ -244,8 +249,9 @@ def profile(
     repeats: int = 7,
     warmup: int = 1,
     matmul_sides: dict[str, int] | None = None,
-) -> Cluster:
-    """Measure the live world (or process ``group``) and return the same :class:`Cluster` on every rank.
+) -> dict:
+    """Measure the live world (or process ``group``); returns the same keyword arguments of
+    :class:`~galvatron_fx.cluster.Cluster` on every rank (``Cluster.profile()`` builds and saves it).
 
     ``sizes``: message sizes in bytes (≥ 2; default 16 KiB-2 MiB on CPU, 1-128 MiB on GPU).
     ``repeats`` timed runs (median) after ``warmup`` untimed ones. ``matmul_sides``: square matmul side
@@ -265,14 +271,11 @@ def profile(
         )
         say = _Reporter(progress)
         flops = _measure_compute(device, sides, repeats, say)
-        cluster = Cluster(
+        return dict(
             memory_bytes=_device_memory(device, 1), peak_flops=flops, efficiency=1.0,
             intra_bandwidth=_UNMEASURED_BANDWIDTH, intra_latency=_UNMEASURED_LATENCY,
             overlap_slowdown=1.0, name=f"local-1x{device.type}",
         )
-        if out:
-            cluster.save(out)
-        return cluster
 
     pg = group if group is not None else dist.group.WORLD
     world, me_local = dist.get_world_size(pg), dist.get_rank(pg)
@@ -289,7 +292,9 @@ def profile(
         group_sizes.append(world)
     for n in group_sizes:
         members = ranks[:n]
-        sub = pg if n == world else dist.new_group(members, use_local_synchronization=True)
+        if n != world:
+            GROUPS.ensure([members], local=True)
+        sub = pg if n == world else GROUPS.get(tuple(members))
         if me in members:
             timer = _Timer(device, sub, repeats, warmup)
             for kind in COLLECTIVES:
@@ -317,16 +322,12 @@ def profile(
     overlap = _measure_overlap(device, pg, max(sizes), world, sides["fp32"], repeats, warmup, say)
     flops = _measure_compute(device, sides, repeats, say)
 
-    cluster = None
+    box = [None]
     if me_local == 0:
-        cluster = _assemble(fits, inter_p2p, per_node, nodes, flops, overlap, device)
-        if out:
-            cluster.save(out)
-            say(f"wrote {out}")
+        box[0] = _assemble(fits, inter_p2p, per_node, nodes, flops, overlap, device)
         say(f"done in {time.perf_counter() - say.start:.1f}s")
-    box = [cluster.to_dict() if cluster is not None else None]
     dist.broadcast_object_list(box, src=ranks[0], group=pg)
-    return Cluster.from_dict(box[0])
+    return box[0]
 
 
 def _measure_compute(device: torch.device, sides: dict[str, int], repeats: int, say: _Reporter) -> dict[str, float]:
@@ -354,8 +355,8 @@ def _measure_overlap(device, pg, nbytes, world, side, repeats, warmup, say) -> f
     return factor
 
 
-def _assemble(fits, inter_p2p, per_node, nodes, flops, overlap, device) -> Cluster:
-    """Build the Cluster on rank 0 from the measured fits."""
+def _assemble(fits, inter_p2p, per_node, nodes, flops, overlap, device) -> dict:
+    """The Cluster's keyword arguments, on rank 0, from the measured fits."""
     def link(n: int) -> dict[str, float] | None:
         return fits["all_reduce"].get(str(n))
 
@@ -373,7 +374,7 @@ def _assemble(fits, inter_p2p, per_node, nodes, flops, overlap, device) -> Clust
         inter = {"bandwidth": inter_p2p["bandwidth"] / per_node, "latency": inter_p2p["latency"]}
     intra = intra or inter or {"bandwidth": _UNMEASURED_BANDWIDTH, "latency": _UNMEASURED_LATENCY}
     inter = inter or intra
-    return Cluster(
+    return dict(
         memory_bytes=_device_memory(device, per_node),
         peak_flops=flops,
         efficiency=1.0,

@@ -110,13 +110,19 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def all_gather_single(output: torch.Tensor, inp: torch.Tensor, group=None) -> None:
-    """All-gather ``inp`` from every rank of ``group`` into the flat ``output`` (name-stable shim)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(output, inp, group=group)
+# NOTE: torch renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and deprecated
+# the old names; use whichever this torch has (both accept async_op). The only shim in the package.
+_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def reduce_scatter_single(output: torch.Tensor, inp: torch.Tensor, group=None) -> None:
-    """Sum ``inp`` over ``group`` and keep this rank's slice in ``output`` (name-stable shim)."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(output, inp, group=group)
+def all_gather_single(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
+    """All-gather ``inp`` from every rank of ``group`` into the flat ``output`` (rank order);
+    returns the work handle when ``async_op``."""
+    return _AG(output, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
+    """Sum ``inp`` over ``group`` and keep this rank's equal slice in ``output``; returns the work
+    handle when ``async_op``."""
+    return _RS(output, inp, group=group, async_op=async_op)

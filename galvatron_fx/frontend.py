@@ -178,6 +178,27 @@ def _capture_error(method: str, exc: BaseException) -> CaptureError:
     )
 
 
+def normalise(raw_gm: torch.fx.GraphModule, model: nn.Module, inputs: list[torch.Tensor], names: list[str],
+              sources: dict[str, torch.Tensor] | None, *, method: str, prefix: str = "",
+              group_layers: bool = True) -> torch.fx.GraphModule:
+    """A front end's raw graph in the normalised form of the module docstring.
+
+    Runs :class:`~galvatron_fx.passes.normalize.NormalizePass` (``model`` holds the parameters and
+    buffers under their FQNs, ``prefix`` is the wrapper attribute stripped from module paths,
+    ``inputs``/``names`` are the tensor inputs and their placeholder names, ``sources`` maps dynamo
+    placeholder names to the tensors bound to them), then, if ``group_layers``,
+    :class:`~galvatron_fx.passes.layer_grouping.LayerGroupingPass`. Shared by :func:`capture` and
+    the ``"galvatron"`` torch.compile backend, so both give plans the same graph.
+    """
+    from .passes.layer_grouping import LayerGroupingPass
+    from .passes.normalize import NormalizePass
+
+    gm = NormalizePass(model, inputs, names, sources, method=method, prefix=prefix)(raw_gm).graph_module
+    if group_layers:
+        gm = LayerGroupingPass()(gm).graph_module
+    return gm
+
+
 def capture(model: nn.Module, example_args=(), kwargs: dict | None = None, method: str = "dynamo",
             *, group_layers: bool = True) -> torch.fx.GraphModule:
     """Capture ``model`` called on ``example_args``/``kwargs`` as an annotated GraphModule.
@@ -186,9 +207,6 @@ def capture(model: nn.Module, example_args=(), kwargs: dict | None = None, metho
     allocated: shapes come from fake tensors). See the module docstring for the normalised form.
     Raises :class:`CaptureError` naming the method, the failing line and an alternative method.
     """
-    from .passes.layer_grouping import LayerGroupingPass
-    from .passes.normalize import NormalizePass
-
     if method not in METHODS:
         raise ConfigError(f"unknown capture method {method!r}; choose one of {', '.join(METHODS)}")
     if not isinstance(model, nn.Module):
@@ -202,10 +220,8 @@ def capture(model: nn.Module, example_args=(), kwargs: dict | None = None, metho
         raise
     except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
         raise _capture_error(method, exc) from exc
-    gm = NormalizePass(model, inputs, names, sources, method=method, prefix=WRAPPED)(raw).graph_module
-    if group_layers:
-        gm = LayerGroupingPass()(gm).graph_module
-    return gm
+    return normalise(raw, model, inputs, names, sources, method=method, prefix=WRAPPED,
+                     group_layers=group_layers)
 
 
 def layers(gm: torch.fx.GraphModule):

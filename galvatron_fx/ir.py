@@ -6,7 +6,8 @@ Everything lives under one namespaced key, :data:`META_KEY` (``"galvatron"``):
   parameter/buffer nodes a :class:`ParamInfo` (fully qualified name in the original module, shape,
   dtype, parameter or buffer).
 * ``gm.meta["galvatron"]`` is a :class:`GraphInfo`: how the graph was captured, its inputs, its
-  ordered :class:`LayerRecord` list and a model fingerprint.
+  ordered :class:`LayerRecord` list, a model fingerprint and, on a pipeline stage's graph, the
+  :class:`StageInfo` of the cut.
 
 Shapes of activations are in ``node.meta["val"]`` (fake tensors), torch's own convention.
 """
@@ -57,7 +58,7 @@ class ShardInfo:
 
     Along ``dim`` the full tensor is a sequence of ``blocks`` (global sizes; one block unless a fused
     projection such as q/k/v is sharded per block); rank ``r`` of the ``tp`` ranks holds chunk ``r``
-    of every block, concatenated. :func:`galvatron_fx.passes.tensor_parallel.unshard` reassembles.
+    of every block, concatenated. :func:`galvatron_fx.sharding.unshard` reassembles.
     """
 
     dim: int
@@ -103,6 +104,42 @@ class LayerRecord:
                 f"signature={self.signature[:8]!r}, nodes={len(self.nodes)}, params={len(self.params)})")
 
 
+@dataclass(frozen=True)
+class CrossingValue:
+    """A value crossing a stage boundary (received by one stage, sent by the previous one).
+
+    ``name``: the producing node's name. ``shape``/``dtype``: from the capture (``shape[0]`` is
+    the captured batch when ``batched``). ``batched``: computed from a graph input and carrying
+    the batch on dim 0 (activations, masks); else replicated (a tied weight, T5's position bias).
+    ``requires_grad``: floating point and computed from a trainable parameter. ``producer_layer``:
+    global index of the layer computing it.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    batched: bool
+    requires_grad: bool
+    producer_layer: int
+
+
+@dataclass
+class StageInfo:
+    """How stage ``index`` (layers ``first..last``, inclusive, global indices) was cut out."""
+
+    index: int
+    num_stages: int
+    first: int
+    last: int
+    local_inputs: list[int] = field(default_factory=list)   # positions among the graph inputs
+    received: list[CrossingValue] = field(default_factory=list)
+    sent: list[CrossingValue] = field(default_factory=list)
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
 @dataclass
 class GraphInfo:
     """Graph-level record stored in ``gm.meta["galvatron"]``."""
@@ -112,12 +149,18 @@ class GraphInfo:
     layers: list[LayerRecord] = field(default_factory=list)
     grouping: str = ""                            # "modules" | "cut-points" | "single"
     fingerprint: str = ""
+    stage: StageInfo | None = None                # set on a pipeline stage's graph (passes/stage_split.py)
 
     def layer_by_name(self, name: str) -> LayerRecord:
         for layer in self.layers:
             if layer.name == name:
                 return layer
         raise KeyError(f"no layer named {name!r}; layers are {[lay.name for lay in self.layers]}")
+
+
+def layer_module_name(index: int) -> str:
+    """The submodule name of layer ``index`` in a split graph (``layers_3``)."""
+    return f"layers_{index}"
 
 
 def node_info(node: torch.fx.Node) -> NodeInfo:
@@ -155,6 +198,20 @@ def carries_batch(node: torch.fx.Node) -> bool:
     if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
         return node.args[1] not in ("device", "dtype", "is_cuda")
     return True
+
+
+def batch_size_of(values) -> int | None:
+    """Dim 0 of the first tensor of ``values`` with at least one dim (the batch convention: batch
+    on dim 0), or ``None`` when there is none."""
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.dim() >= 1:
+            return int(v.shape[0])
+    return None
+
+
+def graph_batch_size(gm: torch.fx.GraphModule) -> int | None:
+    """The batch a graph was captured with: dim 0 of its first batched input (``meta["val"]``)."""
+    return batch_size_of(n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder")
 
 
 def short_hash(*parts: object, n: int = 16) -> str:

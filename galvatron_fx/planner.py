@@ -14,7 +14,7 @@ import torch
 import torch.fx
 
 from .cluster import Cluster
-from .errors import ConfigError, InfeasibleError
+from .errors import ConfigError, GalvatronError, InfeasibleError
 from .ir import META_KEY
 from .plan import LayerPlan, Plan
 from .solver.engine import Engine, SearchOptions, SearchResult, is_better, stderr_progress
@@ -77,7 +77,7 @@ def cost_model_for(gm: torch.fx.GraphModule, cluster: Cluster, **cost_options):
 
 def tp_admissible(cost_model) -> Callable[[int, int], bool]:
     """``(layer, tp) -> bool``: whether the tensor-parallel pass accepts layer ``layer`` at degree
-    ``tp`` (heads, key/value heads and widths it splits must divide; see passes/tp_patterns.py).
+    ``tp`` (heads, key/value heads and widths it splits must divide; see galvatron_fx/sharding/).
     The answer comes from the pass's own analysis, so the search never emits a plan it rejects."""
     return lambda layer, tp: tp == 1 or not isinstance(cost_model.tp_analysis(layer, tp), Exception)
 
@@ -246,3 +246,34 @@ def speedups(plan: Plan, base: dict[str, Any]) -> dict[str, float | None]:
 
 def plan_strategy(plan: Plan, index: int) -> Strategy:
     return plan.layers[index].strategy
+
+
+
+def broadcast_plan(make_plan: Callable[[], Plan]) -> Plan:
+    """``make_plan()`` on rank 0 of the live torch.distributed world, its plan broadcast to every
+    rank (collective: call it on all ranks). A :class:`GalvatronError` on rank 0 is raised on every
+    rank as :class:`ConfigError` naming it."""
+    import torch.distributed as dist
+
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", make_plan().to_dict())
+        except GalvatronError as exc:
+            box[0] = ("error", f"{type(exc).__name__}: {exc}")
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status != "ok":
+        raise ConfigError(f"the plan search on rank 0 failed: {value}")
+    return Plan.from_dict(value)
+
+
+def search_on_rank0(gm: torch.fx.GraphModule, cluster=None, memory_budget=None,
+                    global_batch_size: int | None = None, **kwargs) -> Plan:
+    """:func:`search` for the live world on rank 0, the plan broadcast to every rank (collective).
+    ``cluster=None`` profiles the live world (collective on every rank too)."""
+    import torch.distributed as dist
+
+    cluster = resolve_cluster(cluster)
+    return broadcast_plan(lambda: search(gm, cluster, memory_budget, global_batch_size,
+                                         world_size=dist.get_world_size(), **kwargs))

@@ -61,7 +61,7 @@ def train(model_spec: str, *, steps: int = 10, plan: str | None = None, memory_b
           global_batch_size: int | None = None, cluster=None, reserve=None, single_device: bool = False,
           lr: float = 1e-3, seed: int = 0, overrides: dict | None = None, progress=None) -> dict:
     """Train and return the log ``{"mode", "world_size", "steps": [...], "summary": {...}}``."""
-    from .cli import load_model
+    from . import models
     from .distributed import init_distributed, is_distributed, pick_device, synchronize
 
     overrides = dict(overrides or {})
@@ -76,7 +76,7 @@ def train(model_spec: str, *, steps: int = 10, plan: str | None = None, memory_b
                               "galvatron_fx.cli train MODEL); use --single-device for the eager reference")
         init_distributed()
     torch.manual_seed(seed)
-    model, example = load_model(model_spec, device="cpu", overrides=overrides)
+    model, example = models.load(model_spec, device="cpu", overrides=overrides)
     model = model.to(device)
     example = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in example)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-6)

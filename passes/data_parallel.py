@@ -1,6 +1,12 @@
-"""Data-parallel rewrite of one layer submodule: parameters -> views of one flat buffer.
+"""Data-parallel pass: each layer's parameters -> views of one flat buffer synchronised over DP.
 
-Input: a layer GraphModule from :mod:`.split_layers` (trainable parameters are ``get_attr``
+:class:`DataParallelPass` takes SPLIT and leaves SPLIT: every layer submodule with trainable
+parameters is rewritten by :func:`flatten_layer_params` for its plan entry (``sdp`` mode, DP group
+of the rank layout in :mod:`galvatron_fx.runtime.groups`): all-reduced (``sdp="none"``),
+reduce-scattered with replicated parameters (``"zero2"``) or sharded and all-gathered around use
+(``"zero3"``); see :mod:`galvatron_fx.runtime.data_parallel`. The stores land in ``ctx.stores``.
+
+One layer (:func:`flatten_layer_params`). Input: a layer GraphModule from :mod:`.split_layers` (trainable parameters are ``get_attr``
 nodes with their original FQN targets) and the layer's ``sdp`` mode and DP ranks.
 
 Output (in place): the layer holds a :class:`~galvatron_fx.runtime.data_parallel.FlatParams`
@@ -19,9 +25,41 @@ import operator
 
 import torch
 import torch.fx
+from torch.fx.passes.infra.pass_base import PassResult
 
+from ..ir import layer_module_name
 from ..runtime.data_parallel import ENTRY, FlatParams, param_view, zero3_release
+from ..runtime.groups import Layout
+from .base import check
+from .context import ContextPass
 from .split_layers import is_trainable_param
+
+
+class DataParallelPass(ContextPass):
+    """See the module docstring."""
+
+    needs_split = True
+    name = "data_parallel"
+
+    def requires(self, graph_module: torch.fx.GraphModule) -> None:
+        super().requires(graph_module)
+        check(not self.ctx.stores, "data_parallel ran already on this context")
+
+    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        ctx = self.ctx
+        for i, lp in enumerate(ctx.stage_plan.layers):
+            layer = getattr(graph_module, layer_module_name(i))
+            ranks = Layout(lp.tp, lp.dp, base=ctx.base).dp_ranks(ctx.rank)
+            store = flatten_layer_params(layer, lp.sdp, ranks, ctx.rank, ctx.bucket_bytes, ckpt=lp.ckpt)
+            if store is not None:
+                ctx.stores.append(store)
+        return PassResult(graph_module, bool(ctx.stores))
+
+    def ensures(self, graph_module: torch.fx.GraphModule) -> None:
+        for i in range(len(self.ctx.stage_plan.layers)):
+            layer = getattr(graph_module, layer_module_name(i))
+            left = [n.target for n in layer.graph.nodes if is_trainable_param(n)]
+            check(not left, f"layer {i} still reads trainable parameters outside its flat buffer: {left}")
 
 
 def _fetch_owner(root: torch.nn.Module, target: str):

@@ -5,8 +5,9 @@ Graphs from dynamo and export (static shapes) bake the captured batch ``B`` into
 fx graphs compute them from ``x.size(0)`` and need nothing. A layer that runs on ``b`` samples
 (``b = B / (micro_batches * dp)``) must use ``b``.
 
-Input: the top module of :mod:`.split_layers` (``meta["val"]`` of every node still describes the
-captured global batch) and, per layer, its local batch ``b``.
+Takes SPLIT, leaves SPLIT. Input: the top module of :mod:`.split_layers` (``meta["val"]`` of every
+node still describes the captured global batch) and, per layer, its local batch ``b``. fx graphs
+(``x.size(0)`` is computed at run time) are left as they are.
 
 Output (in place): in every layer graph, the *first* integer of a shape argument (a list/tuple
 argument, or the integer varargs of ``view``/``reshape``/``expand``/``repeat``-style method calls) is
@@ -27,10 +28,33 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+from torch.fx.passes.infra.pass_base import PassResult
 
 from ..errors import ConfigError
-from ..ir import carries_batch
-from .split_layers import is_trainable_param, layer_module_name
+from ..ir import carries_batch, layer_module_name
+from .context import ContextPass
+from .split_layers import is_trainable_param
+
+BAKED_SHAPE_METHODS = ("dynamo", "export")
+"""Front ends whose graphs bake the captured batch into shape arguments."""
+
+
+class LocalBatchPass(ContextPass):
+    """Each layer of a dynamo / export graph computes on its own ``B / (micro_batches * dp)``
+    samples (see the module docstring). ``rewritten``: the number of constants changed."""
+
+    needs_split = True
+    name = "local_batch"
+    rewritten = 0
+
+    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        ctx, plan = self.ctx, self.ctx.stage_plan
+        batch = ctx.global_batch
+        if not batch or ctx.method not in BAKED_SHAPE_METHODS:
+            return PassResult(graph_module, False)
+        local = [batch // (plan.micro_batches * lp.dp) for lp in plan.layers]
+        self.rewritten = localize_batch(graph_module, batch, local)
+        return PassResult(graph_module, self.rewritten > 0)
 
 
 def localize_batch(top: torch.fx.GraphModule, global_batch: int, local_batches: list[int]) -> int:
@@ -45,15 +69,6 @@ def localize_batch(top: torch.fx.GraphModule, global_batch: int, local_batches: 
             layer.recompile()
         count += n
     return count
-
-
-def global_batch_of(gm: torch.fx.GraphModule) -> int | None:
-    """Dim 0 of the first batched graph input (the captured global batch)."""
-    for n in gm.graph.nodes:
-        v = n.meta.get("val")
-        if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() >= 1:
-            return int(v.shape[0])
-    return None
 
 
 def _localize_layer(layer: torch.fx.GraphModule, B: int, b: int) -> int:

@@ -33,12 +33,26 @@ import torch.fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..errors import CaptureError
-from ..ir import META_KEY, GraphInfo, NodeInfo
-from .base import GraphPass
+from ..ir import META_KEY, GraphInfo, NodeInfo, layer_module_name
+from ..runtime.checkpointing import checkpoint_layer
+from .base import GraphPass, check
 
 
-def layer_module_name(index: int) -> str:
-    return f"layers_{index}"
+def layer_calls(top: torch.fx.GraphModule) -> dict[int, torch.fx.Node]:
+    """Layer index -> the top-graph node that runs it: a ``call_module`` of ``layers_<i>``, or the
+    ``checkpoint_layer(self.layers_<i>, ...)`` call the checkpointing pass puts in its place."""
+    calls = {}
+    for n in top.graph.nodes:
+        if n.op == "call_module" and n.target.startswith("layers_"):
+            calls[int(n.target.split("_")[1])] = n
+        elif n.op == "call_function" and n.target is checkpoint_layer:
+            calls[int(n.args[0].target.split("_")[1])] = n
+    return calls
+
+
+def is_split(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` is a top graph of this pass (it calls ``layers_<i>`` submodules)."""
+    return bool(layer_calls(gm))
 
 
 def is_trainable_param(node: torch.fx.Node) -> bool:
@@ -60,12 +74,24 @@ def _fetch(gm: torch.nn.Module, target: str):
 
 
 class SplitLayersPass(GraphPass):
-    """See the module docstring."""
+    """See the module docstring. Takes GROUPED (or STAGE / TP_SHARDED), leaves SPLIT."""
+
+    name = "split_layers"
 
     def requires(self, graph_module: torch.fx.GraphModule) -> None:
         info = graph_module.meta.get(META_KEY)
         if not isinstance(info, GraphInfo) or not info.layers:
             raise CaptureError("split_layers needs a layer-grouped graph; capture it with gfx.capture()")
+        check(not is_split(graph_module), "split_layers needs a flat graph, got one already split into layers")
+
+    def ensures(self, graph_module: torch.fx.GraphModule) -> None:
+        n_layers = len(graph_module.meta[META_KEY].layers)
+        calls = layer_calls(graph_module)
+        check(sorted(calls) == list(range(n_layers)),
+              f"split_layers must call each of the {n_layers} layers once, calls {sorted(calls)}")
+        for i in range(n_layers):
+            check(isinstance(getattr(graph_module, layer_module_name(i), None), torch.fx.GraphModule),
+                  f"layer submodule {layer_module_name(i)} is missing")
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         gm = graph_module

@@ -25,7 +25,7 @@ split, checkpointing, data parallel, resharding) run on it unchanged:
   way, so the owner's gradient holds every use (:func:`cross_stage_params` lists such weights);
 * buffers, frozen parameters and constants are copied into every stage that reads them.
 
-``stage_gm.meta["galvatron_stage"]`` is the :class:`StageInfo` describing the cut (which local
+``stage_gm.meta["galvatron"].stage`` is the :class:`~galvatron_fx.ir.StageInfo` describing the cut (which local
 inputs, which values received / sent, whether each is batched or needs a gradient).
 """
 
@@ -33,62 +33,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..errors import ConfigError
-from ..ir import META_KEY, GraphInfo, NodeInfo
-from .base import GraphPass
+from ..ir import META_KEY, CrossingValue, GraphInfo, NodeInfo, StageInfo, graph_batch_size
+from .base import GraphPass, check
 from .split_layers import _fetch, is_trainable_param
-
-STAGE_KEY = "galvatron_stage"
-
-
-@dataclass(frozen=True)
-class CrossingValue:
-    """A value crossing a stage boundary (received by one stage, sent by the previous one).
-
-    ``name``: the producing node's name. ``shape``/``dtype``: from the capture (``shape[0]`` is
-    the captured batch when ``batched``). ``batched``: computed from a graph input and carrying
-    the batch on dim 0 (activations, masks); else replicated (a tied weight, T5's position bias).
-    ``requires_grad``: floating point and computed from a trainable parameter. ``producer_layer``:
-    global index of the layer computing it.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    batched: bool
-    requires_grad: bool
-    producer_layer: int
-
-
-@dataclass
-class StageInfo:
-    """How stage ``index`` (layers ``first..last``, inclusive, global indices) was cut out."""
-
-    index: int
-    num_stages: int
-    first: int
-    last: int
-    local_inputs: list[int] = field(default_factory=list)   # positions among the graph inputs
-    received: list[CrossingValue] = field(default_factory=list)
-    sent: list[CrossingValue] = field(default_factory=list)
-
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.num_stages - 1
-
-
-def _batch_size(gm: torch.fx.GraphModule) -> int | None:
-    for n in gm.graph.nodes:
-        v = n.meta.get("val")
-        if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() >= 1:
-            return int(v.shape[0])
-    return None
 
 
 def _flags(gm: torch.fx.GraphModule) -> tuple[dict, dict]:
@@ -110,12 +63,16 @@ def _flags(gm: torch.fx.GraphModule) -> tuple[dict, dict]:
 
 
 class StageSplitPass(GraphPass):
-    """Cut stage ``index`` of ``stages`` (see the module docstring)."""
+    """Cut stage ``index`` of ``stages`` (see the module docstring). Takes GROUPED, leaves STAGE;
+    with a :class:`~.context.ParallelContext` it also records the cut in ``ctx.stage_info``."""
 
-    def __init__(self, stages: list[tuple[int, int]], index: int):
+    name = "stage_split"
+
+    def __init__(self, stages: list[tuple[int, int]], index: int, ctx=None):
         super().__init__()
         self.stages = [tuple(s) for s in stages]
         self.index = index
+        self.ctx = ctx
 
     def requires(self, graph_module: torch.fx.GraphModule) -> None:
         info = graph_module.meta.get(META_KEY)
@@ -132,7 +89,16 @@ class StageSplitPass(GraphPass):
             raise ConfigError(f"stage index {self.index} is outside the {len(self.stages)} stages")
 
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:
-        graph_module.graph.lint()
+        info = graph_module.meta[META_KEY]
+        first, last = self.stages[self.index]
+        check(info.stage is not None and info.stage.index == self.index,
+              "stage_split must record its StageInfo in meta['galvatron'].stage")
+        check(len(info.layers) == last - first + 1,
+              f"stage {self.index} must hold layers {first}..{last}, holds {len(info.layers)} layers")
+        check(all(n.meta[META_KEY].layer in range(len(info.layers)) for n in graph_module.graph.nodes
+                  if n.op not in ("placeholder", "output")), "every stage node must belong to one of its layers")
+        if self.ctx is not None:
+            self.ctx.stage_info = info.stage
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         gm, k = graph_module, self.index
@@ -152,14 +118,18 @@ class StageSplitPass(GraphPass):
 
         computed = [n for n in nodes if n.op not in ("placeholder", "output") and not shared(n)]
         from_input, from_param = _flags(gm)
-        batch = _batch_size(gm)
+        batch = graph_batch_size(gm)
 
         def crossing(n) -> CrossingValue:
             v = n.meta.get("val")
             if not isinstance(v, torch.Tensor):
                 raise ConfigError(f"value {n.name} crosses a pipeline stage boundary but is not a tensor "
                                   f"({type(v).__name__}); move the stage boundary")
-            batched = bool(from_input[n] and v.dim() >= 1 and batch is not None and v.shape[0] == batch)
+            # NOTE: batch-shaped constants (HF's causal mask expanded to the batch, built from no
+            # input) are batched too: the local-batch pass cuts them to the producer's slice like
+            # the activations they meet (see passes/local_batch.py)
+            batched = bool((from_input[n] or not from_param[n]) and v.dim() >= 1 and batch is not None
+                           and v.shape[0] == batch)
             rg = bool(from_param[n] and v.is_floating_point())
             return CrossingValue(n.name, tuple(v.shape), v.dtype, batched, rg, n.meta[META_KEY].layer)
 
@@ -217,16 +187,15 @@ class StageSplitPass(GraphPass):
                                        consumes_from=[c - first for c in rec.consumes_from])
                    for rec in info.layers[first:last + 1]]
         stage_gm.meta[META_KEY] = dataclasses.replace(
-            info, layers=records, input_names=[p.name for p in local] + [n.name for n in received])
-        stage_gm.meta[STAGE_KEY] = StageInfo(
-            k, len(self.stages), first, last, local_inputs=[placeholders.index(p) for p in local],
-            received=[crossing(n) for n in received], sent=[crossing(n) for n in sent])
+            info, layers=records, input_names=[p.name for p in local] + [n.name for n in received],
+            stage=StageInfo(k, len(self.stages), first, last, local_inputs=[placeholders.index(p) for p in local],
+                            received=[crossing(n) for n in received], sent=[crossing(n) for n in sent]))
         return PassResult(stage_gm, True)
 
 
 def stage_split(gm: torch.fx.GraphModule, stages, index: int) -> torch.fx.GraphModule:
-    """Run :class:`StageSplitPass` and return stage ``index``'s GraphModule (``meta["galvatron_stage"]``
-    holds its :class:`StageInfo`)."""
+    """Run :class:`StageSplitPass` and return stage ``index``'s GraphModule (``meta["galvatron"].stage``
+    holds its :class:`~galvatron_fx.ir.StageInfo`)."""
     return StageSplitPass(stages, index)(gm).graph_module
 
 
@@ -245,4 +214,4 @@ def cross_stage_params(gm: torch.fx.GraphModule, stages) -> dict[str, list[int]]
 
 
 def stage_info(stage_gm: torch.fx.GraphModule) -> StageInfo:
-    return stage_gm.meta[STAGE_KEY]
+    return stage_gm.meta[META_KEY].stage

@@ -2,7 +2,7 @@
 
 Input: a captured, layer-grouped GraphModule (see :mod:`galvatron_fx.frontend`) and, per layer with
 ``tp > 1``, its degree and sequence-parallel flag. Which ops shard is decided by
-:mod:`galvatron_fx.passes.tp_patterns` from the ops and shapes alone (no module names).
+:mod:`galvatron_fx.sharding` from the ops and shapes alone (no module names).
 
 Output (the same GraphModule, edited in place), for every such layer:
 
@@ -40,6 +40,7 @@ The zoo models have no dropout; a model that trains with dropout under TP should
 
 from __future__ import annotations
 
+import copy
 import logging
 import operator
 from collections.abc import Callable
@@ -49,11 +50,22 @@ import torch.fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.fx.passes.infra.pass_base import PassResult
 
 from ..errors import ConfigError
 from ..ir import META_KEY, NodeInfo, ShardInfo, graph_info, node_info
 from ..runtime import tp_ops
-from .tp_patterns import LayerTP, ParamShard, Sharded, analyze, boundary_layout, op_name
+from ..runtime.groups import group as process_group
+from ..sharding import (  # noqa: F401 (unshard: re-exported, it used to live here)
+    LayerTP,
+    Sharded,
+    analyze,
+    boundary_layout,
+    op_name,
+    shard_tensor,
+    unshard,
+)
+from .context import ContextPass
 
 log = logging.getLogger(__name__)
 
@@ -71,28 +83,6 @@ _CONVERSION_OPS = {
 
 _MM = {torch.addmm: torch.mm, torch.ops.aten.addmm.default: torch.ops.aten.mm.default}
 """addmm -> mm of a row-parallel Conv1D (its bias is added once, after the partial sums)."""
-
-
-def shard_tensor(full: torch.Tensor, shard: ParamShard | ShardInfo, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s shard of ``full``: chunk ``rank`` of every block along ``shard.dim``."""
-    pieces, offset = [], 0
-    for size in shard.blocks:
-        n = size // shard.tp
-        pieces.append(full.narrow(shard.dim, offset + rank * n, n))
-        offset += size
-    return torch.cat(pieces, dim=shard.dim) if len(pieces) > 1 else pieces[0]
-
-
-def unshard(shards: list[torch.Tensor], info: ShardInfo) -> torch.Tensor:
-    """The full tensor from every rank's shard (in TP-group rank order), inverse of :func:`shard_tensor`."""
-    per_block = [[] for _ in info.blocks]
-    for s in shards:
-        offset = 0
-        for b, size in enumerate(info.blocks):
-            n = size // info.tp
-            per_block[b].append(s.narrow(info.dim, offset, n))
-            offset += n
-    return torch.cat([t for block in per_block for t in block], dim=info.dim)
 
 
 def apply_tensor_parallel(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[int, bool]], *,
@@ -231,7 +221,7 @@ class _Rewriter:
                 self.reduce(idx, node, plan.reduce_after[node.meta.get("_tp_reduce", node.name)], key)
 
     def vocab_embedding(self, idx, node):
-        from .tp_patterns import embedding_operands
+        from ..sharding import embedding_operands
 
         ids, w = embedding_operands(node)
         start = int(self.rank_of(idx)) * (_local_rows(w))
@@ -384,3 +374,76 @@ def _propagate_fake(gm: torch.fx.GraphModule) -> None:
                 v = n.meta["val"]
                 inputs.append(torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device))
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+
+
+class TensorParallelPass(ContextPass):
+    """Shard the layers with ``tp > 1`` of ``ctx``'s (stage) plan; see the module docstring.
+
+    Takes GROUPED or STAGE (a flat graph), leaves TP_SHARDED. The input graph is not modified: the
+    pass rewrites a copy (its own graph, node records and module tree over the same tensors).
+    ``ctx.tp_shards`` gets ``fqn -> (ShardInfo, TP ranks)`` of every sharded parameter.
+    """
+
+    name = "tensor_parallel"
+
+    def requires(self, graph_module: torch.fx.GraphModule) -> None:
+        info = graph_info(graph_module)
+        n = len(self.ctx.stage_plan.layers)
+        if info is None or len(info.layers) != n:
+            raise ConfigError(f"tensor_parallel needs a layer-grouped graph of the plan's {n} layers")
+        if any(m.startswith("layers_") for m, _ in graph_module.named_children()):
+            raise ConfigError("tensor_parallel needs a flat graph (run it before split_layers)")
+
+    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        ctx = self.ctx
+        layer_tp = {i: (lp.tp, lp.sp) for i, lp in enumerate(ctx.stage_plan.layers) if lp.tp > 1}
+        if not layer_tp:
+            return PassResult(graph_module, False)
+        layouts, rank = ctx.layouts(), ctx.rank
+        gm = apply_tensor_parallel(fresh_copy(graph_module), layer_tp,
+                                   tp_rank_of=lambda i: layouts[i].tp_index(rank),
+                                   tp_group_of=lambda i: process_group(layouts[i].tp_ranks(rank)))
+        ctx.tp_shards = {fqn: (shard, layouts[layer].tp_ranks(rank))
+                         for fqn, (shard, layer) in _shards(gm).items()}
+        return PassResult(gm, True)
+
+    def ensures(self, graph_module: torch.fx.GraphModule) -> None:
+        layers = self.ctx.stage_plan.layers
+        for fqn, (shard, layer) in _shards(graph_module).items():
+            if shard.tp != layers[layer].tp:
+                raise ConfigError(f"internal: {fqn} is sharded {shard.tp} ways in a layer with tp={layers[layer].tp}")
+
+
+def _shards(gm: torch.fx.GraphModule) -> dict[str, tuple[ShardInfo, int]]:
+    """fqn -> (ShardInfo, layer) of the parameters the pass sharded (their get_attr records)."""
+    out = {}
+    for n in gm.graph.nodes:
+        info = n.meta.get(META_KEY)
+        if n.op == "get_attr" and getattr(info, "shard", None) is not None and info.layer is not None:
+            out[n.target] = (info.shard, info.layer)
+    return out
+
+
+def fresh_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A GraphModule with a copied graph, copied node records and its own module tree holding the
+    same tensors (so rewriting it, or setting attributes on it, leaves ``gm`` unchanged)."""
+    graph = torch.fx.Graph()
+    env: dict = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    for old, new in env.items():
+        new.meta = dict(old.meta)
+        if META_KEY in old.meta:
+            new.meta[META_KEY] = copy.copy(old.meta[META_KEY])
+    root = {}
+    for n in graph.nodes:
+        if n.op == "get_attr":
+            obj = gm
+            for atom in n.target.split("."):
+                obj = getattr(obj, atom)
+            root[n.target] = obj
+    new_gm = torch.fx.GraphModule(root, graph, class_name=type(gm).__name__)
+    new_gm.meta = dict(gm.meta)
+    if META_KEY in gm.meta:  # NOTE: the TP pass rewrites its layer records' node lists
+        new_gm.meta[META_KEY] = copy.deepcopy(gm.meta[META_KEY])
+    return new_gm

@@ -69,7 +69,7 @@ def _compiled_run(rank, world_size, kind, sdp, plan_dir):
     def _search_forbidden(*_a, **_k):
         raise AssertionError("the backend searched although a plan was given")
 
-    backend._search = _search_forbidden
+    backend.agreement._search = _search_forbidden
     losses = _train(lambda: compiled(ids, labels=labels).loss, params)
     local = {n: p.numel() for n, p in model.named_parameters()}
     sd = backend.full_state_dict(model)
@@ -101,6 +101,51 @@ def test_backend_trains_like_eager(kind, sdp, tmp_path):
     pytest.importorskip("transformers")
     results = run_distributed(_compiled_run, 2, kind, sdp, str(tmp_path), timeout=120)
     _check(results, sharded=(sdp == "zero3"))
+
+
+def _compiled_pipeline_run(rank, world_size, how, plan_dir):
+    """GPT-2 under a pp = 2 plan: from a plan file (made with gfx.capture + Plan.uniform) or from
+    the backend's own search constrained to pp = 2."""
+    import galvatron_fx as gfx
+    from galvatron_fx import backend
+
+    model, ids, labels = _hf_model("gpt2")
+    ref_model = copy.deepcopy(model)
+    ref = _train(lambda: ref_model(ids, labels=labels).loss, ref_model.parameters())
+    options = {"cluster": f"{world_size}xA100-80GB", "memory_budget": "2GiB"}
+    if how == "plan":
+        gm = gfx.capture(model, (ids,), {"labels": labels}, method="dynamo")
+        path = f"{plan_dir}/gpt2-pp2.json"
+        if rank == 0:
+            gfx.Plan.uniform(gm, world_size, pp=2, dp=world_size // 2, micro_batches=2,
+                             global_batch_size=ids.shape[0]).save(path)
+        torch.distributed.barrier()
+        options = {"plan": path}
+    else:
+        options["constraints"] = {"pp": 2}
+    params = list(model.parameters())
+    compiled = torch.compile(model, backend="galvatron", fullgraph=True, dynamic=False, options=options)
+    losses = _train(lambda: compiled(ids, labels=labels).loss, params)
+    dm = backend.distributed_model(model)
+    sd = backend.full_state_dict(model)
+    ref_sd = dict(ref_model.named_parameters())
+    diff = torch.cat([(sd[k] - p).flatten() for k, p in ref_sd.items()])
+    err = (diff.norm() / torch.cat([p.detach().flatten() for p in ref_sd.values()]).norm()).item()
+    return {"ref": ref, "losses": losses, "pp": dm.plan.pp, "passes": dm.passes, "param_err": err,
+            "searches": backend.stats["searches"]}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("how", ["plan", "search"])
+def test_backend_pipeline_plan_trains_like_eager(how, tmp_path):
+    pytest.importorskip("transformers")
+    results = run_distributed(_compiled_pipeline_run, 2, how, str(tmp_path), timeout=180)
+    for r in results:
+        assert r["pp"] == 2 and r["passes"][0] == "stage_split" and r["passes"][-1] == "bind_parameters"
+        for a, b in zip(r["losses"], r["ref"]):
+            assert abs(a - b) <= TOL * abs(b), (r["losses"], r["ref"])
+        assert r["param_err"] <= TOL, r["param_err"]
+    assert results[0]["searches"] == (1 if how == "search" else 0)
 
 
 def _mismatch(rank, world_size, plan_dir):

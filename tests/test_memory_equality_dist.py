@@ -60,7 +60,7 @@ def _measure(rank, world, model_name, overrides, labels=None):
         def pack(t):
             st = t.untyped_storage()
             params = {p.untyped_storage().data_ptr() for p in dm.parameters()} | caller
-            params |= {s.full.untyped_storage().data_ptr() for s in dm._stores if s.full is not None}
+            params |= {s.full.untyped_storage().data_ptr() for s in dm.stores if s.full is not None}
             if st.data_ptr() not in params and st.nbytes() > 0:
                 seen[st.data_ptr()] = st.nbytes()
             return t
@@ -68,7 +68,7 @@ def _measure(rank, world, model_name, overrides, labels=None):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = dm(*inputs)
         loss.backward()  # release the graph (its gradients are not used)
-        for s in dm._stores:
+        for s in dm.stores:
             s.zero_grad_state()
         act_pred = sum(cm.activation_bytes(i, s, b) for i, s in enumerate(plan.layer_strategies()))
         out[label] = (measured, predicted, sum(seen.values()), act_pred)

@@ -33,7 +33,7 @@ def _gpt2():
 
 def test_gpt2_blocks_have_tensor_parallel_mlps():
     import galvatron_fx as gfx
-    from galvatron_fx.passes.tp_patterns import analyze
+    from galvatron_fx.sharding import analyze
 
     model, ids = _gpt2()
     gm = gfx.capture(model, (ids,), method="dynamo")

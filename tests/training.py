@@ -37,13 +37,15 @@ def transform(gm, plan, real_tp: bool = True):
     """``gfx.transform``; with ``real_tp=False`` the tensor-parallel pass is an identity (each TP rank
     computes whole layers on its batch slice: mathematically the same), which tests the rank layout,
     the per-layer groups and the resharding on their own."""
-    import importlib
+    from torch.fx.passes.infra.pass_base import PassResult
 
-    T = importlib.import_module("galvatron_fx.parallelize")  # the package attribute is the function
-    saved = T.apply_tensor_parallel
+    import galvatron_fx as gfx
+    from galvatron_fx.passes.tensor_parallel import TensorParallelPass
+
+    saved = TensorParallelPass.call
     if not real_tp:
-        T.apply_tensor_parallel = lambda gm, plan, rank, base=0: gm
+        TensorParallelPass.call = lambda self, gm: PassResult(gm, False)
     try:
-        return T.transform(gm, plan=plan)
+        return gfx.transform(gm, plan=plan)
     finally:
-        T.apply_tensor_parallel = saved
+        TensorParallelPass.call = saved

@@ -6,7 +6,7 @@ activations it reads from earlier layers and the graph inputs it reads; its outp
 later layers (or the graph output) consume.
 
 :func:`roles_from_analysis` marks which of its ops and parameters tensor parallelism shards, from
-the tensor-parallel pass's own analysis (:func:`galvatron_fx.passes.tp_patterns.analyze`), so the
+the tensor-parallel pass's own analysis (:func:`galvatron_fx.sharding.analyze`), so the
 cost model prices exactly what the rewrite does.
 """
 
@@ -134,10 +134,10 @@ def extract_layer(gm: torch.fx.GraphModule, rec: LayerRecord, grad_nodes: set[st
 
 def roles_from_analysis(layer: LayerGraph, analysis) -> None:
     """Set ``layer``'s TP roles from the tensor-parallel pass's own analysis of the layer
-    (:class:`galvatron_fx.passes.tp_patterns.LayerTP`, node names shared with ``layer.gm``), or
+    (:class:`galvatron_fx.sharding.LayerTP`, node names shared with ``layer.gm``), or
     mark everything replicated when ``analysis`` is ``None`` (the layer cannot take TP). This is
     what the cost model uses, so it prices exactly what the rewrite will do."""
-    from ..passes.tp_patterns import TP, Sharded
+    from ..sharding import TP, Sharded
 
     def sharded(state) -> bool:
         states = state if isinstance(state, (tuple, list)) else (state,)

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..runtime.data_parallel import flat_layout  # NOTE: the runtime owns its buffer layout; costed alike
 from ..solver.strategy import Strategy
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1}
@@ -49,13 +50,6 @@ def optimizer_states(optimizer: str) -> int:
         return OPTIMIZER_STATES[optimizer.lower()]
     except KeyError:
         raise ConfigError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATES)}") from None
-
-
-def flat_layout(numel: int, dp: int) -> tuple[int, int]:
-    """``(padded, shard)`` elements of a layer's flat buffer of ``numel`` elements over ``dp`` ranks:
-    padded to a multiple of ``dp`` (at least one element per rank), each rank's shard ``padded/dp``."""
-    padded = math.ceil(max(numel, 1) / dp) * dp
-    return padded, padded // dp
 
 
 def per_tp_elements(sharded: int, replicated: int, tp: int) -> int:

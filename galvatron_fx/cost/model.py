@@ -122,9 +122,8 @@ class CostModel:
         self.cache_dir, self.profile_sizes = cache_dir, profile_sizes
         info = gm.meta.get(META_KEY)
         if info is None or not info.layers:
-            from ..frontend import layers
-            layers(gm)
-            info = gm.meta[META_KEY]
+            raise ConfigError("the cost model needs a layer-grouped graph: capture the model with gfx.capture() "
+                              "(or run gfx.layers(gm) on a graph of your own) first")
         self.layers = info.layers
         grad_nodes, batch = needs_grad(gm), capture_batch(gm)
         self.graphs: dict[str, LayerGraph] = {}
@@ -162,7 +161,7 @@ class CostModel:
         signature), or the :class:`ConfigError` it raises when the layer cannot take that degree."""
         key = (self.layers[index].signature, tp)
         if key not in self._tp:
-            from ..passes.tp_patterns import analyze
+            from ..sharding import analyze
 
             # NOTE: a tied weight is sharded only if every layer reading it is; analyse those
             # layers together at the same degree (what a uniform plan does)

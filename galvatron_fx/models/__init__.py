@@ -25,6 +25,8 @@ Structure every model follows, for capture and layer grouping:
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch import nn
 
@@ -119,3 +121,17 @@ def param_count(model: nn.Module) -> int:
     """Number of distinct parameter elements (tied weights counted once); works on meta models."""
     return sum(p.numel() for p in model.parameters())
 
+
+def load(spec: str, device: str = "meta", overrides: dict | None = None):
+    """A ``MODEL`` argument (CLI, trainer) -> ``(model, example_args)``: a zoo name or ``package.module:factory``."""
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"cannot load model factory {spec!r}: {exc}") from None
+        result = factory(**(overrides or {}))
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise ConfigError(f"model factory {spec!r} must return (model, example_inputs)")
+        return result
+    return build(spec, device=device, **(overrides or {}))

@@ -39,11 +39,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..cost.memory import flat_layout
 from .groups import Ranks, all_gather_single, group, reduce_scatter_single
 
 SDP_MODES = ("none", "zero2", "zero3")
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+
+def flat_layout(numel: int, dp: int) -> tuple[int, int]:
+    """``(padded, shard)`` elements of a layer's flat buffer of ``numel`` elements over ``dp`` ranks:
+    padded to a multiple of ``dp`` (at least one element per rank), each rank's shard ``padded/dp``."""
+    padded = math.ceil(max(numel, 1) / dp) * dp
+    return padded, padded // dp
+
 
 
 class FlatParams(nn.Module):
@@ -91,6 +99,7 @@ class FlatParams(nn.Module):
         self.regather_in_backward = True  # zero3: False under checkpointing (recompute gathers)
         self._acc: torch.Tensor | None = None
         self._pending: list = []
+        self.stale = False   # zero2: the optimizer may have updated the shard since the last gather
         self.last_micro_batch = True
 
     def extra_repr(self) -> str:
@@ -171,6 +180,10 @@ class FlatParams(nn.Module):
         self._acc = None
         if total is not None:
             self.flat_param.grad = total.detach()
+        # NOTE: whatever optimizer the user built may now update this rank's shard; the whole
+        # ZeRO-2 buffer is re-gathered before it is read next (sync_after_step), so no hook on
+        # the user's optimizer is needed.
+        self.stale = self.mode == "zero2" and self.dp > 1
 
     def zero_grad_state(self) -> None:
         """Start of a step: no gradient, no pending op, no stale gathered buffer."""
@@ -179,10 +192,12 @@ class FlatParams(nn.Module):
         self.free_full()
 
     def sync_after_step(self) -> None:
-        """zero2: all-gather the updated shards into the whole buffer (collective over DP)."""
-        if self.mode == "zero2" and self.dp > 1:
+        """zero2: all-gather the shards into the whole buffer when they may have changed since the
+        last gather (an optimizer step, a checkpoint load); collective over DP, a no-op otherwise."""
+        if self.stale:
             with torch.no_grad():
                 all_gather_single(self.full, self.flat_param.data.clone(), group=group(self.dp_ranks))
+            self.stale = False
 
 
 def _free(t: torch.Tensor) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ..distributed import all_gather_single, reduce_scatter_single  # noqa: F401 - the one collective shim
 from ..errors import ConfigError
 
 Ranks = tuple[int, ...]
@@ -84,8 +85,10 @@ class ProcessGroups:
             self._groups.clear()
             self._world = dist.group.WORLD
 
-    def ensure(self, rank_sets) -> None:
-        """Create every set not yet cached, in sorted order, on every rank (collective)."""
+    def ensure(self, rank_sets, *, local: bool = False) -> None:
+        """Create every set not yet cached, in sorted order, on every rank (collective over the
+        world). ``local=True``: only the members of each set take part (torch's
+        ``use_local_synchronization``), for groups made inside a subgroup (cluster profiling)."""
         self._check_world()
         world = dist.get_world_size()
         wanted = sorted({tuple(sorted(s)) for s in rank_sets if len(s) > 1})
@@ -95,7 +98,7 @@ class ProcessGroups:
             if ranks == tuple(range(world)):
                 self._groups[ranks] = dist.group.WORLD
             else:
-                self._groups[ranks] = dist.new_group(list(ranks))
+                self._groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=local)
 
     def get(self, ranks: Ranks):
         ranks = tuple(sorted(ranks))
@@ -116,19 +119,3 @@ GROUPS = ProcessGroups()
 def group(ranks: Ranks):
     """The cached process group of ``ranks`` (``None`` for one rank)."""
     return GROUPS.get(ranks)
-
-
-# NOTE: torch renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and deprecated
-# the old names; use whichever this torch has (both accept async_op).
-_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def all_gather_single(output, inp, group=None, async_op=False):
-    """All-gather ``inp`` from every rank of ``group`` into the flat ``output`` (rank order)."""
-    return _AG(output, inp, group=group, async_op=async_op)
-
-
-def reduce_scatter_single(output, inp, group=None, async_op=False):
-    """Sum ``inp`` over ``group`` and keep this rank's equal slice in ``output``."""
-    return _RS(output, inp, group=group, async_op=async_op)

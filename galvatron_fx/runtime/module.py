@@ -30,6 +30,13 @@ class DistributedModel(torch.fx.GraphModule):
         self._n_inputs = sum(1 for n in self.graph.nodes if n.op == "placeholder")
         return self
 
+    @property
+    def stores(self) -> list[FlatParams]:
+        """This rank's per-layer :class:`~.data_parallel.FlatParams` (one per layer with trainable
+        parameters, in layer order): the public handle checkpoints, the backend's parameter
+        binding and benchmarks use."""
+        return self._stores
+
     # ---------------------------------------------------------------- training
     def train_step(self, *inputs: torch.Tensor) -> torch.Tensor:
         """Forward and backward of the full global batch; returns the global-batch mean loss.
@@ -47,6 +54,7 @@ class DistributedModel(torch.fx.GraphModule):
         if len(graph_inputs) != self._n_inputs:
             raise ConfigError(f"train_step needs the graph's {self._n_inputs} inputs, got {len(inputs)}")
         m = self.plan.micro_batches
+        self.sync_params()   # ZeRO-2: the shards the user's optimizer updated -> whole buffers
         for s in self._stores:
             s.zero_grad_state()
         micro = [_split(t, m) for t in graph_inputs]
@@ -84,18 +92,18 @@ class DistributedModel(torch.fx.GraphModule):
 
     # --------------------------------------------------------------- optimizer
     def optimizer(self, cls=torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:
-        """``cls(self.parameters(), **kwargs)`` over this rank's buffers/shards, with
-        :meth:`sync_params` run after every ``step()`` (ZeRO-2 all-gathers the updated shards).
+        """``cls(self.parameters(), **kwargs)`` over this rank's buffers/shards: a convenience; any
+        ``torch.optim`` optimizer the user builds over :meth:`parameters` works the same.
 
         NOTE: parameters are flat per layer, so one hyper-parameter set applies to all of them
         (elementwise optimizers such as AdamW/SGD then match unflattened training exactly).
         """
-        opt = cls(self.parameters(), **kwargs)
-        opt.register_step_post_hook(lambda *_: self.sync_params())
-        return opt
+        return cls(self.parameters(), **kwargs)
 
     def sync_params(self) -> None:
-        """After an optimizer step on :meth:`parameters`: all-gather ZeRO-2 shards (collective)."""
+        """ZeRO-2: all-gather the shards an optimizer step (or a checkpoint load) changed into the
+        whole buffers (collective over each DP group; a no-op when nothing changed). ``train_step``
+        and :meth:`full_state_dict` run it first, so users never need to."""
         for s in self._stores:
             s.sync_after_step()
 
@@ -103,6 +111,7 @@ class DistributedModel(torch.fx.GraphModule):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """fqn -> unsharded parameter (original fully qualified names; tied weights under their
         first name), on **every rank** (collective: call it on all ranks)."""
+        self.sync_params()
         out: dict[str, torch.Tensor] = {}
         for s in self._stores:
             for fqn, t in s.unsharded().items():
@@ -147,7 +156,7 @@ def _split(t, m: int):
 
 def _unshard(t: torch.Tensor, info, ranks: tuple[int, ...]) -> torch.Tensor:
     """The whole tensor from the TP shards of ``ranks`` (collective over the TP group)."""
-    from ..passes.tensor_parallel import unshard
+    from ..sharding import unshard
     from .groups import all_gather_single, group
 
     flat = t.new_empty(len(ranks) * t.numel())

@@ -1,30 +1,13 @@
-"""Pipeline parallelism: ``gfx.transform`` for plans with ``pp > 1``.
+"""Pipeline parallelism at run time: this rank's stage under a ``pp > 1`` plan.
 
-Per rank, top to bottom (the pp = 1 steps of :mod:`galvatron_fx.parallelize` run on the stage)::
-
-    stage = stage_split(gm, plan.stages, k)        # this rank's stage k as a flat graph (passes/stage_split.py)
-    stage = apply_tensor_parallel(stage, sub, rank, base)
-    top   = split_layers(stage)                    # layers_<global index> submodules
-    apply_boundary_outputs(top, ...)               # values sent on: into the boundary layout
-    apply_checkpointing(top, sub); apply_data_parallel(top, sub, rank, bucket_bytes, base)
-    apply_resharding(top, sub, rank, base)         # + received values: boundary layout -> each layer's
-    PipelineModel(DistributedModel(top), ...)      # schedule: torch.distributed.pipelining
+:class:`PipelineModel` holds the stage's :class:`~.module.DistributedModel` (built by the one pass
+list of :mod:`galvatron_fx.parallelize`: stage split, then the pp = 1 passes on the stage, then the
+stage-boundary passes of :mod:`galvatron_fx.passes.stage_boundaries`, which document the boundary
+layout) and runs it under a ``torch.distributed.pipelining`` schedule.
 
 Rank layout (see :mod:`.groups`): stages outermost, stage ``k`` owns global ranks
-``[k*N, (k+1)*N)`` with ``N = world_size / pp``; inside a stage every layer's TP/SP/DP/ZeRO/ckpt
-strategy is applied by the pp = 1 machinery with the stage's rank offset ``base = k*N``.
-
-Boundary layout. A batched value crossing a stage boundary travels in the layout
-``Layout(tp=1, dp=N)`` of both stages: local rank ``j`` of stage ``k`` holds batch slice ``j`` of
-``N`` of the micro-batch and sends it to local rank ``j`` of stage ``k+1`` (one p2p group per
-``j``: ranks ``{j, N+j, 2N+j, ...}``), so each rank sends ``1/N`` of the micro-batch, whatever the
-layers on either side do. The producing layer's layout is changed into it (sequence gathered,
-batch sub-sliced) and the consuming layers' layouts are rebuilt from it with
-:func:`~.reshard.plan_batched`, so gradients keep :mod:`.reshard`'s invariant across the boundary.
-Replicated values (a tied weight, T5's position bias) are sent whole; their gradient is summed
-over the consumer's DP group and divided by the producer's ``dp`` (:func:`~.reshard.replicated`),
-so the producer's own DP reduction adds every use once. Graph inputs (e.g. the last stage's
-labels) are never sent: every rank gets the whole global batch in ``train_step``.
+``[k*N, (k+1)*N)`` with ``N = world_size / pp``; local rank ``j`` of every stage talks to local rank
+``j`` of the next over the p2p group ``{j, N+j, 2N+j, ...}``.
 
 NOTE: built on ``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe`` /
 ``Schedule1F1B``) with static shapes (no meta-device shape inference, which the stage's
@@ -35,35 +18,17 @@ as in pp = 1 training, and the layers' flat buffers run their DP reduction on th
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 
 import torch
 import torch.distributed as dist
-import torch.fx
 from torch import nn
 
-from ..errors import ConfigError, PlanMismatchError
-from ..ir import META_KEY
-from ..passes.split_layers import layer_module_name, split_layers
-from ..passes.stage_split import StageInfo, cross_stage_params, stage_info, stage_split
-from . import reshard
-from .groups import GROUPS, Layout, group
+from ..errors import ConfigError
+from ..ir import StageInfo, batch_size_of
+from .groups import group
 from .module import DistributedModel, _split
 from .reshard import slice_input
-
-
-def _transform_module():
-    # NOTE: ``galvatron_fx.parallelize`` the attribute is the function (re-exported by the package);
-    # the apply_* steps live in the module of that name.
-    import importlib
-
-    return importlib.import_module("galvatron_fx.parallelize")
-
-
-def boundary_layout(n: int, base: int) -> Layout:
-    """The layout of batched values crossing a stage boundary (see the module docstring)."""
-    return Layout(1, n, False, base)
 
 
 def pass_on(x: torch.Tensor) -> torch.Tensor:
@@ -72,171 +37,28 @@ def pass_on(x: torch.Tensor) -> torch.Tensor:
     return x.view_as(x) if x.is_contiguous() else x.contiguous()
 
 
-def transform_pipeline(gm: torch.fx.GraphModule, plan, loss_fn=None, *, bucket_bytes: int) -> PipelineModel:
-    """This rank's stage of ``plan`` (``pp > 1``) as a :class:`PipelineModel`.
-
-    Raises:
-        PlanMismatchError: the world size does not match the plan or is not divisible by ``pp``.
-    """
-    T = _transform_module()
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if plan.world_size != world or world % plan.pp:
-        raise PlanMismatchError(f"the plan has pp={plan.pp} stages for world_size={plan.world_size}, but "
-                                f"{world} processes are running; launch world_size={plan.world_size} ranks "
-                                "(a multiple of pp) or re-plan for this world size")
-    if len(plan.stages) != plan.pp:
-        raise PlanMismatchError(f"the plan lists {len(plan.stages)} stages for pp={plan.pp}")
-    for fqn, layers in cross_stage_params(gm, plan.stages).items():
-        if any(plan.layers[i].tp > 1 for i in layers):
-            raise ConfigError(
-                f"parameter {fqn!r} is tied across pipeline stages (read by layers {layers}); a tied weight "
-                "crosses stages whole, so the layers reading it need tp=1 (or put them in one stage)")
-    n = world // plan.pp
-    k, base = rank // n, rank // n * n
-    # NOTE: dist.new_group is collective over the whole world: every rank creates every stage's
-    # groups and the p2p groups, in one sorted order, before any stage uses one.
-    sets: set = {tuple(j + s * n for s in range(plan.pp)) for j in range(n)}
-    for s, (first, last) in enumerate(plan.stages):
-        lays = [Layout(lp.tp, lp.dp, lp.sp, s * n) for lp in plan.layers[first:last + 1]]
-        sets |= reshard.rank_sets(lays + [boundary_layout(n, s * n)], world)
-    GROUPS.ensure(sets)
-
-    sgm = stage_split(gm, plan.stages, k)
-    info = stage_info(sgm)
-    sub = _stage_plan(plan, k)
-    layouts = [Layout(lp.tp, lp.dp, lp.sp, base) for lp in sub.layers]
-    sgm = T.apply_tensor_parallel(sgm, sub, rank, base)
-    top = split_layers(sgm)
-    apply_boundary_outputs(top, info, layouts, boundary_layout(n, base), rank)
-    T.apply_checkpointing(top, sub)
-    stores = T.apply_data_parallel(top, sub, rank, bucket_bytes, base)
-    out_layout = apply_boundary_inputs(top, sub, info, plan, boundary_layout(n, base), rank, base)
-    _rename_layers(top, info.first)
-    model = DistributedModel(top, top.graph, class_name=f"GalvatronStage{k}")
-    model.meta[META_KEY] = sgm.meta[META_KEY]
-    model.setup(sub, rank, loss_fn, out_layout, stores, T._tp_shards(sgm, layouts, rank))
-    return PipelineModel(model, plan, info, n_inputs=sum(1 for x in gm.graph.nodes if x.op == "placeholder"),
-                         rank=rank, stage_size=n)
-
-
-def _stage_plan(plan, k: int):
-    """The pp = 1 plan of stage ``k`` alone (its layers, ``world_size / pp`` devices)."""
-    first, last = plan.stages[k]
-    est = dict(plan.estimate)
-    mem = est.get("memory_bytes_per_device")
-    est["memory_bytes_per_device"] = [mem[k]] if isinstance(mem, list) and len(mem) > k else None
-    return dataclasses.replace(plan, world_size=plan.devices_per_stage, pp=1, stages=[(0, last - first)],
-                               layers=[dataclasses.replace(lp) for lp in plan.layers[first:last + 1]],
-                               estimate=est)
-
-
-def apply_boundary_outputs(top: torch.fx.GraphModule, info: StageInfo, layouts: list[Layout],
-                           boundary: Layout, rank: int) -> None:
-    """Values sent to the next stage leave in the boundary layout (batched) or whole (replicated);
-    values only passed on go through :func:`pass_on`."""
-    if info.is_last:
-        return
-    graph = top.graph
-    out = next(x for x in graph.nodes if x.op == "output")
-    new = []
-    for node, cv in zip(out.args[0], info.sent):
-        with graph.inserting_before(out):
-            x = node
-            if node.op != "placeholder" and cv.batched:
-                for fn, extra in reshard.plan_batched(layouts[cv.producer_layer - info.first], boundary, rank):
-                    x = graph.call_function(fn, (x, *extra))
-            x = graph.call_function(pass_on, (x,))
-        new.append(x)
-    out.args = (tuple(new),)
-    graph.lint()
-    top.recompile()
-
-
-def apply_boundary_inputs(top: torch.fx.GraphModule, sub, info: StageInfo, plan, boundary: Layout,
-                          rank: int, base: int) -> Layout:
-    """:func:`galvatron_fx.parallelize.apply_resharding` for the stage, then every read of a received
-    value is rebuilt from the boundary layout (batched) or wrapped in :func:`~.reshard.replicated`.
-    Returns the stage's output layout."""
-    T = _transform_module()
-
-    received = {cv.name: cv for cv in info.received}
-    ph = {x.name: x for x in top.graph.nodes if x.op == "placeholder" and x.name in received}
-    saved = {}
-    for name, x in ph.items():   # NOTE: replicated values must not be sliced like graph inputs
-        if not received[name].batched:
-            saved[name] = x.meta.get("val")
-            x.meta["val"] = None
-    out_layout = T.apply_resharding(top, sub, rank, base)
-    for name, val in saved.items():
-        ph[name].meta["val"] = val
-    graph = top.graph
-    layouts = [Layout(lp.tp, lp.dp, lp.sp, base) for lp in sub.layers]
-    cache: dict = {}
-    for i, call in sorted(T._layer_calls(top).items()):
-        dst = layouts[i]
-        args = list(call.args)
-        for j, a in enumerate(args):
-            p = a
-            if (isinstance(a, torch.fx.Node) and a.op == "call_function" and a.target is slice_input
-                    and a.args[0].op == "placeholder" and a.args[0].name in received):
-                p = a.args[0]
-            if not (isinstance(p, torch.fx.Node) and p.op == "placeholder" and p.name in received):
-                continue
-            if (p, i) not in cache:
-                cv = received[p.name]
-                x = p
-                with graph.inserting_before(call):
-                    if cv.batched:
-                        for fn, extra in reshard.plan_batched(boundary, dst, rank):
-                            x = graph.call_function(fn, (x, *extra))
-                    else:
-                        x = graph.call_function(reshard.replicated, (x, dst.dp_ranks(rank),
-                                                                     plan.layers[cv.producer_layer].dp))
-                cache[(p, i)] = x
-            args[j] = cache[(p, i)]
-        call.args = tuple(args)
-    for x in list(graph.nodes):
-        if x.op == "call_function" and x.target is slice_input and not x.users:
-            graph.erase_node(x)
-    graph.lint()
-    top.recompile()
-    return out_layout
-
-
-def _rename_layers(top: torch.fx.GraphModule, first: int) -> None:
-    """``layers_<local>`` -> ``layers_<global index>`` so the stage's code names the plan's layers."""
-    if first == 0:
-        return
-    count = sum(1 for name, _ in top.named_children() if name.startswith("layers_"))
-    for i in reversed(range(count)):
-        mod = getattr(top, layer_module_name(i))
-        delattr(top, layer_module_name(i))
-        top.add_submodule(layer_module_name(first + i), mod)
-    for x in reversed(list(top.graph.nodes)):
-        if x.op in ("call_module", "get_attr") and x.target.startswith("layers_"):
-            x.target = layer_module_name(first + int(x.target.split("_")[1]))
-            if x.op == "call_module" or x.name.startswith("layers_"):
-                x._rename(x.target)
-    top.recompile()
-
-
-# ------------------------------------------------------------------------------------ runtime
 class _StageRunner(nn.Module):
     """What ``PipelineStage`` calls: ``forward(*received)`` -> the stage graph on this micro-batch's
-    local graph inputs (set by :meth:`PipelineModel.train_step`) and the received values."""
+    local graph inputs (set by :meth:`PipelineModel.train_step`) and the received values.
 
-    def __init__(self, stage: DistributedModel, first: bool):
+    On the last stage it returns the micro-batch's loss (``loss_of(output, chunk)``), not the graph
+    output. NOTE: a model output such as HF's ``(loss, logits)`` is several tensors, which the
+    schedule would try to send on; the loss is all the schedule needs."""
+
+    def __init__(self, stage: DistributedModel, first: bool, loss_of=None):
         super().__init__()
         self.stage = stage
         self.first = first
+        self.loss_of = loss_of
         self.local: list[list[torch.Tensor]] = []
         self.chunk = 0
 
     def forward(self, *received):
         if self.first:   # stage 0: its local inputs are the schedule's root arguments
-            return self.stage(*received)
-        return self.stage(*self.local[self.chunk], *received)
+            out = self.stage(*received)
+        else:
+            out = self.stage(*self.local[self.chunk], *received)
+        return out if self.loss_of is None else self.loss_of(out, self.chunk)
 
 
 def _make_stage_class():
@@ -312,13 +134,19 @@ class PipelineModel(nn.Module):
         self.plan, self.stage_info, self.rank, self.stage_size = plan, info, rank, stage_size
         self.stage_index, self.num_stages = info.index, info.num_stages
         self._n_inputs = n_inputs
-        self.__dict__["_runner"] = _StageRunner(stage, first=info.index == 0)
+        self.__dict__["_runner"] = _StageRunner(stage, first=info.index == 0,
+                                                loss_of=self._loss if info.is_last else None)
         self.__dict__["_built"] = None
         self.schedule_stats: dict = {}
 
     @property
     def code(self) -> str:
         return self.stage.code
+
+    @property
+    def stores(self):
+        """This stage's per-layer flat parameter stores (see :attr:`DistributedModel.stores`)."""
+        return self.stage.stores
 
     @property
     def track_memory(self) -> bool:
@@ -355,12 +183,13 @@ class PipelineModel(nn.Module):
         graph_inputs, targets = inputs[:self._n_inputs], inputs[self._n_inputs:]
         m, info = self.plan.micro_batches, self.stage_info
         local = [graph_inputs[i] for i in info.local_inputs]
-        batch = next((t.shape[0] for t in graph_inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+        batch = batch_size_of(graph_inputs)
         if batch is None or batch % m or (batch // m) % self.stage_size:
             raise ConfigError(f"the global batch of {batch} samples must split into micro_batches={m} "
                               f"micro-batches divisible by the {self.stage_size} ranks of a stage")
         schedule = self._schedule(batch // m, local)
-        for s in self.stage._stores:
+        self.stage.sync_params()   # ZeRO-2: the shards the user's optimizer updated -> whole buffers
+        for s in self.stage.stores:
             s.zero_grad_state()
         runner = self._runner
         runner.local = [list(c) for c in zip(*[_split(t, m) for t in local])] if local else [[]] * m
@@ -373,7 +202,7 @@ class PipelineModel(nn.Module):
             schedule.step(*local, **kwargs)
         else:
             schedule.step(**kwargs)
-        for s in self.stage._stores:
+        for s in self.stage.stores:
             s.finish_grad_sync()
         self.schedule_stats = {k: stats[k] for k in ("order", "peak_in_flight", "peak_saved_bytes")}
         total = torch.zeros(())
@@ -384,13 +213,18 @@ class PipelineModel(nn.Module):
         dist.all_reduce(total)
         return total
 
-    def _loss(self, out, index):
-        lay, m = self.stage.output_layout, self.plan.micro_batches
-        k = int(index.reshape(-1)[0])
+    def _loss(self, out, k: int) -> torch.Tensor:
+        """Micro-batch ``k``'s loss over this rank's output slice (the last stage's runner output)."""
+        lay = self.stage.output_layout
         targets = [slice_input(t[k], lay.batch_index(self.rank), lay.dp) for t in self._targets]
         loss = self.stage._loss(out, targets)
         self._losses.append(loss.detach())
-        return loss / (lay.dp * m)
+        return loss
+
+    def _scaled_loss(self, loss, _index):
+        """The schedule's loss: each rank's mean over its ``1/dp`` slice, scaled by ``1/(dp*m)`` so
+        the DP *sum* of gradients is the gradient of the global mean loss."""
+        return loss / (self.stage.output_layout.dp * self.plan.micro_batches)
 
     def _schedule(self, micro_batch: int, local: list[torch.Tensor]):
         key = (micro_batch, tuple(tuple(t.shape) for t in local))
@@ -416,13 +250,13 @@ class PipelineModel(nn.Module):
                                     input_args=inputs, output_args=outputs, group=pipe)
         stage.stats = {}
         stage.track_memory = self.track_memory
-        stage.stores = self.stage._stores
+        stage.stores = self.stage.stores
         stores = weakref.ref(self.stage)
 
         def param_storages():
             st = stores()
             ptrs = set()
-            for s in (st._stores if st is not None else []):
+            for s in (st.stores if st is not None else []):
                 ptrs.add(s.flat_param.untyped_storage().data_ptr())
                 if s.full is not None:
                     ptrs.add(s.full.untyped_storage().data_ptr())
@@ -430,7 +264,7 @@ class PipelineModel(nn.Module):
 
         stage.param_storages = param_storages
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.plan.schedule]
-        schedule = cls(stage, n_microbatches=m, loss_fn=self._loss, scale_grads=False)
+        schedule = cls(stage, n_microbatches=m, loss_fn=self._scaled_loss, scale_grads=False)
         self.__dict__["_built"] = (key, schedule)
         return schedule
 

@@ -168,8 +168,8 @@ class Engine:
             for p in pps:
                 # NOTE: a pipeline needs at least one micro-batch per stage (torch.distributed.pipelining
                 # refuses fewer, and fewer would leave stages idle anyway)
-                ms = [o.micro_batches] if o.micro_batches else [
-                    m for m in _pow2_divisors(gbs, o.max_micro_batches) if m >= p]
+                ms = [m for m in ([o.micro_batches] if o.micro_batches else
+                                  _pow2_divisors(gbs, o.max_micro_batches)) if m >= p]
                 for m in ms:
                     for sched in schedules:
                         yield p, m, sched, gbs

@@ -1,0 +1,137 @@
+"""The ``torch.compile`` backend ``"galvatron"``: search (or load) a plan, run the distributed program.
+
+Registered through the ``torch_dynamo_backends`` entry point (setup.cfg), so no import is needed::
+
+    model = GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)     # built before compiling, as usual
+    compiled = torch.compile(model, backend="galvatron", fullgraph=True, dynamic=False,
+                             options={"memory_budget": "16GiB"})
+    for input_ids, labels in data:                           # the SAME global batch on every rank
+        loss = compiled(input_ids, labels=labels).loss       # == single-device eager loss
+        loss.backward()                                      # this rank's shards -> param.grad
+        opt.step(); opt.zero_grad()
+
+Options (``options={...}``, all optional): ``memory_budget`` (bytes or "16GiB"; default the device
+memory), ``cluster`` (preset name, cluster JSON path or :class:`Cluster`; default
+``Cluster.preset("local")``, which profiles the live world), ``plan`` (a plan JSON path or
+:class:`Plan`: used as is, no search), ``global_batch_size`` (default: dim 0 of the first input;
+the model must be called with that batch), ``reserve`` (framework reserve per device for the
+search, bytes or string), ``constraints`` (dict for :func:`galvatron_fx.search`).
+
+What one compile does (:func:`galvatron_backend`):
+
+1. *Graph.* Dynamo hands the backend its graph with parameters and buffers as placeholders. Their
+   sources (``L['self']._modules['h']._modules['0']..._parameters['weight']``) give the fully
+   qualified names; the graph is normalised and grouped exactly like ``gfx.capture(method="dynamo")``
+   (so plans made by ``galvatron-fx plan`` match), with the scalar loss moved to output 0.
+2. *Plan.* ``options["plan"]`` is loaded on every rank, else rank 0 searches and broadcasts the plan.
+   Either way every rank all-gathers a digest of (plan, model fingerprint) and **all** ranks raise
+   :class:`PlanMismatchError` before the first step if any differs.
+3. *Program.* :func:`galvatron_fx.parallelize.transform` builds this rank's ``DistributedModel``.
+4. *Parameters.* The original ``nn.Parameter`` objects (those an optimizer built from
+   ``model.parameters()`` holds) are re-pointed with ``param.data = view`` onto the distributed
+   program's storage: a view of the layer's flat buffer (``sdp="none"``: the whole, TP-local
+   parameter, shape kept) or of this rank's flat shard (ZeRO-2/3: the 1-D part of the parameter that
+   lies in this rank's shard, possibly empty). ``optimizer.step()`` therefore updates the program's
+   buffers in place; ZeRO-2's all-gather of updated shards runs at the start of the next call.
+   Trainable parameters this rank holds no part of (other pipeline stages) become empty tensors.
+5. *Calls.* Each call runs ``train_step`` (forward and backward over the plan's micro-batches)
+   eagerly and returns the global-batch loss through :class:`_RouteGrads`, whose backward hands each
+   original parameter its slice of this rank's gradient shard (times the incoming gradient), so
+   ``loss.backward()`` fills ``param.grad`` through autograd's usual accumulation. Under
+   ``torch.no_grad()`` the loss is returned detached (backward still runs inside; documented cost).
+   Outputs other than the loss (logits, caches) are *not* materialised: each rank holds only its
+   slice of them. They are returned as NaN tensors of the eager shape (zero memory: expanded views).
+
+Recompiles: exactly one compile per compiled model. Dynamo guards on parameter and input shapes
+would re-trace after step 4 changes parameter shapes (and the re-trace would fail on 1-D shards),
+so the backend removes the guards whose source is a parameter, buffer or input of the graph
+(``TracingContext`` guards, as dynamo itself does for synthetic locals); the runtime checks the
+inputs' shapes and dtypes itself and raises :class:`ConfigError` on a change (the distributed graphs
+are specialised to one global batch shape: use ``dynamic=False``, drop the last partial batch).
+Other guards (config flags, module attributes, Python branches) stay.
+
+Graph breaks: with ``fullgraph=True`` dynamo's own error names the line that broke. Without it,
+the first partial graph has no scalar loss and the backend raises :class:`ConfigError` naming the
+line where that graph ends.
+
+Without torch.distributed initialised the backend warns and runs the captured graph on one device
+(no guards removed, no parameters touched).
+
+Submodules, one concern each (this package holds the entry point :func:`galvatron_backend` and
+:data:`stats`, and re-exports the public names):
+
+* :mod:`.options`: :class:`BackendOptions`, the ``options={...}`` parsed and validated;
+* :mod:`.graph`: step 1, placeholder roles and names, the loss output, the normalised graph
+  (through :func:`galvatron_fx.frontend.normalise`, the same chain ``gfx.capture`` runs);
+* :mod:`.agreement`: step 2, the plan loaded or searched and agreed across ranks;
+* :mod:`.binding`: steps 4 and 5, parameters bound onto ``dm.stores``, the runtime callable,
+  guard removal, :func:`distributed_model` and :func:`full_state_dict`.
+
+NOTE: importing this package (which ``torch.compile(backend="galvatron")`` does before tracing) adds
+``logging.Logger`` methods to ``torch._dynamo.config.ignore_logging_functions``, so logging calls
+inside models (transformers' ``warning_once``) do not break ``fullgraph=True``, as under export.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from ..errors import ConfigError
+from .agreement import _agreed_plan
+from .binding import _remove_guards, _Runtime, distributed_model, full_state_dict
+from .graph import _batch_size, _classify_placeholders, _loss_output, _normalised_graph
+from .options import BackendOptions, stats
+
+__all__ = ["BackendOptions", "distributed_model", "full_state_dict", "galvatron_backend", "stats"]
+
+
+
+# ----------------------------------------------------------------------------------- the backend
+def galvatron_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None):
+    """The dynamo backend: returns a callable taking the graph's placeholders (see package docstring)."""
+    opts = BackendOptions.parse(options)
+    stats["compiles"] += 1
+    roles = _classify_placeholders(gm, example_inputs)
+    if not (dist.is_available() and dist.is_initialized()):
+        warnings.warn("galvatron backend: torch.distributed is not initialised; running the captured "
+                      "graph on one device (launch with torchrun to run the distributed plan)", stacklevel=2)
+        return gm.forward
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    loss_index = _loss_output(gm, out_node)
+    graph = _normalised_graph(gm, example_inputs, roles, loss_index)
+    data = [example_inputs[i] for i, r in enumerate(roles) if r.kind == "input"]
+    batch = _batch_size(data)
+    if opts.global_batch_size is not None and opts.global_batch_size != batch:
+        raise ConfigError(f"option global_batch_size={opts.global_batch_size} but the model was called with "
+                          f"a batch of {batch}: call it with the whole global batch on every rank")
+    plan = _agreed_plan(graph, opts, batch)
+    from ..parallelize import transform
+
+    params = {r.name: v for v, r in zip(example_inputs, roles) if r.kind == "param"}
+    dm = transform(graph, plan=plan, bind=params)
+    runtime = _Runtime(dm, plan, roles, example_inputs, out_node, loss_index)
+    _remove_guards(gm, roles)
+    return runtime
+
+
+class _LoggerMethods(set):
+    """A set that also contains every *current* ``logging.Logger`` method (including ones added
+    after import, such as transformers' ``warning_once``)."""
+
+    def __contains__(self, fn) -> bool:
+        return set.__contains__(self, fn) or any(fn is v for v in vars(logging.Logger).values())
+
+
+def _quiet_logging() -> None:
+    cfg = torch._dynamo.config
+    if not isinstance(cfg.ignore_logging_functions, _LoggerMethods):
+        cfg.ignore_logging_functions = _LoggerMethods(cfg.ignore_logging_functions)
+
+
+_quiet_logging()

@@ -1,0 +1,61 @@
+"""Plan agreement across ranks for the galvatron backend (step 2 of the package docstring).
+
+Takes the normalised graph, the :class:`BackendOptions` and the global batch size; gives the
+:class:`~galvatron_fx.plan.Plan` every rank runs: ``options["plan"]`` loaded on every rank, or
+searched on rank 0 (:func:`_search`) and broadcast. Every rank then all-gathers a digest of
+(plan, model fingerprint) and all raise :class:`PlanMismatchError` if any differs, or
+:class:`ConfigError` if the plan's global batch is not the one the model was called with.
+
+NOTE: :func:`_agreed_plan` looks :func:`_search` up in this module at call time, so a test may
+replace ``galvatron_fx.backend.agreement._search`` to forbid or count plan searches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch.distributed as dist
+
+from ..errors import ConfigError, PlanMismatchError
+from ..ir import META_KEY
+from .options import BackendOptions, stats
+
+
+def _search(graph, opts: BackendOptions, batch: int, cluster):
+    """Search a plan (rank 0). Separate so tests can count or forbid it."""
+    from ..planner import search
+
+    stats["searches"] += 1
+    cost = {}
+    if opts.reserve is not None:
+        cost["reserve_bytes"] = opts.reserve
+    return search(graph, cluster, opts.memory_budget, batch, constraints=opts.constraints,
+                  world_size=dist.get_world_size(), **cost)
+
+
+def _agreed_plan(graph, opts: BackendOptions, batch: int):
+    """The plan every rank runs: loaded, or searched on rank 0 and broadcast; then verified."""
+    from ..plan import Plan
+    from ..planner import broadcast_plan, resolve_cluster
+
+    info = graph.meta[META_KEY]
+    if opts.plan is not None:
+        plan = opts.plan if isinstance(opts.plan, Plan) else Plan.load(opts.plan)
+    else:
+        cluster = resolve_cluster(opts.cluster)  # None: profiles the live world (collective on every rank)
+        plan = broadcast_plan(lambda: _search(graph, opts, batch, cluster))
+    digest = hashlib.sha256(json.dumps([plan.to_dict(), info.fingerprint], sort_keys=True,
+                                       default=str).encode()).hexdigest()[:16]
+    digests: list = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) > 1:
+        odd = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise PlanMismatchError(
+            f"ranks disagree on the plan or the model before the first step (plan/model digest of rank 0 "
+            f"{digests[0]}, ranks {odd} differ: {[digests[r] for r in odd]}); give every rank the same "
+            "options['plan'] file and the same model")
+    if plan.global_batch_size != batch:
+        raise ConfigError(f"the plan is for global batch {plan.global_batch_size} but the model was called with "
+                          f"{batch} samples; call it with the plan's global batch or re-plan")
+    return plan

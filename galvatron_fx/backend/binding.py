@@ -1,0 +1,128 @@
+"""Parameter binding and the runtime callable of the galvatron backend (steps 4 and 5 of the
+package docstring).
+
+Takes this rank's ``DistributedModel`` (from :func:`galvatron_fx.parallelize.transform`), the
+plan, the placeholder roles and dynamo's example inputs; gives :class:`_Runtime`, the callable the
+backend returns. Building it re-points every original ``nn.Parameter`` onto the distributed
+program's storage (the ``bind_parameters`` pass of :func:`~galvatron_fx.parallelize.transform`,
+``dm.bindings``); each call runs
+``train_step`` and returns the loss through :class:`_RouteGrads`, which routes this rank's gradient
+shards to ``param.grad``. Also gives :func:`_remove_guards` (dynamo's guards on the graph's
+placeholders), and :func:`distributed_model` / :func:`full_state_dict` to reach the program behind
+a compiled model afterwards (via ``_RUNTIMES``).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+import torch.fx
+
+from ..errors import ConfigError
+from .graph import _Role
+
+_RUNTIMES: dict[int, weakref.ref] = {}  # id(original Parameter) -> its _Runtime
+
+
+class _RouteGrads(torch.autograd.Function):
+    """``loss`` in forward; in backward each original parameter gets its precomputed gradient."""
+
+    @staticmethod
+    def forward(ctx, loss, grads, *params):
+        ctx.grads = grads
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return (None, None, *[None if gr is None else gr * g for gr in ctx.grads])
+
+
+class _Runtime:
+    """The callable the backend returns (see the package docstring, steps 4 and 5)."""
+
+    def __init__(self, dm, plan, roles, example_inputs, out_node, loss_index: int):
+        self.dm, self.plan, self.roles = dm, plan, roles
+        self.data_pos = [i for i, r in enumerate(roles) if r.kind == "input"]
+        self.input_meta = [(tuple(example_inputs[i].shape), example_inputs[i].dtype) for i in self.data_pos]
+        outs = out_node.args[0]
+        self.tuple_out = isinstance(outs, (tuple, list))
+        outs = list(outs) if self.tuple_out else [outs]
+        self.out_meta = [_meta(o) for o in outs]
+        self.loss_index = loss_index
+        self.bindings = dm.bindings   # by the bind_parameters pass (galvatron_fx/passes/bind_parameters.py)
+        self.param_pos = [i for i, r in enumerate(roles) if r.kind == "param" and r.name in self.bindings]
+        self.calls = 0
+        for b in self.bindings.values():
+            _RUNTIMES[id(b.param)] = weakref.ref(self)
+
+    def __call__(self, *args):
+        data = [args[i] for i in self.data_pos]
+        for t, (shape, dtype), i in zip(data, self.input_meta, self.data_pos):
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ConfigError(
+                    f"galvatron: input {self.roles[i].name!r} is {tuple(t.shape)} {t.dtype}, but the model was "
+                    f"compiled for {shape} {dtype}; the distributed program is specialised to one global batch "
+                    "shape: keep it fixed (drop the last partial batch) or compile a fresh model")
+        self.calls += 1
+        with torch.enable_grad():
+            loss = self.dm.train_step(*data)
+        if torch.is_grad_enabled():
+            params = [args[i] for i in self.param_pos]
+            grads = tuple(self.bindings[self.roles[i].name].grad() for i in self.param_pos)
+            loss = _RouteGrads.apply(loss, grads, *params)
+        else:
+            loss = loss.detach()
+        outs = [loss if k == self.loss_index else _nan_like(m, loss.device) for k, m in enumerate(self.out_meta)]
+        return tuple(outs) if self.tuple_out else outs[0]
+
+
+def _meta(node) -> tuple | None:
+    val = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
+    return (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else None
+
+
+def _nan_like(meta, device) -> torch.Tensor | None:
+    if meta is None:
+        return None
+    shape, dtype = meta
+    fill = math.nan if dtype.is_floating_point or dtype.is_complex else 0
+    return torch.full((), fill, dtype=dtype, device=device).expand(shape)
+
+
+def _remove_guards(gm: torch.fx.GraphModule, roles: list[_Role]) -> None:
+    """Drop dynamo's guards on the graph's parameters, buffers and inputs (see package docstring)."""
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    if ctx is None:
+        return
+    guards = ctx.guards_context.dynamo_guards
+    for role in roles:
+        if role.source is not None:
+            guards.remove_guards_with_source(role.source)
+
+
+def distributed_model(model_or_param) -> Any:
+    """The ``DistributedModel`` behind a model compiled with this backend (after its first call),
+    e.g. for ``full_state_dict()`` or ``states_bytes(optimizer)``; ``None`` if there is none."""
+    params = [model_or_param] if isinstance(model_or_param, torch.Tensor) else list(model_or_param.parameters())
+    for p in params:
+        ref = _RUNTIMES.get(id(p))
+        rt = ref() if ref is not None else None
+        if rt is not None and any(b.param is p for b in rt.bindings.values()):
+            return rt.dm
+    return None
+
+
+def full_state_dict(model) -> dict[str, torch.Tensor]:
+    """fqn -> unsharded parameter of a model compiled with this backend, on every rank (collective:
+    first all-gathers ZeRO-2 shards updated by the last ``optimizer.step()``)."""
+    dm = distributed_model(model)
+    if dm is None:
+        raise ConfigError("full_state_dict: this model has not run under the galvatron backend yet")
+    if hasattr(dm, "sync_params"):
+        dm.sync_params()
+    return dm.full_state_dict()

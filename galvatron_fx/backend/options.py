@@ -1,0 +1,41 @@
+"""The galvatron backend's options: ``torch.compile(..., options={...})`` parsed and validated.
+
+Takes the ``options`` dict ``torch.compile`` hands the backend (or ``None``); gives a
+:class:`BackendOptions`, or raises :class:`ConfigError` on an unknown key or a bad value. The
+options themselves are described in the :mod:`galvatron_fx.backend` docstring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..errors import ConfigError
+
+stats = {"compiles": 0, "searches": 0}
+"""Counters for tests and logs: backend compiles and plan searches in this process."""
+
+
+@dataclass
+class BackendOptions:
+    """``torch.compile(..., options={...})`` of the galvatron backend (see the package docstring)."""
+
+    memory_budget: Any = None
+    cluster: Any = None
+    plan: Any = None
+    global_batch_size: int | None = None
+    reserve: Any = None
+    constraints: dict | None = None
+
+    @classmethod
+    def parse(cls, options: dict | None) -> BackendOptions:
+        options = dict(options or {})
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown galvatron backend option(s) {unknown}; known: {', '.join(known)}")
+        opts = cls(**options)
+        gbs = opts.global_batch_size
+        if gbs is not None and (not isinstance(gbs, int) or isinstance(gbs, bool) or gbs < 1):
+            raise ConfigError(f"option global_batch_size must be a positive int, got {gbs!r}")
+        return opts

@@ -1,0 +1,221 @@
+"""The tensor-parallel analysis driver: :class:`LayerAnalyzer` propagates sharding states through
+one layer in graph order, dispatching every op to its rule (:mod:`.registry`); :func:`analyze` runs
+it over the tp layers until no column linear needs demoting. See :mod:`galvatron_fx.sharding`."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ..errors import ConfigError
+from ..ir import META_KEY, graph_info
+
+# the rule modules register their rules on import
+from . import attention, linear, pointwise, reductions, views  # noqa: F401
+from .registry import lookup
+from .state import (
+    SEQ,
+    TP,
+    Demote,
+    LayerTP,
+    Sharded,
+    Unsupported,
+    divisors,
+    embedding_operands,
+    is_param,
+    is_sharded,
+    linear_operands,
+    op_name,
+    tensor_inputs,
+    tensor_val,
+)
+
+LOSSES = {"cross_entropy", "cross_entropy_loss", "nll_loss", "log_softmax", "binary_cross_entropy_with_logits", "mse_loss"}
+
+
+class LayerAnalyzer:
+    """Propagate sharding states through one layer; see the module docstring."""
+
+    def __init__(self, gm: torch.fx.GraphModule, layer: int, tp: int, sp: bool, demoted: set[str],
+                 input_layout):
+        self.gm, self.layer, self.tp, self.sp, self.demoted = gm, layer, tp, sp, demoted
+        info = graph_info(gm)
+        self.record = info.layers[layer]
+        self.kind = self.record.kind
+        self.input_layout = input_layout   # (node, layer) -> Sharded | None for boundary inputs
+        self.res = LayerTP(layer, self.record.name, tp, sp)
+        self.state: dict[torch.fx.Node, object] = {}
+
+    # --- helpers
+    def in_layer(self, n: torch.fx.Node) -> bool:
+        return n.meta[META_KEY].layer == self.layer and n.op not in ("placeholder", "get_attr")
+
+    def st(self, n):
+        if not isinstance(n, torch.fx.Node):
+            return None
+        if n in self.state:
+            return self.state[n]
+        if n.op in ("placeholder", "get_attr") or not self.in_layer(n):
+            return self.input_layout(n, self.layer)
+        return None
+
+    def conv(self, node, inp, op):
+        key = (node.name, inp.name)
+        if isinstance(inp, torch.fx.Node) and key not in self.res.conversions:
+            self.res.conversions[key] = op
+
+    def fail(self, node, states):
+        """``node`` cannot run on these shards: gather sequence shards, demote tp origins."""
+        tp_origins = set()
+        flat = [x for s in states for x in (s if isinstance(s, (tuple, list)) else (s,))]
+        for s in flat:
+            if isinstance(s, Sharded) and s.kind == TP:
+                tp_origins |= set(s.origins)
+        if tp_origins:
+            raise Demote(tp_origins)
+        raise Unsupported
+
+    def run(self) -> LayerTP:
+        order = [n for n in self.gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")
+                 and n.meta[META_KEY].layer == self.layer]
+        for node in order:
+            self.visit(node)
+        # what leaves the layer must be replicated or sequence-sharded along dim 1
+        for node in order:
+            external = [u for u in node.users if u.op == "output" or u.meta[META_KEY].layer != self.layer]
+            if not external:
+                continue
+            s = self.state.get(node)
+            if is_sharded(s) and not isinstance(s, Sharded):   # a tuple (split) leaving the layer
+                origins = {o for x in s if isinstance(x, Sharded) for o in x.origins}
+                if origins:
+                    raise Demote(origins)
+                s = None
+            if isinstance(s, Sharded) and s.kind == TP:
+                raise Demote(s.origins)
+            self.res.outputs[node.name] = s   # replicated or sequence-sharded; the pass converts
+        self.res.states = {n.name: s for n, s in self.state.items()}
+        return self.res
+
+    def visit(self, node):
+        ins = tensor_inputs(node)
+        states = [self.st(i) for i in ins]
+        if node in self.state:
+            return
+        sources = linear_operands(node) is not None or embedding_operands(node) is not None
+        if not any(is_sharded(s) for s in states) and not sources:
+            self.state[node] = None
+            return
+        try:
+            self.state[node] = self.rule(node, ins, states)
+        except Unsupported:
+            for key in [k for k in self.res.conversions if k[0] == node.name]:
+                del self.res.conversions[key]
+            if any(isinstance(s, Sharded) and s.kind == TP for s in states):
+                if op_name(node) in LOSSES:      # vocab-parallel logits: all-gather before the loss
+                    for i, s in zip(ins, states):
+                        if isinstance(s, Sharded):
+                            self.conv(node, i, ("gather", s.dim))
+                    self.state[node] = None
+                    return
+                self.fail(node, states)
+            for i, s in zip(ins, states):   # sequence shards: gather them, run replicated
+                if isinstance(s, Sharded):
+                    self.conv(node, i, ("gather", s.dim))
+            self.state[node] = None
+            if sources:
+                self.res.replicated_linears.append(node.name)
+
+    def rule(self, node, ins, states):
+        """The state of ``node`` from its registered rule (raises Unsupported where it has none)."""
+        rule = lookup(op_name(node))
+        if rule.tensor_output and tensor_val(node) is None:
+            raise Unsupported
+        return rule.fn(self, node, ins, states)
+
+
+def boundary_layout(gm, node: torch.fx.Node, layer: int | None, layer_tp) -> Sharded | None:
+    """Layout in which ``layer`` receives ``node``, a value made outside it: sequence-sharded along
+    dim 1 when the layer has sp and the value is a 3-D floating tensor ([batch, seq, hidden]), else
+    replicated. Parameters and constants are always replicated."""
+    if node.op == "get_attr" or layer is None:
+        return None
+    tp, sp = layer_tp.get(layer, (1, False))
+    v = tensor_val(node)
+    if sp and int(tp) > 1 and v is not None and v.dim() == 3 and v.is_floating_point():
+        if v.shape[1] % int(tp):
+            name = graph_info(gm).layers[layer].name
+            raise ConfigError(f"layer {name}: sequence length {v.shape[1]} is not divisible by tp={tp} "
+                              f"(sequence parallelism); use tp in {divisors(int(v.shape[1]))}")
+        return Sharded(1, SEQ)
+    return None
+
+
+def analyze(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[int, bool]]) -> dict[int, LayerTP]:
+    """Analyse every layer of ``layer_tp`` (layer index -> (tp, sp)); see the module docstring.
+
+    Raises ConfigError when a block's heads / key-value heads / ffn width do not divide by its tp or
+    sequence parallelism meets a sequence length not divisible by tp."""
+    info = graph_info(gm)
+    if info is None or not info.layers:
+        raise ConfigError("apply_tensor_parallel needs a captured, layer-grouped GraphModule (gfx.capture)")
+    for idx, (tp, _sp) in layer_tp.items():
+        if not 0 <= idx < len(info.layers):
+            raise ConfigError(f"layer index {idx} out of range (the graph has {len(info.layers)} layers)")
+        if int(tp) < 1:
+            raise ConfigError(f"layer {info.layers[idx].name}: tp must be >= 1, got {tp}")
+
+    def expected_layout(node, layer):
+        return boundary_layout(gm, node, layer, layer_tp)
+
+    demoted: set[str] = set()
+    for _ in range(len(gm.graph.nodes) + 1):
+        try:
+            out = {}
+            for idx in sorted(layer_tp):
+                tp, sp = int(layer_tp[idx][0]), bool(layer_tp[idx][1])
+                if tp > 1:
+                    out[idx] = LayerAnalyzer(gm, idx, tp, sp, demoted, expected_layout).run()
+            _check_param_consistency(gm, out)
+            break
+        except Demote as d:
+            if d.origins <= demoted:
+                raise RuntimeError(f"internal: tensor-parallel analysis did not converge at {sorted(d.origins)}") from None
+            demoted |= d.origins
+    for res in out.values():
+        _summarise(gm, res)
+    return out
+
+
+def _check_param_consistency(gm, results: dict[int, LayerTP]) -> None:
+    """A parameter used in several places (tied weights) is sharded only if every use agrees."""
+    wants: dict[str, set] = {}
+    users_of: dict[str, set] = {}
+    for res in results.values():
+        for name, shard in res.param_shards.items():
+            wants.setdefault(name, set()).add((shard.dim, shard.tp, shard.blocks))
+    for node in gm.graph.nodes:
+        if not is_param(node) or node.name not in wants:
+            continue
+        for u in node.users:
+            users_of.setdefault(node.name, set()).add(u.name)
+        for u in node.users:
+            res = results.get(u.meta[META_KEY].layer)
+            shard_users = set(res.column + res.row + res.vocab_embeddings) if res else set()
+            if u.name not in shard_users:
+                wants[node.name].add(None)
+    for name, specs in wants.items():
+        if len(specs) > 1:
+            raise Demote(users_of[name])
+
+
+def _summarise(gm, res: LayerTP) -> None:
+    record = graph_info(gm).layers[res.layer]
+    sharded = {s.fqn for s in res.param_shards.values()}
+    res.sharded_params = sorted(sharded)
+    names = set(record.params)
+    for n in gm.graph.nodes:
+        if is_param(n) and any(u.meta[META_KEY].layer == res.layer for u in n.users):
+            names.add(n.meta[META_KEY].param.fqn)
+    res.replicated_params = sorted(names - sharded)
+    res.replicated_linears = list(dict.fromkeys(res.replicated_linears))

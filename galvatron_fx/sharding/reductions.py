@@ -1,0 +1,56 @@
+"""Sharding rules of ops that work along some dims: norms over trailing dims, reductions and
+dim-wise ops (softmax, cumsum, ...) over dims other than the sharded one, and concatenation of
+values sharded alike along another dim."""
+
+from __future__ import annotations
+
+from .registry import register_rule
+from .state import Sharded, Unsupported, node_arg, op_name, tensor_val
+
+REDUCTIONS = {"mean", "sum", "amax", "amin", "max", "min", "var", "std", "norm", "logsumexp", "prod"}
+DIMWISE = {"softmax", "log_softmax", "cumsum", "argmax", "argmin"}
+
+
+@register_rule("layer_norm", "rms_norm", "group_norm")
+def norm(an, node, ins, states):
+    """A norm over trailing dims the shards do not split runs on them (its weight / bias copied)."""
+    x = node.args[0]
+    s = an.st(x)
+    nd = tensor_val(x).dim()
+    name = op_name(node)
+    ns = node_arg(node, 1, "normalized_shape")
+    k = len(ns) if isinstance(ns, (list, tuple)) else 1
+    if name == "group_norm" or not isinstance(s, Sharded) or s.dim >= nd - k:
+        raise Unsupported
+    if any(i is not x and an.st(i) is not None for i in ins):
+        raise Unsupported
+    for i in ins:
+        if i is not x:
+            an.conv(node, i, ("copy",))
+    return s
+
+
+@register_rule(*sorted(REDUCTIONS | DIMWISE))
+def reduce(an, node, ins, states):
+    x = node.args[0]
+    s = an.st(x)
+    if len(ins) != 1 or not isinstance(s, Sharded):
+        raise Unsupported
+    nd = tensor_val(x).dim()
+    dims = node_arg(node, 1, "dim")
+    if dims is None:
+        raise Unsupported
+    dims = [d % nd for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    if s.dim in dims:
+        raise Unsupported
+    keep = op_name(node) in DIMWISE or bool(node_arg(node, 2, "keepdim", False))
+    return Sharded(s.dim - (0 if keep else sum(1 for d in dims if d < s.dim)), s.kind, s.origins)
+
+
+@register_rule("cat")
+def cat(an, node, ins, states):
+    dim = node_arg(node, 1, "dim", 0) % tensor_val(node).dim()
+    sh = [s for s in states if isinstance(s, Sharded)]
+    if len({(s.dim, s.kind) for s in sh}) != 1 or sh[0].dim == dim or len(sh) != len(states):
+        raise Unsupported
+    return Sharded(sh[0].dim, sh[0].kind, frozenset().union(*(s.origins for s in sh)))

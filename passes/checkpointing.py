@@ -1,0 +1,51 @@
+"""Checkpointing pass: every ``ckpt`` layer runs under activation checkpointing.
+
+Takes SPLIT (the top graph of :mod:`.split_layers`), leaves SPLIT: the ``call_module`` of each
+layer whose plan entry has ``ckpt`` becomes ``checkpoint_layer(self.layers_<i>, *inputs)``
+(:func:`galvatron_fx.runtime.checkpointing.checkpoint_layer`, non-reentrant), under the call's old
+node name; other layers are untouched.
+
+NOTE: it runs before the data-parallel pass, so the checkpoint wraps the whole layer including
+its ZeRO-3 all-gather: backward recomputes with freshly gathered parameters instead of keeping
+the gathered buffer alive.
+"""
+
+from __future__ import annotations
+
+import torch.fx
+from torch.fx.passes.infra.pass_base import PassResult
+
+from ..runtime.checkpointing import checkpoint_layer
+from .base import check
+from .context import ContextPass
+from .split_layers import layer_calls
+
+
+class CheckpointingPass(ContextPass):
+    """See the module docstring."""
+
+    needs_split = True
+    name = "checkpointing"
+
+    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        top, layers = graph_module, self.ctx.stage_plan.layers
+        modified = False
+        for i, call in layer_calls(top).items():
+            if not layers[i].ckpt or call.op != "call_module":
+                continue
+            with top.graph.inserting_before(call):
+                mod = top.graph.get_attr(call.target)
+                new = top.graph.call_function(checkpoint_layer, (mod, *call.args))
+            new.meta = dict(call.meta)
+            call.replace_all_uses_with(new)
+            top.graph.erase_node(call)
+            new.name = call.target
+            modified = True
+        top.recompile()
+        return PassResult(top, modified)
+
+    def ensures(self, graph_module: torch.fx.GraphModule) -> None:
+        for i, call in layer_calls(graph_module).items():
+            wrapped = call.op == "call_function" and call.target is checkpoint_layer
+            check(wrapped == bool(self.ctx.stage_plan.layers[i].ckpt),
+                  f"layer {i}: checkpointed={wrapped} but the plan says ckpt={self.ctx.stage_plan.layers[i].ckpt}")

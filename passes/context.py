@@ -1,0 +1,97 @@
+"""What the rewrite passes of one ``gfx.transform`` share: the plan, this rank, and what they built.
+
+:class:`ParallelContext` is created once per transform (see :mod:`galvatron_fx.parallelize`) and
+handed to every rewrite pass. Inputs (set before the first pass): the whole plan, this rank, the
+world size, the capture front end, the captured global batch, the DP bucket size and the loss.
+Products (set by the pass named beside each field) are read by the passes after it and by the
+code generator; nothing else carries state between passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx
+
+from ..ir import StageInfo
+from ..plan import Plan
+from ..runtime.data_parallel import DEFAULT_BUCKET_BYTES
+from ..runtime.groups import Layout
+from .base import GraphPass, check
+from .split_layers import is_split
+
+
+@dataclass
+class ParallelContext:
+    """One rank's view of a plan while its program is built (see the module docstring)."""
+
+    plan: Plan
+    rank: int
+    world_size: int
+    method: str = "fx"                  # capture front end: "fx" | "dynamo" | "export" | "graph"
+    global_batch: int | None = None     # dim 0 of the captured graph inputs, in samples
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    loss_fn: Any = None
+    # products
+    stage_info: StageInfo | None = None          # stage_split
+    tp_shards: dict = field(default_factory=dict)  # tensor_parallel: fqn -> (ShardInfo, TP ranks)
+    stores: list = field(default_factory=list)     # data_parallel: this rank's FlatParams, layer order
+    output_layout: Layout | None = None          # resharding: layout of the graph output
+    bindings: dict = field(default_factory=dict)   # bind_parameters: fqn -> binding
+
+    @property
+    def stage_size(self) -> int:
+        """Devices per pipeline stage (``world_size / pp``)."""
+        return self.world_size // self.plan.pp
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage."""
+        return self.rank // self.stage_size
+
+    @property
+    def base(self) -> int:
+        """The first global rank of this rank's stage."""
+        return self.stage * self.stage_size
+
+    @functools.cached_property
+    def stage_plan(self) -> Plan:
+        """The pp = 1 plan of this rank's stage alone (its layers, ``world_size / pp`` devices)."""
+        plan = self.plan
+        if plan.pp == 1:
+            return plan
+        k = self.stage
+        first, last = plan.stages[k]
+        est = dict(plan.estimate)
+        mem = est.get("memory_bytes_per_device")
+        est["memory_bytes_per_device"] = [mem[k]] if isinstance(mem, list) and len(mem) > k else None
+        return dataclasses.replace(plan, world_size=self.stage_size, pp=1, stages=[(0, last - first)],
+                                   layers=[dataclasses.replace(lp) for lp in plan.layers[first:last + 1]],
+                                   estimate=est)
+
+    def layouts(self) -> list[Layout]:
+        """Layout of every layer of this rank's stage (stage-local layer order)."""
+        return [Layout(lp.tp, lp.dp, lp.sp, self.base) for lp in self.stage_plan.layers]
+
+    def boundary_layout(self) -> Layout:
+        """The layout batched values cross a stage boundary in (see
+        :mod:`galvatron_fx.passes.stage_boundaries`): ``tp=1, dp=N`` over the stage's N ranks."""
+        return Layout(1, self.stage_size, False, self.base)
+
+
+class ContextPass(GraphPass):
+    """A rewrite pass configured by a :class:`ParallelContext`. With ``needs_split`` it takes the
+    split top graph of :mod:`.split_layers` (its ``requires`` checks that)."""
+
+    needs_split = False
+
+    def __init__(self, ctx: ParallelContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def requires(self, graph_module: torch.fx.GraphModule) -> None:
+        if self.needs_split:
+            check(is_split(graph_module), f"{self.pass_name()} needs the split top graph (run split_layers first)")

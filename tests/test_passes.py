@@ -1,0 +1,207 @@
+"""The pass contract: each rewrite pass's requires / ensures on small graphs, and the PassManager.
+
+One process, no process group: plans here need no communicator at build time (world size 1, or
+pp = 2 over 2 ranks with one device per stage, seen from rank 0).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx
+from torch.fx.passes.infra.pass_base import PassResult
+
+import galvatron_fx as gfx
+from galvatron_fx.errors import ConfigError
+from galvatron_fx.parallelize import parallelize_passes
+from galvatron_fx.passes.base import ContractError, GraphPass, PassError, PassManager
+from galvatron_fx.passes.checkpointing import CheckpointingPass
+from galvatron_fx.passes.codegen import CodegenPass
+from galvatron_fx.passes.context import ParallelContext
+from galvatron_fx.passes.data_parallel import DataParallelPass
+from galvatron_fx.passes.local_batch import LocalBatchPass
+from galvatron_fx.passes.resharding import ReshardingPass
+from galvatron_fx.passes.split_layers import SplitLayersPass, layer_calls
+from galvatron_fx.passes.stage_boundaries import StageInputsPass, StageOutputsPass
+from galvatron_fx.passes.stage_split import StageSplitPass
+from galvatron_fx.passes.tensor_parallel import TensorParallelPass
+from galvatron_fx.runtime.checkpointing import checkpoint_layer
+from galvatron_fx.runtime.module import DistributedModel
+from galvatron_fx.runtime.pipeline import pass_on
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, args = gfx.models.build("gpt-tiny", device="cpu", layers=2, batch=4)
+    return model, args, gfx.capture(model, args, method="dynamo")
+
+
+def _ctx(gm, world=1, **plan_kw):
+    plan = gfx.Plan.uniform(gm, world, global_batch_size=4, **plan_kw)
+    return ParallelContext(plan, 0, world, method="dynamo", global_batch=4)
+
+
+def _split(gm, ctx):
+    return PassManager([TensorParallelPass(ctx), SplitLayersPass()])(gm).graph_module
+
+
+def test_pass_lists_read_like_the_plan(tiny):
+    gm = tiny[2]
+    names = [p.pass_name() for p in parallelize_passes(_ctx(gm))]
+    assert names == ["tensor_parallel", "split_layers", "local_batch", "checkpointing", "data_parallel",
+                     "resharding", "codegen"]
+    names = [p.pass_name() for p in parallelize_passes(_ctx(gm, 2, pp=2, dp=1, micro_batches=2), bind={})]
+    assert names == ["stage_split", "tensor_parallel", "split_layers", "local_batch", "stage_outputs",
+                     "checkpointing", "data_parallel", "resharding", "stage_inputs", "codegen", "bind_parameters"]
+
+
+def test_tensor_parallel_contract(tiny):
+    gm = tiny[2]
+    ctx = _ctx(gm)
+    assert TensorParallelPass(ctx)(gm).modified is False          # no tp > 1 layer: nothing to do
+    top = SplitLayersPass()(gm).graph_module
+    with pytest.raises(ConfigError, match="flat graph"):
+        TensorParallelPass(ctx).requires(top)
+    other = _ctx(gfx.capture(*gfx.models.build("gpt-tiny", device="cpu", layers=3, batch=4), method="fx"))
+    with pytest.raises(ConfigError, match="layer-grouped graph of the plan's 5 layers"):
+        TensorParallelPass(other).requires(gm)
+
+
+def test_split_layers_contract(tiny):
+    gm = tiny[2]
+    top = SplitLayersPass()(gm).graph_module
+    assert sorted(layer_calls(top)) == list(range(len(gfx.layers(gm))))
+    with pytest.raises(ContractError, match="flat graph"):
+        SplitLayersPass().requires(top)
+    del top.layers_1
+    with pytest.raises(ContractError, match="layers_1 is missing"):
+        SplitLayersPass().ensures(top)
+
+
+def test_local_batch_rewrites_baked_batch():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    ids = torch.randint(0, 64, (4, 8))
+    gm = gfx.capture(transformers.LlamaForCausalLM(cfg), (), kwargs=dict(input_ids=ids, labels=ids))
+    ctx = _ctx(gm, micro_batches=2)
+    with pytest.raises(ContractError, match="split top graph"):
+        LocalBatchPass(ctx).requires(gm)
+    p = LocalBatchPass(ctx)
+    assert p(_split(gm, ctx)).modified and p.rewritten > 0         # dynamo baked B=4 into views
+    ctx_fx = ParallelContext(ctx.plan, 0, 1, method="fx", global_batch=4)
+    assert LocalBatchPass(ctx_fx)(_split(gm, ctx_fx)).modified is False   # fx: x.size(0), nothing baked
+
+
+def test_checkpointing_contract(tiny):
+    gm = tiny[2]
+    ctx = _ctx(gm, ckpt=True)
+    top = CheckpointingPass(ctx)(_split(gm, ctx)).graph_module
+    calls = layer_calls(top)
+    assert all(c.target is checkpoint_layer for c in calls.values())
+    ctx.plan.layers[0].ckpt = False
+    with pytest.raises(ContractError, match="layer 0: checkpointed=True"):
+        CheckpointingPass(ctx).ensures(top)
+
+
+def test_data_parallel_and_codegen_contract(tiny):
+    gm = tiny[2]
+    ctx = _ctx(gm, sdp="zero3")
+    top = _split(gm, ctx)
+    with pytest.raises(ContractError, match="output layout"):
+        CodegenPass(ctx).requires(top)
+    top = DataParallelPass(ctx)(top).graph_module
+    assert len(ctx.stores) == len(gfx.layers(gm))                 # every layer has weights
+    with pytest.raises(ContractError, match="ran already"):
+        DataParallelPass(ctx).requires(top)
+    top = ReshardingPass(ctx)(top).graph_module
+    assert ctx.output_layout is not None and not ctx.output_layout.sp
+    model = CodegenPass(ctx)(top).graph_module
+    assert isinstance(model, DistributedModel) and model.stores == ctx.stores
+    fresh = _ctx(gm)
+    untouched = _split(gm, fresh)                                  # parameters still get_attr nodes
+    with pytest.raises(ContractError, match="outside its flat buffer"):
+        DataParallelPass(fresh).ensures(untouched)
+
+
+def test_stage_passes_contract(tiny):
+    gm = tiny[2]
+    ctx = _ctx(gm, 2, pp=2, dp=1, micro_batches=2)
+    with pytest.raises(ConfigError, match="contiguous"):
+        StageSplitPass([(0, 1), (3, 3)], 0).requires(gm)
+    with pytest.raises(ContractError, match="needs a pipeline stage"):
+        StageOutputsPass(ctx).requires(gm)
+    stage = StageSplitPass(ctx.plan.stages, 0, ctx)(gm).graph_module
+    assert ctx.stage_info is stage.meta["galvatron"].stage and ctx.stage_info.index == 0
+    top = StageOutputsPass(ctx)(_split(stage, ctx)).graph_module
+    out = next(n for n in top.graph.nodes if n.op == "output")
+    assert out.args[0] and all(x.target is pass_on for x in out.args[0])
+    # rank 1 owns the last stage: its layers are renamed to their global indices
+    ctx1 = ParallelContext(ctx.plan, 1, 2, method="dynamo", global_batch=4)
+    stage1 = StageSplitPass(ctx.plan.stages, 1, ctx1)(gm).graph_module
+    top1 = ReshardingPass(ctx1)(_split(stage1, ctx1)).graph_module
+    top1 = StageInputsPass(ctx1)(top1).graph_module
+    first, last = ctx.plan.stages[1]
+    assert sorted(n for n, _ in top1.named_children()) == [f"layers_{i}" for i in range(first, last + 1)]
+
+
+class _Breaks(GraphPass):
+    name = "breaks_output"
+
+    def call(self, gm):
+        return PassResult(gm, False)
+
+    def ensures(self, gm):
+        raise ContractError("output node is gone")
+
+
+class _Identity(GraphPass):
+    name = "identity"
+
+    def call(self, gm):
+        return PassResult(gm, False)
+
+
+def test_pass_manager_names_the_broken_pass(tiny):
+    gm = tiny[2]
+    pm = PassManager([_Identity(), _Breaks(), _Identity()])
+    with pytest.raises(PassError, match=r"in pass 'breaks_output' \(after \['identity'\]\): contract broken: "
+                                        "output node is gone"):
+        pm(gm)
+    assert pm.ran == ["identity"]
+    ok = PassManager([_Identity(), _Identity()])
+    assert ok(gm).graph_module is gm and ok.ran == ["identity", "identity"]
+
+
+def test_pass_manager_keeps_user_errors_and_wraps_crashes(tiny):
+    class Config(_Identity):
+        name = "config"
+
+        def call(self, gm):
+            raise ConfigError("pick tp=1")
+
+    class Crash(_Identity):
+        name = "crash"
+
+        def call(self, gm):
+            raise RuntimeError("boom")
+
+    with pytest.raises(ConfigError, match="pick tp=1") as info:
+        PassManager([_Identity(), Config()])(tiny[2])
+    assert "in pass 'config' (after ['identity'])" in "".join(getattr(info.value, "__notes__", [""]))
+    with pytest.raises(PassError, match=r"in pass 'crash' \(after no pass\): RuntimeError: boom"):
+        PassManager([Crash()])(tiny[2])
+
+
+def test_bad_graph_is_caught_by_lint(tiny):
+    class Dangling(_Identity):
+        name = "dangling"
+
+        def call(self, gm):
+            other = torch.fx.Graph().placeholder("elsewhere")
+            g = torch.fx.Graph()
+            g.output(g.call_function(torch.relu, (other,)))   # reads a node of another graph
+            return PassResult(torch.fx.GraphModule(torch.nn.Module(), g), True)
+
+    with pytest.raises(PassError, match="in pass 'dangling'"):
+        PassManager([Dangling()])(tiny[2])
