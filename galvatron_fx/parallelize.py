@@ -4,6 +4,7 @@ One list of passes, built from the plan by :func:`parallelize_passes`, runs for 
 ``pp > 1`` alike (torchtitan's ``parallelize`` order; each pass is one module of ``passes/`` with
 its contract in its docstring)::
 
+    token_loss         a mean cross-entropy -> sum x 1/(global non-ignored tokens): exact under any split
     stage_split        (pp > 1) this rank's stage as a flat graph
     tensor_parallel    layers with tp > 1, on the flat graph
     split_layers       one submodule per layer: layers_0, layers_1, ...
@@ -41,6 +42,7 @@ from .passes.split_layers import SplitLayersPass
 from .passes.stage_boundaries import StageInputsPass, StageOutputsPass
 from .passes.stage_split import StageSplitPass, cross_stage_params
 from .passes.tensor_parallel import TensorParallelPass
+from .passes.token_loss import TokenLossPass
 from .plan import Plan
 from .runtime import reshard
 from .runtime.data_parallel import DEFAULT_BUCKET_BYTES
@@ -52,7 +54,9 @@ from .runtime.pipeline import PipelineModel
 def parallelize_passes(ctx: ParallelContext, bind: dict | None = None) -> list[GraphPass]:
     """The passes that turn a captured graph into this rank's module under ``ctx.plan``."""
     pipelined = ctx.plan.pp > 1
-    passes: list[GraphPass] = []
+    # NOTE: the loss rewrite comes first, on the whole graph: its token count reads the labels of
+    # the global batch, whichever stage computes the loss.
+    passes: list[GraphPass] = [TokenLossPass(ctx)]
     if pipelined:
         # NOTE: the stage split comes first, so every later pass sees one stage as if it were the
         # whole model (its layers renumbered from 0, its ranks offset by ctx.base).
@@ -123,7 +127,7 @@ def transform(gm: torch.fx.GraphModule, plan: Plan | None = None, loss_fn=None, 
     model.passes = list(manager.ran)
     if plan.pp == 1:
         return model
-    pipe = PipelineModel(model, plan, ctx.stage_info, n_inputs=len(_placeholders(gm)),
+    pipe = PipelineModel(model, plan, ctx.stage_info, input_names=[n.name for n in _placeholders(gm)],
                          rank=ctx.rank, stage_size=ctx.stage_size)
     pipe.passes, pipe.bindings = model.passes, ctx.bindings
     return pipe

@@ -36,6 +36,7 @@ class ParallelContext:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     loss_fn: Any = None
     # products
+    token_loss: Any = None                       # token_loss: TokenLoss (count graph, scale buffer)
     stage_info: StageInfo | None = None          # stage_split
     tp_shards: dict = field(default_factory=dict)  # tensor_parallel: fqn -> (ShardInfo, TP ranks)
     stores: list = field(default_factory=list)     # data_parallel: this rank's FlatParams, layer order

@@ -17,11 +17,13 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from ..cost import CostModel
 from ..ir import META_KEY, GraphInfo
-from .base import GraphPass
+from .base import GraphPass, check
 
 
 class CostAnnotationPass(GraphPass):
     """See the module docstring; keyword arguments go to :class:`CostModel`."""
+
+    name = "cost_annotation"
 
     def __init__(self, cluster, **options):
         super().__init__()
@@ -29,9 +31,8 @@ class CostAnnotationPass(GraphPass):
 
     def requires(self, graph_module: torch.fx.GraphModule) -> None:
         info = graph_module.meta.get(META_KEY)
-        if not isinstance(info, GraphInfo) or not info.layers:
-            raise ValueError("CostAnnotationPass needs a layer-grouped graph: run gfx.capture (or "
-                             "LayerGroupingPass) first")
+        check(isinstance(info, GraphInfo) and bool(info.layers),
+              "cost_annotation needs a layer-grouped graph: run gfx.capture (or LayerGroupingPass) first")
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         cm = CostModel(graph_module, self.cluster, **self.options)
@@ -45,4 +46,4 @@ class CostAnnotationPass(GraphPass):
 
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:
         info = graph_module.meta[META_KEY]
-        assert len(info.costs) == len(info.layers)
+        check(len(info.costs) == len(info.layers), "cost_annotation must price every layer")

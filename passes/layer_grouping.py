@@ -9,7 +9,9 @@ Output: the same GraphModule with ``node.meta["galvatron"].layer`` set on every 
 * **modules** (the normal case): the repeated blocks are the elements of the *innermost*
   integer-indexed containers (``ModuleList``/``Sequential``) whose elements are all of one class
   and are not leaf modules (so ``blocks.3`` is a block, but ``heads.0`` = an ``nn.Linear`` is not,
-  and Swin's ``stages.1`` gives way to its ``stages.1.blocks.*``). Nodes before the first block form
+  and Swin's ``stages.1`` gives way to its ``stages.1.blocks.*``). A module is a leaf when no module
+  below it runs, at any depth: containers are never called themselves, so HF T5's ``block.0``, whose
+  only child is the list ``layer`` of mixed sub-layers, is a block. Nodes before the first block form
   the ``pre`` layer, after the last block the ``post`` layer, and code between two block lists an
   ``other`` layer (Swin's patch merging, T5's encoder final norm); glue between two blocks of the
   same list is folded into the preceding block.
@@ -33,13 +35,15 @@ import torch.fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..ir import META_KEY, GraphInfo, LayerRecord, NodeInfo, short_hash, tensor_meta
-from .base import GraphPass
+from .base import GraphPass, check
 
 _STRUCTURAL_OPS = ("placeholder", "get_attr", "output")
 
 
 class LayerGroupingPass(GraphPass):
     """See the module docstring."""
+
+    name = "layer_grouping"
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         gm = graph_module
@@ -70,7 +74,7 @@ class LayerGroupingPass(GraphPass):
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:
         for node in graph_module.graph.nodes:
             if node.op != "output":
-                assert node.meta[META_KEY].layer is not None, f"node {node.name} has no layer"
+                check(node.meta[META_KEY].layer is not None, f"node {node.name} has no layer")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,7 +94,11 @@ def block_list_elements(types: dict[str, str]) -> dict[str, list[str]]:
 
     ``types`` maps every module path seen in the graph to its class name.
     """
-    has_children = {path.rpartition(".")[0] for path in types if "." in path}
+    # A module is a leaf when no module below it runs. Count every ancestor, not just the parent:
+    # containers are never called themselves (a ModuleList has no forward), so a block whose only
+    # child is a list (HF T5Block -> layer: ModuleList[T5LayerSelfAttention, ..., T5LayerFF]) has
+    # no direct child in ``types``, only grandchildren.
+    has_children = {path[:i] for path in types for i, c in enumerate(path) if c == "."}
     lists: dict[str, dict[int, str]] = defaultdict(dict)
     for path in types:
         parent, _, last = path.rpartition(".")
@@ -330,7 +338,11 @@ def _records(gm: torch.fx.GraphModule, segments: list[tuple[str, str, list]]) ->
 
 
 def _fingerprint(gm: torch.fx.GraphModule, layers: list[LayerRecord]) -> str:
-    params = [(n.meta[META_KEY].param.fqn, n.meta[META_KEY].param.shape, str(n.meta[META_KEY].param.dtype))
-              for n in gm.graph.nodes if n.op == "get_attr" and n.meta[META_KEY].param is not None]
-    inputs = [tensor_meta(n) for n in gm.graph.nodes if n.op == "placeholder"]
-    return short_hash([(la.name, la.kind, la.signature) for la in layers], params, inputs, n=32)
+    """Identity of a model for plan checks, the same whatever the capture front end and call
+    convention: its parameters (fully qualified name, shape, dtype) and its layers (name, kind, the
+    parameters each holds). Node names, op spellings, buffers (export keeps unused ones) and inputs
+    do not enter.
+    NOTE: the batch a plan is for is checked apart (``plan.global_batch_size``)."""
+    params = sorted({(n.meta[META_KEY].param.fqn, n.meta[META_KEY].param.shape, str(n.meta[META_KEY].param.dtype))
+                     for n in gm.graph.nodes if n.op == "get_attr" and getattr(n.meta[META_KEY].param, "is_param", False)})
+    return short_hash([(la.name, la.kind, sorted(la.params)) for la in layers], params, n=32)

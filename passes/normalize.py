@@ -30,14 +30,16 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from ..errors import CaptureError
 from ..ir import META_KEY, GraphInfo, NodeInfo, ParamInfo
-from .base import GraphPass
+from .base import GraphPass, check
 
 CONSTANTS_PREFIX = "_constants"
 
 
 def clean_module_path(raw: str, prefix: str = "") -> str:
     """``"L['self'].inner._modules['layers'][0]"`` -> ``"layers.0"`` (with ``prefix="inner"``)."""
-    s = re.sub(r"^L\['[^']*'\]", "", raw)
+    # NOTE: a decorated forward (transformers' ``@can_return_tuple``-style ``wrapper(*args,
+    # **kwargs)``) sees the module as ``L['args'][0]``
+    s = re.sub(r"^L\['args'\]\[\d+\]|^L\['[^']*'\]", "", raw)
     s = re.sub(r"^L__self__", "", s)
     s = re.sub(r"\._modules\['([^']*)'\]", r".\1", s)
     s = re.sub(r"\['([^']*)'\]", r".\1", s)
@@ -88,6 +90,8 @@ def model_tensors(model: nn.Module) -> dict[int, ParamInfo]:
 
 class NormalizePass(GraphPass):
     """See the module docstring. ``sources`` maps dynamo placeholder names to the tensors bound to them."""
+
+    name = "normalize"
 
     def __init__(self, model: nn.Module, inputs: list[torch.Tensor], input_names: list[str],
                  sources: dict[str, torch.Tensor] | None = None, method: str = "graph", prefix: str = ""):
@@ -182,7 +186,8 @@ class NormalizePass(GraphPass):
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:
         for node in graph_module.graph.nodes:
             if node.op == "get_attr" and not node.target.startswith(CONSTANTS_PREFIX):
-                assert node.meta[META_KEY].param is not None, node.target
+                check(node.meta[META_KEY].param is not None,
+                      f"get_attr {node.target} must hold a parameter or buffer of the model")
 
 
 def _fetch_attr(gm: torch.fx.GraphModule, target: str):

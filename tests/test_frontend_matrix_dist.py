@@ -157,3 +157,28 @@ def test_front_end_matrix(model_name, method, world, labels):
     results = check_matrix(model_name, method, world, labels)
     if "pp2-searched" in results:
         assert results["pp2-searched"]["pp"] == 2
+
+
+def _search_first(rank, world):
+    import galvatron_fx as gfx
+
+    model, args, _, loss_of = build("gpt-tiny")
+    ref_losses, _ = _reference(copy.deepcopy(model), loss_of)
+    gm = gfx.capture(model, args, method="dynamo")
+    dm = gfx.transform(gm, cluster=f"{world}xA100-80GB", memory_budget="2GiB")   # no plan: search first
+    opt = torch.optim.SGD(dm.parameters(), lr=0.0)   # the user's own optimizer (lr 0: losses stay put)
+    losses = []
+    for _ in range(2):
+        opt.zero_grad()
+        losses.append(dm.train_step(*args).item())
+        opt.step()
+    return dm.plan.to_dict(), losses, ref_losses[0]
+
+
+@pytest.mark.dist
+def test_transform_without_a_plan_searches_on_rank0_and_every_rank_runs_it():
+    results = run_distributed(_search_first, 2, timeout=300)
+    plans = [r[0] for r in results]
+    assert all(p == plans[0] for p in plans) and plans[0]["global_batch_size"] == 8
+    for _, losses, ref in results:
+        assert all(abs(x - ref) <= TOL * abs(ref) for x in losses), (losses, ref)

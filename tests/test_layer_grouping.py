@@ -129,3 +129,53 @@ def test_huggingface_models_yield_their_block_count(family, method):
     assert len({la.signature for la in layers[1:4]}) == 1
     out = gm(ids, ids)
     torch.testing.assert_close(out[0], model(input_ids=ids, labels=ids).loss)
+
+
+def test_block_whose_only_child_is_an_uncalled_list_is_not_a_leaf():
+    # HF T5: containers never run themselves, so neither ``encoder.block`` nor ``encoder.block.0.layer``
+    # appear; ``encoder.block.0`` has grandchildren only, and its sub-layers are of mixed classes.
+    types = {"encoder": "T5Stack", "encoder.final_layer_norm": "T5LayerNorm", "lm_head": "Linear"}
+    for i in range(2):
+        types.update({f"encoder.block.{i}": "T5Block",
+                      f"encoder.block.{i}.layer.0": "T5LayerSelfAttention",
+                      f"encoder.block.{i}.layer.0.SelfAttention": "T5Attention",
+                      f"encoder.block.{i}.layer.0.SelfAttention.q": "Linear",
+                      f"encoder.block.{i}.layer.1": "T5LayerFF",
+                      f"encoder.block.{i}.layer.1.DenseReluDense.wi": "Linear"})
+    assert block_list_elements(types) == {"encoder.block": ["encoder.block.0", "encoder.block.1"]}
+
+
+def _hf_encoder_decoder(family):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "bart":
+        cfg = transformers.BartConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2,
+                                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                      decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0)
+        return transformers.BartForConditionalGeneration(cfg), "model.encoder.layers.", "model.decoder.layers."
+    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                                num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    if family == "t5-encoder":
+        return transformers.T5EncoderModel(cfg), "encoder.block.", None
+    return transformers.T5ForConditionalGeneration(cfg), "encoder.block.", "decoder.block."
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["dynamo", "export"])
+@pytest.mark.parametrize("family", ["t5", "t5-encoder", "bart"])
+def test_huggingface_encoder_decoders_yield_encoder_and_decoder_blocks(family, method):
+    model, enc, dec = _hf_encoder_decoder(family)
+    model.eval()
+    ids = torch.randint(1, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    kwargs = {"input_ids": ids} if dec is None else {"input_ids": ids, "labels": ids[:, :8].clone()}
+    layers = gfx.layers(gfx.capture(model, (), kwargs, method=method))
+    names = [la.name for la in layers]
+    if dec is None:
+        assert names == ["pre", f"{enc}0", f"{enc}1", "post"]
+        return
+    # the layer between the lists: T5's encoder final norm + decoder embedding (named as in the zoo's T5)
+    between = {"t5": "between.encoder.block.1", "bart": "model.decoder"}[family]
+    assert names == ["pre", f"{enc}0", f"{enc}1", between, f"{dec}0", f"{dec}1", "post"]
+    assert [la.kind for la in layers] == ["pre", "block", "block", "other", "block", "block", "post"]
+    encoder_out = 3 if family == "t5" else 2  # T5 normalises the encoder output in the 'other' layer
+    assert all(encoder_out in la.consumes_from for la in layers[4:6])

@@ -205,3 +205,34 @@ def test_bad_graph_is_caught_by_lint(tiny):
 
     with pytest.raises(PassError, match="in pass 'dangling'"):
         PassManager([Dangling()])(tiny[2])
+
+
+def test_capture_side_pass_contracts(tiny):
+    from galvatron_fx.passes.cost_annotation import CostAnnotationPass
+    from galvatron_fx.passes.layer_grouping import LayerGroupingPass
+    from galvatron_fx.passes.normalize import NormalizePass
+
+    model, args, gm = tiny
+    with pytest.raises(gfx.CaptureError, match="one name per input"):
+        NormalizePass(model, list(args), ["only_one_name"] * (len(args) + 1)).requires(gm)
+    broken = copy_graph(gm)
+    next(n for n in broken.graph.nodes if n.op == "get_attr").meta["galvatron"].param = None
+    with pytest.raises(ContractError, match="must hold a parameter or buffer"):
+        NormalizePass(model, list(args), ["x"] * len(args)).ensures(broken)
+    no_layer = copy_graph(gm)
+    next(n for n in no_layer.graph.nodes if n.op == "call_function").meta["galvatron"].layer = None
+    with pytest.raises(ContractError, match="has no layer"):
+        LayerGroupingPass().ensures(no_layer)
+    ungrouped = copy_graph(gm)
+    ungrouped.meta["galvatron"].layers = []
+    with pytest.raises(ContractError, match="layer-grouped graph"):
+        CostAnnotationPass(gfx.Cluster.preset("1xA100-80GB")).requires(ungrouped)
+    annotated = PassManager([CostAnnotationPass(gfx.Cluster.preset("1xA100-80GB"))])(copy_graph(gm)).graph_module
+    assert len(annotated.meta["galvatron"].costs) == len(gfx.layers(gm))
+
+
+def copy_graph(gm):
+    """An independent copy of a captured graph (graph, node records, GraphInfo)."""
+    from galvatron_fx.passes.tensor_parallel import fresh_copy
+
+    return fresh_copy(gm)

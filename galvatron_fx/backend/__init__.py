@@ -85,7 +85,7 @@ import torch.fx
 from ..errors import ConfigError
 from .agreement import _agreed_plan
 from .binding import _remove_guards, _Runtime, distributed_model, full_state_dict
-from .graph import _batch_size, _classify_placeholders, _loss_output, _normalised_graph
+from .graph import _batch_size, _classify_placeholders, _loss_output, _normalised_graph, traced_modules
 from .options import BackendOptions, stats
 
 __all__ = ["BackendOptions", "distributed_model", "full_state_dict", "galvatron_backend", "stats"]
@@ -115,7 +115,9 @@ def galvatron_backend(gm: torch.fx.GraphModule, example_inputs: list, options: d
 
     params = {r.name: v for v, r in zip(example_inputs, roles) if r.kind == "param"}
     dm = transform(graph, plan=plan, bind=params)
-    runtime = _Runtime(dm, plan, roles, example_inputs, out_node, loss_index)
+    modules = traced_modules()
+    runtime = _Runtime(dm, plan, roles, example_inputs, out_node, loss_index,
+                       module=modules[0] if modules else None)
     _remove_guards(gm, roles)
     return runtime
 

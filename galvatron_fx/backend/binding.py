@@ -14,7 +14,7 @@ a compiled model afterwards (via ``_RUNTIMES``).
 
 from __future__ import annotations
 
-import math
+import warnings
 import weakref
 from typing import Any
 
@@ -43,8 +43,10 @@ class _RouteGrads(torch.autograd.Function):
 class _Runtime:
     """The callable the backend returns (see the package docstring, steps 4 and 5)."""
 
-    def __init__(self, dm, plan, roles, example_inputs, out_node, loss_index: int):
+    def __init__(self, dm, plan, roles, example_inputs, out_node, loss_index: int, module=None):
         self.dm, self.plan, self.roles = dm, plan, roles
+        self.module = weakref.ref(module) if module is not None else None   # for its .training flag
+        self.warned = False
         self.data_pos = [i for i, r in enumerate(roles) if r.kind == "input"]
         self.input_meta = [(tuple(example_inputs[i].shape), example_inputs[i].dtype) for i in self.data_pos]
         outs = out_node.args[0]
@@ -67,29 +69,32 @@ class _Runtime:
                     f"compiled for {shape} {dtype}; the distributed program is specialised to one global batch "
                     "shape: keep it fixed (drop the last partial batch) or compile a fresh model")
         self.calls += 1
-        with torch.enable_grad():
-            loss = self.dm.train_step(*data)
-        if torch.is_grad_enabled():
-            params = [args[i] for i in self.param_pos]
-            grads = tuple(self.bindings[self.roles[i].name].grad() for i in self.param_pos)
-            loss = _RouteGrads.apply(loss, grads, *params)
-        else:
-            loss = loss.detach()
-        outs = [loss if k == self.loss_index else _nan_like(m, loss.device) for k, m in enumerate(self.out_meta)]
+        module = self.module() if self.module is not None else None
+        if not torch.is_grad_enabled() or (module is not None and not module.training):
+            return self._evaluate(data)
+        loss = self.dm.train_step(*data)
+        params = [args[i] for i in self.param_pos]
+        grads = tuple(self.bindings[self.roles[i].name].grad() for i in self.param_pos)
+        loss = _RouteGrads.apply(loss, grads, *params)
+        if len(self.out_meta) > 1 and not self.warned:
+            self.warned = True
+            warnings.warn("galvatron backend: a training call returns the loss only; the model's other "
+                          "outputs (logits, ...) are None (they are not materialised across ranks). Call "
+                          "the model under torch.no_grad() or model.eval() to get them", stacklevel=2)
+        outs = [loss if k == self.loss_index else None for k in range(len(self.out_meta))]
         return tuple(outs) if self.tuple_out else outs[0]
+
+    def _evaluate(self, data):
+        """Forward only: the loss and the real outputs, assembled across ranks (``eval_step``)."""
+        loss, outs = self.dm.eval_step(*data, return_outputs=True)
+        others = iter(outs[1:] if isinstance(outs, tuple) else [None] * (len(self.out_meta) - 1))
+        result = [loss if k == self.loss_index else next(others) for k in range(len(self.out_meta))]
+        return tuple(result) if self.tuple_out else result[0]
 
 
 def _meta(node) -> tuple | None:
     val = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
     return (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else None
-
-
-def _nan_like(meta, device) -> torch.Tensor | None:
-    if meta is None:
-        return None
-    shape, dtype = meta
-    fill = math.nan if dtype.is_floating_point or dtype.is_complex else 0
-    return torch.full((), fill, dtype=dtype, device=device).expand(shape)
 
 
 def _remove_guards(gm: torch.fx.GraphModule, roles: list[_Role]) -> None:
@@ -103,6 +108,20 @@ def _remove_guards(gm: torch.fx.GraphModule, roles: list[_Role]) -> None:
     for role in roles:
         if role.source is not None:
             guards.remove_guards_with_source(role.source)
+    # NOTE: grad mode (the global-state guard) and the modules' ``training`` flags are read by
+    # the runtime at each call (train vs eval), so a switch to eval must not re-trace the model
+    # over its re-pointed parameter shards.
+    drop = [g for g in guards.inner if getattr(g.create_fn, "__name__", "") == "GLOBAL_STATE"
+            or _is_training_flag(g.name)]
+    if drop:
+        guards.inner = type(guards.inner)(g for g in guards.inner if g not in drop)
+        guards.source_to_guards.clear()
+        for g in guards.inner:
+            guards.track_guard_by_source(g)
+
+
+def _is_training_flag(source_name: str) -> bool:
+    return source_name.endswith(".training") or source_name.endswith("['training']")
 
 
 def distributed_model(model_or_param) -> Any:

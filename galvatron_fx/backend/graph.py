@@ -37,20 +37,28 @@ def _source_name(node: torch.fx.Node) -> str:
     return name() if callable(name) else str(name)
 
 
-def _traced_names() -> dict[int, str]:
-    """id(tensor) -> first FQN in the module(s) being traced (``named_parameters`` order, so tied
-    weights get the name ``gfx.capture`` gives them), from dynamo's current frame's locals."""
-    from ..passes.normalize import model_tensors
-
+def traced_modules() -> list[nn.Module]:
+    """The modules among the locals of the frame dynamo is tracing (``self`` of ``forward``)."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         tx = InstructionTranslator.current_tx()
         local_vars = dict(getattr(tx, "f_locals", {}) or {})
-    except Exception:  # noqa: BLE001 - private API; fall back to names from dynamo's sources
-        return {}
+    except Exception:  # noqa: BLE001 - private API; callers fall back to dynamo's sources
+        return []
+    # NOTE: a decorated forward (``wrapper(*args, **kwargs)``) holds the module in ``args``
+    found = [v for v in local_vars.values() if isinstance(v, nn.Module)]
+    found += [x for v in local_vars.values() if isinstance(v, (tuple, list)) for x in v if isinstance(x, nn.Module)]
+    return found
+
+
+def _traced_names() -> dict[int, str]:
+    """id(tensor) -> first FQN in the module(s) being traced (``named_parameters`` order, so tied
+    weights get the name ``gfx.capture`` gives them), from dynamo's current frame's locals."""
+    from ..passes.normalize import model_tensors
+
     names: dict[int, str] = {}
-    for value in local_vars.values():
+    for value in traced_modules():
         if isinstance(value, nn.Module):
             for key, info in model_tensors(value).items():
                 names.setdefault(key, info.fqn)

@@ -8,6 +8,8 @@ batch slice for zoo models).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.fx
@@ -18,16 +20,32 @@ from .groups import Layout
 from .reshard import slice_input
 
 
+@dataclass
+class TokenLoss:
+    """The exact token mean of a rewritten cross-entropy (see ``passes/token_loss.py``): the graph's
+    loss is ``sum of this slice's token losses * scale``; :meth:`prepare` sets ``scale = 1 / N``
+    with ``N`` the non-ignored targets of the whole global batch (``count(*graph_inputs)``), so the
+    losses and gradients of all ranks and micro-batches *sum* to single-device training's."""
+
+    count: torch.fx.GraphModule
+    scale: torch.Tensor
+
+    @torch.no_grad()
+    def prepare(self, graph_inputs) -> None:
+        self.scale.copy_(1.0 / self.count(*graph_inputs).to(self.scale))
+
+
 class DistributedModel(torch.fx.GraphModule):
     """This rank's part of a model under a plan (pp = 1). See :meth:`train_step`."""
 
     def setup(self, plan, rank: int, loss_fn, output_layout: Layout, stores: list[FlatParams],
-              tp_shards: dict[str, tuple[object, tuple[int, ...]]]) -> DistributedModel:
+              tp_shards: dict[str, tuple[object, tuple[int, ...]]],
+              token_loss: TokenLoss | None = None) -> DistributedModel:
         self.plan, self.rank, self.loss_fn = plan, rank, loss_fn
+        self.token_loss = token_loss
         self.output_layout = output_layout
         self._stores = stores
         self._tp_shards = tp_shards
-        self._n_inputs = sum(1 for n in self.graph.nodes if n.op == "placeholder")
         return self
 
     @property
@@ -38,22 +56,27 @@ class DistributedModel(torch.fx.GraphModule):
         return self._stores
 
     # ---------------------------------------------------------------- training
-    def train_step(self, *inputs: torch.Tensor) -> torch.Tensor:
+    @property
+    def input_names(self) -> list[str]:
+        """The graph's inputs in order: the model's forward-argument names (``input_ids``, ...)."""
+        return [n.name for n in self.graph.nodes if n.op == "placeholder"]
+
+    def train_step(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
         """Forward and backward of the full global batch; returns the global-batch mean loss.
 
-        ``inputs`` are the graph's inputs (the model's tensor arguments, e.g. ``input_ids,
-        labels``), each the *whole global batch* along dim 0, on every rank; any further inputs
-        are targets for ``loss_fn(output, *targets)`` (used only when the graph's output is not
-        a scalar loss). The batch is cut into ``plan.micro_batches`` micro-batches (gradient
-        accumulation). Gradients are reset at the start; on return each parameter of
-        :meth:`parameters` (the layer buffers or this rank's shards) holds in ``.grad`` the
-        gradient of the global-batch mean loss, and the returned loss (a 0-dim tensor) is the
-        same on every rank.
+        The inputs are the graph's inputs (the model's tensor arguments, e.g. ``input_ids, labels``),
+        positionally in :attr:`input_names` order and/or by name (``input_ids=..., labels=...``),
+        each the *whole global batch* along dim 0, on every rank; further positional inputs are
+        targets for ``loss_fn(output, *targets)`` (used only when the graph's output is not a scalar
+        loss). The batch is cut into ``plan.micro_batches`` micro-batches (gradient accumulation).
+        Gradients are reset at the start; on return each parameter of :meth:`parameters` (the layer
+        buffers or this rank's shards) holds in ``.grad`` the gradient of the global-batch mean
+        loss, and the returned loss (a 0-dim tensor) is the same on every rank.
         """
-        graph_inputs, targets = inputs[:self._n_inputs], inputs[self._n_inputs:]
-        if len(graph_inputs) != self._n_inputs:
-            raise ConfigError(f"train_step needs the graph's {self._n_inputs} inputs, got {len(inputs)}")
+        graph_inputs, targets = match_inputs(self.input_names, args, kwargs, "train_step")
         m = self.plan.micro_batches
+        if self.token_loss is not None:
+            self.token_loss.prepare(graph_inputs)
         self.sync_params()   # ZeRO-2: the shards the user's optimizer updated -> whole buffers
         for s in self._stores:
             s.zero_grad_state()
@@ -66,19 +89,55 @@ class DistributedModel(torch.fx.GraphModule):
                 s.last_micro_batch = k == m - 1
             out = self(*[mb[k] for mb in micro])
             loss = self._loss(out, [slice_input(t[k], lay.batch_index(self.rank), lay.dp) for t in micro_t])
-            # NOTE: each rank's loss is the mean over its 1/dp of the micro-batch; scaling by
-            # 1/(dp*m) makes the DP *sum* of gradients the gradient of the global mean loss.
-            (loss / (lay.dp * m)).backward()
+            (loss * self.loss_scale).backward()
             total = loss.detach() if total is None else total + loss.detach()
         for s in self._stores:
             s.finish_grad_sync()
-        total = total.float() / m
+        return self.global_loss(total)
+
+    @property
+    def loss_scale(self) -> float:
+        """What each micro-batch's loss is scaled by before backward so that the DP *sum* of
+        gradients is the gradient of the global loss: ``1 / (dp * m)`` for a mean over this
+        rank's slice, 1 for a token loss (already its share of the global mean)."""
+        return 1.0 if self.token_loss is not None else 1.0 / (self.output_layout.dp * self.plan.micro_batches)
+
+    def global_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
+        """The global-batch loss from this rank's sum of micro-batch losses (collective; the same
+        on every rank). NOTE: every TP rank of an output DP group holds the same value."""
+        total = local_sum.float()
+        if self.token_loss is None:
+            return _world_mean(total / self.plan.micro_batches)
         if dist.get_world_size() > 1:
-            # every TP rank of an output DP group holds the same local mean: the world mean is
-            # the mean over DP groups, and bit-identical on every rank
             dist.all_reduce(total)
-            total = total / dist.get_world_size()
-        return total
+        return total / (dist.get_world_size() // self.output_layout.dp)
+
+    @torch.no_grad()
+    def eval_step(self, *args: torch.Tensor, return_outputs: bool = False, **kwargs: torch.Tensor):
+        """Forward only over the full global batch (inputs as :meth:`train_step`); returns the
+        global-batch mean loss, the same on every rank, and with ``return_outputs=True`` also the
+        graph's outputs assembled across ranks (``(loss, outputs)``; each output's batch slices
+        all-gathered over the output's DP group and micro-batches concatenated, on every rank:
+        the memory of the whole global batch's outputs, e.g. ``batch x seq x vocab`` logits)."""
+        graph_inputs, targets = match_inputs(self.input_names, args, kwargs, "eval_step")
+        m, lay = self.plan.micro_batches, self.output_layout
+        if self.token_loss is not None:
+            self.token_loss.prepare(graph_inputs)
+        self.sync_params()
+        total, outs = None, []
+        for k, mb in enumerate(zip(*[_split(t, m) for t in graph_inputs])):
+            out = self(*mb)
+            loss = self._loss(out, [slice_input(_split(t, m)[k], lay.batch_index(self.rank), lay.dp)
+                                    for t in targets])
+            total = loss if total is None else total + loss
+            if return_outputs:
+                outs.append(out)
+        for s in self._stores:
+            s.free_full()   # ZeRO-3 layers kept nothing gathered for a backward that never comes
+        loss = self.global_loss(total)
+        if not return_outputs:
+            return loss
+        return loss, gather_outputs(outs, lay, self.rank)
 
     def _loss(self, out, targets):
         if self.loss_fn is not None:
@@ -144,6 +203,65 @@ class DistributedModel(torch.fx.GraphModule):
             opt = size([v for st in optimizer.state.values() for v in st.values()
                         if isinstance(v, torch.Tensor) and v.dim() > 0])
         return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
+
+
+def match_inputs(names: list[str], args: tuple, kwargs: dict, where: str) -> tuple[list, list]:
+    """``(graph inputs in order, extra positional targets)`` from positional and keyword inputs,
+    keywords matched to the graph's input ``names`` (the model's forward-argument names)."""
+    n = len(names)
+    if not kwargs:
+        if len(args) < n:
+            raise ConfigError(f"{where} needs the graph's {n} inputs ({', '.join(names)}), got {len(args)}")
+        return list(args[:n]), list(args[n:])
+    unknown = sorted(set(kwargs) - set(names))
+    if unknown:
+        raise ConfigError(f"{where}: unexpected input(s) {unknown}; the model was captured with inputs "
+                          f"{names}: capture it with the same (keyword) inputs you train with")
+    values = list(args[:n]) + [None] * (n - min(len(args), n))
+    for key, value in kwargs.items():
+        i = names.index(key)
+        if i < len(args):
+            raise ConfigError(f"{where}: input {key!r} is given twice (positionally and by name)")
+        values[i] = value
+    missing = [names[i] for i, v in enumerate(values) if v is None]
+    if missing:
+        raise ConfigError(f"{where}: missing input(s) {missing}; the graph's inputs are {names}")
+    return values, list(args[n:])
+
+
+def _world_mean(local: torch.Tensor) -> torch.Tensor:
+    """The world mean of each rank's local mean loss: every TP rank of an output DP group holds the
+    same local mean, so this is the mean over DP groups, bit-identical on every rank."""
+    if dist.get_world_size() > 1:
+        dist.all_reduce(local)
+        local = local / dist.get_world_size()
+    return local
+
+
+def gather_outputs(per_micro_batch: list, lay: Layout, rank: int):
+    """Graph outputs of every micro-batch on this rank -> the global batch's, on every rank of the
+    output DP group: batched tensors (dim 0 = this rank's slice) all-gathered over DP, then the
+    micro-batches concatenated; scalars (the loss) are dropped to ``None``."""
+    from .groups import group
+
+    single = not isinstance(per_micro_batch[0], (tuple, list))
+    rows = [[o] if single else list(o) for o in per_micro_batch]
+    ranks = lay.dp_ranks(rank)
+    out = []
+    for j in range(len(rows[0])):
+        parts = []
+        for row in rows:
+            t = row[j]
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                parts = None
+                break
+            if lay.dp > 1:
+                chunks = [torch.empty_like(t) for _ in ranks]
+                dist.all_gather(chunks, t.contiguous(), group=group(ranks))
+                t = torch.cat(chunks)
+            parts.append(t)
+        out.append(None if parts is None else torch.cat(parts))
+    return out[0] if single else tuple(out)
 
 
 def _split(t, m: int):

@@ -27,7 +27,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..ir import StageInfo, batch_size_of
 from .groups import group
-from .module import DistributedModel, _split
+from .module import DistributedModel, _split, gather_outputs, match_inputs
 from .reshard import slice_input
 
 
@@ -51,6 +51,7 @@ class _StageRunner(nn.Module):
         self.first = first
         self.loss_of = loss_of
         self.local: list[list[torch.Tensor]] = []
+        self.outputs: dict | None = None   # eval_step(return_outputs=True): chunk -> graph output
         self.chunk = 0
 
     def forward(self, *received):
@@ -58,7 +59,11 @@ class _StageRunner(nn.Module):
             out = self.stage(*received)
         else:
             out = self.stage(*self.local[self.chunk], *received)
-        return out if self.loss_of is None else self.loss_of(out, self.chunk)
+        if self.loss_of is None:
+            return out
+        if self.outputs is not None:
+            self.outputs[self.chunk] = out
+        return self.loss_of(out, self.chunk)
 
 
 def _make_stage_class():
@@ -127,13 +132,13 @@ class PipelineModel(nn.Module):
     activation bytes autograd held for them, parameters excluded).
     """
 
-    def __init__(self, stage: DistributedModel, plan, info: StageInfo, *, n_inputs: int, rank: int,
+    def __init__(self, stage: DistributedModel, plan, info: StageInfo, *, input_names: list[str], rank: int,
                  stage_size: int):
         super().__init__()
         self.stage = stage
         self.plan, self.stage_info, self.rank, self.stage_size = plan, info, rank, stage_size
         self.stage_index, self.num_stages = info.index, info.num_stages
-        self._n_inputs = n_inputs
+        self._input_names = list(input_names)
         self.__dict__["_runner"] = _StageRunner(stage, first=info.index == 0,
                                                 loss_of=self._loss if info.is_last else None)
         self.__dict__["_built"] = None
@@ -169,18 +174,28 @@ class PipelineModel(nn.Module):
         return self.stage(*inputs)
 
     # ---------------------------------------------------------------- training
-    def train_step(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def train_step(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
         """Forward and backward of the full global batch through the pipeline schedule; returns the
         global-batch mean loss (the same 0-dim tensor on every rank, from the last stage).
 
-        ``inputs`` are the graph's inputs, each the whole global batch along dim 0, on every rank,
-        then any targets of ``loss_fn(output, *targets)``. The batch is cut into
-        ``plan.micro_batches`` equal micro-batches; the loss is their mean of means, as single-device
-        training on the full batch. Afterwards this stage's parameters hold their gradients.
+        Inputs as :meth:`DistributedModel.train_step` (positional and/or by forward-argument
+        name, each the whole global batch along dim 0, on every rank; extra positional inputs are
+        targets of ``loss_fn(output, *targets)``). The batch is cut into ``plan.micro_batches``
+        equal micro-batches; the loss is their mean of means, as single-device training on the full
+        batch. Afterwards this stage's parameters hold their gradients.
         """
-        if len(inputs) < self._n_inputs:
-            raise ConfigError(f"train_step needs the graph's {self._n_inputs} inputs, got {len(inputs)}")
-        graph_inputs, targets = inputs[:self._n_inputs], inputs[self._n_inputs:]
+        return self._run(args, kwargs, "train_step", train=True)
+
+    @torch.no_grad()
+    def eval_step(self, *args: torch.Tensor, return_outputs: bool = False, **kwargs: torch.Tensor):
+        """Forward only through the pipeline (``schedule.eval``); returns the global-batch mean loss
+        on every rank and, with ``return_outputs=True``, ``(loss, outputs)``: the graph's outputs
+        assembled over the last stage's DP group and the micro-batches, then sent from the last
+        stage to every rank (memory: the global batch's outputs on every rank)."""
+        return self._run(args, kwargs, "eval_step", train=False, collect=return_outputs)
+
+    def _run(self, args, kwargs, where: str, *, train: bool, collect: bool = False):
+        graph_inputs, targets = match_inputs(self.input_names, args, kwargs, where)
         m, info = self.plan.micro_batches, self.stage_info
         local = [graph_inputs[i] for i in info.local_inputs]
         batch = batch_size_of(graph_inputs)
@@ -188,30 +203,54 @@ class PipelineModel(nn.Module):
             raise ConfigError(f"the global batch of {batch} samples must split into micro_batches={m} "
                               f"micro-batches divisible by the {self.stage_size} ranks of a stage")
         schedule = self._schedule(batch // m, local)
+        if self.stage.token_loss is not None and info.is_last:
+            self.stage.token_loss.prepare(graph_inputs)
         self.stage.sync_params()   # ZeRO-2: the shards the user's optimizer updated -> whole buffers
         for s in self.stage.stores:
             s.zero_grad_state()
         runner = self._runner
         runner.local = [list(c) for c in zip(*[_split(t, m) for t in local])] if local else [[]] * m
+        runner.outputs = {} if collect else None
         self._targets = [_split(t, m) for t in targets]
         self._losses: list[torch.Tensor] = []
         stats = schedule._stage.stats
         stats.update(order=[], chunk_bytes={}, live_bytes=0, in_flight=0, peak_in_flight=0, peak_saved_bytes=0)
-        kwargs = {"target": torch.arange(m), "return_outputs": False} if info.is_last else {}
-        if info.index == 0:
-            schedule.step(*local, **kwargs)
+        step = schedule.step if train else schedule.eval
+        kw = {"target": torch.arange(m), "return_outputs": False} if info.is_last else {}
+        step(*local, **kw) if info.index == 0 else step(**kw)
+        if train:
+            for s in self.stage.stores:
+                s.finish_grad_sync()
         else:
-            schedule.step(**kwargs)
-        for s in self.stage.stores:
-            s.finish_grad_sync()
+            for s in self.stage.stores:
+                s.free_full()
         self.schedule_stats = {k: stats[k] for k in ("order", "peak_in_flight", "peak_saved_bytes")}
-        total = torch.zeros(())
+        device = next((p.device for p in self.stage.parameters()), None) or graph_inputs[0].device
+        total = torch.zeros((), device=device)
         if info.is_last:
-            total = torch.stack(self._losses).float().sum() / m / self.stage_size
-        # NOTE: the last stage's ranks each hold the mean over their output slice; a world sum of
-        # those / N (0 elsewhere) is the global mean, bit-identical on every rank.
+            lay = self.stage.output_layout
+            per_rank = m * lay.dp if self.stage.token_loss is None else 1
+            total = torch.stack(self._losses).float().sum() / per_rank / (self.stage_size // lay.dp)
+        # NOTE: the last stage's ranks each hold the mean (or, for a token loss, their share of the
+        # global mean) over their output slice; the world sum of these (0 elsewhere) is the global
+        # loss, bit-identical on every rank.
         dist.all_reduce(total)
-        return total
+        if not collect:
+            return total
+        box = [None]
+        if info.is_last:
+            box[0] = gather_outputs([runner.outputs[k] for k in range(m)], self.stage.output_layout, self.rank)
+        # NOTE: the outputs exist on the last stage; each of its ranks hands them down its p2p
+        # group, so every rank returns them (the cost: the global batch's outputs on every rank)
+        n = self.stage_size
+        pipe = tuple(self.rank % n + s * n for s in range(self.num_stages))
+        dist.broadcast_object_list(box, src=pipe[-1], group=group(pipe))
+        return total, box[0]
+
+    @property
+    def input_names(self) -> list[str]:
+        """The model's inputs in order (forward-argument names), as :attr:`DistributedModel.input_names`."""
+        return self._input_names
 
     def _loss(self, out, k: int) -> torch.Tensor:
         """Micro-batch ``k``'s loss over this rank's output slice (the last stage's runner output)."""
@@ -222,9 +261,9 @@ class PipelineModel(nn.Module):
         return loss
 
     def _scaled_loss(self, loss, _index):
-        """The schedule's loss: each rank's mean over its ``1/dp`` slice, scaled by ``1/(dp*m)`` so
-        the DP *sum* of gradients is the gradient of the global mean loss."""
-        return loss / (self.stage.output_layout.dp * self.plan.micro_batches)
+        """The schedule's loss: the micro-batch loss times :attr:`DistributedModel.loss_scale`, so
+        the DP *sum* of gradients is the gradient of the global loss."""
+        return loss * self.stage.loss_scale
 
     def _schedule(self, micro_batch: int, local: list[torch.Tensor]):
         key = (micro_batch, tuple(tuple(t.shape) for t in local))
