@@ -120,7 +120,7 @@ def check_matrix(model_name: str, method: str, world: int, labels: list[str]) ->
         assert all(r["losses"] == rows[0]["losses"] for r in rows), (label, "loss differs between ranks")
         for r in rows:
             assert r["loss_err"] <= TOL and r["param_err"] <= TOL, (model_name, method, label, r)
-        assert rows[0]["passes"][0] == ("stage_split" if rows[0]["pp"] > 1 else "tensor_parallel")
+        assert rows[0]["passes"][:2] == ["token_loss", "stage_split" if rows[0]["pp"] > 1 else "tensor_parallel"]
         print(f"{model_name} {method} {label}: loss err {max(r['loss_err'] for r in rows):.1e}, "
               f"param err {max(r['param_err'] for r in rows):.1e}")
     return results[0]

@@ -48,11 +48,12 @@ def _split(gm, ctx):
 def test_pass_lists_read_like_the_plan(tiny):
     gm = tiny[2]
     names = [p.pass_name() for p in parallelize_passes(_ctx(gm))]
-    assert names == ["tensor_parallel", "split_layers", "local_batch", "checkpointing", "data_parallel",
-                     "resharding", "codegen"]
+    assert names == ["token_loss", "tensor_parallel", "split_layers", "local_batch", "checkpointing",
+                     "data_parallel", "resharding", "codegen"]
     names = [p.pass_name() for p in parallelize_passes(_ctx(gm, 2, pp=2, dp=1, micro_batches=2), bind={})]
-    assert names == ["stage_split", "tensor_parallel", "split_layers", "local_batch", "stage_outputs",
-                     "checkpointing", "data_parallel", "resharding", "stage_inputs", "codegen", "bind_parameters"]
+    assert names == ["token_loss", "stage_split", "tensor_parallel", "split_layers", "local_batch",
+                     "stage_outputs", "checkpointing", "data_parallel", "resharding", "stage_inputs", "codegen",
+                     "bind_parameters"]
 
 
 def test_tensor_parallel_contract(tiny):
@@ -236,3 +237,62 @@ def copy_graph(gm):
     from galvatron_fx.passes.tensor_parallel import fresh_copy
 
     return fresh_copy(gm)
+
+
+def test_local_batch_warns_when_the_batch_equals_a_sequence_length():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    ids = torch.randint(0, 64, (4, 4))                                   # batch 4 == sequence 4
+    gm = gfx.capture(transformers.LlamaForCausalLM(cfg), (), kwargs=dict(input_ids=ids, labels=ids))
+    ctx = _ctx(gm, micro_batches=2)
+    with pytest.warns(UserWarning, match="also a length of its inputs"):
+        LocalBatchPass(ctx)(_split(gm, ctx))
+
+
+@pytest.mark.parametrize("method", ["dynamo", "export"])
+def test_token_loss_rewrites_a_mean_cross_entropy(method):
+    from galvatron_fx.passes.token_loss import SCALE_NAME, TokenLossPass
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=32, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 64, (4, 8))
+    labels = ids.clone()
+    labels[:2, :5] = -100
+    gm = gfx.capture(model, (), kwargs=dict(input_ids=ids, labels=labels), method=method)
+    ctx = _ctx(gm)
+    out = TokenLossPass(ctx)(gm).graph_module
+    assert out is not gm and ctx.token_loss is not None                       # a copy; the user's gm stays
+    valid = (labels[:, 1:] != -100).sum().item()                              # HF shifts the labels
+    assert ctx.token_loss.count(ids, labels).item() == valid
+    ctx.token_loss.prepare([ids, labels])
+    assert getattr(out, SCALE_NAME).item() == pytest.approx(1 / valid)
+    loss = out(ids, labels)[0]
+    assert loss.item() == pytest.approx(model(input_ids=ids, labels=labels).loss.item(), rel=1e-6)
+    with pytest.raises(ContractError, match="flat captured graph"):
+        TokenLossPass(ctx).requires(SplitLayersPass()(gm).graph_module)
+
+
+def test_token_loss_leaves_other_losses_alone(tiny):
+    class Mse(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+
+        def forward(self, x, y):
+            for b in self.blocks:
+                x = b(x)
+            return torch.nn.functional.mse_loss(x, y)
+
+    x = torch.randn(4, 4)
+    gm = gfx.capture(Mse(), (x, x), method="fx")
+    ctx = _ctx(gm)
+    assert TokenLossPass_(ctx)(gm).modified is False and ctx.token_loss is None
+
+
+def TokenLossPass_(ctx):
+    from galvatron_fx.passes.token_loss import TokenLossPass
+
+    return TokenLossPass(ctx)

@@ -35,21 +35,25 @@ What one compile does (:func:`galvatron_backend`):
    lies in this rank's shard, possibly empty). ``optimizer.step()`` therefore updates the program's
    buffers in place; ZeRO-2's all-gather of updated shards runs at the start of the next call.
    Trainable parameters this rank holds no part of (other pipeline stages) become empty tensors.
-5. *Calls.* Each call runs ``train_step`` (forward and backward over the plan's micro-batches)
-   eagerly and returns the global-batch loss through :class:`_RouteGrads`, whose backward hands each
-   original parameter its slice of this rank's gradient shard (times the incoming gradient), so
-   ``loss.backward()`` fills ``param.grad`` through autograd's usual accumulation. Under
-   ``torch.no_grad()`` the loss is returned detached (backward still runs inside; documented cost).
-   Outputs other than the loss (logits, caches) are *not* materialised: each rank holds only its
-   slice of them. They are returned as NaN tensors of the eager shape (zero memory: expanded views).
+5. *Calls.* A training call (grad enabled, the model in ``train()`` mode) runs ``train_step``
+   (forward and backward over the plan's micro-batches) eagerly and returns the global-batch loss
+   through :class:`_RouteGrads`, whose backward hands each original parameter its slice of this
+   rank's gradient shard (times the incoming gradient), so ``loss.backward()`` fills ``param.grad``
+   through autograd's usual accumulation. Its other outputs (logits, caches) are ``None`` (warned
+   once): they are not materialised across ranks. A call under ``torch.no_grad()`` or
+   ``model.eval()`` runs ``eval_step`` (forward only) and returns the loss *and* the real outputs,
+   assembled across ranks (every rank holds the global batch's outputs: that memory is the cost).
 
 Recompiles: exactly one compile per compiled model. Dynamo guards on parameter and input shapes
 would re-trace after step 4 changes parameter shapes (and the re-trace would fail on 1-D shards),
 so the backend removes the guards whose source is a parameter, buffer or input of the graph
-(``TracingContext`` guards, as dynamo itself does for synthetic locals); the runtime checks the
+(``TracingContext`` guards, as dynamo itself does for synthetic locals), and the grad-mode
+(global state) and ``training``-flag guards, which the runtime reads at each call; it checks the
 inputs' shapes and dtypes itself and raises :class:`ConfigError` on a change (the distributed graphs
 are specialised to one global batch shape: use ``dynamic=False``, drop the last partial batch).
-Other guards (config flags, module attributes, Python branches) stay.
+Other guards (config flags, other module attributes, Python branches) stay. NOTE: the program is
+captured once, in training mode: dropout layers keep training behaviour under ``model.eval()``
+(models trained with dropout should evaluate with ``p = 0`` or eagerly).
 
 Graph breaks: with ``fullgraph=True`` dynamo's own error names the line that broke. Without it,
 the first partial graph has no scalar loss and the backend raises :class:`ConfigError` naming the
