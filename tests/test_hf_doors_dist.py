@@ -7,6 +7,9 @@
   not depend on the front end or call convention), and with its own search;
 * eval: logits from the compiled model under ``model.eval()`` / ``torch.no_grad()`` equal eager;
 * exact token losses: 30 % of the labels ignored (-100), unevenly over ranks and micro-batches.
+
+CI runs a slice (Llama via dynamo, the compiled ZeRO-3 plan, T5 pipelines, token losses); the
+cases marked ``matrix`` run with ``pytest --run-matrix -m matrix tests/test_hf_doors_dist.py``.
 """
 
 from __future__ import annotations
@@ -93,13 +96,14 @@ def _check_training(results):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("method", ["dynamo", "export"])
+@pytest.mark.parametrize("method", ["dynamo", pytest.param("export", marks=pytest.mark.matrix)])
 def test_llama_keyword_inputs_tp2_zero2_zero3(method):
     plans = {"tp2": dict(tp=2, dp=1), "zero2": dict(dp=2, sdp="zero2"), "zero3": dict(dp=2, sdp="zero3")}
     _check_training(run_distributed(_keyword_training, 2, "llama", method, plans, timeout=300))
 
 
 @pytest.mark.dist
+@pytest.mark.matrix
 def test_gpt_neox_tp2xdp2_world4_and_zero3():
     plans = {"tp2xdp2": dict(tp=2, dp=2), "zero3": dict(dp=4, sdp="zero3")}
     _check_training(run_distributed(_keyword_training, 4, "neox", "dynamo", plans, timeout=300))
@@ -153,7 +157,8 @@ def _compiled(rank, world, how, plan_dir):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("how", ["tp2", "zero3", "searched"])
+@pytest.mark.parametrize("how", [pytest.param("tp2", marks=pytest.mark.matrix), "zero3",
+                                 pytest.param("searched", marks=pytest.mark.matrix)])
 def test_compiled_llama_trains_and_evaluates_like_eager(how, tmp_path):
     for r in run_distributed(_compiled, 2, how, str(tmp_path), timeout=300):
         assert r["compiles"] == 1, r                                  # eval did not re-trace
