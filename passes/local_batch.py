@@ -15,9 +15,9 @@ scaled by ``b / B`` when it equals dim 0 of the node's output, that dim is a mul
 the node is
 
 * *batched*: it depends on a layer input whose dim 0 is ``B`` (activations, graph inputs), or
-* *batch-shaped constant*: it depends on no trainable parameter and no batched value, its output's
-  dim 0 is ``B`` exactly and a later node combines it with a batched value or it leaves the layer
-  (HF's expanded ``token_type_ids`` buffer, masks built from ``torch.arange(B)``). Such a value
+* *batch-shaped constant*: it depends on no trainable parameter (or broadcasts one: ``expand``,
+  ``repeat``) and no batched value, its output's dim 0 is ``B`` exactly and a later node combines
+  it with a batched value or it leaves the layer (ViT's ``cls_token.expand(B, -1, -1)``, HF's expanded ``token_type_ids`` buffer, masks built from ``torch.arange(B)``). Such a value
   crossing to a layer with another ``dp`` keeps the producer's batch (a known limitation).
 
 Convention (the runtime's, see :mod:`galvatron_fx.runtime.reshard`): batch on dim 0; flattening
@@ -109,7 +109,10 @@ def _localize_layer(layer: torch.fx.GraphModule, B: int, b: int) -> int:
         v = n.meta.get("val")
         if not (isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] % B == 0 and v.shape[0] > 0):
             continue
-        if not batched[n] and not (not has_param[n] and v.shape[0] == B and _meets_batched(n, batched)):
+        # NOTE: a parameter broadcast to the batch (ViT's ``cls_token.expand(B, -1, -1)``) is
+        # batch-shaped too, though it depends on a parameter
+        constant = not has_param[n] or _op_name(n) in BROADCAST_OPS
+        if not batched[n] and not (constant and v.shape[0] == B and _meets_batched(n, batched)):
             continue
         count += _rewrite_first_shape_int(n, int(v.shape[0]), B, b)
     return count
@@ -136,6 +139,8 @@ SHAPE_OPS = frozenset({"view", "reshape", "_unsafe_view", "expand", "broadcast_t
                        "new_zeros", "new_ones", "new_empty", "new_full", "zeros", "ones", "empty", "full",
                        "rand", "randn", "empty_strided", "arange"})
 """Ops whose integer list / integer varargs are a shape (by name: method, function or aten packet)."""
+BROADCAST_OPS = frozenset({"expand", "broadcast_to", "repeat", "tile"})
+"""Shape ops that can broadcast a parameter to the batch."""
 
 
 def _op_name(n: torch.fx.Node) -> str:
