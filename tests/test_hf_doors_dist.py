@@ -51,8 +51,8 @@ def hf_model(kind: str):
     raise ValueError(kind)
 
 
-def _eager(model, kwargs, steps=STEPS, opt_cls=torch.optim.AdamW, **opt_kw):
-    opt = opt_cls(model.parameters(), **(opt_kw or dict(lr=LR, eps=EPS)))
+def _fit(model, opt, kwargs, steps=STEPS) -> list[float]:
+    """``steps`` optimizer steps on ``model(**kwargs).loss`` (eager or compiled); the losses."""
     losses = []
     for _ in range(steps):
         opt.zero_grad()
@@ -60,6 +60,11 @@ def _eager(model, kwargs, steps=STEPS, opt_cls=torch.optim.AdamW, **opt_kw):
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    return losses
+
+
+def _eager(model, kwargs, steps=STEPS, opt_cls=torch.optim.AdamW, **opt_kw):
+    losses = _fit(model, opt_cls(model.parameters(), **(opt_kw or dict(lr=LR, eps=EPS))), kwargs, steps)
     return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
 
 
@@ -138,13 +143,7 @@ def _compiled(rank, world, how, plan_dir):
         options = {"plan": path}
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)    # before compiling, as usual
     compiled = torch.compile(model, backend="galvatron", fullgraph=True, dynamic=False, options=options)
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss = compiled(**kwargs).loss
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _fit(compiled, opt, kwargs)
     model.eval()
     ref_model.eval()
     with torch.no_grad():
