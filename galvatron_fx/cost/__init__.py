@@ -10,7 +10,7 @@ See :mod:`galvatron_fx.cost.model` for the scaling rules, :mod:`.memory` for mod
 :mod:`.measure` for the fake-tensor measurement and :mod:`.profile` for profiled mode.
 """
 
-from .extract import LayerGraph, extract_layer, roles_from_analysis
+from .extract import LayerGraph, extract_layer, retarget_devices, roles_from_analysis
 from .measure import SDPA_FORMULAS, Affine, LayerMeasure, flop_counter, measure_layer
 from .memory import OPTIMIZER_STATES, StatesBytes, states_bytes
 from .model import B, CostModel, LayerCost, dp_group, tp_group
@@ -19,5 +19,6 @@ from .profile import PROFILE_CALLS, cache_dir, profile_layer
 __all__ = [
     "Affine", "B", "CostModel", "LayerCost", "LayerGraph", "LayerMeasure", "OPTIMIZER_STATES",
     "PROFILE_CALLS", "SDPA_FORMULAS", "StatesBytes", "cache_dir", "dp_group", "extract_layer",
-    "flop_counter", "measure_layer", "profile_layer", "states_bytes", "tp_group", "roles_from_analysis",
+    "flop_counter", "measure_layer", "profile_layer", "retarget_devices", "states_bytes", "tp_group",
+    "roles_from_analysis",
 ]

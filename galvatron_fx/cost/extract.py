@@ -3,7 +3,13 @@
 :func:`extract_layer` copies the nodes of layer ``i`` into a new graph whose placeholders are, in
 order, the parameters and buffers it reads (its own and tied ones owned by other layers), the
 activations it reads from earlier layers and the graph inputs it reads; its outputs are the values
-later layers (or the graph output) consume.
+later layers (or the graph output) consume. Non-tensor attributes the layer reads (the forward and
+backward bodies of a dynamo ``autograd_function_apply``) stay ``get_attr`` nodes of the new graph.
+
+:meth:`LayerGraph.on_device` is the layer ready to run on one device: the device constants the
+front end baked in (``arange(..., device=meta)``, ``.to(meta)``, ``_to_copy(device=...)``) point to
+that device and ``_assert_tensor_metadata`` checks are dropped, so a layer of a model captured on
+the meta device runs on CPU fake tensors (and a profiled layer on the local accelerator).
 
 :func:`roles_from_analysis` marks which of its ops and parameters tensor parallelism shards, from
 the tensor-parallel pass's own analysis (:func:`galvatron_fx.sharding.analyze`), so the
@@ -12,10 +18,12 @@ cost model prices exactly what the rewrite does.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx
+from torch.fx.node import map_aggregate
 
 from ..ir import META_KEY, LayerRecord
 
@@ -55,6 +63,101 @@ class LayerGraph:
     out_sharded: dict[str, bool] = field(default_factory=dict)  # node -> output sharded under TP
     in_sharded: dict[str, bool] = field(default_factory=dict)   # node -> some activation input sharded
     param_shard_dim: dict[str, int | None] = field(default_factory=dict)  # placeholder -> TP-split dim
+    _on: dict = field(default_factory=dict, repr=False)     # device -> retargeted copy of gm
+
+    @property
+    def device(self) -> torch.device:
+        """Where the layer runs by default: its inputs' device (the first one not on the CPU), the
+        CPU for a model on the meta device."""
+        return home_device(i.device for i in self.inputs)
+
+    def on_device(self, device: torch.device | str | None = None) -> torch.fx.GraphModule:
+        """``gm`` with its baked device constants retargeted to ``device`` (default :attr:`device`)
+        and its metadata asserts dropped (see the module docstring); cached per device."""
+        device = torch.device(device) if device is not None else self.device
+        if device not in self._on:
+            self._on[device] = retarget_devices(self.gm, device)
+        return self._on[device]
+
+
+def home_device(devices) -> torch.device:
+    """The device a layer with inputs on ``devices`` runs on: the first accelerator among them,
+    else the CPU (meta tensors are measured on CPU fake tensors)."""
+    for d in devices:
+        if d.type not in ("cpu", "meta"):
+            return d
+    return torch.device("cpu")
+
+
+ASSERT_OPS = (torch.ops.aten._assert_tensor_metadata.default,)
+"""Metadata checks :func:`retarget_devices` drops (they name the capture's device and dtypes)."""
+CPU_FLOAT_ONLY = (torch.histc, torch.ops.aten.histc.default)
+"""Ops whose CPU kernels take only floating inputs: a graph captured for another device may feed
+them integers (transformers' MoE load-balancing loss counts experts with an int32 ``histc`` off
+the CPU); :func:`retarget_devices` casts to float32 and back for a CPU run."""
+
+
+def _is_device_string(value) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        torch.device(value)
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
+def retarget_devices(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
+    """A copy of ``gm`` (and of the graph modules it holds as attributes) where every baked device
+    constant names ``device`` and every ``_assert_tensor_metadata`` check is gone."""
+    device = torch.device(device)
+    graph = copy.deepcopy(gm.graph)
+    root: dict[str, object] = {}
+
+    def swap(v):
+        return device if isinstance(v, torch.device) else v
+
+    for n in list(graph.nodes):
+        if n.op == "call_function" and n.target in ASSERT_OPS and not n.users:
+            graph.erase_node(n)
+            continue
+        if n.op in ("call_function", "call_method"):
+            n.args = map_aggregate(n.args, swap)
+            kwargs = dict(map_aggregate(n.kwargs, swap))
+            if _is_device_string(kwargs.get("device")):
+                kwargs["device"] = device
+            n.kwargs = kwargs
+            if n.op == "call_method" and n.target == "to":
+                n.args = tuple(device if i and _is_device_string(a) else a for i, a in enumerate(n.args))
+            elif n.op == "call_method" and n.target in ("cpu", "cuda"):
+                n.target, n.args, n.kwargs = "to", (n.args[0], device), {}
+            if device.type == "cpu" and n.target in CPU_FLOAT_ONLY:
+                _through_float(graph, n)
+        elif n.op in ("get_attr", "call_module"):
+            value = _fetch(gm, n.target)
+            root[n.target] = retarget_devices(value, device) if isinstance(value, torch.fx.GraphModule) else value
+    return torch.fx.GraphModule(root, graph)
+
+
+def _through_float(graph: torch.fx.Graph, n: torch.fx.Node) -> None:
+    """Run ``n`` on a float32 copy of its integer first input and cast its result back."""
+    x = n.args[0]
+    val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point:
+        return
+    cast = torch.ops.aten._to_copy.default
+    with graph.inserting_before(n):
+        n.update_arg(0, graph.call_function(cast, (x,), {"dtype": torch.float32}))
+    with graph.inserting_after(n):
+        back = graph.call_function(cast, (n,), {"dtype": val.dtype})
+    n.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+
+
+def _fetch(gm: torch.nn.Module, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def capture_batch(gm: torch.fx.GraphModule) -> int:
@@ -93,10 +196,12 @@ def extract_layer(gm: torch.fx.GraphModule, rec: LayerRecord, grad_nodes: set[st
     compute = [n for n in own if n.op not in ("get_attr", "placeholder")]
     own_set = set(compute)
     external: list[torch.fx.Node] = []
+    attrs: list[torch.fx.Node] = []  # non-tensor attributes (autograd_function_apply bodies)
     for n in compute:
         for a in n.all_input_nodes:
-            if a not in own_set and a not in external:
-                external.append(a)
+            if a in own_set or a in external or a in attrs:
+                continue
+            (external if a.op != "get_attr" or isinstance(a.meta.get("val"), torch.Tensor) else attrs).append(a)
     order = {"get_attr": 0, "call_function": 1, "call_method": 1, "call_module": 1, "placeholder": 2}
     external.sort(key=lambda a: order[a.op])
 
@@ -120,13 +225,17 @@ def extract_layer(gm: torch.fx.GraphModule, rec: LayerRecord, grad_nodes: set[st
             inputs.append(LayerInput(a.name, kind, tuple(val.shape), val.dtype, val.device, batched=batched,
                                      requires_grad=a.name in grad_nodes))
         env[a] = ph
+    root = {}
+    for a in attrs:
+        env[a] = graph.get_attr(a.target)
+        root[a.target] = _fetch(gm, a.target)
     for n in compute:
         env[n] = graph.node_copy(n, lambda x: env[x])
         env[n].meta = {k: v for k, v in n.meta.items() if k in ("val", "nn_module_stack", "stack_trace")}
     outs = [n for n in compute
             if any(u not in own_set for u in n.users) and isinstance(n.meta.get("val"), torch.Tensor)]
     graph.output(tuple(env[n] for n in outs))
-    layer = LayerGraph(rec.index, rec.signature, torch.fx.GraphModule(torch.nn.Module(), graph), inputs,
+    layer = LayerGraph(rec.index, rec.signature, torch.fx.GraphModule(root, graph), inputs,
                        [n.name for n in outs], batch)
     roles_from_analysis(layer, None)  # replicated until the cost model applies the TP analysis
     return layer

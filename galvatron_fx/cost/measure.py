@@ -5,7 +5,8 @@ backward under :class:`~torch._subclasses.fake_tensor.FakeTensorMode` (no real m
 :class:`~torch.utils.flop_counter.FlopCounterMode`, at micro-batch sizes ``(1, 2)``, and fits every
 figure as ``a * n + c`` in the number of samples ``n`` (exact for transformer layers). When the
 graph bakes in the capture batch size (e.g. ``view(8, ...)``) the run happens at the capture batch
-only and figures are taken proportional to ``n``.
+only and figures are taken proportional to ``n`` (the failing first try logs nothing:
+:func:`quiet_probe`).
 
 Bytes saved for backward are the unique storages packed by
 :func:`torch.autograd.graph.saved_tensors_hooks`, identified by the storage's C pointer
@@ -22,6 +23,8 @@ backward. Elementwise ops and norms count 0 FLOPs.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -135,7 +138,8 @@ _SCALARS = ("fwd_flops_sharded", "fwd_flops_rep", "bwd_flops", "saved_sharded_el
 def measure_layer(layer: LayerGraph, sizes: tuple[int, ...] = MEASURE_SIZES) -> LayerMeasure:
     """Fit the layer's figures over ``sizes`` samples (see the module docstring)."""
     try:
-        points = [measure_point(layer, n) for n in sizes]
+        with quiet_probe():
+            points = [measure_point(layer, n) for n in sizes]
     except Exception:  # noqa: BLE001 - a batch size baked into the graph: proportional fallback
         points = [measure_point(layer, layer.batch)]
     p1, p2 = points[0], points[-1] if len(points) > 1 else None
@@ -147,6 +151,29 @@ def measure_layer(layer: LayerGraph, sizes: tuple[int, ...] = MEASURE_SIZES) -> 
     fwd = [fit(y, p2.fwd_allreduce_elems[i] if p2 else None) for i, y in enumerate(p1.fwd_allreduce_elems)]
     bwd = [fit(y, p2.bwd_allreduce_elems[i] if p2 else None) for i, y in enumerate(p1.bwd_allreduce_elems)]
     return LayerMeasure(layer.signature, tuple(p.n for p in points), fits, fwd, bwd)
+
+
+PROBE_LOGGERS = ("torch._subclasses.fake_tensor",)
+"""Loggers :func:`quiet_probe` silences: FakeTensorMode logs every failing meta kernel with its
+traceback before raising, which for a probe that is expected to fail reads as a crash."""
+
+
+def _drop(_record: logging.LogRecord) -> bool:
+    return False
+
+
+@contextlib.contextmanager
+def quiet_probe():
+    """Silence :data:`PROBE_LOGGERS` while a run that may fail, and whose failure is handled, runs
+    (e.g. a layer at a batch size other than one baked into its graph)."""
+    loggers = [logging.getLogger(name) for name in PROBE_LOGGERS]
+    for lg in loggers:
+        lg.addFilter(_drop)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(_drop)
 
 
 def saved_bytes(fn, exclude=()) -> int:
@@ -198,10 +225,12 @@ def make_inputs(layer: LayerGraph, n: int, *, device=None, dtype=None, real: boo
     """Tensors for the layer's placeholders with batched dims set to ``n`` samples.
 
     Call under a FakeTensorMode for fake tensors, or with ``real=True`` for real random values
-    (floats ~ N(0, 0.02), integers 0). ``dtype`` replaces floating dtypes; ``shard`` maps a
-    placeholder to ``(dim, tp)`` to divide that dim (tensor-parallel shards).
+    (floats ~ N(0, 0.02), integers 0), all on ``device`` (default: :attr:`LayerGraph.device`, the
+    CPU for a meta-device model). ``dtype`` replaces floating dtypes; ``shard`` maps a placeholder to
+    ``(dim, tp)`` to divide that dim (tensor-parallel shards).
     """
     out = []
+    dev = torch.device(device) if device is not None else layer.device
     for spec in layer.inputs:
         shape = list(spec.shape)
         if spec.batched:
@@ -210,7 +239,6 @@ def make_inputs(layer: LayerGraph, n: int, *, device=None, dtype=None, real: boo
             dim, tp = shard[spec.name]
             shape[dim] //= tp
         dt = dtype if (dtype is not None and spec.dtype.is_floating_point) else spec.dtype
-        dev = device if device is not None else ("cpu" if spec.device.type == "meta" else spec.device)
         if dt.is_floating_point:
             t = torch.randn(shape, dtype=dt, device=dev) * 0.02 if real else torch.empty(shape, dtype=dt, device=dev)
         else:
@@ -224,14 +252,15 @@ def measure_point(layer: LayerGraph, n: int) -> Point:
     p = Point(n)
     # NOTE: fake tensors live on the CPU (also for meta-device models) so SDPA dispatches to the
     # flash kernel, which saves what the GPU flash kernels save (q, k, v, out, log-sum-exp), not
-    # the math fallback's full attention matrix.
+    # the math fallback's full attention matrix. The device constants the graph baked in are
+    # retargeted to that device too (LayerGraph.on_device).
     with FakeTensorMode(allow_non_fake_inputs=True):
         args = make_inputs(layer, n)
         param_storages = {a.untyped_storage()._cdata for a, s in zip(args, layer.inputs)
                           if s.kind in ("param", "buffer")}
         saved: dict[int, tuple] = {}
         counter = flop_counter()
-        rec = _Recorder(layer.gm, counter)
+        rec = _Recorder(layer.on_device(), counter)
 
         def pack(t):
             key = t.untyped_storage()._cdata

@@ -7,7 +7,10 @@ divided) at several micro-batch sizes, and fits ``seconds = a * n + c`` for forw
 With ``ckpt`` the layer runs under :func:`torch.utils.checkpoint.checkpoint`, so backward includes
 the recomputation. When the sharded layer cannot run (an op with a baked full-width size the
 reshape rule does not cover) the unsharded times are scaled by the share of sharded FLOPs and the
-record says ``"method": "scaled"``.
+record says ``"method": "scaled"``. A layer whose graph bakes in the capture batch size runs at that
+size only, and its times are taken proportional to the samples. Device constants baked into the
+graph are retargeted to the profiling device (:meth:`LayerGraph.on_device`), so layers of a model
+captured on the meta device are profiled too.
 
 Results are cached as one JSON file per key under :func:`cache_dir` (``$GALVATRON_CACHE``, else
 ``~/.cache/galvatron_fx``), keyed by layer signature, ``(tp, sp, ckpt)``, device name, dtype and the
@@ -111,7 +114,8 @@ def time_layer(layer: LayerGraph, n: int, *, tp: int = 1, ckpt: bool = False, dt
 
     device = device or pick_device()
     args = make_inputs(layer, n, device=device, dtype=dtype, real=True, shard=_shards(layer, tp))
-    runner = _ShardedRunner(layer.gm) if tp > 1 else layer.gm
+    gm = layer.on_device(device)
+    runner = _ShardedRunner(gm) if tp > 1 else gm
 
     def forward():
         if ckpt:
@@ -136,6 +140,17 @@ def time_layer(layer: LayerGraph, n: int, *, tp: int = 1, ckpt: bool = False, dt
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
     return statistics.median(fwd), statistics.median(bwd)
+
+
+def _time_sizes(layer: LayerGraph, sizes: tuple[int, ...], **kw) -> tuple[tuple[int, ...], list]:
+    """``(sizes, times)`` of :func:`time_layer` over ``sizes``, or at the capture batch alone (times
+    then taken proportional to the samples) when the graph bakes that batch size in."""
+    try:
+        return tuple(sizes), [time_layer(layer, n, **kw) for n in sizes]
+    except RuntimeError:
+        if tuple(sizes) == (layer.batch,):
+            raise
+        return (layer.batch,), [time_layer(layer, layer.batch, **kw)]
 
 
 def _fit(ns, ys) -> Affine:
@@ -166,14 +181,15 @@ def profile_layer(layer: LayerGraph, *, tp: int = 1, sp: bool = False, ckpt: boo
             pass  # unreadable entry: profile again and overwrite it
     PROFILE_CALLS["count"] += 1
     method = "sharded" if tp > 1 else "direct"
+    kw = dict(ckpt=ckpt, dtype=dtype, device=device, repeats=repeats)
     try:
-        times = [time_layer(layer, n, tp=tp, ckpt=ckpt, dtype=dtype, device=device, repeats=repeats) for n in sizes]
+        ns, times = _time_sizes(layer, sizes, tp=tp, **kw)
     except RuntimeError:
         method = "scaled"
         share = sharded_fraction / tp + (1.0 - sharded_fraction)
-        times = [tuple(t * share for t in time_layer(layer, n, ckpt=ckpt, dtype=dtype, device=device,
-                                                        repeats=repeats)) for n in sizes]
-    fwd, bwd = _fit(sizes, [t[0] for t in times]), _fit(sizes, [t[1] for t in times])
+        ns, times = _time_sizes(layer, sizes, **kw)
+        times = [tuple(t * share for t in ts) for ts in times]
+    fwd, bwd = _fit(ns, [t[0] for t in times]), _fit(ns, [t[1] for t in times])
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({**key, "fwd": [fwd.a, fwd.c], "bwd": [bwd.a, bwd.c], "method": method,
