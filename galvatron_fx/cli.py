@@ -76,13 +76,14 @@ def _capture_for_planning(args: argparse.Namespace):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search a plan for MODEL on a cluster under a memory budget; optionally print baselines."""
-    from .planner import baselines, resolve_cluster, search, speedups
+    from .planner import baselines, resolve_cluster, resolve_precision, search, speedups
     from .units import parse_bytes
 
     cluster = resolve_cluster(args.cluster)
     budget = parse_bytes(args.memory_budget) if args.memory_budget else cluster.device_memory
     gm = _capture_for_planning(args)
-    cost = {"dtype": args.dtype, "mixed_precision": args.mixed_precision}
+    cost = {"precision": resolve_precision(cluster, args.precision, args.dtype,
+                                           True if args.mixed_precision else None)}
     if args.reserve is not None:
         cost["reserve_bytes"] = args.reserve
     t0 = time.perf_counter()
@@ -105,6 +106,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"  {'searched':<10} {plan.estimate['throughput_samples_s']:>12.3f} "
               f"{max(plan.estimate['memory_bytes_per_device']) / 2**30:>11.2f}G")
         data["baselines"] = base
+        data["speedups"] = ups  # searched throughput / each baseline's (null where it is oom)
     if args.json:
         from .plan import Plan
 
@@ -201,12 +203,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", required=True, help="preset (e.g. 8xA100-80GB, 2x8xH100-80GB) or cluster JSON")
     p.add_argument("--memory-budget", help="per-device budget, e.g. 16GiB (default: the device memory)")
     p.add_argument("--global-batch-size", type=int, help="samples per step (default: chosen for throughput)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--mixed-precision", action="store_true", help="fp32 master weights + low-precision copies")
+    p.add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"],
+                   help="training precision (fp32 master weights and optimizer states, compute in bf16 / "
+                        "fp16); default by cluster: bf16-mixed on A100/H100/H200, fp16-mixed on V100 / RTX "
+                        "TITAN, fp32 on CPU / local")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="legacy spelling: bf16 / fp16 mean "
+                   "--precision bf16-mixed / fp16-mixed")
+    p.add_argument("--mixed-precision", action="store_true", help="legacy: with --dtype bf16|fp16")
     p.add_argument("--reserve", help="framework reserve per device (default 1GiB)")
     p.add_argument("--method", default="fx", choices=["dynamo", "export", "fx"], help="capture front end")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override (repeatable)")
-    p.add_argument("--baselines", action="store_true", help="also estimate DP, ZeRO-3, TP, PP, 3D, DP+TP, DP+PP")
+    p.add_argument("--baselines", action="store_true",
+                   help="also estimate DP, ZeRO-3, TP, PP, 3D, DP+TP, DP+PP and Megatron-style (megatron)")
     p.add_argument("--json", metavar="PATH", help="write the plan JSON (with baselines) to PATH")
     p.add_argument("--plot", metavar="PATH", help="draw the plan (PNG/SVG/PDF; needs matplotlib)")
     p.set_defaults(func=cmd_plan)

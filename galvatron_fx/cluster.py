@@ -57,6 +57,9 @@ from .units import format_bytes, parse_bytes
 
 FORMAT = "galvatron_fx.cluster/1"
 DTYPES = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+"""Training precisions a plan may name: fp32 throughout, or fp32 master weights and optimizer
+states with bf16 / fp16 compute (parameters, gradients and activations in the low precision)."""
 
 # NOTE: 0.5 of peak is a typical sustained fraction for transformer training matmuls on data-centre
 # GPUs (model-FLOPs utilisation of large-model training is commonly reported at 40-60 %).
@@ -139,6 +142,25 @@ _PRESET_HELP = (
     "node) or 'MxNxDEVICE' (M nodes of N devices), e.g. '8xA100-80GB', '2x8xA100-80GB'; DEVICE is one of "
     "A100-40GB, A100-80GB, H100-80GB, H200-141GB, V100-32GB, RTX-TITAN-24GB"
 )
+
+
+# NOTE: the default precision is what a user of the device would train in: bf16 where the hardware
+# has it (Ampere and later), fp16 with loss scaling where only fp16 tensor cores exist, fp32 on CPUs
+# and on measured clusters (the live world: the runtime's own numerics, fp32 on the gloo CPU path).
+_DEFAULT_PRECISION = {"a100": "bf16-mixed", "h100": "bf16-mixed", "h200": "bf16-mixed",
+                      "v100": "fp16-mixed", "rtx-titan": "fp16-mixed"}
+
+
+def default_precision(cluster: Cluster | Mapping | str | None) -> str:
+    """The precision a plan gets on ``cluster`` (a Cluster, its dict, or its name) unless one is
+    given: ``bf16-mixed`` on A100 / H100 / H200 presets, ``fp16-mixed`` on V100 / RTX TITAN,
+    ``fp32`` everywhere else (CPU, ``local`` and other profiled clusters, custom clusters)."""
+    name = cluster.get("name") if isinstance(cluster, Mapping) else getattr(cluster, "name", cluster)
+    m = _PRESET_RE.match(name.strip()) if isinstance(name, str) else None
+    if m is None:
+        return "fp32"
+    device = m.group(3).lower()
+    return next((p for prefix, p in _DEFAULT_PRECISION.items() if device.startswith(prefix)), "fp32")
 
 
 def _positive(name: str, value: Any, *, allow_zero: bool = False) -> float:

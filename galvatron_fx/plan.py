@@ -6,7 +6,11 @@ A :class:`Plan` is plain data (``../shared/CONTRACT.md``, "Plan JSON")::
      "micro_batches": 4, "global_batch_size": 32, "stages": [[0, 15], [16, 31]],
      "layers": [{"name": "layers.0", "tp": 2, "sp": false, "dp": 4, "sdp": "none", "ckpt": false}, ...],
      "estimate": {"step_time_s": ..., "throughput_samples_s": ..., "memory_bytes_per_device": [...]},
-     "model_fingerprint": "...", "cluster": {...}}
+     "precision": "bf16-mixed", "model_fingerprint": "...", "cluster": {...}}
+
+``precision`` (``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"``: fp32 master weights and optimizer
+states, compute in the low precision) is what the plan was priced for and what the runtime should
+train in; a plan file without it (written before the key existed) reads as ``"fp32"``.
 
 Every constructor validates (:class:`ConfigError` naming the key, the value and the fix); unknown
 top-level keys (e.g. ``baselines``) and unknown per-layer keys are kept and written back.
@@ -26,6 +30,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .cluster import PRECISIONS
 from .errors import ConfigError, PlanMismatchError
 from .solver.pipeline import SCHEDULES, even_split
 from .solver.strategy import SDP_KINDS, Strategy
@@ -104,6 +109,7 @@ class Plan:
     model_fingerprint: str = ""
     cluster: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         if isinstance(self.stages, (list, tuple)):
@@ -146,6 +152,8 @@ class Plan:
             raise ConfigError(f"plan pp={pp} must divide world_size={ws}; choose pp among the divisors of {ws}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"plan schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"plan precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
         m = _need_int("micro_batches", self.micro_batches)
         gbs = _need_int("global_batch_size", self.global_batch_size)
         if gbs % m:
@@ -258,7 +266,7 @@ class Plan:
         budget = self.extra.get("memory_budget_bytes")
         lines = [f"plan: {self.world_size} devices = pp {self.pp} x {self.devices_per_stage} per stage, "
                  f"{self.schedule}, {self.micro_batches} micro-batch(es) of {self.micro_batch_size} "
-                 f"(global batch {self.global_batch_size})"]
+                 f"(global batch {self.global_batch_size}), {self.precision}"]
         if est.get("step_time_s") is not None:
             lines.append(f"estimate: {est['step_time_s'] * 1e3:.3f} ms/step, "
                          f"{est['throughput_samples_s']:.2f} samples/s")
@@ -298,6 +306,7 @@ class Plan:
             "stages": [[first, last] for first, last in self.stages],
             "layers": [layer.to_dict() for layer in self.layers],
             "estimate": dict(self.estimate),
+            "precision": self.precision,
             "model_fingerprint": self.model_fingerprint,
             "cluster": dict(self.cluster),
         }
@@ -347,9 +356,10 @@ class Plan:
             raise ConfigError(f"plan stages must be a list of [first, last] ranges, got {d['stages']!r}")
         layers = [LayerPlan.from_dict(x, i) for i, x in enumerate(d["layers"])]
         stages = [tuple(s) if isinstance(s, list) else s for s in d["stages"]]
-        extra = {k: v for k, v in d.items() if k not in _TOP_KEYS}
+        extra = {k: v for k, v in d.items() if k not in _TOP_KEYS and k != "precision"}
         return cls(d["world_size"], d["pp"], d["schedule"], d["micro_batches"], d["global_batch_size"],
-                   stages, layers, d["estimate"], d["model_fingerprint"], d["cluster"], extra)
+                   stages, layers, d["estimate"], d["model_fingerprint"], d["cluster"], extra,
+                   precision=d.get("precision", "fp32"))
 
     @classmethod
     def uniform(cls, gm: Any, world_size: int, **kwargs: Any) -> Plan:
@@ -376,10 +386,13 @@ class Plan:
         *,
         model_fingerprint: str = "",
         cluster: dict[str, Any] | None = None,
+        precision: str | None = None,
     ) -> Plan:
         """A hand-chosen plan: every layer on the same strategy, layers split evenly over ``pp``
         stages (:func:`~galvatron_fx.solver.pipeline.even_split`: the first ``L % pp`` stages get one
-        more layer). ``dp`` defaults to ``world_size / (pp * tp)``. Estimates are ``None``."""
+        more layer). ``dp`` defaults to ``world_size / (pp * tp)``. ``precision`` defaults to the
+        ``cluster``'s (:func:`galvatron_fx.cluster.default_precision`; ``"fp32"`` without one).
+        Estimates are ``None``."""
         names = list(names)
         _need_int("world_size", world_size)
         _need_int("pp", pp)
@@ -395,5 +408,9 @@ class Plan:
             raise ConfigError(f"pp={pp} exceeds the {len(names)} layers; use pp <= {len(names)}")
         layers = [LayerPlan(n, tp, dp, sdp, sp, ckpt) for n in names]
         est = {"step_time_s": None, "throughput_samples_s": None, "memory_bytes_per_device": None}
+        if precision is None:
+            from .cluster import default_precision
+
+            precision = default_precision(cluster or None)
         return cls(world_size, pp, schedule, micro_batches, global_batch_size, even_split(len(names), pp),
-                   layers, est, model_fingerprint, dict(cluster or {}))
+                   layers, est, model_fingerprint, dict(cluster or {}), precision=precision)

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 import torch.fx
 
-from .cluster import Cluster
+from .cluster import PRECISIONS, Cluster, default_precision
 from .errors import ConfigError, GalvatronError, InfeasibleError
 from .ir import META_KEY
 from .plan import LayerPlan, Plan
-from .solver.engine import Engine, SearchOptions, SearchResult, is_better, stderr_progress
+from .solver.engine import Engine, SearchOptions, SearchResult, stderr_progress
 from .solver.objective import estimate_plan
 from .solver.strategy import Strategy
 from .units import parse_bytes
@@ -25,15 +25,56 @@ from .units import parse_bytes
 # constraint key -> where it goes: SearchOptions field, or strategy_space keyword
 _OUTER = ("pp", "micro_batches", "schedule", "global_batch_size")
 _SPACE = ("ckpt", "sp", "zero2", "zero3", "max_tp", "allow_cross_node_tp", "power_of_two")
-_COST = ("dtype", "mode", "mixed_precision", "reserve_bytes", "optimizer")
+_COST = ("precision", "dtype", "mode", "mixed_precision", "reserve_bytes", "optimizer")
 CONSTRAINT_KEYS = _OUTER + _SPACE + ("tp", "sdp", "granularity", "uniform", "max_global_batch_size",
-                                     "max_micro_batches")
+                                     "max_micro_batches", "max_micro_batch_size")
 """Keys ``gfx.search(..., constraints={...})`` accepts: ``pp``, ``micro_batches``, ``schedule``
 pin the outer loop; ``tp`` (int) pins the TP degree of every layer; ``sdp`` (list of "none",
 "zero2", "zero3") limits data-parallel kinds; ``ckpt``/``sp``/``zero2``/``zero3`` (bool) switch
-options off; ``max_tp``, ``allow_cross_node_tp``, ``power_of_two`` shape the strategy tree;
-``max_global_batch_size`` / ``max_micro_batches`` bound the searched batch and micro-batch counts;
-``granularity`` (bytes) sets the DP's memory unit; ``uniform`` (bool) searches uniform plans only."""
+options off, ``ckpt="all"`` checkpoints every layer; ``max_tp``, ``allow_cross_node_tp``,
+``power_of_two`` (TP and DP degrees powers of two; off by default) shape the strategy tree;
+``max_global_batch_size`` / ``max_micro_batches`` bound the searched batch and micro-batch counts,
+``max_micro_batch_size`` the samples one device runs per micro-batch; ``granularity`` (bytes) sets
+the memory relaxation's unit (speed only); ``uniform`` (bool) searches uniform plans only."""
+
+
+def resolve_precision(cluster: Cluster, precision: str | None = None, dtype=None, mixed_precision=None) -> str:
+    """The plan's precision: ``precision`` if given, else the one the legacy ``dtype`` /
+    ``mixed_precision`` options name (``dtype="bf16"`` is ``"bf16-mixed"``: fp32 masters always),
+    else the cluster's default (:func:`galvatron_fx.cluster.default_precision`)."""
+    from .cluster import normalize_dtype
+
+    if precision is not None:
+        if precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+        if dtype is not None or mixed_precision is not None:
+            legacy = resolve_precision(cluster, None, dtype if dtype is not None else precision.split("-")[0],
+                                       mixed_precision)
+            if legacy != precision:
+                raise ConfigError(f"precision={precision!r} contradicts dtype={dtype!r} / "
+                                  f"mixed_precision={mixed_precision!r}; give only precision")
+        return precision
+    if dtype is None and mixed_precision is None:
+        return default_precision(cluster)
+    if dtype is None:
+        raise ConfigError("mixed_precision needs dtype='bf16' or 'fp16' (or pass precision='bf16-mixed')")
+    d = normalize_dtype(dtype)
+    if d == "fp32":
+        if mixed_precision:
+            raise ConfigError("mixed_precision=True needs dtype='bf16' or 'fp16' (the low-precision copy)")
+        return "fp32"
+    if mixed_precision is False:
+        raise ConfigError(f"dtype={dtype!r} without fp32 master weights is not a supported precision; use "
+                          f"precision={d + '-mixed'!r} (fp32 masters and optimizer states, {d} compute)")
+    return f"{d}-mixed"
+
+
+def _cost_options(cluster: Cluster, options: dict) -> tuple[str, dict]:
+    """``(precision, the other cost-model options)`` from a search / estimate's keyword options."""
+    opts = dict(options)
+    precision = resolve_precision(cluster, opts.pop("precision", None), opts.pop("dtype", None),
+                                  opts.pop("mixed_precision", None))
+    return precision, opts
 
 
 def _as_graph(model, example_inputs, method: str) -> torch.fx.GraphModule:
@@ -64,14 +105,16 @@ def resolve_cluster(cluster) -> Cluster:
 
 
 def cost_model_for(gm: torch.fx.GraphModule, cluster: Cluster, **cost_options):
-    """The (cached per cluster and options) cost model of a captured graph."""
+    """The (cached per cluster and options) cost model of a captured graph (``precision`` among
+    the options; the legacy ``dtype`` / ``mixed_precision`` map onto it, see :func:`resolve_precision`)."""
     from .cost import CostModel
 
     info = gm.meta[META_KEY]
     cache = info.__dict__.setdefault("_cost_models", {})
-    key = (repr(sorted(cluster.to_dict().items())), repr(sorted(cost_options.items())))
+    precision, rest = _cost_options(cluster, cost_options)
+    key = (repr(sorted(cluster.to_dict().items())), precision, repr(sorted(rest.items())))
     if key not in cache:
-        cache[key] = CostModel(gm, cluster, **cost_options)
+        cache[key] = CostModel(gm, cluster, precision=precision, **rest)
     return cache[key]
 
 
@@ -90,26 +133,32 @@ def _options(constraints: dict | None, global_batch_size, reserve: float) -> Sea
     opt = SearchOptions(global_batch_size=global_batch_size, reserve_bytes=reserve)
     for k in ("pp", "micro_batches", "schedule"):
         setattr(opt, k, c.get(k))
+    every_ckpt = c.get("ckpt") == "all"
+    if every_ckpt:
+        c["ckpt"] = True
+    elif "ckpt" in c and not isinstance(c["ckpt"], bool):
+        raise ConfigError(f"constraint ckpt must be true, false or 'all', got {c['ckpt']!r}")
     opt.space = {k: c[k] for k in _SPACE if k in c}
-    for k in ("max_global_batch_size", "max_micro_batches"):
-        if k in c:
+    for k in ("max_global_batch_size", "max_micro_batches", "max_micro_batch_size"):
+        if c.get(k) is not None:
             setattr(opt, k, int(c[k]))
     if "granularity" in c:
         opt.granularity = parse_bytes(c["granularity"], "granularity")
     tp, kinds = c.get("tp"), c.get("sdp")
-    if tp is not None or kinds is not None:
+    if tp is not None or kinds is not None or every_ckpt:
         kinds = [kinds] if isinstance(kinds, str) else kinds
-        opt.strategy_filter = lambda s: (tp is None or s.tp == tp) and (kinds is None or s.sdp in kinds)
+        opt.strategy_filter = lambda s: ((tp is None or s.tp == tp) and (kinds is None or s.sdp in kinds)
+                                         and (s.ckpt or not every_ckpt))
     opt.uniform_only = bool(c.get("uniform", False))
     return opt
 
 
 def _plan(result: SearchResult, names: list[str], world_size: int, fingerprint: str, cluster: Cluster,
-          cost_options: dict) -> Plan:
+          precision: str, cost_options: dict) -> Plan:
     layers = [LayerPlan(n, s.tp, s.dp, s.sdp, s.sp, s.ckpt) for n, s in zip(names, result.strategies)]
     return Plan(world_size, result.pp, result.schedule, result.micro_batches, result.global_batch_size,
                 [tuple(s) for s in result.stages], layers, _json_estimate(result.estimate), fingerprint,
-                cluster.to_dict(), {"cost_model": dict(cost_options)})
+                cluster.to_dict(), {"cost_model": dict(cost_options)}, precision=precision)
 
 
 def _json_estimate(est: dict) -> dict:
@@ -132,38 +181,25 @@ def _engine(gm, cluster, world_size, budget, global_batch_size, constraints, cos
     reads = [set(rec.params) for rec in cm.layers]
     tied = [i for i, r in enumerate(reads) if any(r & other for j, other in enumerate(reads) if j != i)]
     return Engine(cm, cluster, sigs, world_size, budget, opt, allowed_tp=tp_admissible(cm), tied_layers=tied,
-                  progress=stderr_progress if progress is True else (progress or None))
-
-
-SEED_VARIANTS = ("dp+tp", "dp+pp")
-"""Sub-spaces searched again on their own. NOTE: the stage partition is heuristic (exact min-max on
-stand-alone times, then local moves), so a partition found in a smaller space can beat the one the
-full space led to; searching these sub-spaces too keeps the result at least as good as the paper's
-limited variants (uniform plans are already screened inside every configuration)."""
-
-
-def _best_with_seeds(result: SearchResult, gm, cluster, world, budget, gbs, constraints, cost_options):
-    for name in SEED_VARIANTS:
-        cons = {**BASELINES[name], **(constraints or {})}  # the user's pins win: still a sub-space
-        try:
-            seed = _engine(gm, cluster, world, budget, gbs, cons, cost_options, None).run()
-        except InfeasibleError:
-            continue
-        if is_better(seed, result):
-            result = seed
-    return result
+                  progress=stderr_progress if progress is True else (progress or None),
+                  layer_names=[rec.name for rec in cm.layers])
 
 
 def search(model, cluster=None, memory_budget=None, global_batch_size: int | None = None, *,
            example_inputs=None, constraints: dict | None = None, world_size: int | None = None,
-           method: str = "dynamo", progress: bool | Callable[[str], None] = False, **cost_options) -> Plan:
+           method: str = "dynamo", progress: bool | Callable[[str], None] = False, precision: str | None = None,
+           **cost_options) -> Plan:
     """Search the best plan for ``model`` (a captured graph, or an ``nn.Module`` with
     ``example_inputs``, meta-device models welcome) on ``cluster`` under ``memory_budget`` bytes per
     device (default: the device memory). ``global_batch_size=None`` chooses it for throughput.
 
-    ``cost_options`` go to the cost model (``dtype``, ``mode``, ``mixed_precision``,
-    ``reserve_bytes``, ``optimizer``). Raises :class:`InfeasibleError` with the least memory any
-    plan needs when nothing fits.
+    ``precision`` (``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"``; default by cluster, see
+    :func:`galvatron_fx.cluster.default_precision`) is priced by the cost model and stored in the
+    plan. ``cost_options`` go to the cost model (``mode``, ``reserve_bytes``, ``optimizer``; the
+    legacy ``dtype`` / ``mixed_precision`` map onto ``precision``). The result is the best plan of
+    the whole space under the cost model (:mod:`galvatron_fx.solver.engine` states the space and the
+    argument). Raises :class:`InfeasibleError` naming the least memory any plan needs when nothing
+    fits, or the restriction that excluded every plan.
     """
     cluster = resolve_cluster(cluster)
     gm = _as_graph(model, example_inputs, method)
@@ -171,12 +207,12 @@ def search(model, cluster=None, memory_budget=None, global_batch_size: int | Non
     budget = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else cluster.device_memory
     if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
         raise ConfigError(f"global_batch_size must be a positive int, got {global_batch_size!r}")
-    engine = _engine(gm, cluster, world, budget, global_batch_size, constraints, cost_options, progress)
+    precision, rest = _cost_options(cluster, {**cost_options, "precision": precision})
+    engine = _engine(gm, cluster, world, budget, global_batch_size, constraints, {**rest, "precision": precision},
+                     progress)
     result = engine.run()
-    if not (constraints or {}).get("uniform"):
-        result = _best_with_seeds(result, gm, cluster, world, budget, global_batch_size, constraints, cost_options)
     info = gm.meta[META_KEY]
-    plan = _plan(result, [rec.name for rec in info.layers], world, info.fingerprint, cluster, cost_options)
+    plan = _plan(result, [rec.name for rec in info.layers], world, info.fingerprint, cluster, precision, rest)
     plan.extra["memory_budget_bytes"] = int(budget)
     return plan
 
@@ -186,10 +222,15 @@ def estimate(gm: torch.fx.GraphModule, plan: Plan, cluster=None, **cost_options)
     ``estimate`` keys plus ``per_device`` (``states_bytes``, ``activation_bytes``,
     ``transient_bytes``, ``reserve_bytes``, one entry per stage) and ``stage_time_s``.
 
-    Cost options default to those recorded in the plan, so re-estimating a saved plan reproduces it.
+    The plan's ``precision`` and recorded cost options are used unless overridden here, so
+    re-estimating a saved plan reproduces it.
     """
     cluster = resolve_cluster(cluster if cluster is not None else (plan.cluster or None))
-    opts = {**plan.extra.get("cost_model", {}), **cost_options}
+    recorded = {k: v for k, v in plan.extra.get("cost_model", {}).items()
+                if k not in ("precision", "dtype", "mixed_precision")}
+    opts = {**recorded, **cost_options}
+    if not any(k in cost_options for k in ("precision", "dtype", "mixed_precision")):
+        opts["precision"] = plan.precision
     info = gm.meta[META_KEY]
     plan.validate_for(fingerprint=info.fingerprint, layer_names=[rec.name for rec in info.layers])
     cm = cost_model_for(gm, cluster, **opts)
@@ -210,20 +251,26 @@ BASELINES: dict[str, dict[str, Any]] = {
     "3d": {"uniform": True, "sdp": ["none"], "ckpt": False, "sp": False},
     "dp+tp": {"pp": 1, "sdp": ["none"], "ckpt": False, "sp": False, "micro_batches": 1},
     "dp+pp": {"tp": 1, "sdp": ["none"], "ckpt": False, "sp": False},
+    "megatron": {"uniform": True, "sdp": ["none"], "ckpt": "all", "schedule": "1f1b", "max_micro_batch_size": 8},
 }
 """Baseline name -> search constraints. ``tp``: TP over a whole node (or the world, if smaller) then
 DP; ``pp``: one stage per device (or per layer), GPipe; ``3d``: the best uniform DP x TP x PP grid;
-``dp+tp`` / ``dp+pp``: the paper's limited Galvatron variants (per-layer search in two dimensions)."""
+``dp+tp`` / ``dp+pp``: the paper's limited Galvatron variants (per-layer search in two dimensions);
+``megatron``: the best Megatron-LM-style configuration, a uniform TP (within a node) x PP x DP grid
+with full activation recomputation, SP on or off, 1F1B and 1 to 8 samples per device per
+micro-batch (layers split evenly over the stages)."""
 
 
 def baselines(gm: torch.fx.GraphModule, cluster=None, memory_budget=None, global_batch_size: int | None = None,
-              *, world_size: int | None = None, names: list[str] | None = None, **cost_options) -> dict[str, Any]:
-    """Estimate of every baseline (name -> estimate dict, or ``"oom"`` when it cannot fit)."""
+              *, world_size: int | None = None, names: list[str] | None = None, constraints: dict | None = None,
+              **cost_options) -> dict[str, Any]:
+    """Estimate of every baseline (name -> estimate dict, or ``"oom"`` when it cannot fit), each
+    searched under its :data:`BASELINES` constraints plus ``constraints`` (e.g. a batch bound)."""
     cluster = resolve_cluster(cluster)
     world = int(world_size or cluster.world_size)
     out: dict[str, Any] = {}
     for name in names or list(BASELINES):
-        cons = dict(BASELINES[name])
+        cons = {**BASELINES[name], **(constraints or {})}
         if name == "tp":
             cons["tp"] = min(world, getattr(cluster, "devices_per_node", world))
         if name == "pp":

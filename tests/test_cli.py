@@ -28,9 +28,38 @@ def test_plan_with_baselines_writes_a_loadable_plan(capsys, tmp_path):
     assert "baselines" in out and "searched" in out and "zero3" in out
     plan = Plan.load(path)
     assert plan.world_size == 4 and plan.global_batch_size == 16
-    assert set(plan.extra["baselines"]) == {"dp", "zero3", "tp", "pp", "3d", "dp+tp", "dp+pp"}
+    assert set(plan.extra["baselines"]) == {"dp", "zero3", "tp", "pp", "3d", "dp+tp", "dp+pp", "megatron"}
+    assert "megatron" in out
+    ups = plan.extra["speedups"]
+    for name, est in plan.extra["baselines"].items():
+        if est == "oom":
+            assert ups[name] is None
+        else:
+            assert ups[name] == pytest.approx(plan.estimate["throughput_samples_s"] / est["throughput_samples_s"])
+            assert ups[name] >= 1 - 1e-9, name  # the searched plan is never below a baseline
+    assert plan.precision == "bf16-mixed"  # the A100 preset's default
     assert main(["show", str(path)]) == 0
     assert "stage 0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, precision", [
+    ([], "bf16-mixed"), (["--precision", "fp32"], "fp32"), (["--precision", "fp16-mixed"], "fp16-mixed"),
+    (["--dtype", "bf16", "--mixed-precision"], "bf16-mixed"), (["--dtype", "fp32"], "fp32"),
+])
+def test_plan_precision_flag_and_default(tmp_path, argv, precision):
+    path = tmp_path / "plan.json"
+    assert main(["plan", "gpt-tiny", *TINY, "--cluster", "2xH100-80GB", "--global-batch-size", "8",
+                 "--json", str(path), *argv]) == 0
+    assert json.loads(path.read_text())["precision"] == precision
+
+
+def test_plan_on_six_devices(tmp_path):
+    # 6 devices in one node: TP 1 or 2 (4 heads rule out 3 and 6), DP 3 or 6, PP 1, 2 or 3; batch 12
+    path = tmp_path / "plan.json"
+    assert main(["plan", "gpt-tiny", *TINY, "--cluster", "6xA100-80GB", "--global-batch-size", "12",
+                 "--json", str(path)]) == 0
+    plan = Plan.load(path)
+    assert plan.world_size == 6 and all(la.tp * la.dp * plan.pp == 6 for la in plan.layers)
 
 
 def test_plot_draws_the_plan(tmp_path):

@@ -13,7 +13,12 @@ optimizer states          ``k * n * w``                 ``4 n`` (fp32 master cop
 ========================  ===========================  ==========================================
 
 ``w`` is the training dtype's itemsize and ``k`` the optimizer's states per parameter (Adam 2:
-first and second moments; SGD with momentum 1; SGD 0). The runtime keeps each layer's ``n``
+first and second moments; SGD with momentum 1; SGD 0). By plan precision: ``"fp32"`` is plain with
+``w = 4`` (Adam: 4 + 4 + 8 = 16 bytes per parameter); ``"bf16-mixed"`` / ``"fp16-mixed"`` are mixed
+with ``w = 2`` (Adam: 2 + 2 + (4 + 8) = 16 bytes per parameter: a 2-byte working copy the layers
+compute with, 2-byte gradients as they are reduced, and in the optimizer state the fp32 master
+copy and the fp32 moments it updates). These are the buffers the runtime holds (the fp32 path is
+checked byte for byte by tests/test_memory_equality_dist.py; a mixed-precision runtime holds the same). The runtime keeps each layer's ``n``
 elements in one flat buffer padded to a multiple of ``dp`` (:func:`flat_layout`, shared with
 :mod:`galvatron_fx.runtime.data_parallel`); plain DP holds the padded buffer, ZeRO-2 the padded
 parameters but a ``1/dp`` shard of gradients and optimizer states, ZeRO-3 a shard of all three.

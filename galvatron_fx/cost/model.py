@@ -25,6 +25,12 @@ Scaling rules (per device, per micro-batch unless noted), from the fake-tensor m
 * **Memory**: :mod:`.memory` for states; transients are ZeRO-3's gathered parameters of the layer,
   the gradient bucket (``bucket_bytes``, full gradients for ZeRO-3's reduce-scatter) and the
   recomputed activations under checkpointing.
+* **Precision** (``precision``): ``"fp32"`` computes and stores everything in fp32;
+  ``"bf16-mixed"`` / ``"fp16-mixed"`` compute at the device's bf16 / fp16 peak (:meth:`Cluster.compute_time`),
+  keep activations, the working parameters, gradients and every collective in 2-byte elements,
+  and fp32 master weights and optimizer moments in the optimizer state (:mod:`.memory`: 16 bytes
+  per parameter under Adam either way, split 4 + 4 + 8 in fp32 and 2 + 2 + 12 mixed). The legacy
+  ``dtype`` / ``mixed_precision`` arguments are the same thing spelled apart.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ from .measure import LayerMeasure, measure_layer
 from .memory import StatesBytes, states_bytes
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+PRECISION_DTYPES = {"fp32": ("fp32", False), "bf16-mixed": ("bf16", True), "fp16-mixed": ("fp16", True)}
+"""precision -> (compute / storage dtype of parameters, gradients and activations, fp32 masters)."""
 B = sympy.Symbol("b", positive=True)
 """The micro-batch size symbol of :meth:`CostModel.symbolic`."""
 
@@ -107,15 +115,21 @@ class CostModel:
 
     def __init__(self, gm: torch.fx.GraphModule, cluster: Cluster, dtype: str = "fp32", mode: str = "analytic",
                  optimizer: str = "adam", mixed_precision: bool = False, reserve_bytes: int | str = "1GiB",
-                 bucket_bytes: int | str = "25MiB", cache_dir=None, profile_sizes: tuple[int, ...] | None = None):
+                 bucket_bytes: int | str = "25MiB", cache_dir=None, profile_sizes: tuple[int, ...] | None = None,
+                 precision: str | None = None):
         if mode not in ("analytic", "profiled"):
             raise ConfigError(f"cost mode must be 'analytic' or 'profiled', got {mode!r}")
+        if precision is not None:
+            if precision not in PRECISION_DTYPES:
+                raise ConfigError(f"precision must be one of {list(PRECISION_DTYPES)}, got {precision!r}")
+            dtype, mixed_precision = PRECISION_DTYPES[precision]
         self.gm, self.cluster, self.mode = gm, cluster, mode
         self.dtype = normalize_dtype(dtype)
         self.itemsize = ITEMSIZE[self.dtype]
         if mixed_precision and self.dtype == "fp32":
             raise ConfigError("mixed_precision=True needs dtype='bf16' or 'fp16' (the low-precision copy)")
         self.optimizer, self.mixed_precision = optimizer, mixed_precision
+        self.precision = f"{self.dtype}-mixed" if mixed_precision else self.dtype
         # NOTE: 0 (or "0", as a command line passes it) means no reserve; parse_bytes rejects zero sizes
         self.reserve_bytes = parse_bytes(reserve_bytes, "reserve") if reserve_bytes not in (0, "0", None) else 0
         self.bucket_bytes = parse_bytes(bucket_bytes, "bucket_bytes") if bucket_bytes else 0

@@ -1,21 +1,39 @@
-"""The outer search: pipeline degree, micro-batches, stage partition and per-layer strategies.
+"""The outer search: the best plan of the whole space under the cost model, exactly.
 
-For every candidate configuration (pipeline degree ``p`` dividing the device count, micro-batch
-count ``m``, schedule, global batch size) the engine
+**The space.** A plan is a configuration and per-layer strategies:
 
-1. builds per-layer tables from the cost source: step time ``T[l, s]`` and memory ``M_k[l, s]``
-   for stage ``k`` (in-flight activations depend on the stage), see :mod:`.objective`;
-2. partitions the layers into ``p`` contiguous stages: first exactly (min-max, via
-   :func:`partition_stages`) on each layer's best time among the strategies that fit alone, then
-   by local moves of boundary layers that lower the slowest stage's *exact* DP cost
-   (Galvatron-BMW's bi-objective balancing: time subject to every stage fitting);
-3. solves each stage exactly with :func:`solve_stage` (dynamic programming over layers and a
-   discretised per-device memory budget, with real resharding costs between adjacent layers);
-4. re-estimates the assembled plan with :func:`estimate_plan` (the same arithmetic).
+* pipeline degree ``p``: every divisor of the device count ``N`` with ``p <= L`` layers;
+* global batch: the given one, or (free) every ``2^i`` and ``2^i * q`` (``q`` the odd part of ``N``)
+  up to ``max_global_batch_size``;
+* micro-batch count ``m``: every divisor of the global batch (``m >= p`` when ``p > 1``: a pipeline
+  needs a micro-batch per stage), up to ``max_micro_batches`` when given;
+* schedule: 1F1B (GPipe when pinned: under the cost model GPipe has 1F1B's time and at least its
+  memory, ``m >= min(m, p - k)`` micro-batches in flight, so it never beats 1F1B);
+* stages: every split of the layers into ``p`` contiguous non-empty stages;
+* per layer, every strategy of :func:`~.strategy.strategy_space` for ``N / p`` devices (TP degrees
+  dividing the node's devices and the layer's heads and widths, any DP degree, DP / ZeRO-2 / ZeRO-3,
+  SP, checkpointing) whose DP degree divides the micro-batch, minus what the constraints exclude.
 
-The best plan over all configurations and over every *uniform* plan (the baselines are inside the
-space, so the result is never worse than any of them under the cost model) wins; ties break
-deterministically (lower memory, then fewer stages, fewer micro-batches, then strategy order).
+A plan fits when every stage's ``sum(states + in-flight activations) + max(transient) + reserve``
+is at most the budget, in bytes; its step time is :func:`~.objective.estimate_plan`'s.
+
+**Exactness.** The search returns a fitting plan of least step time (ties: less memory, fewer
+stages, fewer micro-batches), because every shortcut only skips what provably cannot win:
+
+1. Configurations are visited best bound first. A configuration's step time is at least
+   ``max(sum_l min_s t[l, s] / p, max_l min_s t[l, s])`` (resharding and sends only add), and, by
+   Lagrangian relaxation of every stage's memory (``sum_l M[l, s_l] <= p * cap`` over the whole
+   model, in-flight counts at their least), at least ``(sum_l min_s (t + lam * M)[l, s] - lam * p * cap) / p``
+   for any ``lam >= 0``; once a bound gives no more samples/s than the best plan found, that
+   configuration and every later one are skipped.
+2. Within a configuration, :func:`~.pipeline.partition_min_max` is the DP over stage boundaries with
+   lazily evaluated stages (its docstring proves it equals the full DP); a stage of the same layer
+   signatures, in-flight count and send costs is solved once.
+3. Each stage is :func:`~.stage.solve_stage_exact`: exact in bytes, the largest transient of the
+   *chosen* strategies; strategies dominated within their layout group are dropped first
+   (:func:`~.tables.undominated`).
+4. Every uniform plan (all layers one strategy, even split) is screened first: it is in the space,
+   so it only sharpens the bounds.
 
 Pure: strategies, numbers and a duck-typed cost source in; plain data out.
 """
@@ -33,32 +51,23 @@ import numpy as np
 
 from ..errors import ConfigError, InfeasibleError
 from ..units import format_bytes
-from .dp import solve_stage
-from .objective import (
-    CostSource,
-    LayerTerms,
-    estimate_plan,
-    layer_step_time,
-    layer_terms,
-    p2p_time_per_microbatch,
-)
-from .pipeline import even_split, in_flight_microbatches
+from .objective import CostSource, estimate_plan
+from .pipeline import even_split, partition_min_max
+from .stage import ExactStage, solve_stage_exact
 from .strategy import Strategy, strategy_space
-
-DEFAULT_MEMORY_UNITS = 256
-"""Default discretisation of the memory budget: ``granularity = budget / 256`` bytes per unit."""
+from .tables import CachedCosts, ConfigTables, layout_groups, undominated
 
 
 @dataclass
 class SearchOptions:
     """What the search may choose. ``None`` means "search it"; a value pins it.
 
-    ``pp``/``micro_batches``/``schedule``/``global_batch_size`` pin the outer loop (a free global
-    batch is searched over powers of two up to ``max_global_batch_size``); ``space`` holds
+    ``pp``/``micro_batches``/``schedule``/``global_batch_size`` pin the outer loop; ``space`` holds
     :func:`strategy_space` keyword arguments (``ckpt``, ``sp``, ``zero2``, ``zero3``, ``max_tp``,
-    ``allow_cross_node_tp``, ``power_of_two``, ``devices_per_node``); ``strategy_filter`` drops
-    per-layer strategies (e.g. the baselines' "DP only"). GPipe is searched only when pinned: under
-    the cost model it has 1F1B's time and at least its memory, so it can never win.
+    ``allow_cross_node_tp``, ``power_of_two`` (default off), ``devices_per_node``);
+    ``strategy_filter`` drops per-layer strategies (e.g. the baselines' "DP only");
+    ``max_micro_batch_size`` caps the samples one device runs per micro-batch (``b / dp``);
+    ``granularity`` is the bytes per unit of the memory relaxation (speed only).
     """
 
     pp: int | None = None
@@ -67,7 +76,8 @@ class SearchOptions:
     global_batch_size: int | None = None
     space: dict = field(default_factory=dict)
     strategy_filter: Callable[[Strategy], bool] | None = None
-    max_micro_batches: int = 64
+    max_micro_batches: int | None = None
+    max_micro_batch_size: int | None = None
     max_global_batch_size: int = 4096
     granularity: int | None = None
     reserve_bytes: float = 0.0
@@ -87,54 +97,20 @@ class SearchResult:
     configs_tried: int = 0
 
 
-def _pow2_divisors(n: int, limit: int | None = None) -> list[int]:
-    out = [d for d in (2**i for i in range(int(math.log2(max(n, 1))) + 1)) if n % d == 0]
-    return [d for d in out if limit is None or d <= limit]
+def divisors(n: int) -> list[int]:
+    """Every positive divisor of ``n``, ascending."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
-class CachedCosts:
-    """A :class:`CostSource` that memoises by layer *signature* (identical layers cost the same),
-    strategy and micro-batch size, and builds resharding matrices per layout class."""
-
-    def __init__(self, costs: CostSource, cluster: Any, signatures: list[str]):
-        self.costs, self.cluster, self.signatures = costs, cluster, signatures
-        self._cost: dict[tuple, Any] = {}
-        self._terms: dict[tuple, LayerTerms] = {}
-        self._reshard: dict[tuple, float] = {}
-        self._matrix: dict[tuple, np.ndarray] = {}
-        self._boundary: dict[tuple, float] = {}
-
-    def layer_cost(self, layer: int, s: Strategy, b: int):
-        key = (self.signatures[layer], s, b)
-        if key not in self._cost:
-            self._cost[key] = self.costs.layer_cost(layer, s, b)
-        return self._cost[key]
-
-    def terms(self, layer: int, s: Strategy, b: int) -> LayerTerms:
-        key = (self.signatures[layer], s, b)
-        if key not in self._terms:
-            self._terms[key] = layer_terms(self.layer_cost(layer, s, b), self.cluster)
-        return self._terms[key]
-
-    def reshard_time(self, layer: int, prev: Strategy, nxt: Strategy, b: int) -> float:
-        # NOTE: resharding moves the activation between layouts; only (tp, dp, sp) matter.
-        key = (self.signatures[layer], (prev.tp, prev.dp, prev.sp), (nxt.tp, nxt.dp, nxt.sp), b)
-        if key not in self._reshard:
-            self._reshard[key] = self.costs.reshard_time(layer, prev, nxt, b)
-        return self._reshard[key]
-
-    def boundary_bytes(self, layer: int, b: int) -> float:
-        key = (self.signatures[layer], b)
-        if key not in self._boundary:
-            self._boundary[key] = self.costs.boundary_bytes(layer, b)
-        return self._boundary[key]
-
-    def reshard_matrix(self, layer: int, space: list[Strategy], b: int) -> np.ndarray:
-        """[S, S] seconds per micro-batch from ``layer``'s output under ``space[i]`` to ``space[j]``."""
-        key = (self.signatures[layer], tuple(space), b)
-        if key not in self._matrix:
-            self._matrix[key] = np.array([[self.reshard_time(layer, a, c, b) for c in space] for a in space])
-        return self._matrix[key]
+def free_batch_sizes(world_size: int, limit: int) -> list[int]:
+    """Global batches a free search tries: ``2^i`` and ``2^i * q`` (``q`` the odd part of the
+    device count), up to ``limit``."""
+    q = world_size
+    while q % 2 == 0:
+        q //= 2
+    out = {g for base in (1, q) for g in (base << i for i in range(0, 40)) if g <= limit}
+    return sorted(out)
 
 
 class Engine:
@@ -144,7 +120,8 @@ class Engine:
                  budget_bytes: float, options: SearchOptions | None = None,
                  allowed_tp: Callable[[int, int], bool] | None = None,
                  tied_layers: Iterable[int] = (),
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None,
+                 layer_names: list[str] | None = None):
         self.costs, self.cluster = costs, cluster
         self.L = len(signatures)
         self.N = world_size
@@ -154,276 +131,403 @@ class Engine:
         self.tied_layers = frozenset(tied_layers)
         self.tables = CachedCosts(costs, cluster, signatures)
         self.progress = progress or (lambda msg: None)
+        self.names = layer_names or [f"layer {i}" for i in range(self.L)]
+        ids: dict[str, int] = {}
+        self.sig_ids = np.array([ids.setdefault(s, len(ids)) for s in signatures], dtype=np.int64)
         self.min_memory_seen = math.inf
+        self.exclusions: dict[str, int] = {}
         self._tables_memo: dict = {}
+        self._adm: dict = {}
+
+    @property
+    def cap(self) -> float:
+        """Bytes per device for additive memory and transients: the budget less the reserve."""
+        return self.budget - self.opt.reserve_bytes
 
     # ------------------------------------------------------------------ spaces
-    def configs(self) -> Iterable[tuple[int, int, str, int]]:
+    def _exclude(self, why: str) -> None:
+        self.exclusions[why] = self.exclusions.get(why, 0) + 1
+
+    def configs(self) -> list[tuple[int, int, str, int]]:
+        """Every configuration ``(p, m, schedule, global batch)`` of the space (module docstring)."""
         o = self.opt
-        pps = [o.pp] if o.pp else [p for p in _pow2_divisors(self.N) if p <= self.L]
-        gbss = [o.global_batch_size] if o.global_batch_size else [
-            g for g in (2**i for i in range(0, 31)) if self.N // max(pps) <= g <= o.max_global_batch_size]
+        if o.pp is not None:
+            pps = [o.pp] if self.N % o.pp == 0 and 1 <= o.pp <= self.L else []
+            if not pps:
+                self._exclude(f"pp={o.pp} must divide the {self.N} devices and be at most the {self.L} layers")
+        else:
+            pps = [p for p in divisors(self.N) if p <= self.L]
+        gbss = [o.global_batch_size] if o.global_batch_size else free_batch_sizes(self.N, o.max_global_batch_size)
         schedules = [o.schedule] if o.schedule else ["1f1b"]
+        out = []
         for gbs in gbss:
             for p in pps:
+                if o.micro_batches is not None:
+                    ms = [o.micro_batches]
+                    if gbs % o.micro_batches:
+                        self._exclude(f"micro_batches={o.micro_batches} must divide the global batch {gbs}")
+                        continue
+                else:
+                    ms = [m for m in divisors(gbs) if o.max_micro_batches is None or m <= o.max_micro_batches]
                 # NOTE: a pipeline needs at least one micro-batch per stage (torch.distributed.pipelining
                 # refuses fewer, and fewer would leave stages idle anyway)
-                ms = [m for m in ([o.micro_batches] if o.micro_batches else
-                                  _pow2_divisors(gbs, o.max_micro_batches)) if m >= p]
-                for m in ms:
-                    for sched in schedules:
-                        yield p, m, sched, gbs
+                kept = [m for m in ms if p == 1 or m >= p]
+                if not kept:
+                    self._exclude(f"pp={p} needs at least {p} micro-batches (global batch {gbs})")
+                out += [(p, m, sched, gbs) for m in kept for sched in schedules]
+        return out
 
     def space(self, p: int, b: int) -> list[Strategy]:
-        kw = {"devices_per_node": getattr(self.cluster, "devices_per_node", 8), **self.opt.space}
-        out = [s for s in strategy_space(self.N // p, **kw) if b % s.dp == 0]
+        """Strategies for one layer of a stage of ``N / p`` devices and micro-batches of ``b`` samples."""
+        return self._space(p, b)[0]
+
+    def _space(self, p: int, b: int) -> tuple[list[Strategy], str]:
+        kw = {"devices_per_node": getattr(self.cluster, "devices_per_node", 8), "power_of_two": False,
+              **self.opt.space}
+        d = self.N // p
+        out = strategy_space(d, **kw)
+        if not out:
+            return out, f"no strategy for {d} devices under the space options {kw}"
+        out = [s for s in out if b % s.dp == 0]
+        if not out:
+            return out, f"no data-parallel degree on {d} devices divides the micro-batch of {b} samples"
+        cap = self.opt.max_micro_batch_size
+        if cap is not None:
+            out = [s for s in out if b // s.dp <= cap]
+            if not out:
+                return out, f"every strategy on {d} devices runs more than {cap} samples per device per micro-batch"
         if self.opt.strategy_filter:
             out = [s for s in out if self.opt.strategy_filter(s)]
-        return out
+            if not out:
+                return out, f"the tp / sdp / ckpt constraints exclude every strategy on {d} devices"
+        return out, ""
 
     # ------------------------------------------------------------------ tables
     def _layer_tables(self, p: int, m: int, b: int, space: list[Strategy]):
-        """[L, S] arrays: step time, states, activations per micro-batch, transient (inf = not allowed).
-        Built once per distinct layer signature, then gathered per layer; memoised per configuration."""
+        """[L, S] arrays: step time, states, activations per micro-batch, transient (inf = not allowed)."""
         key = (p, m, b, tuple(space))
         if key not in self._tables_memo:
-            self._tables_memo = {key: self._build_tables(p, m, b, space)}
+            if len(self._tables_memo) > 64:
+                self._tables_memo.clear()
+            self._tables_memo[key] = self._build_tables(p, m, b, tuple(space))
         return self._tables_memo[key]
 
-    def _build_tables(self, p: int, m: int, b: int, space: list[Strategy]):
-        rows: dict[str, np.ndarray] = {}
+    def _build_tables(self, p: int, m: int, b: int, space: tuple[Strategy, ...]):
         out = np.empty((4, self.L, len(space)))
+        tps = np.array([s.tp for s in space])
+        whole = np.array([s.tp == 1 and not (s.sdp == "zero3" and s.ckpt) for s in space])
+        by_sig: dict[int, np.ndarray] = {}
         for i in range(self.L):
-            sig = self.tables.signatures[i]
-            allowed = np.array([self.allowed_tp(i, s.tp) and self._pipeline_allows(i, s, p) for s in space])
-            if sig not in rows:
-                terms = [self.tables.terms(i, s, b) for s in space]
-                rows[sig] = np.array([[layer_step_time(x, m, p) for x in terms],
-                                      [x.states_bytes for x in terms],
-                                      [x.activation_bytes for x in terms],
-                                      [x.transient_bytes for x in terms]])
-            out[:, i, :] = np.where(allowed[None, :], rows[sig], np.inf)
+            sig = int(self.sig_ids[i])
+            if sig not in by_sig:
+                r = self.tables.rows(i, space, b)
+                # NOTE: (m + p - 1) * t_mb + sync is layer_step_time's arithmetic, element by element
+                by_sig[sig] = np.stack([(m + p - 1) * r[0] + r[1], r[2], r[3], r[4]])
+            ok = self._admissible(i, tps)
+            if p > 1 and i in self.tied_layers:
+                ok = ok & whole
+            out[:, i, :] = np.where(ok[None, :], by_sig[sig], np.inf)
         return out[0], out[1], out[2], out[3]
+
+    def _admissible(self, layer: int, tps: np.ndarray) -> np.ndarray:
+        """Whether layer ``layer`` admits each TP degree of ``tps`` (the TP pass's own analysis)."""
+        key = (layer, tps.tobytes())
+        hit = self._adm.get(key)
+        if hit is None:
+            by_tp = {int(tp): bool(self.allowed_tp(layer, int(tp))) for tp in np.unique(tps)}
+            hit = self._adm[key] = np.array([by_tp[int(tp)] for tp in tps])
+        return hit
 
     def _pipeline_allows(self, layer: int, s: Strategy, p: int) -> bool:
         """NOTE: a weight tied across layers (embedding / LM head) may cross pipeline stages, where
         the runtime sends it whole: with pp > 1 its layers run without TP and not as ZeRO-3 with
-        checkpointing (see galvatron_fx/runtime/pipeline.py). Conservative: applies whatever the split."""
+        checkpointing (see galvatron_fx/runtime/pipeline.py). Conservative: applies whatever the split
+        (with pp > 1 the first and last layers always sit on different stages)."""
         return p == 1 or layer not in self.tied_layers or (s.tp == 1 and not (s.sdp == "zero3" and s.ckpt))
 
-    def _granularity(self) -> int:
-        return int(self.opt.granularity or max(1, self.budget // DEFAULT_MEMORY_UNITS))
-
-    def _solve(self, i: int, j: int, k: int, ctx) -> tuple[float, list[int] | None]:
-        """Exact DP for layers i..j on stage k: (stage step time, strategy indices) or (inf, None)."""
-        key = (i, j, k)
-        if key in ctx["memo"]:
-            return ctx["memo"][key]
-        p, m, b, space, sched = ctx["p"], ctx["m"], ctx["b"], ctx["space"], ctx["schedule"]
-        t, states, act, trans = ctx["tables"]
-        inflight = in_flight_microbatches(sched, m, p, k)
-        mem = np.where(np.isfinite(t[i:j + 1]), states[i:j + 1] + inflight * act[i:j + 1], np.inf)
-        keep = _undominated(t[i:j + 1], mem, trans[i:j + 1], space)
-        tt, mem, tr = t[i:j + 1][:, keep], mem[:, keep], trans[i:j + 1][:, keep]
-        transient = float(np.max(np.where(np.isfinite(tr), tr, 0.0)))
-        budget = self.budget - self.opt.reserve_bytes - transient
-        sub = [space[x] for x in keep]
-        reshard = (np.stack([self.tables.reshard_matrix(layer, sub, b) * (m + p - 1) for layer in range(i, j)])
-                   if j > i else None)
-        sol = solve_stage(tt, mem, reshard, budget, self._granularity())
-        ctx["min_memory"][key] = sol.min_memory_bytes + self.opt.reserve_bytes + transient
-        if not sol.feasible:
-            out = (math.inf, None)
-        else:
-            cost = sol.objective_s
-            if k < p - 1:
-                per_stage = self.N // p
-                cost += (m + p - 1) * p2p_time_per_microbatch(
-                    self.tables, self.cluster, j, sub[sol.strategies[-1]], b, k * per_stage, (k + 1) * per_stage)
-            out = (cost, [int(keep[x]) for x in sol.strategies])
-        ctx["memo"][key] = out
-        return out
-
-    # ------------------------------------------------------------------ search
-    def search_config(self, p: int, m: int, sched: str, gbs: int) -> SearchResult | None:
+    def config(self, p: int, m: int, sched: str, gbs: int) -> ConfigTables | None:
+        """The tables of one configuration, or ``None`` (reason recorded) when its space is empty."""
+        if gbs % m:
+            return None
         b = gbs // m
-        if gbs % m or b < 1:
-            return None
-        space = self.space(p, b)
+        space, why = self._space(p, b)
         if not space:
+            self._exclude(why)
             return None
-        tables = self._layer_tables(p, m, b, space)
-        ctx = {"p": p, "m": m, "b": b, "space": space, "schedule": sched, "tables": tables, "memo": {},
-               "min_memory": {}}
-        stages = self._initial_partition(ctx)
-        if stages is None:
+        t, states, act, trans = self._layer_tables(p, m, b, space)
+        dead = np.flatnonzero(~np.isfinite(t).any(axis=1))
+        if dead.size:
+            i = int(dead[0])
+            tps = sorted({s.tp for s in space})
+            why = (f"layer {self.names[i]!r} admits none of the strategies on {self.N // p} devices "
+                   f"(TP degrees {tps}")
+            why += ", and a weight tied across stages needs tp=1)" if p > 1 and i in self.tied_layers else ")"
+            self._exclude(why)
             return None
-        stages = self._refine(stages, ctx)
-        strategies: list[Strategy] = []
-        solved = [self._solve(i, j, k, ctx) for k, (i, j) in enumerate(stages)]
-        # the least memory this configuration's partition needs: its hungriest stage's minimum
-        self.min_memory_seen = min(self.min_memory_seen,
-                                   max(ctx["min_memory"][(i, j, k)] for k, (i, j) in enumerate(stages)))
-        for _cost, idx in solved:
-            if idx is None:
-                return None
-            strategies += [space[x] for x in idx]
-        return self._result(strategies, stages, p, m, sched, gbs)
+        gid, layouts = layout_groups(space)
+        c = ConfigTables(p, m, sched, gbs, space, t, states, act, trans, gid, layouts, self.sig_ids,
+                         self.tables, self.cluster, self.N)
+        c.bound = self._step_bound(c)
+        return c
 
-    def _result(self, strategies, stages, p, m, sched, gbs) -> SearchResult:
-        est = estimate_plan(self.tables, self.cluster, strategies=strategies, stages=stages, micro_batches=m,
-                            global_batch_size=gbs, schedule=sched, world_size=self.N,
-                            reserve_bytes=self.opt.reserve_bytes)
-        return SearchResult(strategies, list(stages), p, m, sched, gbs, est)
+    def _step_bound(self, c: ConfigTables) -> float:
+        """A lower bound of the step time of every plan of ``c`` (module docstring, step 1)."""
+        lb = c.t.min(axis=1)
+        bound = max(float(lb.sum()) / c.p, float(lb.max()))
+        least = c.states + c.inflight(c.p - 1) * c.act  # the fewest in-flight micro-batches of any stage
+        if float(np.where(np.isfinite(c.t), least + c.trans, np.inf).min(axis=1).max()) > self.cap:
+            return math.inf  # some layer fits no stage on its own
+        if not math.isfinite(bound) or self.cap <= 0 or lb.sum() <= 0:
+            return bound
+        mem = np.where(np.isfinite(c.t), least, np.inf)
 
-    def _initial_partition(self, ctx) -> list[tuple[int, int]] | None:
-        """Min-max split on each layer's best stand-alone time, every stage within its least memory.
+        def dual(lam: float) -> float:
+            return (float(np.min(c.t + lam * mem, axis=1).sum()) - lam * c.p * self.cap) / c.p
 
-        Additive costs: binary search on the bottleneck over all range sums, greedy packing as the
-        feasibility test (exact for min-max contiguous partitioning with monotone constraints).
-        """
-        p = ctx["p"]
+        # the dual is concave in lam: golden-section search on log(lam) around the time / byte scale
+        lo, hi = math.log(1e-6 * lb.sum() / self.cap), math.log(1e3 * lb.sum() / self.cap)
+        r = (math.sqrt(5) - 1) / 2
+        a, b = hi - r * (hi - lo), lo + r * (hi - lo)
+        fa, fb = dual(math.exp(a)), dual(math.exp(b))
+        for _ in range(24):
+            if fa < fb:
+                lo, a, fa = a, b, fb
+                b = lo + r * (hi - lo)
+                fb = dual(math.exp(b))
+            else:
+                hi, b, fb = b, a, fa
+                a = hi - r * (hi - lo)
+                fa = dual(math.exp(a))
+        return max(bound, fa, fb)
+
+    # ------------------------------------------------------------------ one configuration
+    def _stage(self, c: ConfigTables, i: int, j: int, k: int, cutoff: float) -> ExactStage:
+        """Exact solve of layers ``i..j`` on stage ``k`` (memoised by signatures, in-flight count and
+        send costs); strategy indices refer to ``c.space``."""
+        last = k == c.p - 1
+        P = None if last else c.p2p(j, k)
+        key = (c.sig_ids[i:j + 1].tobytes(), c.inflight(k), b"" if last else P.tobytes())
+        hit = c.memo.get(key)
+        if hit is not None and (hit.feasible or not hit.fits or hit.cutoff >= cutoff):
+            return hit
+        T, M, X = c.t[i:j + 1], c.memory(i, j, k), c.trans[i:j + 1]
+        keep = undominated(T, M, X, c.gid)
+        R = np.stack([c.reshard(l) for l in range(i, j)]) if j > i else None
+        sol = solve_stage_exact(T[:, keep], M[:, keep], X[:, keep], R, self.cap, groups=c.gid[keep],
+                                final=None if last else P[keep], cutoff=cutoff,
+                                granularity=self.opt.granularity)
+        if sol.feasible:
+            sol = ExactStage(True, sol.cost, tuple(int(keep[s]) for s in sol.strategies), sol.memory_bytes,
+                             sol.transient_bytes, sol.min_memory_bytes, sol.cutoff, True)
+        c.memo[key] = sol
+        return sol
+
+    def solve(self, c: ConfigTables, cutoff: float = math.inf) -> SearchResult | None:
+        """The best plan of configuration ``c`` whose step time is below ``cutoff`` (``None`` if none)."""
+        L, p = self.L, c.p
         if p == 1:
-            return [(0, self.L - 1)]
-        t, states, act, _ = ctx["tables"]
-        best_t = np.min(t, axis=1)
-        cap = self.budget - self.opt.reserve_bytes
-        least = [np.min(states + in_flight_microbatches(ctx["schedule"], ctx["m"], p, k) * act, axis=1)
-                 for k in range(p)]
-        if not np.all(np.isfinite(best_t)):
+            sol = self._stage(c, 0, L - 1, 0, cutoff)
+            if not sol.feasible or not sol.cost < cutoff:
+                return None
+            return self._result([c.space[s] for s in sol.strategies], [(0, L - 1)], c)
+        prefix = np.concatenate([[0.0], np.cumsum(c.t.min(axis=1))])
+        mem_lb = [np.concatenate([[0.0], np.cumsum(np.where(np.isfinite(c.t), c.memory(0, L - 1, k), np.inf)
+                                                   .min(axis=1))]) for k in range(p)]
+        loosest = mem_lb[p - 1]
+
+        def window_lower(i: int, j: int) -> float:
+            return math.inf if loosest[j + 1] - loosest[i] > self.cap else prefix[j + 1] - prefix[i]
+
+        def lower(i: int, j: int, k: int) -> float:
+            if mem_lb[k][j + 1] - mem_lb[k][i] > self.cap:
+                return math.inf
+            send = 0.0 if k == p - 1 else float(np.min(np.where(np.isfinite(c.t[j]), c.p2p(j, k), np.inf)))
+            return prefix[j + 1] - prefix[i] + send
+
+        def cost(i: int, j: int, k: int, cut: float) -> float:
+            sol = self._stage(c, i, j, k, cut)
+            return sol.cost if sol.feasible else math.inf
+
+        seed = self._seed_split(c, prefix, window_lower)
+        if seed is not None:
+            times = []
+            for k, (i, j) in enumerate(seed):  # stop at the first stage that cannot beat the cutoff
+                times.append(cost(i, j, k, cutoff))
+                if times[-1] == math.inf:
+                    break
+            if max(times) < cutoff:
+                cutoff = math.nextafter(max(times), math.inf)  # the DP may find this split again
+        part = partition_min_max(L, p, cost, lower=lower, window_lower=window_lower, cutoff=cutoff)
+        if not part.feasible:
             return None
-        prefix = np.concatenate([[0.0], np.cumsum(best_t)])
-        sums = np.unique((prefix[None, :] - prefix[:, None])[np.triu_indices(self.L + 1, 1)])
+        strategies = []
+        for k, (i, j) in enumerate(part.stages):
+            strategies += [c.space[s] for s in self._stage(c, i, j, k, math.inf).strategies]
+        return self._result(strategies, list(part.stages), c)
+
+    def _seed_split(self, c: ConfigTables, prefix: np.ndarray, window_lower) -> list[tuple[int, int]] | None:
+        """A good split to start from: min-max on each layer's fastest time, each stage's least
+        memory within the budget (bisection on the bottleneck, greedy packing)."""
+        L, p = self.L, c.p
 
         def pack(limit: float) -> list[tuple[int, int]] | None:
-            stages, i = [], 0
+            out, i = [], 0
             for k in range(p):
-                if i >= self.L:
-                    break
-                j, used, mem = i, 0.0, 0.0
-                while j < self.L and used + best_t[j] <= limit and mem + least[k][j] <= cap \
-                        and self.L - (j + 1) >= p - k - 1:
-                    used, mem, j = used + best_t[j], mem + least[k][j], j + 1
-                if j == i:
+                j = i
+                while j + 1 <= L - (p - k) and window_lower(i, j + 1) <= limit:
+                    j += 1
+                if k == p - 1:
+                    j = L - 1
+                if window_lower(i, j) > limit:
                     return None
-                stages.append((i, j - 1))
-                i = j
-            return stages if i >= self.L and len(stages) == p else None
+                out.append((i, j))
+                i = j + 1
+            return out
 
-        lo, hi = 0, len(sums) - 1
-        if pack(sums[hi]) is None:
-            return even_split(self.L, p)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if pack(sums[mid]) is not None:
-                hi = mid
-            else:
-                lo = mid + 1
-        return pack(sums[lo])
+        lo, hi = 0.0, float(prefix[-1])
+        if pack(hi) is None:
+            return None
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if pack(mid) is not None else (mid, hi)
+        return pack(hi)
 
-    def _refine(self, stages: list[tuple[int, int]], ctx, max_moves: int | None = None) -> list[tuple[int, int]]:
-        """Move single boundary layers off the slowest (or an infeasible) stage while that helps."""
-        p = ctx["p"]
-        if p == 1:
-            return stages
-        stages = list(stages)
-        for _ in range(max_moves or 2 * self.L):
-            times = [self._solve(i, j, k, ctx)[0] for k, (i, j) in enumerate(stages)]
-            worst = max(range(p), key=lambda k: (times[k], -k))
-            best_move, best_val = None, times[worst]
-            for nb in (worst - 1, worst + 1):
-                if not 0 <= nb < p:
-                    continue
-                cand = list(stages)
-                (i, j), (a, c) = cand[worst], cand[nb]
-                if i == j:
-                    continue
-                if nb < worst:
-                    cand[nb], cand[worst] = (a, c + 1), (i + 1, j)
-                else:
-                    cand[worst], cand[nb] = (i, j - 1), (a - 1, c)
-                val = max(self._solve(*cand[k], k, ctx)[0] for k in (worst, nb))
-                if val < best_val:
-                    best_move, best_val = cand, val
-            if best_move is None:
-                break
-            stages = best_move
-        return stages
+    def _result(self, strategies, stages, c: ConfigTables) -> SearchResult:
+        est = estimate_plan(self.tables, self.cluster, strategies=strategies, stages=stages, micro_batches=c.m,
+                            global_batch_size=c.gbs, schedule=c.schedule, world_size=self.N,
+                            reserve_bytes=self.opt.reserve_bytes)
+        return SearchResult(strategies, list(stages), c.p, c.m, c.schedule, c.gbs, est)
 
-    def uniform_candidates(self, p: int, m: int, sched: str, gbs: int) -> Iterable[SearchResult]:
-        """The best uniform plans of this configuration (even stage split).
+    def uniform_candidates(self, c: ConfigTables) -> Iterable[SearchResult]:
+        """The best uniform plans of configuration ``c`` (every layer one strategy, even split).
 
         Every uniform strategy is screened with the tables (vectorised over strategies); the ones
-        that fit and tie for the best screened throughput are then estimated exactly.
+        that fit and tie for the best screened step time are then estimated exactly.
         """
-        b = gbs // m
-        space = self.space(p, b)
-        if not space or gbs % m:
-            return
-        t, states, act, trans = self._layer_tables(p, m, b, space)
-        stages = even_split(self.L, p)
-        per_stage = self.N // p
-        step = np.zeros(len(space))
-        peak = np.zeros(len(space))
+        stages = even_split(self.L, c.p)
+        step = np.zeros(len(c.space))
+        peak = np.zeros(len(c.space))
         for k, (i, j) in enumerate(stages):
-            inflight = in_flight_microbatches(sched, m, p, k)
-            time_k = t[i:j + 1].sum(axis=0)
-            if k < p - 1:
-                time_k = time_k + (m + p - 1) * np.array([
-                    p2p_time_per_microbatch(self.tables, self.cluster, j, s, b, k * per_stage, (k + 1) * per_stage)
-                    for s in space])
-            mem_k = (states[i:j + 1].sum(axis=0) + inflight * act[i:j + 1].sum(axis=0)
-                     + trans[i:j + 1].max(axis=0) + self.opt.reserve_bytes)
+            time_k = c.t[i:j + 1].sum(axis=0)
+            if k < c.p - 1:
+                time_k = time_k + c.p2p(j, k)
+            if j > i:
+                time_k = time_k + sum(np.diag(c.reshard(l)) for l in range(i, j))[c.gid]
+            mem_k = c.memory(i, j, k).sum(axis=0) + c.trans[i:j + 1].max(axis=0) + self.opt.reserve_bytes
             step, peak = np.maximum(step, time_k), np.maximum(peak, mem_k)
-        ok = np.isfinite(step) & (peak <= self.budget * (1 + 1e-9))
         if np.isfinite(peak).any():
             self.min_memory_seen = min(self.min_memory_seen, float(peak[np.isfinite(peak)].min()))
+        ok = np.isfinite(step) & (peak <= self.budget * (1 + 1e-9))
         if ok.any():
             best = step[ok].min()
-            for j in np.flatnonzero(ok & (step <= best * (1 + 1e-9))):
-                yield self._result([space[j]] * self.L, stages, p, m, sched, gbs)
-
-    def _step_time_bound(self, p: int, m: int, gbs: int) -> float:
-        """A lower bound on the step time of any plan of this configuration: the slowest stage takes
-        at least the average of the layers' fastest strategies (resharding and p2p only add)."""
-        b = gbs // m
-        space = self.space(p, b) if gbs % m == 0 else []
-        if not space:
-            return math.inf
-        t = self._layer_tables(p, m, b, space)[0]
-        return float(np.sum(np.min(t, axis=1))) / p
+            for s in np.flatnonzero(ok & (step <= best * (1 + 1e-9))):
+                yield self._result([c.space[s]] * self.L, stages, c)
 
     def fits(self, r: SearchResult) -> bool:
         return max(r.estimate["memory_bytes_per_device"]) <= self.budget
 
+    # ------------------------------------------------------------------ search
     def run(self) -> SearchResult:
+        configs = self.configs()
+        tabled = [c for c in (self.config(*cfg) for cfg in configs) if c is not None]
+        order = sorted(tabled, key=lambda c: (-(c.gbs / c.bound) if c.bound > 0 else -math.inf, c.p, c.m))
         best: SearchResult | None = None
+
+        def consider(r: SearchResult | None) -> None:
+            nonlocal best
+            if r is not None and self.fits(r) and (best is None or is_better(r, best)):
+                best = r
+
+        def beaten(c: ConfigTables) -> bool:  # no plan of c can beat the best so far
+            return not c.bound < math.inf or (best is not None
+                                              and c.gbs / c.bound <= best.estimate["throughput_samples_s"])
+
+        # uniform plans first (cheap, vectorised): they sharpen the cutoff of every exact solve
+        if self.opt.include_uniform or self.opt.uniform_only:
+            for c in order:
+                if beaten(c):
+                    break
+                for r in self.uniform_candidates(c):
+                    consider(r)
         tried = 0
-        configs = list(self.configs())
-        for n, (p, m, sched, gbs) in enumerate(configs):
-            if n % 8 == 0:
-                self.progress(f"search: configuration {n + 1}/{len(configs)} (pp={p}, m={m}, gbs={gbs})")
-            if best is not None and gbs / self._step_time_bound(p, m, gbs) < best.estimate["throughput_samples_s"]:
-                continue  # cannot beat the best plan so far (the bound is strict: ties are still searched)
-            cands = [] if self.opt.uniform_only else [self.search_config(p, m, sched, gbs)]
-            if self.opt.include_uniform or self.opt.uniform_only:
-                cands += list(self.uniform_candidates(p, m, sched, gbs))
-            for r in cands:
+        if not self.opt.uniform_only:
+            for n, c in enumerate(order):
+                if beaten(c):
+                    break  # sorted by bound: nothing later can beat the best plan
+                if n % 16 == 0:
+                    self.progress(f"search: configuration {n + 1}/{len(order)} (pp={c.p}, m={c.m}, gbs={c.gbs})")
                 tried += 1
-                if r is not None and self.fits(r) and (best is None or is_better(r, best)):
-                    best = r
+                thr = best.estimate["throughput_samples_s"] if best else 0.0
+                consider(self.solve(c, c.gbs / thr if thr > 0 else math.inf))
         if best is None:
-            raise self.infeasible()
+            raise self.infeasible(tabled)
         best.configs_tried = tried
         return best
 
-    def infeasible(self) -> InfeasibleError:
+    # ------------------------------------------------------------------ nothing fits
+    def least_memory(self, c: ConfigTables) -> float:
+        """The least per-device memory of any plan of ``c`` (bytes, exact to a byte): min over splits
+        of the hungriest stage's least memory (bisection on it; per threshold a DP over stage ends,
+        each stage as short as the previous ones allow, since a stage's least memory grows with
+        its range)."""
+        L, p = self.L, c.p
+        allowed = np.isfinite(c.t)
+        ths = np.unique(c.trans[allowed])
+        A = allowed[None] & (c.trans[None] <= ths[:, None, None])            # [Q, L, S]
+        sums, holes = [], []
+        for k in range(p):
+            per = np.where(A, c.memory(0, L - 1, k)[None], np.inf).min(axis=2)  # [Q, L]
+            zero = np.zeros((len(ths), 1))
+            # NOTE: layers a threshold leaves without a strategy are counted apart (inf would poison
+            # every later prefix difference)
+            sums.append(np.concatenate([zero, np.cumsum(np.where(np.isfinite(per), per, 0.0), axis=1)], axis=1))
+            holes.append(np.concatenate([zero, np.cumsum(~np.isfinite(per), axis=1)], axis=1))
+
+        def stage(k: int, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+            v = sums[k][:, j + 1] - sums[k][:, i] + ths[:, None]
+            v = np.where(holes[k][:, j + 1] - holes[k][:, i] > 0, np.inf, v)
+            return v.min(axis=0) + self.opt.reserve_bytes
+
+        js = np.arange(L)
+
+        def feasible(tau: float) -> bool:
+            reach = stage(0, np.zeros(L, dtype=np.int64), js) <= tau
+            for k in range(1, p):
+                last = np.maximum.accumulate(np.where(reach, js, -1))
+                prev = np.r_[-1, last[:-1]]
+                ok = prev >= 0
+                i = np.where(ok, prev + 1, 0)
+                reach = ok & (stage(k, i, js) <= tau)
+            return bool(reach[L - 1])
+
+        hi = max(float(stage(k, np.array([i]), np.array([j]))[0]) for k, (i, j) in enumerate(even_split(L, p)))
+        if not math.isfinite(hi):
+            return math.inf
+        lo = 0.0
+        while hi - lo > 0.5:
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
+        return hi
+
+    def infeasible(self, tabled: list[ConfigTables]) -> InfeasibleError:
+        if not tabled:
+            reasons = sorted(self.exclusions, key=lambda w: -self.exclusions[w])
+            err = InfeasibleError(
+                f"no plan on {self.N} devices satisfies the restrictions: " + "; ".join(reasons[:3])
+                + "; fix: relax the constraints (pp, micro_batches, tp, sdp, ckpt, max_tp, ...) or change "
+                "the global batch size")
+            err.min_memory_bytes = math.inf
+            return err
         need = self.min_memory_seen
+        if not self.opt.uniform_only:
+            for c in sorted(tabled, key=lambda c: (-c.p, -c.m)):
+                need = min(need, self.least_memory(c))
         msg = (f"no parallel plan fits the per-device memory budget of {format_bytes(self.budget)} on "
                f"{self.N} devices")
         if math.isfinite(need):
+            need = math.ceil(need)
             msg += (f"; the least memory any searched plan needs is {need / 2**30:.3f} GiB "
-                    f"({int(math.ceil(need))} bytes) per device")
+                    f"({int(need)} bytes) per device")
         hints = ["raise memory_budget", "use more devices"]
         if self.opt.global_batch_size and self.opt.global_batch_size > 1:
             hints.append(f"use a smaller global_batch_size (e.g. {self.opt.global_batch_size // 2})")
@@ -432,31 +536,6 @@ class Engine:
         err = InfeasibleError(msg + "; fix: " + ", or ".join(hints))
         err.min_memory_bytes = need
         return err
-
-
-def _undominated(t: np.ndarray, mem: np.ndarray, trans: np.ndarray, space: list[Strategy]) -> np.ndarray:
-    """Indices of the strategies worth keeping for these layers.
-
-    A strategy is dropped when another of the same activation layout (tp, dp, sp: so resharding
-    costs are identical) is no slower, needs no more memory and no larger transient at every layer,
-    and is strictly better somewhere or earlier in the list: swapping it in never hurts, so the DP
-    stays exact and keeps its lowest-index tie rule.
-    """
-    groups: dict[tuple, list[int]] = {}
-    for idx, st in enumerate(space):
-        groups.setdefault((st.tp, st.dp, st.sp), []).append(idx)
-    stacked = np.stack([t, mem, trans])  # [3, L, S]
-    keep = []
-    for members in groups.values():
-        x = stacked[:, :, members]                               # [3, L, g]
-        le = np.all(x[:, :, :, None] <= x[:, :, None, :], axis=(0, 1))  # le[c, a]: c no worse than a
-        lt = np.any(x[:, :, :, None] < x[:, :, None, :], axis=(0, 1))
-        order = np.arange(len(members))
-        beats = le & (lt | (order[:, None] < order[None, :]))
-        np.fill_diagonal(beats, False)
-        keep += [members[a] for a in range(len(members)) if not beats[:, a].any()]
-    keep.sort()
-    return np.array(keep, dtype=int)
 
 
 def is_better(a: SearchResult, b: SearchResult) -> bool:
@@ -470,4 +549,5 @@ def stderr_progress(msg: str) -> None:
     print(f"[galvatron-fx] {msg}", file=sys.stderr, flush=True)
 
 
-__all__ = ["Engine", "SearchOptions", "SearchResult", "ConfigError", "stderr_progress"]
+__all__ = ["Engine", "SearchOptions", "SearchResult", "ConfigError", "divisors", "free_batch_sizes",
+           "is_better", "stderr_progress"]

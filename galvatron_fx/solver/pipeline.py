@@ -1,14 +1,16 @@
 """Pipeline stage partitioning and pipeline timing formulas (pure, no torch).
 
-:func:`partition_stages` splits ``L`` layers into ``p`` contiguous stages minimising the slowest
-stage's time per micro-batch, subject to every stage fitting in memory (Galvatron-BMW's bi-objective
-partition: minimise the maximum, not an even split). The caller supplies ``stage_cost(i, j, k)``: the
-best time per micro-batch (seconds) of layers ``i..j`` (inclusive) on stage ``k``, or ``inf`` when
-they do not fit (typically a :func:`galvatron_fx.solver.dp.solve_stage` objective with the stage's
-memory budget, which depends on ``k`` through the number of in-flight micro-batches).
+A partition splits ``L`` layers into ``p`` contiguous non-empty stages minimising the slowest stage,
+every stage fitting in memory (Galvatron-BMW's bi-objective partition: minimise the maximum, not an
+even split). The caller supplies the stage cost: the best time of layers ``i..j`` (inclusive) on
+stage ``k``, or ``inf`` when they do not fit (a per-stage solve whose memory depends on ``k`` through
+the number of in-flight micro-batches).
 
-Exact by dynamic programming over stage boundaries, with every ``stage_cost`` call memoised
-(at most ``p * L * (L + 1) / 2`` distinct calls).
+* :func:`partition_stages` evaluates every ``(i, j, k)`` (at most ``p * L * (L + 1) / 2`` calls) in
+  two exact DPs over stage boundaries.
+* :func:`partition_min_max` is the same DP with lazy, pruned evaluation, for expensive stage costs:
+  it takes a lower bound of each stage cost and a cutoff, and evaluates a stage only where the bound
+  says it could matter; provably the same optimum (its docstring has the argument).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -24,6 +27,12 @@ from ..errors import ConfigError, InfeasibleError
 SCHEDULES = ("gpipe", "1f1b")
 
 StageCost = Callable[[int, int, int], float]
+
+
+class BoundedCost(Protocol):
+    def __call__(self, i: int, j: int, k: int, cutoff: float) -> float:
+        """Seconds of layers ``i..j`` on stage ``k``; ``inf`` when they do not fit or cost at
+        least ``cutoff`` (the caller needs nothing at or above it)."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +160,132 @@ def partition_stages(num_layers: int, pp: int, stage_cost: StageCost | np.ndarra
     stages.reverse()
     times = tuple(cost(i, j, k) for k, (i, j) in enumerate(stages))
     return Partition(True, tuple(stages), times, max(times), len(memo))
+
+
+def _windows(L: int, p: int, window_lower: Callable[[int, int], float], cutoff: float):
+    """``(lo, hi)``: stage ``k`` of any partition whose stages all have ``window_lower < cutoff``
+    ends at a layer in ``lo[k]..hi[k]``; ``None`` when there is no such partition.
+
+    ``window_lower(i, j)`` must not depend on the stage and must not decrease when the range grows.
+    Greedy from the front (each stage as long as it may, leaving a layer per later stage) bounds
+    every such partition's stage ends from above, by induction: a stage starting no earlier than
+    the other partition's, and so inside a range it knows to pass, reaches at least as far.
+    Greedy from the back bounds the starts from below in the same way.
+    """
+    def ok(i: int, j: int) -> bool:
+        return window_lower(i, j) < cutoff
+
+    hi, i = [], 0
+    for k in range(p):
+        j = i - 1
+        while j + 1 <= L - (p - k) and ok(i, j + 1):
+            j += 1
+        if j < i:
+            return None
+        hi.append(j)
+        i = j + 1
+    if hi[-1] != L - 1:
+        return None
+    start, j = [0] * p, L - 1
+    for k in range(p - 1, -1, -1):
+        i = j + 1
+        while i - 1 >= k and ok(i - 1, j):
+            i -= 1
+        if i > j:
+            return None
+        start[k] = i
+        j = i - 1
+    if start[0] != 0:
+        return None
+    lo = [start[k + 1] - 1 for k in range(p - 1)] + [L - 1]
+    return lo, hi
+
+
+def partition_min_max(num_layers: int, pp: int, stage_cost: BoundedCost, *,
+                      lower: Callable[[int, int, int], float] | None = None,
+                      window_lower: Callable[[int, int], float] | None = None,
+                      cutoff: float = math.inf) -> Partition:
+    """The contiguous split of layers ``0..num_layers-1`` into ``pp`` stages with the least slowest
+    stage below ``cutoff`` (ties: least sum of squared stage times, then the DP's scan order), with
+    ``stage_cost`` evaluated lazily.
+
+    ``stage_cost(i, j, k, cutoff)`` (see :class:`BoundedCost`); ``lower(i, j, k)`` a lower bound of
+    it (default 0); ``window_lower(i, j)`` a lower bound of every stage's cost on that range that
+    does not decrease when the range grows (default 0). Returns an infeasible :class:`Partition`
+    when no split has every stage below ``cutoff``.
+
+    Same optimum as the full DP ``B(k, j) = min_i max(B(k-1, i-1), cost(i, j, k))``, because only
+    evaluations that cannot change it are skipped:
+
+    * stage ends outside :func:`_windows` (computed from ``window_lower`` and ``cutoff``) belong to no
+      split whose stages all cost less than ``cutoff``;
+    * a candidate ``i`` for ``B(k, j)`` is skipped when ``max(B(k-1, i-1), lower(i, j, k))`` exceeds
+      the best candidate found so far or reaches ``cutoff`` (its value could only be larger), and a
+      stage is evaluated with the cutoff ``min(cutoff, best so far)`` (anything above cannot win);
+      candidates that could *tie* the best are evaluated, so the sum-of-squares tie rule holds.
+    """
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ConfigError(f"num_layers must be an int >= 1, got {num_layers!r}")
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1 or pp > num_layers:
+        raise ConfigError(f"pp must be an int in 1..num_layers={num_layers}, got {pp!r}")
+    L, inf = num_layers, math.inf
+    lower = lower or (lambda i, j, k: 0.0)
+    calls = 0
+
+    def cost(i: int, j: int, k: int, cut: float) -> float:
+        nonlocal calls
+        calls += 1
+        v = float(stage_cost(i, j, k, cut))
+        if math.isnan(v) or v < 0:
+            raise ConfigError(f"stage_cost({i}, {j}, {k}) returned {v!r}; expected seconds >= 0 or inf")
+        return v if v < cut else inf
+
+    win = _windows(L, pp, window_lower or (lambda i, j: 0.0), cutoff)
+    if win is None:
+        return Partition(False, (), (), inf, 0)
+    lo, hi = win
+    # best[k][j] = (slowest, sum of squares, start of stage k, its time) over layers 0..j on stages 0..k
+    best: list[dict[int, tuple[float, float, int, float]]] = [{} for _ in range(pp)]
+    for j in range(lo[0], hi[0] + 1):
+        if lower(0, j, 0) < cutoff:
+            c = cost(0, j, 0, cutoff)
+            if c < inf:
+                best[0][j] = (c, c * c, 0, c)
+    for k in range(1, pp):
+        prev = best[k - 1]
+        for j in range(lo[k], hi[k] + 1):
+            cands = []
+            for i in range(max(k, lo[k - 1] + 1), min(hi[k - 1] + 1, j) + 1):
+                if i - 1 in prev:
+                    bound = max(prev[i - 1][0], lower(i, j, k))
+                    if bound < cutoff:
+                        cands.append((bound, -i, i))
+            cands.sort()
+            top: tuple[float, float, int, float] | None = None
+            for bound, _, i in cands:
+                if top is not None and bound > top[0]:
+                    break
+                cut = cutoff if top is None else min(cutoff, math.nextafter(top[0], inf))
+                c = cost(i, j, k, cut)
+                if c == inf:
+                    continue
+                p_slow, p_sq = prev[i - 1][0], prev[i - 1][1]
+                val = (max(p_slow, c), p_sq + c * c, i, c)
+                if top is None or val[:2] < top[:2]:
+                    top = val
+            if top is not None:
+                best[k][j] = top
+    if L - 1 not in best[pp - 1]:
+        return Partition(False, (), (), inf, calls)
+    stages, times, j = [], [], L - 1
+    for k in range(pp - 1, -1, -1):
+        _, _, i, c = best[k][j]
+        stages.append((i, j))
+        times.append(c)
+        j = i - 1
+    stages.reverse()
+    times.reverse()
+    return Partition(True, tuple(stages), tuple(times), max(times), calls)
 
 
 def pipeline_step_time(slowest_stage_s: float, micro_batches: int, pp: int,

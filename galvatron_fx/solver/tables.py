@@ -1,0 +1,175 @@
+"""Per-configuration tables the search reads: what every layer costs under every strategy.
+
+A *configuration* fixes the pipeline degree ``p``, the micro-batch count ``m``, the schedule and the
+global batch; :class:`ConfigTables` then holds, for layers ``l`` and the configuration's strategies
+``s`` (``[L, S]`` arrays, ``inf`` where a strategy is not allowed for a layer):
+
+* ``t``: the layer's share of its stage's step time, :func:`~.objective.layer_step_time`;
+* ``states`` / ``act`` / ``trans``: bytes per device of model states, of one micro-batch's saved
+  activations, and of the layer's largest transient buffer;
+* ``gid``: each strategy's activation layout group (``(tp, dp, sp)``: resharding depends on nothing
+  else), with the resharding (:meth:`reshard`) and stage-boundary send (:meth:`p2p`) times per group.
+
+Every figure is the same float the objective (:func:`~.objective.estimate_plan`) computes, so a
+solved stage's cost equals the estimate of the plan it belongs to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .objective import CostSource, LayerTerms, layer_terms, p2p_time_per_microbatch
+from .pipeline import in_flight_microbatches
+from .strategy import Strategy
+
+
+class CachedCosts:
+    """A :class:`CostSource` that memoises by layer *signature* (identical layers cost the same),
+    strategy and micro-batch size."""
+
+    def __init__(self, costs: CostSource, cluster: Any, signatures: list[str]):
+        self.costs, self.cluster, self.signatures = costs, cluster, signatures
+        self._cost: dict[tuple, Any] = {}
+        self._terms: dict[tuple, LayerTerms] = {}
+        self._rows: dict[tuple, np.ndarray] = {}
+        self._reshard: dict[tuple, float] = {}
+        self._boundary: dict[tuple, float] = {}
+
+    def layer_cost(self, layer: int, s: Strategy, b: int):
+        key = (self.signatures[layer], s, b)
+        if key not in self._cost:
+            self._cost[key] = self.costs.layer_cost(layer, s, b)
+        return self._cost[key]
+
+    def terms(self, layer: int, s: Strategy, b: int) -> LayerTerms:
+        key = (self.signatures[layer], s, b)
+        if key not in self._terms:
+            self._terms[key] = layer_terms(self.layer_cost(layer, s, b), self.cluster)
+        return self._terms[key]
+
+    def rows(self, layer: int, space: tuple[Strategy, ...], b: int) -> np.ndarray:
+        """``[5, S]``: time per micro-batch, per-step sync, states, activations, transient."""
+        key = (self.signatures[layer], space, b)
+        if key not in self._rows:
+            terms = [self.terms(layer, s, b) for s in space]
+            self._rows[key] = np.array([[x.time_per_microbatch_s for x in terms], [x.step_sync_s for x in terms],
+                                        [x.states_bytes for x in terms], [x.activation_bytes for x in terms],
+                                        [x.transient_bytes for x in terms]], dtype=np.float64).reshape(5, len(space))
+        return self._rows[key]
+
+    def reshard_time(self, layer: int, prev: Strategy, nxt: Strategy, b: int) -> float:
+        # NOTE: resharding moves the activation between layouts; only (tp, dp, sp) matter.
+        key = (self.signatures[layer], (prev.tp, prev.dp, prev.sp), (nxt.tp, nxt.dp, nxt.sp), b)
+        if key not in self._reshard:
+            self._reshard[key] = self.costs.reshard_time(layer, prev, nxt, b)
+        return self._reshard[key]
+
+    def boundary_bytes(self, layer: int, b: int) -> float:
+        key = (self.signatures[layer], b)
+        if key not in self._boundary:
+            self._boundary[key] = self.costs.boundary_bytes(layer, b)
+        return self._boundary[key]
+
+
+@dataclass
+class ConfigTables:
+    """One configuration's tables (module docstring). Built by :meth:`Engine.config`."""
+
+    p: int
+    m: int
+    schedule: str
+    gbs: int
+    space: list[Strategy]
+    t: np.ndarray
+    states: np.ndarray
+    act: np.ndarray
+    trans: np.ndarray
+    gid: np.ndarray
+    layouts: list[Strategy]
+    sig_ids: np.ndarray
+    costs: CachedCosts
+    cluster: Any
+    world_size: int
+    bound: float = 0.0
+    memo: dict = field(default_factory=dict)
+    _reshard: dict = field(default_factory=dict)
+    _p2p: dict = field(default_factory=dict)
+
+    @property
+    def b(self) -> int:
+        """Samples per micro-batch (all data-parallel ranks together)."""
+        return self.gbs // self.m
+
+    @property
+    def slots(self) -> int:
+        """``m + p - 1``: micro-batch slots of a step (the pipeline bubble included)."""
+        return self.m + self.p - 1
+
+    def inflight(self, k: int) -> int:
+        return in_flight_microbatches(self.schedule, self.m, self.p, k)
+
+    def memory(self, i: int, j: int, k: int) -> np.ndarray:
+        """``[j-i+1, S]`` additive bytes per device of layers ``i..j`` on stage ``k``."""
+        return self.states[i:j + 1] + self.inflight(k) * self.act[i:j + 1]
+
+    def reshard(self, layer: int) -> np.ndarray:
+        """``[G, G]`` seconds per step to reshard ``layer``'s output between layout groups."""
+        key = self.sig_ids[layer]
+        if key not in self._reshard:
+            rs = self.costs.reshard_time
+            self._reshard[key] = np.array([[self.slots * rs(layer, a, c, self.b) for c in self.layouts]
+                                           for a in self.layouts])
+        return self._reshard[key]
+
+    def p2p(self, layer: int, k: int) -> np.ndarray:
+        """``[S]`` seconds per step to send ``layer``'s output from stage ``k`` to ``k + 1``."""
+        key = (self.sig_ids[layer], k)
+        if key not in self._p2p:
+            d = self.world_size // self.p
+            per_group = np.array([self.slots * p2p_time_per_microbatch(self.costs, self.cluster, layer, s, self.b,
+                                                                       k * d, (k + 1) * d) for s in self.layouts])
+            self._p2p[key] = per_group[self.gid]
+        return self._p2p[key]
+
+
+def layout_groups(space: list[Strategy]) -> tuple[np.ndarray, list[Strategy]]:
+    """Group index of each strategy by activation layout ``(tp, dp, sp)``, and one strategy per group."""
+    index: dict[tuple, int] = {}
+    reps: list[Strategy] = []
+    gid = []
+    for s in space:
+        key = (s.tp, s.dp, s.sp)
+        if key not in index:
+            index[key] = len(reps)
+            reps.append(s)
+        gid.append(index[key])
+    return np.array(gid, dtype=np.int64), reps
+
+
+def undominated(t: np.ndarray, mem: np.ndarray, trans: np.ndarray, gid: np.ndarray) -> np.ndarray:
+    """Indices of the strategies worth keeping for these layers.
+
+    A strategy is dropped when another of the same layout group (so resharding and stage sends cost
+    the same) is no slower, needs no more memory and no larger transient at every layer, and is
+    strictly better somewhere or earlier in the list: swapping it in never hurts, so the stage's
+    optimum is unchanged.
+    """
+    keep = []
+    stacked = np.stack([t, mem, trans])  # [3, n, S]
+    for g in np.unique(gid):
+        members = np.flatnonzero(gid == g)
+        if len(members) == 1:
+            keep.append(int(members[0]))
+            continue
+        x = stacked[:, :, members]
+        le = np.all(x[:, :, :, None] <= x[:, :, None, :], axis=(0, 1))  # le[c, a]: c no worse than a
+        lt = np.any(x[:, :, :, None] < x[:, :, None, :], axis=(0, 1))
+        order = np.arange(len(members))
+        beats = le & (lt | (order[:, None] < order[None, :]))
+        np.fill_diagonal(beats, False)
+        keep += [int(members[a]) for a in range(len(members)) if not beats[:, a].any()]
+    keep.sort()
+    return np.array(keep, dtype=np.int64)

@@ -1,0 +1,224 @@
+"""Exactness: ``gfx.search`` returns the best plan of its whole space, checked by enumeration.
+
+For each setup (a 4- or 5-layer gpt-tiny, tied or untied embeddings, a cluster, a global batch, a
+precision) the test enumerates the space the search claims to cover, independently of the search
+code: every pipeline degree dividing the device count (at most the layer count), every micro-batch
+count dividing the global batch (at least ``pp`` for a pipeline), both schedules (GPipe and 1F1B),
+every contiguous split into stages, and every admissible strategy of every layer
+(:func:`strategy_space` for the stage's devices with any DP degree dividing the micro-batch, TP
+admitted by the tensor-parallel analysis, tied weights whole across stages; DP / ZeRO-2 / ZeRO-3,
+SP, checkpointing). Plans are scored with the objective's own arithmetic (per-layer terms from the
+cost model, summed in :func:`estimate_plan`'s order); the enumerated best is re-scored with
+``gfx.estimate``. Given a split, stages are independent (each stage's time and memory depend only on
+its own layers' strategies), so the best plan of a split is the slowest of each stage's exhaustive
+best; every strategy sequence of every stage is scored, the joint product is never materialised.
+
+Budgets per setup: just below the least memory any plan needs (the search must raise and name that
+least memory), 1.02x, 1.1x, 1.5x and 3x of it, and the whole device: 6 budgets x 8 setups = 48
+instances; the searched plan's throughput equals the enumerated best (relative 1e-9: float
+round-off only). A longer matrix (5 layers on 8 devices, more batches) runs with ``--run-matrix``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+import galvatron_fx as gfx
+from galvatron_fx.plan import LayerPlan, Plan
+from galvatron_fx.planner import cost_model_for, tp_admissible
+from galvatron_fx.solver.objective import layer_step_time, layer_terms, p2p_time_per_microbatch
+from galvatron_fx.solver.pipeline import in_flight_microbatches
+from galvatron_fx.solver.strategy import strategy_space
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _graph(blocks: int, tied: bool):
+    model, args = gfx.models.build("gpt-tiny", device="meta", layers=blocks, hidden=64, heads=4, seq_len=32,
+                                   vocab=128, batch=8, tie_embeddings=tied)
+    return gfx.capture(model, args, method="fx")
+
+
+class Frontier:
+    """One stage's exhaustive scores: the (memory, time) Pareto front of all its sequences."""
+
+    def __init__(self, mem: np.ndarray, time: np.ndarray, seqs: np.ndarray):
+        order = np.lexsort((time, mem))
+        mem, time, seqs = mem[order], time[order], seqs[:, order]
+        run = np.minimum.accumulate(time)
+        keep = np.r_[True, run[1:] < run[:-1]]
+        self.mem, self.time, self.seqs = mem[keep], run[keep], seqs[:, keep]
+
+    def best(self, budget: float):
+        i = int(np.searchsorted(self.mem, budget, side="right")) - 1
+        return (math.inf, None) if i < 0 else (float(self.time[i]), self.seqs[:, i])
+
+    @property
+    def least(self) -> float:
+        return float(self.mem[0])
+
+
+def enumerate_space(gm, cluster, gbs: int, precision: str):
+    """Every configuration's per-stage frontiers: ``{(p, m, schedule): {(i, j, k): Frontier}}`` plus
+    the per-configuration strategy lists."""
+    cm = cost_model_for(gm, cluster, precision=precision, reserve_bytes=0)
+    L, N = len(cm.layers), cluster.world_size
+    admits = tp_admissible(cm)
+    reads = [set(r.params) for r in cm.layers]
+    tied = {i for i, r in enumerate(reads) if any(r & o for j, o in enumerate(reads) if j != i)}
+    out, spaces = {}, {}
+    for p in [d for d in _divisors(N) if d <= L]:
+        d = N // p
+        for m in [x for x in _divisors(gbs) if p == 1 or x >= p]:
+            b = gbs // m
+            space = [s for s in strategy_space(d, devices_per_node=cluster.devices_per_node, power_of_two=False)
+                     if b % s.dp == 0]
+            if not space:
+                continue
+            slots = m + p - 1
+            terms = [[layer_terms(cm.layer_cost(i, s, b), cluster) for s in space] for i in range(L)]
+            T = np.array([[layer_step_time(x, m, p) for x in row] for row in terms])
+            st = np.array([[x.states_bytes for x in row] for row in terms])
+            act = np.array([[x.activation_bytes for x in row] for row in terms])
+            tr = np.array([[x.transient_bytes for x in row] for row in terms])
+            R = [np.array([[slots * cm.reshard_time(i, a, c, b) for c in space] for a in space]) for i in range(L - 1)]
+            ok = [[admits(i, s.tp) and (p == 1 or i not in tied or (s.tp == 1 and not (s.sdp == "zero3" and s.ckpt)))
+                   for s in space] for i in range(L)]
+            allowed = [np.flatnonzero(row) for row in ok]
+            if any(len(a) == 0 for a in allowed):
+                continue
+            spaces[(p, m)] = space
+            cache = {}
+            for i in range(L):
+                for j in range(i, L):
+                    seqs = np.stack([g.ravel() for g in np.meshgrid(*allowed[i:j + 1], indexing="ij")])
+                    t = np.zeros(seqs.shape[1])
+                    for pos, layer in enumerate(range(i, j + 1)):
+                        lt = T[layer][seqs[pos]]
+                        if pos:
+                            lt = lt + R[layer - 1][seqs[pos - 1], seqs[pos]]
+                        t = t + lt
+                    states, acts = np.zeros_like(t), [np.zeros_like(t) for _ in range(p)]
+                    trans = np.zeros_like(t)
+                    for pos, layer in enumerate(range(i, j + 1)):
+                        states = states + st[layer][seqs[pos]]
+                        trans = np.maximum(trans, tr[layer][seqs[pos]])
+                    cache[(i, j)] = (seqs, t, states, trans, [act[layer] for layer in range(i, j + 1)])
+            for sched in SCHEDULES:
+                fronts = {}
+                for (i, j), (seqs, t, states, trans, acts) in cache.items():
+                    for k in range(p):
+                        if k > i or (L - 1 - j) < (p - 1 - k):
+                            continue
+                        q = in_flight_microbatches(sched, m, p, k)
+                        ac = np.zeros_like(t)
+                        for pos, a in enumerate(acts):
+                            ac = ac + q * a[seqs[pos]]
+                        time = t
+                        if k < p - 1:
+                            pk = np.array([slots * p2p_time_per_microbatch(cm, cluster, j, s, b, k * d, (k + 1) * d)
+                                           for s in space])
+                            time = t + pk[seqs[-1]]
+                        fronts[(i, j, k)] = Frontier(np.round(states + ac + trans), time, seqs)
+                out[(p, m, sched)] = fronts
+    return out, spaces, L
+
+
+def best_plan(space_fronts, L: int, gbs: int, budget: float):
+    """``(throughput, (p, m, schedule), stages, per-stage sequences)`` of the enumerated best plan."""
+    best = (0.0, None, None, None)
+    for (p, m, sched), fronts in space_fronts.items():
+        for cuts in itertools.combinations(range(1, L), p - 1):
+            bounds = (0, *cuts, L)
+            stages = [(bounds[k], bounds[k + 1] - 1) for k in range(p)]
+            picks = [fronts[(i, j, k)].best(budget) for k, (i, j) in enumerate(stages)]
+            if any(seq is None for _, seq in picks):
+                continue
+            thr = gbs / max(t for t, _ in picks)
+            if thr > best[0]:
+                best = (thr, (p, m, sched), stages, [seq for _, seq in picks])
+    return best
+
+
+def least_memory(space_fronts, L: int) -> float:
+    need = math.inf
+    for (p, _m, _sched), fronts in space_fronts.items():
+        for cuts in itertools.combinations(range(1, L), p - 1):
+            bounds = (0, *cuts, L)
+            need = min(need, max(fronts[(bounds[k], bounds[k + 1] - 1, k)].least for k in range(p)))
+    return need
+
+
+def _as_plan(gm, cluster, gbs, precision, config, stages, seqs, spaces) -> Plan:
+    p, m, sched = config
+    space = spaces[(p, m)]
+    info = gm.meta["galvatron"]
+    strategies = [space[int(s)] for seq in seqs for s in seq]
+    layers = [LayerPlan(r.name, s.tp, s.dp, s.sdp, s.sp, s.ckpt) for r, s in zip(info.layers, strategies)]
+    est = {"step_time_s": None, "throughput_samples_s": None, "memory_bytes_per_device": None}
+    return Plan(cluster.world_size, p, sched, m, gbs, stages, layers, est, info.fingerprint, cluster.to_dict(),
+                precision=precision)
+
+
+SETUPS = [  # blocks, tied embeddings, cluster, global batch, precision (None: the cluster's default)
+    (2, False, "4xA100-80GB", 8, None),
+    (2, True, "4xA100-80GB", 8, None),
+    (2, False, "8xRTX-TITAN-24GB", 8, None),
+    (2, True, "8xRTX-TITAN-24GB", 16, "fp32"),
+    (2, False, "2x4xA100-40GB", 8, None),
+    (2, True, "2x4xA100-40GB", 16, "fp32"),
+    (3, False, "4xA100-80GB", 4, "fp32"),
+    (3, True, "4xA100-80GB", 8, None),
+]
+MATRIX = [
+    (3, False, "8xRTX-TITAN-24GB", 8, None),
+    (3, True, "2x4xA100-40GB", 8, None),
+    (2, True, "4xA100-80GB", 32, "fp16-mixed"),
+    (3, False, "2xA100-80GB", 16, "fp32"),
+]
+FACTORS = (1.02, 1.1, 1.5, 3.0)
+
+
+def _check_setup(blocks, tied, preset, gbs, precision):
+    gm = _graph(blocks, tied)
+    cluster = gfx.Cluster.preset(preset)
+    precision = precision or gfx.cluster.default_precision(cluster)
+    fronts, spaces, L = enumerate_space(gm, cluster, gbs, precision)
+    least = least_memory(fronts, L)
+    assert math.isfinite(least)
+    with pytest.raises(gfx.InfeasibleError) as err:
+        gfx.search(gm, cluster, int(least) - 1, gbs, precision=precision, reserve_bytes=0)
+    assert abs(err.value.min_memory_bytes - least) <= 2, (err.value.min_memory_bytes, least)
+    checked = 0
+    for budget in [int(least * f) for f in FACTORS] + [cluster.device_memory]:
+        thr, config, stages, seqs = best_plan(fronts, L, gbs, budget)
+        ref = _as_plan(gm, cluster, gbs, precision, config, stages, seqs, spaces)
+        ref_est = gfx.estimate(gm, ref, cluster, reserve_bytes=0)
+        assert ref_est["throughput_samples_s"] == pytest.approx(thr, rel=1e-9)  # the scoring is the estimate's
+        assert max(ref_est["memory_bytes_per_device"]) <= budget
+        plan = gfx.search(gm, cluster, budget, gbs, precision=precision, reserve_bytes=0)
+        got = gfx.estimate(gm, plan, cluster)
+        assert max(got["memory_bytes_per_device"]) <= budget
+        assert got["throughput_samples_s"] == pytest.approx(thr, rel=1e-9), (
+            budget / least, config, stages, plan.pp, plan.micro_batches, [la.strategy.label for la in plan.layers])
+        checked += 1
+    return checked + 1
+
+
+@pytest.mark.parametrize("blocks, tied, preset, gbs, precision", SETUPS)
+def test_search_equals_the_enumerated_best(blocks, tied, preset, gbs, precision):
+    assert _check_setup(blocks, tied, preset, gbs, precision) == len(FACTORS) + 2
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("blocks, tied, preset, gbs, precision", MATRIX)
+def test_search_equals_the_enumerated_best_matrix(blocks, tied, preset, gbs, precision):
+    assert _check_setup(blocks, tied, preset, gbs, precision) == len(FACTORS) + 2
