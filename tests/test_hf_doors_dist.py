@@ -213,3 +213,36 @@ def test_token_mean_loss_is_exact_with_uneven_ignored_labels():
             assert row["passes"][0] == "token_loss"
             assert max(abs(a - b) / abs(b) for a, b in zip(row["losses"], row["ref"])) <= 1e-5, (label, row)
             assert row["param_err"] <= 1e-5, (label, row)
+
+
+def _compiled_plan(rank, world, kind, spec, plan_dir):
+    """``kind`` under a uniform plan file (made from a keyword capture) through torch.compile."""
+    import galvatron_fx as gfx
+    from galvatron_fx import backend
+
+    model, kwargs = hf_model(kind)
+    ref_model = copy.deepcopy(model)
+    ref_losses, ref_params = _eager(ref_model, kwargs)
+    gm = gfx.capture(model, (), kwargs=kwargs, method="dynamo")
+    path = f"{plan_dir}/{kind}.json"
+    if rank == 0:
+        gfx.Plan.uniform(gm, world, global_batch_size=B, **spec).save(path)
+    torch.distributed.barrier()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    compiled = torch.compile(model, backend="galvatron", fullgraph=True, dynamic=False, options={"plan": path})
+    losses = _fit(compiled, opt, kwargs)
+    return dict(losses=losses, ref=ref_losses, param_err=_param_err(backend.full_state_dict(model), ref_params))
+
+
+COMPILED_PLANS = [("llama", 2, dict(dp=2, sdp="zero2")), ("neox", 4, dict(tp=2, dp=2)), ("neox", 2, dict(dp=2, sdp="zero3")),
+                  ("t5", 2, dict(pp=2, dp=1, schedule="gpipe", micro_batches=2)),
+                  ("t5", 2, dict(pp=2, dp=1, schedule="1f1b", micro_batches=4))]
+
+
+@pytest.mark.dist
+@pytest.mark.matrix
+@pytest.mark.parametrize("kind, world, spec", COMPILED_PLANS, ids=[f"{k}-w{w}-{i}" for i, (k, w, _) in enumerate(COMPILED_PLANS)])
+def test_compiled_plans_train_like_eager(kind, world, spec, tmp_path):
+    for r in run_distributed(_compiled_plan, world, kind, spec, str(tmp_path), timeout=300):
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], r["ref"])) <= TOL, r
+        assert r["param_err"] <= TOL, r
