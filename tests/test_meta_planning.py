@@ -150,8 +150,15 @@ def _plan(name: str, method: str):
     return gm, plan
 
 
+# NOTE: CI runs the families that once failed in distinct ways (device constants, export asserts,
+# the caught-probe tracebacks of OPT / GPT-J, Bloom's autograd functions, Mixtral's integer histc,
+# T5's encoder-decoder); the others run with --run-matrix.
+CI_FAMILIES = ("llama", "opt", "gptj", "bloom", "mixtral", "t5")
+
+
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in CI_FAMILIES else pytest.mark.matrix)
+                                  for n in sorted(FAMILIES)])
 def test_meta_model_plans_without_error_logs(name, method, no_errors):
     gm, _plan_ = _plan(name, method)
     assert any(la.kind == "block" for la in gfx.layers(gm))

@@ -170,6 +170,7 @@ CASES_4_T5 = [
 
 
 @pytest.mark.dist
+@pytest.mark.matrix   # NOTE: T5 pipelines also run in CI via tests/test_hf_doors_dist.py and the TP case below
 def test_pipeline_world4_t5():
     results = run_distributed(_run_cases, 4, "t5-large-32", T5, CASES_4_T5, timeout=150)
     _report(results, "t5")
