@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.training import EPS, LR, STEPS, TOL, reference
 
 # NOTE: HF models under TP / ZeRO through dynamo are also covered in CI by tests/test_frontend_matrix_dist.py
 # and tests/test_hf_doors_dist.py; these run with --run-matrix
 pytestmark = pytest.mark.matrix
-from tests.training import EPS, LR, STEPS, TOL, reference
 
 transformers = pytest.importorskip("transformers")
 
