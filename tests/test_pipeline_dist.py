@@ -44,8 +44,10 @@ def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=True, eps
             uniform = gfx.Plan.uniform(gm, world_size, pp=2, dp=world_size // 2, micro_batches=2,
                                        global_batch_size=gbs)
             full = max(gfx.estimate(gm, uniform, cluster, reserve_bytes=0)["memory_bytes_per_device"])
+            # NOTE: fp32: the runtime trains in the model's dtype (mixed precision is its own issue),
+            # and the states bytes below are compared with the cost model's
             plan = gfx.search(gm, cluster, int(plan_kw["budget_fraction"] * full), gbs,
-                              constraints=plan_kw["search"], reserve_bytes=0)
+                              constraints=plan_kw["search"], reserve_bytes=0, precision="fp32")
         else:
             stages = plan_kw.pop("stages", None)
             plan = gfx.Plan.uniform(gm, world_size, global_batch_size=args[0].shape[0], **plan_kw)
