@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from galvatron_fx.errors import ConfigError, InfeasibleError
+from galvatron_fx.solver import stage as stage_mod
 from galvatron_fx.solver.dp import memory_units, solve_stage
+from galvatron_fx.solver.stage import path_cost, solve_stage_exact, stage_min_memory
 
 
 def _brute(time, mem, reshard, budget, gran):
@@ -140,3 +142,70 @@ def test_benchmark_size_runs():
     mem = rng.integers(1, 40, (L, S))
     sol = solve_stage(time, mem, rng.uniform(0, 0.01, (S, S)), 1024, 1)
     assert sol.feasible and sol.memory_units <= 1024
+
+
+def _brute_exact(T, M, X, R, gid, P, budget):
+    """Every sequence, in bytes: sum M + max X <= budget; cost summed as the estimate sums it."""
+    import itertools
+
+    n, S = T.shape
+    best, minmem = (np.inf, None), np.inf
+    for path in itertools.product(range(S), repeat=n):
+        if not all(np.isfinite(T[l, s]) for l, s in enumerate(path)):
+            continue
+        mem = sum(M[l, s] for l, s in enumerate(path)) + max(X[l, s] for l, s in enumerate(path))
+        minmem = min(minmem, mem)
+        if mem <= budget:
+            c = path_cost(T, R, gid, P, path)
+            if c < best[0]:
+                best = (c, path)
+    return best, minmem
+
+
+@pytest.mark.parametrize("refine", [False, True])
+def test_exact_stage_solve_matches_brute_force_in_bytes(refine, monkeypatch):
+    """solve_stage_exact: exact in bytes (no rounding), largest transient of the chosen strategies,
+    layout-group resharding, a final send; relaxations from 1 unit (A* does the work) up."""
+    if refine:  # every A* search refines its relaxation as soon as it can
+        monkeypatch.setattr(stage_mod, "ASTAR_EXPANSIONS", 1)
+    rng = np.random.default_rng(11 + refine)
+    feasible = 0
+    for it in range(160):
+        n, S = int(rng.integers(1, 5)), int(rng.integers(1, 7))
+        gid = rng.integers(0, int(rng.integers(1, S + 1)), S)
+        G = int(gid.max()) + 1
+        T = rng.uniform(0, 1, (n, S))
+        T[rng.random((n, S)) < 0.1] = np.inf
+        M = rng.integers(0, 50, (n, S)).astype(float) if it % 2 else rng.uniform(0, 50, (n, S))
+        X = rng.integers(0, 4, (n, S)).astype(float) * rng.integers(0, 20)
+        R = rng.uniform(0, 0.3, (max(n - 1, 0), G, G))
+        P = rng.uniform(0, 0.2, S)
+        budget = float(rng.uniform(0, 50 * n))
+        units = int(rng.choice([1, 2, 16, 256]))
+        (cost, path), minmem = _brute_exact(T, M, X, R, gid, P, budget)
+        sol = solve_stage_exact(T, M, X, R, budget, groups=gid, final=P, units=units)
+        if np.isfinite(minmem):
+            assert sol.min_memory_bytes == pytest.approx(minmem, rel=1e-12)
+            assert stage_min_memory(M, X, np.isfinite(T)) == pytest.approx(minmem, rel=1e-12)
+        if path is None:
+            assert not sol.feasible
+            continue
+        feasible += 1
+        assert sol.feasible and sol.cost == pytest.approx(cost, rel=1e-12, abs=1e-15)
+        assert sol.memory_bytes <= budget
+        # a cutoff at the optimum finds nothing below it; just above, it finds the optimum
+        assert not solve_stage_exact(T, M, X, R, budget, groups=gid, final=P, units=units, cutoff=cost).feasible
+        assert solve_stage_exact(T, M, X, R, budget, groups=gid, final=P, units=units,
+                                 cutoff=cost * (1 + 1e-9) + 1e-12).feasible
+    assert feasible >= 60
+
+
+def test_exact_stage_counts_only_the_chosen_transient():
+    # two layers; strategy 1 is fast but carries a large transient, strategy 0 is lean. With the
+    # transient of *any* candidate subtracted from the budget (the old rule) nothing fast would fit.
+    T = np.array([[2.0, 1.0], [2.0, 1.0]])
+    M = np.array([[10.0, 10.0], [10.0, 30.0]])
+    X = np.array([[0.0, 50.0], [0.0, 1.0]])
+    sol = solve_stage_exact(T, M, X, None, 41.0)
+    assert sol.strategies == (0, 1) and sol.cost == 3.0 and sol.memory_bytes == 41.0
+    assert solve_stage_exact(T, M, X, None, 40.0).strategies == (0, 0)

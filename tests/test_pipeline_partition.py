@@ -12,6 +12,7 @@ from galvatron_fx.errors import ConfigError, InfeasibleError
 from galvatron_fx.solver.pipeline import (
     even_split,
     in_flight_microbatches,
+    partition_min_max,
     partition_stages,
     pipeline_step_time,
 )
@@ -137,3 +138,26 @@ def test_formulas():
         in_flight_microbatches("zb", 8, 4, 0)
     with pytest.raises(ConfigError):
         in_flight_microbatches("1f1b", 8, 4, 4)
+
+
+@pytest.mark.parametrize("integer", [False, True])
+def test_pruned_partition_matches_brute_force(integer):
+    """partition_min_max (lazy, pruned by lower bounds, windows and a cutoff) has the full DP's optimum."""
+    rng = np.random.default_rng(17 + integer)
+    least = 1.0 if integer else 0.1  # every layer costs at least this on any stage (_random_cost)
+    for _ in range(200):
+        L = int(rng.integers(1, 8))
+        p = int(rng.integers(1, min(L, 4) + 1))
+        cost = _random_cost(rng, L, p, integer)
+        ref = _brute(L, p, cost)
+        lower = np.where(np.isfinite(cost), cost * rng.uniform(0, 1, cost.shape), 0.0)  # any bound <= cost
+        cutoff = np.inf if rng.random() < 0.5 else (ref[0][0] * rng.uniform(0.9, 1.5) if ref else 1.0)
+        got = partition_min_max(L, p, lambda i, j, k, cut: float(cost[k, i, j]),
+                                lower=lambda i, j, k: float(lower[k, i, j]),
+                                window_lower=lambda i, j: (j - i + 1) * least, cutoff=cutoff)
+        if ref is None or ref[0][0] >= cutoff:
+            assert not got.feasible
+            continue
+        assert got.feasible and got.bottleneck_s == ref[0][0]
+        assert got.stages[0][0] == 0 and got.stages[-1][1] == L - 1
+        assert max(cost[k, i, j] for k, (i, j) in enumerate(got.stages)) == got.bottleneck_s

@@ -41,6 +41,16 @@ def test_uniform_plan_shape():
     assert d["format"] == FORMAT and d["stages"] == [[0, 2], [3, 5]]
     assert set(d["layers"][0]) == {"name", "tp", "sp", "dp", "sdp", "ckpt"}
     assert set(d["estimate"]) >= {"step_time_s", "throughput_samples_s", "memory_bytes_per_device"}
+    assert d["precision"] == "fp32" and p.precision == "fp32"  # no cluster name: fp32
+
+
+def test_precision_round_trip_and_older_plans():
+    p = _plan(precision="bf16-mixed")
+    assert Plan.from_dict(json.loads(p.to_json())).precision == "bf16-mixed"
+    d = p.to_dict()
+    del d["precision"]
+    assert Plan.from_dict(d).precision == "fp32" and "precision" not in Plan.from_dict(d).extra
+    assert _plan(cluster={"name": "8xRTX-TITAN-24GB"}).precision == "fp16-mixed"
 
 
 def test_json_round_trip_byte_identical(tmp_path):
@@ -96,6 +106,7 @@ BAD = [
     ("estimate memory", lambda d: d["estimate"].update(memory_bytes_per_device=[1]), "memory_bytes_per_device"),
     ("fingerprint", lambda d: d.update(model_fingerprint=5), "model_fingerprint"),
     ("cluster", lambda d: d.update(cluster="8xA100"), "cluster"),
+    ("precision", lambda d: d.update(precision="bf16"), "precision must be one of"),
 ]
 
 

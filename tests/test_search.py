@@ -130,15 +130,16 @@ def test_meta_175b_search_allocates_nothing():
 
 
 def test_searched_plan_beats_the_limited_variants_where_the_partition_heuristic_once_lost():
-    # swin-huge-32 on 2x8 RTX TITAN at 8 GB: the full space's stage partition was once worse than the
-    # one the DP+PP sub-space led to (151.8 vs 153.4 samples/s); the search now also runs the sub-spaces
+    # swin-huge-32 on 2x8 RTX TITAN at 8 GB in fp32 (the paper table's cell): the old heuristic
+    # partition lost to the DP+PP sub-space (151.8 vs 153.4 samples/s), and a lower bound of the
+    # exact partition once exceeded, by round-off, the very stage time it bounded (same loss)
     model, args = gfx.models.build("swin-huge-32", device="meta")
     gm = gfx.capture(model, args, method="fx")
     cluster = gfx.Cluster.preset("2x8xRTX-TITAN-24GB")
     cons = {"max_global_batch_size": 256}
-    plan = gfx.search(gm, cluster, "8GB", None, constraints=cons)
-    for name in ("dp+tp", "dp+pp"):
-        base = gfx.search(gm, cluster, "8GB", None, constraints={**BASELINES[name], **cons})
+    plan = gfx.search(gm, cluster, "8GB", None, constraints=cons, precision="fp32")
+    for name in ("dp+tp", "dp+pp", "3d"):
+        base = gfx.search(gm, cluster, "8GB", None, constraints={**BASELINES[name], **cons}, precision="fp32")
         assert plan.estimate["throughput_samples_s"] >= base.estimate["throughput_samples_s"], name
 
 

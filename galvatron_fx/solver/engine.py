@@ -55,7 +55,10 @@ from .objective import CostSource, estimate_plan
 from .pipeline import even_split, partition_min_max
 from .stage import ExactStage, solve_stage_exact
 from .strategy import Strategy, strategy_space
-from .tables import CachedCosts, ConfigTables, layout_groups, undominated
+from .tables import CachedCosts, ConfigTables, layout_groups, least_memory, undominated
+
+_MARGIN = 1.0 - 1e-12  # lower bounds are scaled by this: round-off never lifts them past what they bound
+_SLACK = 1.0 + 1e-12
 
 
 @dataclass
@@ -273,9 +276,9 @@ class Engine:
     def _step_bound(self, c: ConfigTables) -> float:
         """A lower bound of the step time of every plan of ``c`` (module docstring, step 1)."""
         lb = c.t.min(axis=1)
-        bound = max(float(lb.sum()) / c.p, float(lb.max()))
+        bound = max(float(lb.sum()) / c.p, float(lb.max())) * _MARGIN
         least = c.states + c.inflight(c.p - 1) * c.act  # the fewest in-flight micro-batches of any stage
-        if float(np.where(np.isfinite(c.t), least + c.trans, np.inf).min(axis=1).max()) > self.cap:
+        if float(np.where(np.isfinite(c.t), least + c.trans, np.inf).min(axis=1).max()) > self.cap * _SLACK + 1:
             return math.inf  # some layer fits no stage on its own
         if not math.isfinite(bound) or self.cap <= 0 or lb.sum() <= 0:
             return bound
@@ -298,7 +301,7 @@ class Engine:
                 hi, b, fb = b, a, fa
                 a = hi - r * (hi - lo)
                 fa = dual(math.exp(a))
-        return max(bound, fa, fb)
+        return max(bound, fa, fb) * _MARGIN
 
     # ------------------------------------------------------------------ one configuration
     def _stage(self, c: ConfigTables, i: int, j: int, k: int, cutoff: float) -> ExactStage:
@@ -335,14 +338,18 @@ class Engine:
                                                    .min(axis=1))]) for k in range(p)]
         loosest = mem_lb[p - 1]
 
+        # NOTE: prefix sums round differently from a stage's own sum: bounds keep a relative margin
+        # (and memory a byte) so that round-off never lifts them above what they bound
         def window_lower(i: int, j: int) -> float:
-            return math.inf if loosest[j + 1] - loosest[i] > self.cap else prefix[j + 1] - prefix[i]
+            if loosest[j + 1] - loosest[i] > self.cap * _SLACK + 1:
+                return math.inf
+            return (prefix[j + 1] - prefix[i]) * _MARGIN
 
         def lower(i: int, j: int, k: int) -> float:
-            if mem_lb[k][j + 1] - mem_lb[k][i] > self.cap:
+            if mem_lb[k][j + 1] - mem_lb[k][i] > self.cap * _SLACK + 1:
                 return math.inf
             send = 0.0 if k == p - 1 else float(np.min(np.where(np.isfinite(c.t[j]), c.p2p(j, k), np.inf)))
-            return prefix[j + 1] - prefix[i] + send
+            return (prefix[j + 1] - prefix[i] + send) * _MARGIN
 
         def cost(i: int, j: int, k: int, cut: float) -> float:
             sol = self._stage(c, i, j, k, cut)
@@ -356,7 +363,7 @@ class Engine:
                 if times[-1] == math.inf:
                     break
             if max(times) < cutoff:
-                cutoff = math.nextafter(max(times), math.inf)  # the DP may find this split again
+                cutoff = max(times) * _SLACK  # the DP may find this split again
         part = partition_min_max(L, p, cost, lower=lower, window_lower=window_lower, cutoff=cutoff)
         if not part.feasible:
             return None
@@ -465,50 +472,6 @@ class Engine:
         return best
 
     # ------------------------------------------------------------------ nothing fits
-    def least_memory(self, c: ConfigTables) -> float:
-        """The least per-device memory of any plan of ``c`` (bytes, exact to a byte): min over splits
-        of the hungriest stage's least memory (bisection on it; per threshold a DP over stage ends,
-        each stage as short as the previous ones allow, since a stage's least memory grows with
-        its range)."""
-        L, p = self.L, c.p
-        allowed = np.isfinite(c.t)
-        ths = np.unique(c.trans[allowed])
-        A = allowed[None] & (c.trans[None] <= ths[:, None, None])            # [Q, L, S]
-        sums, holes = [], []
-        for k in range(p):
-            per = np.where(A, c.memory(0, L - 1, k)[None], np.inf).min(axis=2)  # [Q, L]
-            zero = np.zeros((len(ths), 1))
-            # NOTE: layers a threshold leaves without a strategy are counted apart (inf would poison
-            # every later prefix difference)
-            sums.append(np.concatenate([zero, np.cumsum(np.where(np.isfinite(per), per, 0.0), axis=1)], axis=1))
-            holes.append(np.concatenate([zero, np.cumsum(~np.isfinite(per), axis=1)], axis=1))
-
-        def stage(k: int, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-            v = sums[k][:, j + 1] - sums[k][:, i] + ths[:, None]
-            v = np.where(holes[k][:, j + 1] - holes[k][:, i] > 0, np.inf, v)
-            return v.min(axis=0) + self.opt.reserve_bytes
-
-        js = np.arange(L)
-
-        def feasible(tau: float) -> bool:
-            reach = stage(0, np.zeros(L, dtype=np.int64), js) <= tau
-            for k in range(1, p):
-                last = np.maximum.accumulate(np.where(reach, js, -1))
-                prev = np.r_[-1, last[:-1]]
-                ok = prev >= 0
-                i = np.where(ok, prev + 1, 0)
-                reach = ok & (stage(k, i, js) <= tau)
-            return bool(reach[L - 1])
-
-        hi = max(float(stage(k, np.array([i]), np.array([j]))[0]) for k, (i, j) in enumerate(even_split(L, p)))
-        if not math.isfinite(hi):
-            return math.inf
-        lo = 0.0
-        while hi - lo > 0.5:
-            mid = (lo + hi) / 2
-            lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
-        return hi
-
     def infeasible(self, tabled: list[ConfigTables]) -> InfeasibleError:
         if not tabled:
             reasons = sorted(self.exclusions, key=lambda w: -self.exclusions[w])
@@ -521,7 +484,7 @@ class Engine:
         need = self.min_memory_seen
         if not self.opt.uniform_only:
             for c in sorted(tabled, key=lambda c: (-c.p, -c.m)):
-                need = min(need, self.least_memory(c))
+                need = min(need, least_memory(c, self.opt.reserve_bytes))
         msg = (f"no parallel plan fits the per-device memory budget of {format_bytes(self.budget)} on "
                f"{self.N} devices")
         if math.isfinite(need):

@@ -18,28 +18,34 @@ answer, memory is compared in bytes. How:
    using only strategies with ``X <= t`` under the additive budget ``budget - t``. The optimum is
    ``min_t F(t)``: each ``F(t)``'s solution fits (its largest transient is at most ``t``), and the
    optimum, whose largest transient is some ``t*``, is a candidate of ``F(t*)``.
-2. **Bounds.** ``V(t)``, the best cost with ``X <= t`` ignoring memory (a Viterbi pass, for all
-   thresholds at once), and ``G(t)``, the relaxation of step 3 over *all* strategies with the budget
-   ``budget - t``, are lower bounds of ``F(t)``. Thresholds are tried in ascending bound order and
-   dropped once the bound reaches the best cost found (or the caller's ``cutoff``). A threshold whose
-   Viterbi path fits is solved by it.
-3. **One threshold** is a resource-constrained shortest path on the layered graph. A dynamic
-   programme over layers x strategies x memory units of ``g`` bytes solves a *relaxation* exactly:
-   each layer's bytes above its cheapest allowed strategy are rounded **down** to units, the budget
-   up (``sum floor <= floor sum``, so every sequence that fits in bytes fits in units; the table
-   ``C(l, s, e)`` is a lower bound of the cost of layers ``0..l`` ending on ``s`` within ``e`` units).
-   If the relaxation's optimum fits in bytes it is the answer. Otherwise an A* search runs from the
-   last layer backwards over labels (layer, strategy, bytes used, cost so far) with the table as its
-   admissible heuristic (the cost-to-come of the remaining layers within the remaining bytes); a
-   label no better in bytes and in cost than another at the same (layer, strategy) is dropped
-   (whatever completes it completes the other at no higher cost). The first complete label popped is
-   the optimum.
+2. **Bounds.** ``V(t)``, the best cost with ``X <= t`` ignoring memory (a Viterbi pass for all
+   thresholds at once; a threshold whose Viterbi path fits is solved by it), and ``D(t)``, the
+   Lagrangian bound ``min_path(cost + lam * bytes) - lam * (budget - t)`` on a grid of ``lam``, are
+   lower bounds of ``F(t)``. Thresholds closer than ``room / BAND_DIVISOR`` form a *band*, searched
+   once over the sequences whose largest transient lies in it (those below it are another band's, or
+   have a bound showing they cannot win); bands go in ascending bound order and stop once the bound
+   reaches the best cost found (or the caller's ``cutoff``).
+3. **One band** is a resource-constrained shortest path on the layered graph. A dynamic programme
+   over layers x strategies x memory units of ``g`` bytes solves a *relaxation* exactly: each layer's
+   bytes above its cheapest allowed strategy are rounded **down** to units, the budget up
+   (``sum floor <= floor sum``, so every sequence that fits in bytes fits in units; the table is a
+   lower bound of the cost of layers ``0..l`` ending on ``s`` within ``e`` units). If the
+   relaxation's optimum fits in bytes it is the answer; the same DP rounded **up** gives a sequence
+   that surely fits (a cutoff). Otherwise an A* search runs from the last layer backwards over labels
+   (layer, strategy, bytes, largest transient, cost) with the table as its admissible heuristic (the
+   cost-to-come of the remaining layers within the remaining bytes); a label no better in bytes,
+   transient and cost than another at the same (layer, layout group) is dropped (:func:`_astar`).
+   The first complete label popped is the optimum. After ``ASTAR_EXPANSIONS`` expansions the
+   relaxation is rebuilt 8x finer (up to ``MAX_TABLE_BYTES``) and the search restarts: the answer
+   does not depend on it, only the time.
 
 Work: the Viterbi pass is ``O(n * Q * S * G)`` for ``Q`` thresholds and ``G`` layout groups; each
-relaxation ``O(n * (S + G^2) * E)`` for ``E`` units (``units``, default 256); the A* search visits
-only labels whose bound is below the optimum. Costs are summed layer by layer from the first as
-:func:`galvatron_fx.solver.objective.estimate_plan` does. Ties: the Viterbi and relaxation walks take
-the lowest strategy index among equal minima; results are deterministic.
+relaxation ``O(n * (S + G^2) * E)`` for ``E`` units (``units``, by default ``32 n`` clamped to
+256..2048); the A* search visits only labels whose bound is below the optimum. Costs are summed
+layer by layer from the first as :func:`galvatron_fx.solver.objective.estimate_plan` does; bounds,
+summed otherwise, are compared with a relative slack of 1e-12 so that round-off never prunes a
+solution. Ties: the Viterbi and relaxation walks take the lowest strategy index among equal
+minima; results are deterministic.
 
 Pure: numpy arrays in, a dataclass out.
 """
@@ -62,6 +68,7 @@ relaxation's rounding loss (at most ``n`` units) stays near 1/32 of the room it 
 
 _DOWN = 1.0 - 1e-12  # round the relaxation's layer memory down, its budget up, past float noise
 _UP = 1.0 + 1e-12
+_SLACK = 1.0 + 1e-12  # bounds summed in another order may exceed the cost they bound by round-off
 
 
 @dataclass(frozen=True)
@@ -251,10 +258,13 @@ class _Relaxation:
 _LIMIT = object()
 
 
-def _astar(rel: _Relaxation, X: np.ndarray, room: float, cutoff: float, limit: int | None = None):
+def _astar(rel: _Relaxation, X: np.ndarray, room: float, cutoff: float, limit: int | None = None,
+           floor: float = 0.0):
     """Exact search of step 3 (module docstring): the cheapest sequence whose bytes above the
     cheapest strategies plus its largest transient ``X`` are within ``room``, if one costs less than
-    ``cutoff`` (else ``None``); ``_LIMIT`` after ``limit`` expansions.
+    ``cutoff`` (else ``None``); ``_LIMIT`` after ``limit`` expansions. Sequences whose largest
+    transient is below ``floor`` need not be found (the caller has them already): bounds assume the
+    largest transient is at least ``floor``.
 
     A label (layer ``l``, strategy ``s``, bytes ``mu`` of layers ``l..``, largest transient ``tau``
     of layers ``l..``, cost ``k``) is completed by layers ``0..l-1`` within ``room - mu - tau`` bytes
@@ -303,6 +313,7 @@ def _astar(rel: _Relaxation, X: np.ndarray, room: float, cutoff: float, limit: i
         left = room - mus - taus
         ok = np.isfinite(ks) & (left >= 0)
         if l:
+            left = np.maximum(room - mus - np.maximum(taus, floor), 0.0)
             e = np.minimum((np.where(ok, left, 0.0) / g * _UP).astype(np.int64), E)
             bs = ks + pre[l][gid, e]
         else:
@@ -332,6 +343,10 @@ def _astar(rel: _Relaxation, X: np.ndarray, room: float, cutoff: float, limit: i
     return None
 
 
+BAND_DIVISOR = 128
+"""Transient thresholds closer than ``room / BAND_DIVISOR`` (the stage's bytes above its leanest
+strategies) are searched together."""
+
 ASTAR_EXPANSIONS = 512
 """Expansions before the A* search refines its relaxation (8x the units) and starts again."""
 
@@ -340,14 +355,16 @@ MAX_TABLE_BYTES = 1 << 28
 
 
 def _solve_memory(make, rel: _Relaxation, X: np.ndarray, cap: float, cutoff: float, n: int, S: int,
-                  refine: bool = True):
-    """Exact steps 2-3 over all allowed strategies: ``(cost, path)`` of the best sequence with
-    ``sum M + max X <= cap`` costing less than ``cutoff``, or ``None``. ``make(units)`` builds a
-    finer relaxation (used when ``refine``)."""
+                  refine: bool = True, floor: float = 0.0):
+    """Exact steps 2-3 over the allowed strategies: ``(cost, path)`` of the best sequence with
+    ``sum M + max X <= cap`` costing less than ``cutoff``, or ``None``; sequences whose largest
+    transient is below ``floor`` need not be found. ``make(units)`` builds a finer relaxation (used
+    when ``refine``)."""
     best = None
     rows = np.arange(n)
     Xa = np.where(rel.allowed, X, np.inf)
     least_x, most_x = float(Xa.min(axis=1).max()), float(np.where(rel.allowed, X, 0.0).max())
+    least_x = max(least_x, floor)
     while True:
         if not rel.ok:
             return best
@@ -367,14 +384,17 @@ def _solve_memory(make, rel: _Relaxation, X: np.ndarray, cap: float, cutoff: flo
         if up is not None and float(rel.excess[rows, up].sum() + X[rows, up].max()) <= room:
             cost = path_cost(rel.T, rel.R, rel.gid, rel.P, up)
             if cost < cutoff:
-                best, cutoff = (cost, up), math.nextafter(cost, math.inf)
+                best, cutoff = (cost, up), cost * _SLACK
                 if cost <= rel.lower_bound(room - least_x) * (1 + 1e-12):
                     return best
         finer = rel.units * 8
         last = not refine or 8 * n * (int(rel.gid.max()) + 1) * (finer + 1) > MAX_TABLE_BYTES
-        found = _astar(rel, X, room, cutoff, None if last else ASTAR_EXPANSIONS)
+        found = _astar(rel, X, room, cutoff, None if last else ASTAR_EXPANSIONS, floor)
         if found is not _LIMIT:
-            return found if found is not None else best
+            if found is None:
+                return best
+            cost = path_cost(rel.T, rel.R, rel.gid, rel.P, found[1])
+            return (cost, found[1]) if best is None or cost < best[0] else best
         rel = make(finer)
 
 
@@ -473,33 +493,47 @@ def solve_stage_exact(time, mem, transient=None, reshard=None, budget_bytes: flo
     starts = np.flatnonzero(np.r_[True, gp[1:] != gp[:-1]])
     fit_q = ths + minmem_q <= budget
     V, vpath = _viterbi(np.where(A, Tp[None], np.inf), R, gp, Pp)
-    best_cost, best_path = cutoff, None
+    best_val, best_path = math.inf, None
+
+    def limit() -> float:  # prune bounds at or above this (round-off slack over the best so far)
+        return min(cutoff, best_val) * _SLACK
     pending = []
     rows = np.arange(n)
-    for q in np.flatnonzero(fit_q & np.isfinite(V) & (V < cutoff)):
+    for q in np.flatnonzero(fit_q & np.isfinite(V) & (V < limit())):
         path = vpath[q]
         if float(Mp[rows, path].sum() + Xp[rows, path].max()) <= budget:
             # the memory-blind optimum of this threshold fits: it solves F(t)
-            if V[q] < best_cost:
-                best_cost, best_path = float(V[q]), [int(s) for s in path]
+            cost = path_cost(Tp, R, gp, Pp, path)
+            if cost < best_val:
+                best_val, best_path = cost, [int(s) for s in path]
         else:
             pending.append(int(q))
-    pending = [q for q in pending if V[q] < best_cost]
+    pending = [q for q in pending if V[q] < limit()]
     if pending:
-        bound = np.maximum(V[pending], _dual_bounds(Tp, Mp, R, gp, Pp, A[pending], budget - ths[pending]))
-        for i in np.argsort(bound, kind="stable"):
-            if bound[i] >= best_cost:
+        bound = dict(zip(pending, np.maximum(V[pending], _dual_bounds(Tp, Mp, R, gp, Pp, A[pending],
+                                                                      budget - ths[pending]))))
+        # bands of nearby thresholds: one search per band covers the sequences whose largest
+        # transient lies in it (it may skip those below: another band covers them, or its bound
+        # shows they cannot win); the most promising band first
+        width = (budget - float(np.where(A[-1], Mp, np.inf).min(axis=1).sum())) / BAND_DIVISOR
+        bands: list[list[int]] = []
+        for q in pending:
+            if bands and ths[q] - ths[bands[-1][0]] <= width:
+                bands[-1].append(q)
+            else:
+                bands.append([q])
+        for band in sorted(bands, key=lambda band: min(bound[q] for q in band)):
+            if min(bound[q] for q in band) >= limit():
                 break
-            q = pending[int(i)]
-            cap = budget - float(ths[q])
+            lo, hi = float(ths[band[0]]), band[-1]
 
-            def make(u: int, q: int = q, cap: float = cap) -> _Relaxation:
-                return _Relaxation(Tp, Mp, R, gp, starts, Pp, A[q], cap, u, granularity)
+            def make(u: int, hi: int = hi, lo: float = lo) -> _Relaxation:
+                return _Relaxation(Tp, Mp, R, gp, starts, Pp, A[hi], budget - lo, u, granularity)
 
-            found = _solve_memory(make, make(units), np.zeros_like(Xp), cap, best_cost, n, S,
-                                  refine=not granularity)
-            if found is not None and found[0] < best_cost:
-                best_cost, best_path = found[0], [int(s) for s in found[1]]
+            found = _solve_memory(make, make(units), Xp, budget, limit(), n, S, refine=not granularity,
+                                  floor=lo)
+            if found is not None and found[0] < best_val:
+                best_val, best_path = found[0], [int(s) for s in found[1]]
     if best_path is None:
         return nothing(minmem, fits=True)
     orig = [int(perm[s]) for s in best_path]

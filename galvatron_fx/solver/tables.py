@@ -11,18 +11,20 @@ global batch; :class:`ConfigTables` then holds, for layers ``l`` and the configu
   else), with the resharding (:meth:`reshard`) and stage-boundary send (:meth:`p2p`) times per group.
 
 Every figure is the same float the objective (:func:`~.objective.estimate_plan`) computes, so a
-solved stage's cost equals the estimate of the plan it belongs to.
+solved stage's cost equals the estimate of the plan it belongs to. :func:`least_memory` is the
+least memory any plan of a configuration needs (what an infeasible search reports).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .objective import CostSource, LayerTerms, layer_terms, p2p_time_per_microbatch
-from .pipeline import in_flight_microbatches
+from .pipeline import even_split, in_flight_microbatches
 from .strategy import Strategy
 
 
@@ -173,3 +175,48 @@ def undominated(t: np.ndarray, mem: np.ndarray, trans: np.ndarray, gid: np.ndarr
         keep += [int(members[a]) for a in range(len(members)) if not beats[:, a].any()]
     keep.sort()
     return np.array(keep, dtype=np.int64)
+
+
+def least_memory(c: ConfigTables, reserve_bytes: float = 0.0) -> float:
+    """The least per-device memory of any plan of ``c`` (bytes, reserve included, exact to a byte):
+    the min over splits of the hungriest stage's least memory. Bisection on that value; per trial a
+    DP over stage ends in which each stage starts as late as the previous ones allow (a stage's
+    least memory only grows with its range, so the latest start is the best)."""
+    L, p = c.t.shape[0], c.p
+    allowed = np.isfinite(c.t)
+    ths = np.unique(c.trans[allowed])
+    A = allowed[None] & (c.trans[None] <= ths[:, None, None])            # [Q, L, S]
+    sums, holes = [], []
+    for k in range(p):
+        per = np.where(A, c.memory(0, L - 1, k)[None], np.inf).min(axis=2)  # [Q, L]
+        zero = np.zeros((len(ths), 1))
+        # NOTE: layers a threshold leaves without a strategy are counted apart (inf would poison
+        # every later prefix difference)
+        sums.append(np.concatenate([zero, np.cumsum(np.where(np.isfinite(per), per, 0.0), axis=1)], axis=1))
+        holes.append(np.concatenate([zero, np.cumsum(~np.isfinite(per), axis=1)], axis=1))
+
+    def stage(k: int, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        v = sums[k][:, j + 1] - sums[k][:, i] + ths[:, None]
+        v = np.where(holes[k][:, j + 1] - holes[k][:, i] > 0, np.inf, v)
+        return v.min(axis=0) + reserve_bytes
+
+    js = np.arange(L)
+
+    def feasible(tau: float) -> bool:
+        reach = stage(0, np.zeros(L, dtype=np.int64), js) <= tau
+        for k in range(1, p):
+            last = np.maximum.accumulate(np.where(reach, js, -1))
+            prev = np.r_[-1, last[:-1]]
+            ok = prev >= 0
+            i = np.where(ok, prev + 1, 0)
+            reach = ok & (stage(k, i, js) <= tau)
+        return bool(reach[L - 1])
+
+    hi = max(float(stage(k, np.array([i]), np.array([j]))[0]) for k, (i, j) in enumerate(even_split(L, p)))
+    if not math.isfinite(hi):
+        return math.inf
+    lo = 0.0
+    while hi - lo > 0.5:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
+    return hi
