@@ -66,8 +66,9 @@ def _is_shared_constant(node: torch.fx.Node) -> bool:
     return node.op == "get_attr" and not is_trainable_param(node)
 
 
-def _fetch(gm: torch.nn.Module, target: str):
-    obj = gm
+def fetch_attr(root: torch.nn.Module, target: str):
+    """The attribute a ``get_attr`` target (a dotted path) names under ``root``."""
+    obj = root
     for atom in target.split("."):
         obj = getattr(obj, atom)
     return obj
@@ -155,9 +156,9 @@ class SplitLayersPass(GraphPass):
                 if _is_shared_constant(a) and a not in senv:
                     senv[a] = sub.get_attr(a.target)
                     senv[a].meta = dict(a.meta)
-                    attrs[a.target] = _fetch(gm, a.target)
+                    attrs[a.target] = fetch_attr(gm, a.target)
             if node.op == "get_attr":
-                attrs[node.target] = _fetch(gm, node.target)
+                attrs[node.target] = fetch_attr(gm, node.target)
             senv[node] = sub.node_copy(node, lambda x: senv[x])
         outputs = [n for n in nodes if any(u not in own for u in n.users)]
         if len(outputs) == 1:
@@ -170,3 +171,22 @@ class SplitLayersPass(GraphPass):
 def split_layers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Run :class:`SplitLayersPass` and return the top GraphModule."""
     return SplitLayersPass()(gm).graph_module
+
+
+def fresh_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A GraphModule with a copied graph, copied node records and its own module tree holding the
+    same tensors (so rewriting it, or setting attributes on it, leaves ``gm`` unchanged)."""
+    graph = torch.fx.Graph()
+    env: dict = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    for old, new in env.items():
+        new.meta = dict(old.meta)
+        if META_KEY in old.meta:
+            new.meta[META_KEY] = copy.copy(old.meta[META_KEY])
+    root = {n.target: fetch_attr(gm, n.target) for n in graph.nodes if n.op == "get_attr"}
+    new_gm = torch.fx.GraphModule(root, graph, class_name=type(gm).__name__)
+    new_gm.meta = dict(gm.meta)
+    if META_KEY in gm.meta:  # NOTE: the TP pass rewrites its layer records' node lists
+        new_gm.meta[META_KEY] = copy.deepcopy(gm.meta[META_KEY])
+    return new_gm

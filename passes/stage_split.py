@@ -41,7 +41,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from ..errors import ConfigError
 from ..ir import META_KEY, CrossingValue, GraphInfo, NodeInfo, StageInfo, graph_batch_size
 from .base import GraphPass, check
-from .split_layers import _fetch, is_trainable_param
+from .split_layers import fetch_attr, is_trainable_param
 
 
 def _flags(gm: torch.fx.GraphModule) -> tuple[dict, dict]:
@@ -158,9 +158,9 @@ class StageSplitPass(GraphPass):
                     env[a] = graph.get_attr(a.target)
                     env[a].meta = dict(a.meta)
                     env[a].meta[META_KEY] = dataclasses.replace(a.meta[META_KEY], layer=n.meta[META_KEY].layer - first)
-                    attrs[a.target] = _fetch(gm, a.target)
+                    attrs[a.target] = fetch_attr(gm, a.target)
             if n.op == "get_attr":
-                attrs[n.target] = _fetch(gm, n.target)
+                attrs[n.target] = fetch_attr(gm, n.target)
             new = graph.node_copy(n, lambda x: env[x])
             new.meta = dict(n.meta)
             new.meta[META_KEY] = dataclasses.replace(n.meta[META_KEY], layer=n.meta[META_KEY].layer - first)

@@ -40,7 +40,6 @@ The zoo models have no dropout; a model that trains with dropout under TP should
 
 from __future__ import annotations
 
-import copy
 import logging
 import operator
 from collections.abc import Callable
@@ -66,6 +65,7 @@ from ..sharding import (  # noqa: F401 (unshard: re-exported, it used to live he
     unshard,
 )
 from .context import ContextPass
+from .split_layers import fetch_attr, fresh_copy
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class _Rewriter:
                 done.add(node_name)
                 node = self.by_name[node_name]
                 full = self.gm.get_parameter(node.target) if _is_parameter(self.gm, node.target) \
-                    else _fetch(self.gm, node.target)
+                    else fetch_attr(self.gm, node.target)
                 with torch.no_grad():
                     local = shard_tensor(full.detach(), shard, rank).clone()
                 _set_param(self.gm, node.target, nn.Parameter(local, requires_grad=full.requires_grad))
@@ -342,15 +342,8 @@ def _set_split_sizes(node, new_sizes):
         node.kwargs = {**node.kwargs, k: new}
 
 
-def _fetch(gm, target: str):
-    obj = gm
-    for atom in target.split("."):
-        obj = getattr(obj, atom)
-    return obj
-
-
 def _is_parameter(gm, target: str) -> bool:
-    return isinstance(_fetch(gm, target), nn.Parameter)
+    return isinstance(fetch_attr(gm, target), nn.Parameter)
 
 
 def _set_param(gm: torch.fx.GraphModule, target: str, value: nn.Parameter) -> None:
@@ -422,28 +415,3 @@ def _shards(gm: torch.fx.GraphModule) -> dict[str, tuple[ShardInfo, int]]:
         if n.op == "get_attr" and getattr(info, "shard", None) is not None and info.layer is not None:
             out[n.target] = (info.shard, info.layer)
     return out
-
-
-def fresh_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A GraphModule with a copied graph, copied node records and its own module tree holding the
-    same tensors (so rewriting it, or setting attributes on it, leaves ``gm`` unchanged)."""
-    graph = torch.fx.Graph()
-    env: dict = {}
-    out = graph.graph_copy(gm.graph, env)
-    graph.output(out)
-    for old, new in env.items():
-        new.meta = dict(old.meta)
-        if META_KEY in old.meta:
-            new.meta[META_KEY] = copy.copy(old.meta[META_KEY])
-    root = {}
-    for n in graph.nodes:
-        if n.op == "get_attr":
-            obj = gm
-            for atom in n.target.split("."):
-                obj = getattr(obj, atom)
-            root[n.target] = obj
-    new_gm = torch.fx.GraphModule(root, graph, class_name=type(gm).__name__)
-    new_gm.meta = dict(gm.meta)
-    if META_KEY in gm.meta:  # NOTE: the TP pass rewrites its layer records' node lists
-        new_gm.meta[META_KEY] = copy.deepcopy(gm.meta[META_KEY])
-    return new_gm

@@ -38,7 +38,7 @@ from ..ir import META_KEY, NodeInfo, ParamInfo
 from ..runtime.module import TokenLoss
 from .base import check
 from .context import ContextPass
-from .split_layers import is_split, is_trainable_param
+from .split_layers import fetch_attr, fresh_copy, is_split, is_trainable_param
 
 SCALE_NAME = "galvatron_token_scale"
 _ATEN_CE = torch.ops.aten.cross_entropy_loss.default
@@ -103,10 +103,7 @@ def token_count_graph(gm: torch.fx.GraphModule, target: torch.fx.Node, ignore_in
             env[n] = graph.placeholder(n.name)
         elif n in needed:
             if n.op == "get_attr":
-                obj = gm
-                for atom in n.target.split("."):
-                    obj = getattr(obj, atom)
-                attrs[n.target] = obj
+                attrs[n.target] = fetch_attr(gm, n.target)
             env[n] = graph.node_copy(n, lambda x: env[x])
     valid = graph.call_function(operator.ne, (env[target], ignore_index))
     graph.output(graph.call_method("sum", (valid,)))
@@ -123,8 +120,6 @@ class TokenLossPass(ContextPass):
         check(not is_split(graph_module), "token_loss needs the flat captured graph (run it first)")
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
-        from .tensor_parallel import fresh_copy
-
         if self.ctx.loss_fn is not None:   # the user computes the loss outside the graph
             return PassResult(graph_module, False)
         out, index = _loss_output(graph_module)

@@ -234,7 +234,7 @@ def test_capture_side_pass_contracts(tiny):
 
 def copy_graph(gm):
     """An independent copy of a captured graph (graph, node records, GraphInfo)."""
-    from galvatron_fx.passes.tensor_parallel import fresh_copy
+    from galvatron_fx.passes.split_layers import fresh_copy
 
     return fresh_copy(gm)
 

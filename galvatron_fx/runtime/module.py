@@ -73,27 +73,33 @@ class DistributedModel(torch.fx.GraphModule):
         buffers or this rank's shards) holds in ``.grad`` the gradient of the global-batch mean
         loss, and the returned loss (a 0-dim tensor) is the same on every rank.
         """
-        graph_inputs, targets = match_inputs(self.input_names, args, kwargs, "train_step")
-        m = self.plan.micro_batches
-        if self.token_loss is not None:
-            self.token_loss.prepare(graph_inputs)
-        self.sync_params()   # ZeRO-2: the shards the user's optimizer updated -> whole buffers
+        batches = self._micro_batches(args, kwargs, "train_step")
         for s in self._stores:
             s.zero_grad_state()
-        micro = [_split(t, m) for t in graph_inputs]
-        micro_t = [_split(t, m) for t in targets]
-        lay = self.output_layout
         total = None
-        for k in range(m):
+        for k, (inputs, targets) in enumerate(batches):
             for s in self._stores:
-                s.last_micro_batch = k == m - 1
-            out = self(*[mb[k] for mb in micro])
-            loss = self._loss(out, [slice_input(t[k], lay.batch_index(self.rank), lay.dp) for t in micro_t])
+                s.last_micro_batch = k == len(batches) - 1
+            loss = self._loss(self(*inputs), targets)
             (loss * self.loss_scale).backward()
             total = loss.detach() if total is None else total + loss.detach()
         for s in self._stores:
             s.finish_grad_sync()
         return self.global_loss(total)
+
+    def _micro_batches(self, args, kwargs, where: str) -> list[tuple[list, list]]:
+        """Match the inputs, prepare the step (the token count of a token loss; ZeRO-2's re-gather
+        of the shards the user's optimizer updated) and cut the global batch: per micro-batch, the
+        graph inputs (whole micro-batch) and this rank's slices of the ``loss_fn`` targets."""
+        graph_inputs, targets = match_inputs(self.input_names, args, kwargs, where)
+        m, lay = self.plan.micro_batches, self.output_layout
+        if self.token_loss is not None:
+            self.token_loss.prepare(graph_inputs)
+        self.sync_params()
+        micro = [_split(t, m) for t in graph_inputs]
+        micro_t = [_split(t, m) for t in targets]
+        return [([mb[k] for mb in micro], [slice_input(t[k], lay.batch_index(self.rank), lay.dp) for t in micro_t])
+                for k in range(m)]
 
     @property
     def loss_scale(self) -> float:
@@ -119,16 +125,10 @@ class DistributedModel(torch.fx.GraphModule):
         graph's outputs assembled across ranks (``(loss, outputs)``; each output's batch slices
         all-gathered over the output's DP group and micro-batches concatenated, on every rank:
         the memory of the whole global batch's outputs, e.g. ``batch x seq x vocab`` logits)."""
-        graph_inputs, targets = match_inputs(self.input_names, args, kwargs, "eval_step")
-        m, lay = self.plan.micro_batches, self.output_layout
-        if self.token_loss is not None:
-            self.token_loss.prepare(graph_inputs)
-        self.sync_params()
         total, outs = None, []
-        for k, mb in enumerate(zip(*[_split(t, m) for t in graph_inputs])):
-            out = self(*mb)
-            loss = self._loss(out, [slice_input(_split(t, m)[k], lay.batch_index(self.rank), lay.dp)
-                                    for t in targets])
+        for inputs, targets in self._micro_batches(args, kwargs, "eval_step"):
+            out = self(*inputs)
+            loss = self._loss(out, targets)
             total = loss if total is None else total + loss
             if return_outputs:
                 outs.append(out)
@@ -137,7 +137,7 @@ class DistributedModel(torch.fx.GraphModule):
         loss = self.global_loss(total)
         if not return_outputs:
             return loss
-        return loss, gather_outputs(outs, lay, self.rank)
+        return loss, gather_outputs(outs, self.output_layout, self.rank)
 
     def _loss(self, out, targets):
         if self.loss_fn is not None:
