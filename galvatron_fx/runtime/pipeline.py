@@ -126,7 +126,7 @@ class PipelineModel(nn.Module):
     it: its ``layers_<i>`` submodules carry the plan's global layer indices); ``stage_index`` /
     ``num_stages`` / ``stage_info`` say which part of the model this rank runs. ``forward`` runs the
     stage graph on one micro-batch (``local inputs`` then received values, see
-    :class:`~galvatron_fx.passes.stage_split.StageInfo`); train with :meth:`train_step`.
+    :class:`~galvatron_fx.ir.StageInfo`); train with :meth:`train_step`.
     ``schedule_stats`` (after a step): the forward/backward order of this stage (``"F0", "B0"``),
     ``peak_in_flight`` micro-batches (forwarded, not yet backwarded) and ``peak_saved_bytes`` (the
     activation bytes autograd held for them, parameters excluded).
