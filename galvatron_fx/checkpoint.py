@@ -134,14 +134,7 @@ def load(dist_model, optimizer: torch.optim.Optimizer | None, path: str | os.Pat
     dcp.load(want, checkpoint_id=path)
     with torch.no_grad():
         for s in stage.stores:
-            full = _local_buffer(s, stage, lambda fqn: want[f"model.{fqn}"])
-            if s.mode == "zero2":
-                s.full.copy_(full)            # flat_param is this rank's view of it
-            elif s.mode == "zero3":
-                s.flat_param.copy_(_my_shard(s, full))
-                s.free_full()
-            else:
-                s.flat_param.copy_(full)
+            s.load_full(_local_buffer(s, stage, lambda fqn: want[f"model.{fqn}"]))
             if optimizer is None:
                 continue
             keys = opt_keys[s.fqns[0]] if s.fqns else []

@@ -160,7 +160,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     log = train(args.model, steps=args.steps, plan=args.plan, memory_budget=args.memory_budget,
                 global_batch_size=args.global_batch_size, cluster=args.cluster, reserve=args.reserve,
                 single_device=args.single_device, lr=args.lr, seed=args.seed,
-                overrides=parse_overrides(args.set), progress=progress)
+                overrides=parse_overrides(args.set), progress=progress, precision=args.precision)
     if log["rank"] == 0:
         print_log(log)
         if args.json:
@@ -241,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", help="preset or cluster JSON for the search (default: profile the world)")
     p.add_argument("--reserve", help="framework reserve per device for the search (default 1GiB)")
     p.add_argument("--single-device", action="store_true", help="train eagerly in this one process (reference)")
+    p.add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"],
+                   help="training precision: fp32 masters and optimizer states, compute in bf16 / fp16 "
+                        "(default: the plan's, else the cluster's)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override (repeatable)")

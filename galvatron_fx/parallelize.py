@@ -11,7 +11,8 @@ its contract in its docstring)::
     local_batch        dynamo / export graphs: baked batch constants -> each layer's slice
     stage_outputs      (pp > 1) values sent on leave in the boundary layout
     checkpointing      ckpt layers run under torch.utils.checkpoint
-    data_parallel      flat buffers: DP all-reduce / ZeRO-2 / ZeRO-3
+    data_parallel      flat buffers: DP all-reduce / ZeRO-2 / ZeRO-3 (fp32 masters, working copies)
+    mixed_precision    (bf16/fp16-mixed plans) layers under autocast on low-precision inputs
     resharding         batch / sequence slices between layers
     stage_inputs       (pp > 1) received values -> each layer's layout; global layer names
     codegen            the DistributedModel (train_step, full_state_dict, ...)
@@ -25,8 +26,6 @@ calls; ``print(dist_model.layers_1.code)`` shows a layer's own parameter collect
 
 from __future__ import annotations
 
-import warnings
-
 import torch.distributed as dist
 import torch.fx
 
@@ -39,6 +38,7 @@ from .passes.codegen import CodegenPass
 from .passes.context import ParallelContext
 from .passes.data_parallel import DataParallelPass
 from .passes.local_batch import LocalBatchPass
+from .passes.mixed_precision import MixedPrecisionPass
 from .passes.resharding import ReshardingPass
 from .passes.split_layers import SplitLayersPass
 from .passes.stage_boundaries import StageInputsPass, StageOutputsPass
@@ -51,6 +51,7 @@ from .runtime.data_parallel import DEFAULT_BUCKET_BYTES
 from .runtime.groups import GROUPS, Layout
 from .runtime.module import DistributedModel
 from .runtime.pipeline import PipelineModel
+from .runtime.precision import precision_policy
 
 
 def parallelize_passes(ctx: ParallelContext, bind: dict | None = None) -> list[GraphPass]:
@@ -71,7 +72,10 @@ def parallelize_passes(ctx: ParallelContext, bind: dict | None = None) -> list[G
     # NOTE: checkpointing wraps whole layer calls before DP rewrites the layers, so a ZeRO-3
     # layer's all-gather is inside the checkpoint and is redone in backward (nothing gathered
     # stays alive between forward and backward).
-    passes += [CheckpointingPass(ctx), DataParallelPass(ctx), ReshardingPass(ctx)]
+    passes += [CheckpointingPass(ctx), DataParallelPass(ctx)]
+    if ctx.precision.mixed:
+        passes.append(MixedPrecisionPass(ctx))
+    passes.append(ReshardingPass(ctx))
     if pipelined:
         # NOTE: after resharding, which leaves received values alone: they enter from the
         # boundary layout, not from a graph input's whole micro-batch.
@@ -84,7 +88,7 @@ def parallelize_passes(ctx: ParallelContext, bind: dict | None = None) -> list[G
 
 def transform(gm: torch.fx.GraphModule, plan: Plan | None = None, loss_fn=None, *,
               bucket_bytes: int = DEFAULT_BUCKET_BYTES, bind: dict | None = None,
-              **search_options) -> DistributedModel | PipelineModel:
+              reduce_dtype: str | None = None, **search_options) -> DistributedModel | PipelineModel:
     """This rank's distributed module for ``plan`` (see the module docstring and
     :class:`~galvatron_fx.runtime.module.DistributedModel` for ``train_step``).
 
@@ -96,6 +100,9 @@ def transform(gm: torch.fx.GraphModule, plan: Plan | None = None, loss_fn=None, 
             the captured one) and every rank runs it.
         loss_fn: ``loss_fn(output, *targets) -> scalar mean`` when the graph's output is not the loss.
         bucket_bytes: largest single DP gradient all-reduce, in bytes.
+        reduce_dtype: mixed-precision plans: the dtype gradients are reduced in over DP, ``"fp32"``
+            (default) or the compute dtype's name (``"bf16"`` / ``"fp16"``: half the traffic).
+            The plan's ``precision`` decides the rest (:mod:`galvatron_fx.runtime.precision`).
         bind: ``fqn -> nn.Parameter`` of the user's model to re-point onto this rank's storage
             (the torch.compile backend's parameter binding).
 
@@ -116,17 +123,12 @@ def transform(gm: torch.fx.GraphModule, plan: Plan | None = None, loss_fn=None, 
         plan = search_on_rank0(gm, **search_options)
     elif search_options:
         raise ConfigError(f"gfx.transform: {sorted(search_options)} only apply when it searches (plan=None)")
-    if plan.precision != "fp32":
-        # NOTE: no silent difference: the plan was priced for mixed precision, the runtime for it
-        # is not built yet, so the model trains in its own dtype
-        warnings.warn(f"the plan was searched for precision={plan.precision!r}, but the runtime trains in the "
-                      "model's own dtype (mixed precision is not implemented yet): its memory and time "
-                      "estimates do not describe this run; search with precision='fp32' to match", stacklevel=2)
     world = dist.get_world_size()
     plan.validate_for(world_size=world, fingerprint=info.fingerprint, layer_names=[rec.name for rec in info.layers])
     _check_pipeline(gm, plan, world)
     ctx = ParallelContext(plan, dist.get_rank(), world, method=info.method, global_batch=graph_batch_size(gm),
-                          bucket_bytes=bucket_bytes, loss_fn=loss_fn)
+                          bucket_bytes=bucket_bytes, loss_fn=loss_fn,
+                          precision=precision_policy(plan.precision, reduce_dtype))
     # NOTE: dist.new_group is collective over the whole world: every rank creates every group any
     # rank needs (every stage's, and the p2p groups), in one sorted order, before a pass uses one.
     GROUPS.ensure(_rank_sets(plan, world))

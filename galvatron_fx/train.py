@@ -59,8 +59,13 @@ def _peak_bytes(device: torch.device) -> int:
 
 def train(model_spec: str, *, steps: int = 10, plan: str | None = None, memory_budget=None,
           global_batch_size: int | None = None, cluster=None, reserve=None, single_device: bool = False,
-          lr: float = 1e-3, seed: int = 0, overrides: dict | None = None, progress=None) -> dict:
-    """Train and return the log ``{"mode", "world_size", "steps": [...], "summary": {...}}``."""
+          lr: float = 1e-3, seed: int = 0, overrides: dict | None = None, progress=None,
+          precision: str | None = None) -> dict:
+    """Train and return the log ``{"mode", "world_size", "steps": [...], "summary": {...}}``.
+
+    ``precision`` (``"fp32"`` / ``"bf16-mixed"`` / ``"fp16-mixed"``; default the plan's, else the
+    cluster's): the distributed run's (:mod:`galvatron_fx.runtime.precision`); the single-device
+    reference then runs its forward under ``torch.autocast`` in the compute dtype."""
     from . import models
     from .distributed import init_distributed, is_distributed, pick_device, synchronize
 
@@ -84,7 +89,7 @@ def train(model_spec: str, *, steps: int = 10, plan: str | None = None, memory_b
     step_fn = model
     if not single_device:
         options = {k: v for k, v in {"plan": plan, "memory_budget": memory_budget, "cluster": cluster,
-                                     "reserve": reserve}.items() if v is not None}
+                                     "reserve": reserve, "precision": precision}.items() if v is not None}
         step_fn = torch.compile(model, backend="galvatron", fullgraph=True, dynamic=False, options=options)
     batch = next(int(t.shape[0]) for t in example if isinstance(t, torch.Tensor) and t.dim() >= 1)
     rows = []
@@ -92,7 +97,8 @@ def train(model_spec: str, *, steps: int = 10, plan: str | None = None, memory_b
         inputs = synthetic_batch(example, step, seed)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = _loss_of(step_fn(*inputs))
+        with _reference_autocast(device, precision if single_device else None):
+            loss = _loss_of(step_fn(*inputs))
         loss.backward()
         opt.step()
         synchronize(device)
@@ -109,6 +115,14 @@ def train(model_spec: str, *, steps: int = 10, plan: str | None = None, memory_b
                "first_step_s": rows[0]["step_time_s"] if rows else 0.0, "global_batch_size": batch}
     return {"model": model_spec, "mode": "single-device" if single_device else "galvatron",
             "world_size": world, "rank": rank, "steps": rows, "memory": memory, "summary": summary}
+
+
+def _reference_autocast(device: torch.device, precision: str | None):
+    """The single-device mixed-precision reference: PyTorch's own autocast (a no-op for fp32)."""
+    from .runtime.precision import precision_policy
+
+    dtype = precision_policy(precision or "fp32").compute_dtype
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
 def _memory(model, opt, device, single_device: bool) -> list[dict]:

@@ -20,6 +20,7 @@ from ..ir import StageInfo
 from ..plan import Plan
 from ..runtime.data_parallel import DEFAULT_BUCKET_BYTES
 from ..runtime.groups import Layout
+from ..runtime.precision import Precision
 from .base import GraphPass, check
 from .split_layers import is_split
 
@@ -35,6 +36,7 @@ class ParallelContext:
     global_batch: int | None = None     # dim 0 of the captured graph inputs, in samples
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     loss_fn: Any = None
+    precision: Precision = field(default_factory=Precision)  # runtime/precision.py: the plan's policy
     # products
     token_loss: Any = None                       # token_loss: TokenLoss (count graph, scale buffer)
     stage_info: StageInfo | None = None          # stage_split

@@ -5,6 +5,8 @@ parameters is rewritten by :func:`flatten_layer_params` for its plan entry (``sd
 of the rank layout in :mod:`galvatron_fx.runtime.groups`): all-reduced (``sdp="none"``),
 reduce-scattered with replicated parameters (``"zero2"``) or sharded and all-gathered around use
 (``"zero3"``); see :mod:`galvatron_fx.runtime.data_parallel`. The stores land in ``ctx.stores``.
+Under a mixed-precision policy (``ctx.precision``) each buffer holds fp32 masters and a
+low-precision working copy the layer reads (:mod:`galvatron_fx.runtime.precision`).
 
 One layer (:func:`flatten_layer_params`). Input: a layer GraphModule from :mod:`.split_layers` (trainable parameters are ``get_attr``
 nodes with their original FQN targets) and the layer's ``sdp`` mode and DP ranks.
@@ -50,7 +52,9 @@ class DataParallelPass(ContextPass):
         for i, lp in enumerate(ctx.stage_plan.layers):
             layer = getattr(graph_module, layer_module_name(i))
             ranks = Layout(lp.tp, lp.dp, base=ctx.base).dp_ranks(ctx.rank)
-            store = flatten_layer_params(layer, lp.sdp, ranks, ctx.rank, ctx.bucket_bytes, ckpt=lp.ckpt)
+            store = flatten_layer_params(layer, lp.sdp, ranks, ctx.rank, ctx.bucket_bytes, ckpt=lp.ckpt,
+                                         compute_dtype=ctx.precision.compute_dtype,
+                                         reduce_dtype=ctx.precision.reduce_dtype)
             if store is not None:
                 ctx.stores.append(store)
         return PassResult(graph_module, bool(ctx.stores))
@@ -71,7 +75,8 @@ def _fetch_owner(root: torch.nn.Module, target: str):
 
 
 def flatten_layer_params(layer: torch.fx.GraphModule, mode: str, dp_ranks, rank: int,
-                         bucket_bytes: int, ckpt: bool = False) -> FlatParams | None:
+                         bucket_bytes: int, ckpt: bool = False, compute_dtype: torch.dtype | None = None,
+                         reduce_dtype: torch.dtype | None = None) -> FlatParams | None:
     graph = layer.graph
     nodes = [n for n in graph.nodes if is_trainable_param(n)]
     if not nodes:
@@ -80,7 +85,7 @@ def flatten_layer_params(layer: torch.fx.GraphModule, mode: str, dp_ranks, rank:
     for n in nodes:
         owner, name = _fetch_owner(layer, n.target)
         tensors[n.target] = getattr(owner, name)
-    store = FlatParams(tensors, mode, dp_ranks, rank, bucket_bytes)
+    store = FlatParams(tensors, mode, dp_ranks, rank, bucket_bytes, compute_dtype, reduce_dtype)
     layer.add_submodule("flat_params", store)
     first = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(first):

@@ -112,7 +112,7 @@ def _compiled_pipeline_run(rank, world_size, how, plan_dir):
     model, ids, labels = _hf_model("gpt2")
     ref_model = copy.deepcopy(model)
     ref = _train(lambda: ref_model(ids, labels=labels).loss, ref_model.parameters())
-    options = {"cluster": f"{world_size}xA100-80GB", "memory_budget": "2GiB"}
+    options = {"cluster": f"{world_size}xA100-80GB", "memory_budget": "2GiB", "precision": "fp32"}
     if how == "plan":
         gm = gfx.capture(model, (ids,), {"labels": labels}, method="dynamo")
         path = f"{plan_dir}/gpt2-pp2.json"

@@ -25,7 +25,7 @@ GPT = dict(layers=2, batch=8)
 
 def _plan(gfx, gm, world_size, spec):
     if spec == "searched":
-        return gfx.search(gm, gfx.Cluster.preset(f"{world_size}xA100-80GB"), "16GiB", 8)
+        return gfx.search(gm, gfx.Cluster.preset(f"{world_size}xA100-80GB"), "16GiB", 8, precision="fp32")
     spec = dict(spec)
     return gfx.Plan.uniform(gm, world_size, global_batch_size=8, **spec)
 

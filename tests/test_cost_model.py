@@ -63,16 +63,19 @@ def test_tiny_param_split(tiny):
     (Strategy(1, 2, "zero2"), False, (1184, 592, 1184)),
     (Strategy(1, 2, "zero3"), False, (592, 592, 1184)),
     (Strategy(2, 2, "zero3"), False, (320, 320, 640)),
-    (Strategy(1, 1), True, (296 * 2, 296 * 2, 296 * 12)),
-    (Strategy(1, 2, "zero3"), True, (296, 296, 1776)),
+    # mixed: bf16 working copy (none under ZeRO-3), fp32 grads, fp32 moments, fp32 masters
+    (Strategy(1, 1), True, (296 * 2, 296 * 4, 296 * 8, 296 * 4)),
+    (Strategy(1, 2, "zero2"), True, (296 * 2, 148 * 4, 148 * 8, 148 * 4)),
+    (Strategy(1, 2, "zero3"), True, (0, 148 * 4, 148 * 8, 148 * 4)),
 ])
 def test_states_bytes_by_hand(tiny, strategy, mixed, expect):
     gm, i = tiny
     cm = CostModel(gm, CLUSTER, dtype="bf16" if mixed else "fp32", mixed_precision=mixed)
     st = cm.states_bytes(i, strategy)
-    assert (st.params, st.grads, st.optimizer) == expect
+    expect = expect if mixed else (*expect, 0)
+    assert (st.params, st.grads, st.optimizer, st.masters) == expect
     c = cm.layer_cost(i, strategy, 2 * strategy.dp)
-    assert (c.param_bytes, c.grad_bytes, c.optimizer_bytes) == expect
+    assert (c.param_bytes, c.grad_bytes, c.optimizer_bytes, c.master_bytes) == expect
 
 
 def test_states_bytes_sgd():

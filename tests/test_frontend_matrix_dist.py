@@ -163,7 +163,7 @@ def _search_first(rank, world):
     model, args, _, loss_of = build("gpt-tiny")
     ref_losses, _ = _reference(copy.deepcopy(model), loss_of)
     gm = gfx.capture(model, args, method="dynamo")
-    dm = gfx.transform(gm, cluster=f"{world}xA100-80GB", memory_budget="2GiB")   # no plan: search first
+    dm = gfx.transform(gm, cluster=f"{world}xA100-80GB", memory_budget="2GiB", precision="fp32")  # no plan: search
     opt = torch.optim.SGD(dm.parameters(), lr=0.0)   # the user's own optimizer (lr 0: losses stay put)
     losses = []
     for _ in range(2):

@@ -133,7 +133,7 @@ def _compiled(rank, world, how, plan_dir):
     ref_model = copy.deepcopy(model)
     ref_losses, ref_params = _eager(ref_model, kwargs)
     if how == "searched":
-        options = {"cluster": f"{world}xA100-80GB", "memory_budget": "2GiB"}
+        options = {"cluster": f"{world}xA100-80GB", "memory_budget": "2GiB", "precision": "fp32"}
     else:   # a plan from the public API, captured with keyword inputs through another front end
         gm = gfx.capture(model, (), kwargs=kwargs, method="export")
         spec = dict(tp=2, dp=1) if how == "tp2" else dict(dp=2, sdp="zero3")

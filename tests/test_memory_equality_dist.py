@@ -29,19 +29,19 @@ PLANS = [  # label, micro-batches, per-layer spec cycled over the layers
 ]
 
 
-def _measure(rank, world, model_name, overrides, labels=None):
+def _measure(rank, world, model_name, overrides, labels=None, precision="fp32"):
     import galvatron_fx as gfx
     from galvatron_fx.cost import CostModel
     from galvatron_fx.runtime.reshard import slice_input  # noqa: F401  (imported for the graph)
 
     model, args = gfx.models.build(model_name, device="cpu", **overrides)
     gm = gfx.capture(model, args, method="fx")
-    cm = CostModel(gm, gfx.Cluster.preset(f"{world}xA100-80GB"), reserve_bytes=0)
+    cm = CostModel(gm, gfx.Cluster.preset(f"{world}xA100-80GB"), reserve_bytes=0, precision=precision)
     out = {}
     for label, m, specs in PLANS:
         if labels and label not in labels:
             continue
-        plan = gfx.Plan.uniform(gm, world, global_batch_size=args[0].shape[0], micro_batches=m)
+        plan = gfx.Plan.uniform(gm, world, global_batch_size=args[0].shape[0], micro_batches=m, precision=precision)
         apply_specs(plan, specs)
         dm = gfx.transform(gm, plan=plan)
         opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
@@ -80,6 +80,18 @@ def _measure(rank, world, model_name, overrides, labels=None):
 def test_states_exact_and_activations_close(model_name, overrides):
     results = run_distributed(_measure, 4, model_name, overrides, timeout=180)
     for rank, res in enumerate(results):
+        for label, (measured, predicted, act, act_pred) in res.items():
+            assert measured == predicted, (rank, label, measured, predicted)
+            assert abs(act - act_pred) <= 0.05 * act_pred, (rank, label, act, act_pred)
+
+
+@pytest.mark.dist
+def test_mixed_precision_states_exact_and_activations_close():
+    """bf16-mixed: working copies + fp32 masters, gradients and moments byte-exact; activations in bf16."""
+    labels = ["dp", "zero2", "zero3", "tp-sp", "ckpt", "zero3xtp2"]
+    results = run_distributed(_measure, 4, "gpt-tiny", GPT, labels, "bf16-mixed", timeout=300)
+    for rank, res in enumerate(results):
+        assert sorted(res) == sorted(labels)
         for label, (measured, predicted, act, act_pred) in res.items():
             assert measured == predicted, (rank, label, measured, predicted)
             assert abs(act - act_pred) <= 0.05 * act_pred, (rank, label, act, act_pred)

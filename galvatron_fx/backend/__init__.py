@@ -16,7 +16,11 @@ memory), ``cluster`` (preset name, cluster JSON path or :class:`Cluster`; defaul
 ``Cluster.preset("local")``, which profiles the live world), ``plan`` (a plan JSON path or
 :class:`Plan`: used as is, no search), ``global_batch_size`` (default: dim 0 of the first input;
 the model must be called with that batch), ``reserve`` (framework reserve per device for the
-search, bytes or string), ``constraints`` (dict for :func:`galvatron_fx.search`).
+search, bytes or string), ``constraints`` (dict for :func:`galvatron_fx.search`), ``precision``
+(``"fp32"`` / ``"bf16-mixed"`` / ``"fp16-mixed"``: what the search prices and the program runs;
+default the plan's, else the cluster's; see :mod:`galvatron_fx.runtime.precision`),
+``reduce_dtype`` (mixed precision: gradients reduced in ``"fp32"``, the default, or ``"bf16"`` /
+``"fp16"``).
 
 What one compile does (:func:`galvatron_backend`):
 
@@ -118,7 +122,7 @@ def galvatron_backend(gm: torch.fx.GraphModule, example_inputs: list, options: d
     from ..parallelize import transform
 
     params = {r.name: v for v, r in zip(example_inputs, roles) if r.kind == "param"}
-    dm = transform(graph, plan=plan, bind=params)
+    dm = transform(graph, plan=plan, bind=params, reduce_dtype=opts.reduce_dtype)
     modules = traced_modules()
     runtime = _Runtime(dm, plan, roles, example_inputs, out_node, loss_index,
                        module=modules[0] if modules else None)

@@ -12,8 +12,10 @@ replace ``galvatron_fx.backend.agreement._search`` to forbid or count plan searc
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import warnings
 
 import torch.distributed as dist
 
@@ -31,7 +33,7 @@ def _search(graph, opts: BackendOptions, batch: int, cluster):
     if opts.reserve is not None:
         cost["reserve_bytes"] = opts.reserve
     return search(graph, cluster, opts.memory_budget, batch, constraints=opts.constraints,
-                  world_size=dist.get_world_size(), **cost)
+                  world_size=dist.get_world_size(), precision=opts.precision, **cost)
 
 
 def _agreed_plan(graph, opts: BackendOptions, batch: int):
@@ -42,6 +44,12 @@ def _agreed_plan(graph, opts: BackendOptions, batch: int):
     info = graph.meta[META_KEY]
     if opts.plan is not None:
         plan = opts.plan if isinstance(opts.plan, Plan) else Plan.load(opts.plan)
+        if opts.precision is not None and opts.precision != plan.precision:
+            # NOTE: not silent: the plan's estimate was priced for its own precision
+            warnings.warn(f"galvatron backend: option precision={opts.precision!r} overrides the plan's "
+                          f"{plan.precision!r}; the plan's memory and time estimate were made for "
+                          f"{plan.precision!r} (re-plan with --precision {opts.precision} to match)", stacklevel=2)
+            plan = dataclasses.replace(plan, precision=opts.precision)
     else:
         cluster = resolve_cluster(opts.cluster)  # None: profiles the live world (collective on every rank)
         plan = broadcast_plan(lambda: _search(graph, opts, batch, cluster))

@@ -26,6 +26,8 @@ class BackendOptions:
     global_batch_size: int | None = None
     reserve: Any = None
     constraints: dict | None = None
+    precision: str | None = None      # "fp32" | "bf16-mixed" | "fp16-mixed"; default the plan's / cluster's
+    reduce_dtype: str | None = None   # mixed precision: "fp32" (default) or the compute dtype
 
     @classmethod
     def parse(cls, options: dict | None) -> BackendOptions:
@@ -38,4 +40,8 @@ class BackendOptions:
         gbs = opts.global_batch_size
         if gbs is not None and (not isinstance(gbs, int) or isinstance(gbs, bool) or gbs < 1):
             raise ConfigError(f"option global_batch_size must be a positive int, got {gbs!r}")
+        from ..cluster import PRECISIONS
+
+        if opts.precision is not None and opts.precision not in PRECISIONS:
+            raise ConfigError(f"option precision must be one of {list(PRECISIONS)}, got {opts.precision!r}")
         return opts

@@ -135,13 +135,15 @@ _SCALARS = ("fwd_flops_sharded", "fwd_flops_rep", "bwd_flops", "saved_sharded_el
             "saved_other_bytes", "input_elems", "input_other_bytes", "output_elems")
 
 
-def measure_layer(layer: LayerGraph, sizes: tuple[int, ...] = MEASURE_SIZES) -> LayerMeasure:
-    """Fit the layer's figures over ``sizes`` samples (see the module docstring)."""
+def measure_layer(layer: LayerGraph, sizes: tuple[int, ...] = MEASURE_SIZES,
+                  compute_dtype: torch.dtype | None = None) -> LayerMeasure:
+    """Fit the layer's figures over ``sizes`` samples (see the module docstring). ``compute_dtype``:
+    a mixed-precision run (see :func:`measure_point`)."""
     try:
         with quiet_probe():
-            points = [measure_point(layer, n) for n in sizes]
+            points = [measure_point(layer, n, compute_dtype) for n in sizes]
     except Exception:  # noqa: BLE001 - a batch size baked into the graph: proportional fallback
-        points = [measure_point(layer, layer.batch)]
+        points = [measure_point(layer, layer.batch, compute_dtype)]
     p1, p2 = points[0], points[-1] if len(points) > 1 else None
 
     def fit(y1, y2):
@@ -247,15 +249,23 @@ def make_inputs(layer: LayerGraph, n: int, *, device=None, dtype=None, real: boo
     return out
 
 
-def measure_point(layer: LayerGraph, n: int) -> Point:
-    """Run the layer on fake CPU tensors with ``n`` samples; see the module docstring."""
+def measure_point(layer: LayerGraph, n: int, compute_dtype: torch.dtype | None = None) -> Point:
+    """Run the layer on fake CPU tensors with ``n`` samples; see the module docstring.
+
+    ``compute_dtype`` (mixed precision): the layer runs as the runtime runs it
+    (:mod:`galvatron_fx.runtime.precision`): floating inputs and parameters in that dtype, under
+    ``torch.autocast``; saved floating tensors are then counted in units of the compute dtype's
+    itemsize (an fp32 tensor autocast keeps, e.g. a loss's log-softmax, counts twice its elements),
+    so ``elements * itemsize`` is their exact bytes. NOTE: the autocast op policy is the CPU's (the
+    fake tensors live there); CUDA's keeps a few more ops (norms, softmax) in fp32.
+    """
     p = Point(n)
     # NOTE: fake tensors live on the CPU (also for meta-device models) so SDPA dispatches to the
     # flash kernel, which saves what the GPU flash kernels save (q, k, v, out, log-sum-exp), not
     # the math fallback's full attention matrix. The device constants the graph baked in are
     # retargeted to that device too (LayerGraph.on_device).
     with FakeTensorMode(allow_non_fake_inputs=True):
-        args = make_inputs(layer, n)
+        args = make_inputs(layer, n, dtype=compute_dtype)
         param_storages = {a.untyped_storage()._cdata for a, s in zip(args, layer.inputs)
                           if s.kind in ("param", "buffer")}
         saved: dict[int, tuple] = {}
@@ -268,7 +278,8 @@ def measure_point(layer: LayerGraph, n: int) -> Point:
                 saved[key] = (rec.producer.get(key), rec.current, t)
             return t
 
-        with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        autocast = torch.autocast("cpu", dtype=compute_dtype, enabled=compute_dtype is not None)
+        with counter, autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             outs = rec.run(*args)
         outs = [o for o in pytree.tree_leaves(outs) if isinstance(o, torch.Tensor)]
         for name, v in rec.node_flops.items():
@@ -281,7 +292,7 @@ def measure_point(layer: LayerGraph, n: int) -> Point:
             if not t.dtype.is_floating_point:
                 p.saved_other_bytes += nbytes
                 continue
-            elems = nbytes / t.dtype.itemsize
+            elems = nbytes / (compute_dtype or t.dtype).itemsize
             if producer is not None:
                 sharded = layer.out_sharded.get(producer, False)
             else:
@@ -315,13 +326,23 @@ def measure_point(layer: LayerGraph, n: int) -> Point:
 
 def _tp_collectives(layer: LayerGraph, values: dict, p: Point) -> None:
     """Megatron's TP collectives: an all-reduce of each row-parallel / vocab-parallel output in
-    forward, and of each replicated input of column-parallel ops (once per tensor) in backward."""
+    forward, and of each replicated input of column-parallel ops (once per tensor) in backward.
+    A vocabulary-parallel cross entropy all-reduces, in forward, the max of every token and then
+    its stacked sums (of exps, the target logit and, with label smoothing, the logits): ``tokens``
+    and ``2 x tokens`` (``3 x``) elements (:mod:`galvatron_fx.runtime.vocab_parallel`); its
+    backward is local."""
     names = {i.name for i in layer.inputs}
     col_inputs: list[str] = []
     for node in layer.gm.graph.nodes:
         role = layer.roles.get(node.name)
         if role in ("row", "vocab"):
             p.fwd_allreduce_elems.append(_numel(values[node.name]))
+        elif role == "vocab_loss":
+            from ..sharding.losses import bind_cross_entropy
+
+            ce = bind_cross_entropy(node)
+            tokens = _numel(values.get(ce.target.name)) if isinstance(ce.target, torch.fx.Node) else 1
+            p.fwd_allreduce_elems += [tokens, (3 if ce.label_smoothing else 2) * tokens]
         elif role == "column":
             src = node.args[0]
             if isinstance(src, torch.fx.Node) and src.name not in col_inputs:

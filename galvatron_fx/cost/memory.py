@@ -1,27 +1,35 @@
-"""Memory rules: model states (parameters, gradients, optimizer states) per device, in bytes.
+"""Memory rules: model states (parameters, gradients, optimizer states, masters) per device, in bytes.
 
 For a layer whose parameters have ``sharded`` elements TP splits (linear weights, column-parallel
 biases, vocab-parallel embeddings) and ``replicated`` elements it keeps whole (norms, row-parallel
-biases), one device holds ``n = ceil(sharded / tp) + replicated`` elements of each state, then:
+biases), one device holds ``n = ceil(sharded / tp) + replicated`` elements of each state. The
+runtime keeps them in one flat buffer per layer padded to a multiple of ``dp``
+(:func:`flat_layout`, shared with :mod:`galvatron_fx.runtime.data_parallel`): ``P`` padded
+elements, a ``S = P / dp`` shard per rank. With ``k`` optimizer states per parameter (Adam 2: first
+and second moments; SGD with momentum 1; SGD 0), per device:
 
-========================  ===========================  ==========================================
-state                     plain (``mixed=False``)       mixed precision (``mixed=True``)
-========================  ===========================  ==========================================
-parameters                ``n * w``                     ``n * w`` (low-precision working copy)
-gradients                 ``n * w``                     ``n * w``
-optimizer states          ``k * n * w``                 ``4 n`` (fp32 master copy) ``+ k * 4 n``
-========================  ===========================  ==========================================
+=============  ==========  ==========  ==========  ===========================================
+state          DP          ZeRO-2      ZeRO-3
+=============  ==========  ==========  ==========  ===========================================
+fp32 (``w = 4``, the parameters are their own masters)
+-------------------------------------------------------------------------------------------------
+params         ``4 P``     ``4 P``     ``4 S``     the buffer the layer reads (ZeRO-2: whole)
+grads          ``4 P``     ``4 S``     ``4 S``
+optimizer      ``4 k P``   ``4 k S``   ``4 k S``
+-------------  ----------  ----------  ----------  -------------------------------------------
+bf16-mixed / fp16-mixed (working copy in 2 bytes, fp32 masters, fp32 gradients)
+-------------------------------------------------------------------------------------------------
+params         ``2 P``     ``2 P``     0           the low-precision working copy at rest
+                                                   (ZeRO-3 gathers it per use: a transient)
+masters        ``4 P``     ``4 S``     ``4 S``     fp32, the Parameter the optimizer updates
+grads          ``4 P``     ``4 S``     ``4 S``     fp32 (accumulated and reduced in fp32)
+optimizer      ``4 k P``   ``4 k S``   ``4 k S``   fp32 moments
+=============  ==========  ==========  ==========  ===========================================
 
-``w`` is the training dtype's itemsize and ``k`` the optimizer's states per parameter (Adam 2:
-first and second moments; SGD with momentum 1; SGD 0). By plan precision: ``"fp32"`` is plain with
-``w = 4`` (Adam: 4 + 4 + 8 = 16 bytes per parameter); ``"bf16-mixed"`` / ``"fp16-mixed"`` are mixed
-with ``w = 2`` (Adam: 2 + 2 + (4 + 8) = 16 bytes per parameter: a 2-byte working copy the layers
-compute with, 2-byte gradients as they are reduced, and in the optimizer state the fp32 master
-copy and the fp32 moments it updates). These are the buffers the runtime holds (the fp32 path is
-checked byte for byte by tests/test_memory_equality_dist.py; a mixed-precision runtime holds the same). The runtime keeps each layer's ``n``
-elements in one flat buffer padded to a multiple of ``dp`` (:func:`flat_layout`, shared with
-:mod:`galvatron_fx.runtime.data_parallel`); plain DP holds the padded buffer, ZeRO-2 the padded
-parameters but a ``1/dp`` shard of gradients and optimizer states, ZeRO-3 a shard of all three.
+Adam per parameter, DP: 16 bytes in fp32, 18 mixed (the working copy on top of the fp32 states);
+ZeRO-3 mixed: ``16 / dp``. These are exactly the storages the runtime holds
+(:meth:`galvatron_fx.runtime.module.DistributedModel.states_bytes`, checked byte for byte by
+tests/test_memory_equality_dist.py and tests/test_mixed_precision_dist.py).
 """
 
 from __future__ import annotations
@@ -38,15 +46,16 @@ OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1}
 
 @dataclass(frozen=True)
 class StatesBytes:
-    """Per-device bytes of one layer's model states."""
+    """Per-device bytes of one layer's model states (module docstring)."""
 
     params: int
     grads: int
     optimizer: int
+    masters: int = 0
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer
+        return self.params + self.grads + self.optimizer + self.masters
 
 
 def optimizer_states(optimizer: str) -> int:
@@ -64,10 +73,13 @@ def per_tp_elements(sharded: int, replicated: int, tp: int) -> int:
 
 def states_bytes(sharded: int, replicated: int, strategy: Strategy, *, itemsize: int,
                  mixed_precision: bool = False, optimizer: str = "adam") -> StatesBytes:
-    """Per-device bytes of parameters, gradients and optimizer states (module docstring)."""
+    """Per-device bytes of parameters, gradients, optimizer states and masters (module docstring);
+    ``itemsize``: the compute dtype's (4 for fp32, 2 for a mixed plan's working copy)."""
     padded, shard = flat_layout(per_tp_elements(sharded, replicated, strategy.tp), strategy.dp)
     held = {"none": (padded, padded, padded), "zero2": (padded, shard, shard),
             "zero3": (shard, shard, shard)}[strategy.sdp]  # elements of params, grads, optimizer
     k = optimizer_states(optimizer)
-    opt = (4 + 4 * k) * held[2] if mixed_precision else k * held[2] * itemsize
-    return StatesBytes(held[0] * itemsize, held[1] * itemsize, opt)
+    if not mixed_precision:
+        return StatesBytes(held[0] * itemsize, held[1] * itemsize, k * held[2] * itemsize)
+    working = 0 if strategy.sdp == "zero3" else padded * itemsize
+    return StatesBytes(working, 4 * held[1], 4 * k * held[2], masters=4 * held[2])

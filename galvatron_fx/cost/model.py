@@ -27,10 +27,11 @@ Scaling rules (per device, per micro-batch unless noted), from the fake-tensor m
   recomputed activations under checkpointing.
 * **Precision** (``precision``): ``"fp32"`` computes and stores everything in fp32;
   ``"bf16-mixed"`` / ``"fp16-mixed"`` compute at the device's bf16 / fp16 peak (:meth:`Cluster.compute_time`),
-  keep activations, the working parameters, gradients and every collective in 2-byte elements,
-  and fp32 master weights and optimizer moments in the optimizer state (:mod:`.memory`: 16 bytes
-  per parameter under Adam either way, split 4 + 4 + 8 in fp32 and 2 + 2 + 12 mixed). The legacy
-  ``dtype`` / ``mixed_precision`` arguments are the same thing spelled apart.
+  keep activations and the working parameters in 2-byte elements (TP traffic, pipeline sends and
+  ZeRO's parameter gathers move 2 bytes per element), gradients in fp32 (reduced over DP in 4-byte
+  elements unless ``reduce_dtype`` is the compute dtype) and fp32 masters and optimizer moments
+  (:mod:`.memory` has the per-precision table, as :mod:`galvatron_fx.runtime.precision` runs it).
+  The legacy ``dtype`` / ``mixed_precision`` arguments are the same thing spelled apart.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from .measure import LayerMeasure, measure_layer
 from .memory import StatesBytes, states_bytes
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISION_DTYPES = {"fp32": ("fp32", False), "bf16-mixed": ("bf16", True), "fp16-mixed": ("fp16", True)}
 """precision -> (compute / storage dtype of parameters, gradients and activations, fp32 masters)."""
 B = sympy.Symbol("b", positive=True)
@@ -64,7 +66,8 @@ class LayerCost:
 
     ``fwd_s``/``bwd_s``/``tp_comm_s``/``zero3_gather_s``/``activation_bytes``/``output_bytes`` are per
     micro-batch; ``grad_sync_s`` per step; ``param_bytes``/``grad_bytes``/``optimizer_bytes``/
-    ``transient_bytes`` are resident (transient: the layer's largest temporary buffer).
+    ``master_bytes`` (fp32 masters of a mixed plan)/``transient_bytes`` are resident (transient:
+    the layer's largest temporary buffer).
     """
 
     fwd_s: float
@@ -78,10 +81,11 @@ class LayerCost:
     activation_bytes: float
     transient_bytes: float
     output_bytes: float
+    master_bytes: float = 0.0
 
     @property
     def states_bytes(self) -> float:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.master_bytes
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -116,7 +120,7 @@ class CostModel:
     def __init__(self, gm: torch.fx.GraphModule, cluster: Cluster, dtype: str = "fp32", mode: str = "analytic",
                  optimizer: str = "adam", mixed_precision: bool = False, reserve_bytes: int | str = "1GiB",
                  bucket_bytes: int | str = "25MiB", cache_dir=None, profile_sizes: tuple[int, ...] | None = None,
-                 precision: str | None = None):
+                 precision: str | None = None, reduce_dtype: str = "fp32"):
         if mode not in ("analytic", "profiled"):
             raise ConfigError(f"cost mode must be 'analytic' or 'profiled', got {mode!r}")
         if precision is not None:
@@ -130,6 +134,10 @@ class CostModel:
             raise ConfigError("mixed_precision=True needs dtype='bf16' or 'fp16' (the low-precision copy)")
         self.optimizer, self.mixed_precision = optimizer, mixed_precision
         self.precision = f"{self.dtype}-mixed" if mixed_precision else self.dtype
+        # gradients are reduced over DP in fp32 unless asked for the compute dtype (the runtime's
+        # ``reduce_dtype``); parameters, activations and TP traffic move in the compute dtype
+        self.compute_dtype = TORCH_DTYPES[self.dtype] if mixed_precision else None
+        self.reduce_itemsize = ITEMSIZE[normalize_dtype(reduce_dtype)] if mixed_precision else self.itemsize
         # NOTE: 0 (or "0", as a command line passes it) means no reserve; parse_bytes rejects zero sizes
         self.reserve_bytes = parse_bytes(reserve_bytes, "reserve") if reserve_bytes not in (0, "0", None) else 0
         self.bucket_bytes = parse_bytes(bucket_bytes, "bucket_bytes") if bucket_bytes else 0
@@ -155,7 +163,7 @@ class CostModel:
             analysis = self.tp_analysis(rec.index, 2)
             roles_from_analysis(graph, None if isinstance(analysis, Exception) else analysis)
             self.graphs[rec.signature] = graph
-            self.measures[rec.signature] = measure_layer(graph)
+            self.measures[rec.signature] = measure_layer(graph, compute_dtype=self.compute_dtype)
         self._profiles: dict[tuple, dict] = {}
 
     # ------------------------------------------------------------------ inputs
@@ -266,7 +274,7 @@ class CostModel:
         if key not in self._profiles:
             m = self.measures[sig]
             fs, fr = m.fwd_flops_sharded(1), m.fwd_flops_rep(1)
-            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]
+            dtype = TORCH_DTYPES[self.dtype]
             self._profiles[key] = profile_layer(
                 self.graphs[sig], tp=s.tp, sp=s.sp, ckpt=s.ckpt, dtype=dtype,
                 sharded_fraction=fs / (fs + fr) if fs + fr else 1.0,
@@ -297,7 +305,7 @@ class CostModel:
         st = self.states_bytes(index, s)
         p = self.layer_params(index, s.tp)
         elems_tp = math.ceil(p.sharded / s.tp) + p.replicated
-        full_params, full_grads = elems_tp * self.itemsize, elems_tp * self.itemsize
+        full_params, full_grads = elems_tp * self.itemsize, elems_tp * self.reduce_itemsize
         dpg = dp_group(s)
         ct = self.cluster.collective_time
         if s.sdp == "none":
@@ -317,7 +325,7 @@ class CostModel:
             transient += recompute
         out = m.output_elems(n) * self.itemsize / (s.tp if s.sp else 1)
         return LayerCost(fwd, bwd, self._tp_comm(m, n, s), sync, gather, st.params, st.grads, st.optimizer,
-                         act, transient, out)
+                         act, transient, out, st.masters)
 
     # ------------------------------------------------------------------ resharding
     def _gather_time(self, nbytes: float, have: Strategy, want: Strategy) -> float:

@@ -62,7 +62,8 @@ class FlatParams(nn.Module):
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor], mode: str, dp_ranks: Ranks, rank: int,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, compute_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None):
         super().__init__()
         if mode not in SDP_MODES:
             raise ValueError(f"sdp mode must be one of {SDP_MODES}, got {mode!r}")
@@ -78,6 +79,10 @@ class FlatParams(nn.Module):
         self.numel = n
         self.padded, self.shard_numel = flat_layout(n, self.dp)  # the cost model predicts the same
         first = next(iter(tensors.values()), torch.empty(0))
+        # mixed precision (runtime/precision.py): the Parameter is the fp32 master, the layer reads
+        # a working copy in ``compute_dtype``; gradients are reduced in ``reduce_dtype``
+        self.compute_dtype = compute_dtype if compute_dtype not in (None, first.dtype) else None
+        self.reduce_dtype = reduce_dtype or first.dtype
         full = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
         with torch.no_grad():
             for t, off in zip(tensors.values(), self.offsets):
@@ -85,38 +90,52 @@ class FlatParams(nn.Module):
         lo = self.dp_index * self.shard_numel
         if mode == "none":
             self.flat_param = nn.Parameter(full)
-            self.full = None
-        elif mode == "zero2":
+            self.full = full.to(self.compute_dtype) if self.mixed else None
+        elif mode == "zero2" and not self.mixed:
             self.full = full
             self.flat_param = nn.Parameter(full[lo:lo + self.shard_numel])  # a view: shares storage
         else:
             self.flat_param = nn.Parameter(full[lo:lo + self.shard_numel].clone())
-            self.full = full
-            _free(self.full)
+            self.full = full.to(self.compute_dtype) if self.mixed else full
+            if mode == "zero3":
+                _free(self.full)
         # zero3: set when a view of the buffer leaves the layer (tied weight): the buffer then
         # stays gathered from the layer's forward until its backward
         self.keep_gathered = False
         self.regather_in_backward = True  # zero3: False under checkpointing (recompute gathers)
         self._acc: torch.Tensor | None = None
         self._pending: list = []
-        self.stale = False   # zero2: the optimizer may have updated the shard since the last gather
+        self.stale = False   # the optimizer may have updated the masters since the working copy was made
         self.last_micro_batch = True
+
+    @property
+    def mixed(self) -> bool:
+        """The layer computes on a low-precision working copy of fp32 masters."""
+        return self.compute_dtype is not None
 
     def extra_repr(self) -> str:
         return (f"mode={self.mode}, dp_ranks={self.dp_ranks}, params={len(self.fqns)}, "
                 f"numel={self.numel}, padded={self.padded}")
 
     # ------------------------------------------------------------------ buffer
+    def working(self) -> torch.Tensor:
+        """The whole buffer the layer computes with (``_LayerParams``): the masters (fp32 DP),
+        the replicated buffer (ZeRO-2), the low-precision copy (mixed DP) or, gathered now, ZeRO-3's."""
+        if self.mode == "zero3":
+            return self.gather_full()
+        return self.full if self.full is not None else self.flat_param.data
+
     def gather_full(self) -> torch.Tensor:
-        """zero3: all-gather the whole buffer into ``self.full``'s storage (allocating it)."""
+        """zero3: all-gather the whole buffer into ``self.full``'s storage (allocating it); mixed:
+        the shards are cast first, so the gather moves low-precision bytes."""
         if self.full.untyped_storage().size() == 0:
             self.full.untyped_storage().resize_(self.padded * self.full.element_size())
             with torch.no_grad():
+                shard = self.flat_param.data.to(self.full.dtype)
                 if self.dp == 1:
-                    self.full.data.copy_(self.flat_param.data)
+                    self.full.data.copy_(shard)
                 else:
-                    all_gather_single(self.full.data, self.flat_param.data.contiguous(),
-                                                group=group(self.dp_ranks))
+                    all_gather_single(self.full.data, shard.contiguous(), group=group(self.dp_ranks))
         return self.full
 
     def free_full(self) -> None:
@@ -125,23 +144,43 @@ class FlatParams(nn.Module):
             _free(self.full)
 
     def unsharded(self) -> dict[str, torch.Tensor]:
-        """fqn -> a copy of this rank's whole parameter (zero3 gathers: collective over DP)."""
-        if self.mode == "zero3":
-            full = _gathered_copy(self.flat_param.data, self.padded, self.dp_ranks)
+        """fqn -> a copy of this rank's whole parameter, from the masters (ZeRO gathers the
+        shards unless ZeRO-2's fp32 buffer already holds them: collective over DP)."""
+        if self.mode == "none":
+            full = self.flat_param.data.clone()
+        elif self.mode == "zero2" and not self.mixed:
+            full = self.full.clone()
         else:
-            full = (self.full if self.mode == "zero2" else self.flat_param.data).clone()
+            full = _gathered_copy(self.flat_param.data, self.padded, self.dp_ranks)
         return {fqn: full[off:off + math.prod(shape)].view(shape)
                 for fqn, off, shape in zip(self.fqns, self.offsets, self.shapes)}
 
+    @torch.no_grad()
+    def load_full(self, full: torch.Tensor) -> None:
+        """Set the masters from ``full`` (this rank's whole padded buffer, master dtype) and rebuild
+        the working copy from it (no collective)."""
+        lo = self.dp_index * self.shard_numel
+        if self.mode == "zero2" and not self.mixed:
+            self.full.copy_(full)                 # flat_param is this rank's view of it
+        elif self.mode == "none":
+            self.flat_param.copy_(full)
+        else:
+            self.flat_param.copy_(full[lo:lo + self.shard_numel])
+        if self.mixed and self.mode != "zero3":
+            self.full.copy_(full)
+        self.free_full()
+        self.stale = False
+
     # --------------------------------------------------------------- gradients
     def on_grad(self, grad: torch.Tensor) -> None:
-        """Backward of the layer-entry call: ``grad`` is the whole-buffer gradient of one pass."""
+        """Backward of the layer-entry call: ``grad`` is the whole-buffer gradient of one pass (in
+        the working copy's dtype); accumulation over micro-batches is in the masters' dtype."""
         if self.mode == "zero3":
             self._launch_reduce_scatter(grad)
             self.free_full()
             return
         if self._acc is None:
-            self._acc = grad.detach().clone()
+            self._acc = grad.detach().to(self.flat_param.dtype, copy=True)
         else:
             self._acc.add_(grad)
         if not self.last_micro_batch:
@@ -152,6 +191,7 @@ class FlatParams(nn.Module):
         elif self.dp == 1:
             self._pending.append((None, acc))
         else:
+            acc = acc.to(self.reduce_dtype)
             step = max(1, self.bucket_bytes // acc.element_size())
             for lo in range(0, acc.numel(), step):
                 bucket = acc[lo:lo + step]
@@ -160,30 +200,33 @@ class FlatParams(nn.Module):
 
     def _launch_reduce_scatter(self, grad: torch.Tensor) -> None:
         if self.dp == 1:
-            self._pending.append((None, grad.detach().clone()))
+            self._pending.append((None, grad.detach().to(self.flat_param.dtype, copy=True)))
             return
+        grad = grad.to(self.reduce_dtype)
         out = grad.new_empty(self.shard_numel)
         work = reduce_scatter_single(out, grad.contiguous(), group=group(self.dp_ranks), async_op=True)
         self._pending.append((work, grad))   # keep the input alive until the op completes
         self._pending.append((None, out))
 
     def finish_grad_sync(self) -> None:
-        """Wait for this layer's collectives and set ``flat_param.grad`` (sum of the results)."""
+        """Wait for this layer's collectives and set ``flat_param.grad`` (sum of the results, in the
+        masters' dtype)."""
         total = None
         for work, _value in self._pending:
             if work is not None:
                 work.wait()
         for work, value in self._pending:
             if work is None:
+                value = value.to(self.flat_param.dtype)
                 total = value if total is None else total + value
         self._pending = []
         self._acc = None
         if total is not None:
             self.flat_param.grad = total.detach()
-        # NOTE: whatever optimizer the user built may now update this rank's shard; the whole
-        # ZeRO-2 buffer is re-gathered before it is read next (sync_after_step), so no hook on
-        # the user's optimizer is needed.
-        self.stale = self.mode == "zero2" and self.dp > 1
+        # NOTE: whatever optimizer the user built may now update the masters; the working copy
+        # (ZeRO-2's whole buffer, a mixed DP copy) is rebuilt before it is read next
+        # (sync_after_step), so no hook on the user's optimizer is needed.
+        self.stale = (self.mode == "zero2" and (self.dp > 1 or self.mixed)) or (self.mode == "none" and self.mixed)
 
     def zero_grad_state(self) -> None:
         """Start of a step: no gradient, no pending op, no stale gathered buffer."""
@@ -192,12 +235,18 @@ class FlatParams(nn.Module):
         self.free_full()
 
     def sync_after_step(self) -> None:
-        """zero2: all-gather the shards into the whole buffer when they may have changed since the
-        last gather (an optimizer step, a checkpoint load); collective over DP, a no-op otherwise."""
-        if self.stale:
-            with torch.no_grad():
-                all_gather_single(self.full, self.flat_param.data.clone(), group=group(self.dp_ranks))
-            self.stale = False
+        """Rebuild the working copy when the masters may have changed since it was made (an
+        optimizer step, a checkpoint load): ZeRO-2 all-gathers the (low-precision) shards
+        (collective over DP), mixed DP casts locally; a no-op otherwise."""
+        if not self.stale:
+            return
+        with torch.no_grad():
+            if self.mode == "none" or self.dp == 1:
+                self.full.copy_(self.flat_param.data)
+            else:
+                all_gather_single(self.full, self.flat_param.data.to(self.full.dtype, copy=True),
+                                  group=group(self.dp_ranks))
+        self.stale = False
 
 
 def _free(t: torch.Tensor) -> None:
@@ -220,11 +269,7 @@ class _LayerParams(torch.autograd.Function):
     @staticmethod
     def forward(ctx, flat_param, store: FlatParams):
         ctx.store = store
-        if store.mode == "zero3":
-            return store.gather_full().data
-        if store.mode == "zero2":
-            return store.full.data
-        return flat_param.data
+        return store.working().data
 
     @staticmethod
     def backward(ctx, grad):

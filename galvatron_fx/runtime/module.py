@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.fx
+from torch.utils._pytree import tree_map_only
 
 from ..errors import ConfigError
 from .data_parallel import FlatParams
 from .groups import Layout
+from .precision import DynamicLossScaler, Precision
 from .reshard import slice_input
 
 
@@ -40,9 +42,13 @@ class DistributedModel(torch.fx.GraphModule):
 
     def setup(self, plan, rank: int, loss_fn, output_layout: Layout, stores: list[FlatParams],
               tp_shards: dict[str, tuple[object, tuple[int, ...]]],
-              token_loss: TokenLoss | None = None) -> DistributedModel:
+              token_loss: TokenLoss | None = None, precision: Precision | None = None) -> DistributedModel:
         self.plan, self.rank, self.loss_fn = plan, rank, loss_fn
         self.token_loss = token_loss
+        self.precision = precision or Precision()
+        # fp16-mixed: dynamic loss scaling (runtime/precision.py); ``loss_scaler.last_skipped``
+        # says whether the last train_step dropped its gradients after an overflow
+        self.loss_scaler = DynamicLossScaler() if self.precision.loss_scaling else None
         self.output_layout = output_layout
         self._stores = stores
         self._tp_shards = tp_shards
@@ -83,9 +89,17 @@ class DistributedModel(torch.fx.GraphModule):
             loss = self._loss(self(*inputs), targets)
             (loss * self.loss_scale).backward()
             total = loss.detach() if total is None else total + loss.detach()
+        self.finish_grad_sync()
+        return self.global_loss(total)
+
+    def finish_grad_sync(self) -> None:
+        """End of a step's backward: wait for the DP reductions and fill the masters' ``.grad``;
+        fp16: unscale them, or drop them on every rank after an inf/NaN on any rank (collective
+        over the world)."""
         for s in self._stores:
             s.finish_grad_sync()
-        return self.global_loss(total)
+        if self.loss_scaler is not None:
+            self.loss_scaler.unscale_or_skip(self._stores)
 
     def _micro_batches(self, args, kwargs, where: str) -> list[tuple[list, list]]:
         """Match the inputs, prepare the step (the token count of a token loss; ZeRO-2's re-gather
@@ -105,8 +119,10 @@ class DistributedModel(torch.fx.GraphModule):
     def loss_scale(self) -> float:
         """What each micro-batch's loss is scaled by before backward so that the DP *sum* of
         gradients is the gradient of the global loss: ``1 / (dp * m)`` for a mean over this
-        rank's slice, 1 for a token loss (already its share of the global mean)."""
-        return 1.0 if self.token_loss is not None else 1.0 / (self.output_layout.dp * self.plan.micro_batches)
+        rank's slice, 1 for a token loss (already its share of the global mean); times the
+        dynamic loss scale under fp16 (:meth:`finish_grad_sync` divides it out again)."""
+        share = 1.0 if self.token_loss is not None else 1.0 / (self.output_layout.dp * self.plan.micro_batches)
+        return share * (self.loss_scaler.scale if self.loss_scaler is not None else 1.0)
 
     def global_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
         """The global-batch loss from this rank's sum of micro-batch losses (collective; the same
@@ -141,6 +157,8 @@ class DistributedModel(torch.fx.GraphModule):
 
     def _loss(self, out, targets):
         if self.loss_fn is not None:
+            if self.precision.mixed:   # the user's loss runs on fp32 outputs (the loss is fp32)
+                out = tree_map_only(torch.Tensor, lambda t: t.float() if t.is_floating_point() else t, out)
             return self.loss_fn(out, *targets)
         if isinstance(out, (tuple, list)):
             out = out[0]
@@ -181,9 +199,11 @@ class DistributedModel(torch.fx.GraphModule):
         return out
 
     def states_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """This rank's measured bytes of parameters, gradients and optimizer states, counting
-        each storage once (``params`` includes ZeRO-2's whole buffer; ZeRO-3's gathered buffer is
-        empty at rest). Keys ``params``, ``grads``, ``optimizer``, ``total``."""
+        """This rank's measured bytes of model states, counting each storage once: ``params`` the
+        buffers the layers compute with (fp32: the parameters themselves, ZeRO-2's whole buffer
+        included; mixed: the low-precision working copies; ZeRO-3's gathered buffer is empty at
+        rest), ``masters`` the fp32 masters of a mixed plan (0 for fp32), ``grads``, ``optimizer``
+        and ``total``."""
         seen: set[int] = set()
 
         def size(tensors) -> int:
@@ -196,13 +216,17 @@ class DistributedModel(torch.fx.GraphModule):
                 n += st.nbytes()
             return n
 
-        params = size([s.flat_param for s in self._stores] + [s.full for s in self._stores if s.full is not None])
+        working = [s.full for s in self._stores if s.full is not None]
+        mixed = any(s.mixed for s in self._stores)
+        masters = size([s.flat_param for s in self._stores]) if mixed else 0
+        params = size(working if mixed else [s.flat_param for s in self._stores] + working)
         grads = size([s.flat_param.grad for s in self._stores if s.flat_param.grad is not None])
         opt = 0
         if optimizer is not None:
             opt = size([v for st in optimizer.state.values() for v in st.values()
                         if isinstance(v, torch.Tensor) and v.dim() > 0])
-        return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
+        return {"params": params, "masters": masters, "grads": grads, "optimizer": opt,
+                "total": params + masters + grads + opt}
 
 
 def match_inputs(names: list[str], args: tuple, kwargs: dict, where: str) -> tuple[list, list]:
@@ -241,8 +265,11 @@ def _world_mean(local: torch.Tensor) -> torch.Tensor:
 def gather_outputs(per_micro_batch: list, lay: Layout, rank: int):
     """Graph outputs of every micro-batch on this rank -> the global batch's, on every rank of the
     output DP group: batched tensors (dim 0 = this rank's slice) all-gathered over DP, then the
-    micro-batches concatenated; scalars (the loss) are dropped to ``None``."""
+    micro-batches concatenated; scalars (the loss) are dropped to ``None``. Vocab-sharded logits
+    (:func:`~.vocab_parallel.vocab_shard_output`: training keeps only each TP rank's slice) are
+    first assembled over their TP group."""
     from .groups import group
+    from .vocab_parallel import assemble_output
 
     single = not isinstance(per_micro_batch[0], (tuple, list))
     rows = [[o] if single else list(o) for o in per_micro_batch]
@@ -255,6 +282,7 @@ def gather_outputs(per_micro_batch: list, lay: Layout, rank: int):
             if not isinstance(t, torch.Tensor) or t.dim() == 0:
                 parts = None
                 break
+            t = assemble_output(t)
             if lay.dp > 1:
                 chunks = [torch.empty_like(t) for _ in ranks]
                 dist.all_gather(chunks, t.contiguous(), group=group(ranks))

@@ -219,8 +219,7 @@ class PipelineModel(nn.Module):
         kw = {"target": torch.arange(m), "return_outputs": False} if info.is_last else {}
         step(*local, **kw) if info.index == 0 else step(**kw)
         if train:
-            for s in self.stage.stores:
-                s.finish_grad_sync()
+            self.stage.finish_grad_sync()
         else:
             for s in self.stage.stores:
                 s.free_full()

@@ -58,7 +58,7 @@ def layer_terms(cost: Any, cluster: Any) -> LayerTerms:
     compute = cost.fwd_s + cost.bwd_s
     t_mb = cluster.overlap_time(compute, cost.zero3_gather_s) + cost.tp_comm_s
     sync = cluster.overlap_time(cost.bwd_s, cost.grad_sync_s) - cost.bwd_s
-    states = cost.param_bytes + cost.grad_bytes + cost.optimizer_bytes
+    states = cost.states_bytes
     return LayerTerms(t_mb, sync, states, cost.activation_bytes, cost.transient_bytes)
 
 
