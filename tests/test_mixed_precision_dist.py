@@ -217,3 +217,36 @@ def test_transformers_model_trains_bf16_through_torch_compile(kind, spec, tmp_pa
         assert r["masters"]                                  # the user's parameters stay fp32 masters
         assert ours != ref32
         assert _rel(ours, ref16) <= 3 * _rel(ref16, ref32) + 1e-6, r
+
+
+# ------------------------------------------------------------------ checkpoints hold the fp32 masters
+def _resume(rank, world, precision, path):
+    import galvatron_fx as gfx
+
+    torch.manual_seed(0)
+    model, args = gfx.models.build("gpt-tiny", device="cpu", **GPT)
+    gm = gfx.capture(model, args, method="fx")
+    plan = gfx.Plan.uniform(gm, world_size=world, dp=2, sdp="zero2", global_batch_size=GPT["batch"],
+                            precision=precision)
+    batches = _batches(args, 3)
+    dm = gfx.transform(gm, plan=plan)
+    opt = torch.optim.AdamW(dm.parameters(), lr=LR)
+    for b in batches[:2]:
+        dm.train_step(*b)
+        opt.step()
+    gfx.checkpoint.save(dm, opt, path, step=2)
+    masters = [s.flat_param.detach().clone() for s in dm.stores]
+    uninterrupted = dm.train_step(*batches[2]).item()
+    dm2 = gfx.transform(gm, plan=plan)
+    opt2 = torch.optim.AdamW(dm2.parameters(), lr=LR)
+    gfx.checkpoint.load(dm2, opt2, path)
+    exact = all(torch.equal(a, s.flat_param) for a, s in zip(masters, dm2.stores))
+    return dict(uninterrupted=uninterrupted, resumed=dm2.train_step(*batches[2]).item(), masters_exact=exact,
+                dtypes=sorted({str(s.flat_param.dtype) for s in dm2.stores}))
+
+
+@pytest.mark.parametrize("precision", [pytest.param("fp32", marks=pytest.mark.matrix), "bf16-mixed"])
+def test_zero2_checkpoint_resumes_bit_exactly_from_fp32_masters(precision, tmp_path):
+    for r in run_distributed(_resume, 2, precision, str(tmp_path / "ckpt"), timeout=300):
+        assert r["masters_exact"] and r["dtypes"] == ["torch.float32"], r
+        assert r["resumed"] == r["uninterrupted"], r
