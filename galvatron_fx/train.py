@@ -23,14 +23,27 @@ from .errors import ConfigError
 
 
 def synthetic_batch(example: tuple, step: int, seed: int) -> tuple:
-    """``example`` re-sampled for ``step``: integer tensors uniformly in ``[0, max]`` (negative entries,
-    e.g. ignore-index labels, stay), floats ~ N(0, 1), anything else unchanged."""
+    """``example`` re-sampled for ``step`` as a *learnable* task, so the loss visibly falls.
+
+    Each sample ``b`` draws a start ``s_b``; every integer tensor with a sequence dim holds the
+    progression ``(s_b + j) mod high`` along dim 1 (``high = max + 1`` of the example tensor: token
+    ids and, for causal LMs, the labels alike, so the next token is always the current one plus 1),
+    integer tensors of one dim hold ``s_b mod high``; negative entries (ignore-index labels) stay;
+    floats ~ N(0, 1); anything else unchanged."""
     g = torch.Generator().manual_seed(seed * 100003 + step)
+    batch = next((int(t.shape[0]) for t in example if isinstance(t, torch.Tensor) and t.dim() >= 1), 1)
+    start = torch.randint(0, 2**30, (batch,), generator=g)
     out = []
     for t in example:
-        if isinstance(t, torch.Tensor) and t.dtype in (torch.int32, torch.int64) and t.numel():
-            new = torch.randint(0, int(t.max()) + 1, t.shape, generator=g, dtype=t.dtype)
-            out.append(torch.where(t < 0, t, new).to(t.device))
+        if isinstance(t, torch.Tensor) and t.dtype in (torch.int32, torch.int64) and t.numel() and t.dim() >= 1:
+            high = int(t.max()) + 1
+            s = start[:t.shape[0]].view(-1, *([1] * (t.dim() - 1)))
+            if t.dim() >= 2:
+                pos = torch.arange(t.shape[1]).view(1, -1, *([1] * (t.dim() - 2)))
+                new = (s + pos).expand(t.shape) % high
+            else:
+                new = s % high
+            out.append(torch.where(t < 0, t, new.to(t.dtype).to(t.device)))
         elif isinstance(t, torch.Tensor) and t.is_floating_point():
             out.append(torch.randn(t.shape, generator=g, dtype=t.dtype).to(t.device))
         else:

@@ -21,5 +21,8 @@ def test_main_job_trains_the_searched_plan_like_one_device(tmp_path):
     rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.e+-]+)$", out.stdout, flags=re.M)
     assert len(rows) == 20, out.stdout[-3000:]
     assert all(float(rel) <= 1e-5 for *_, rel in rows)
+    first, last = float(rows[0][2]), float(rows[-1][2])
+    assert last <= 0.8 * first, (first, last)     # a learnable task: the loss falls by >= 20 %
+    assert "estimated" in out.stdout
     assert "baseline" in out.stdout and "searched" in out.stdout
     assert (tmp_path / "plan.json").exists() and (tmp_path / "cluster.json").exists()
