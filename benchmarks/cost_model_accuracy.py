@@ -139,7 +139,10 @@ def main() -> None:
     write_json(args.json, {"model": "gpt-tiny", "overrides": model_kw(args), "mode": args.mode,
                            "plans": results,
                            "cluster": ranks[0]["cluster"], "budget_bytes": ranks[0]["budget_bytes"],
-                           "profile_s": ranks[0]["profile_s"], "wall_s": wall})
+                           "profile_s": ranks[0]["profile_s"], "wall_s": wall,
+                           "summary": {"step_time_median_abs_err": sorted(errs)[len(errs) // 2],
+                                       "step_time_max_abs_err": max(errs), "states_exact": st_exact,
+                                       "activation_max_rel_err": max(act_errs)}})
 
 
 if __name__ == "__main__":
