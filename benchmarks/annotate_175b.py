@@ -39,7 +39,8 @@ def main() -> None:
     print(f"capture: {t1 - t0:.1f} s, annotation: {t2 - t1:.1f} s (target < 60 s)")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"capture_s": t1 - t0, "annotate_s": t2 - t1, "layers": len(cm.layers),
+            json.dump({"summary": {"capture_s": t1 - t0, "annotate_s": t2 - t1},
+                       "capture_s": t1 - t0, "annotate_s": t2 - t1, "layers": len(cm.layers),
                        "rows": [{"layer": i, "strategy": s.label, **c.to_dict()} for i, s, c in rows]}, fh, indent=1)
 
 

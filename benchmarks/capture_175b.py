@@ -54,7 +54,9 @@ def main() -> None:
     worst = max(r["capture_s"] for r in results.values())
     print(f"summary: slowest capture {worst:.1f} s, largest peak "
           f"{max(r['peak_rss_bytes'] for r in results.values()) / 2**30:.2f} GiB")
-    write_json(args.json, {"model": args.model, "results": results})
+    write_json(args.json, {"model": args.model, "results": results,
+                           "summary": {"slowest_capture_s": worst,
+                                       "peak_rss_bytes_max": max(r["peak_rss_bytes"] for r in results.values())}})
 
 
 if __name__ == "__main__":

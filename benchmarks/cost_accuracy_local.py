@@ -56,7 +56,8 @@ def main() -> None:
         print(f"{r['what']:>32} {r['predicted']:12.3f} {r['measured']:12.3f} {r['error_pct']:8.1f}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
+            json.dump({"rows": rows, "summary": {"time_max_abs_err_pct": max(abs(r["error_pct"]) for r in rows[:-1]),
+                                                 "activation_err_pct": rows[-1]["error_pct"]}}, fh, indent=1)
 
 
 if __name__ == "__main__":
