@@ -5,6 +5,8 @@ parameters is rewritten by :func:`flatten_layer_params` for its plan entry (``sd
 of the rank layout in :mod:`galvatron_fx.runtime.groups`): all-reduced (``sdp="none"``),
 reduce-scattered with replicated parameters (``"zero2"``) or sharded and all-gathered around use
 (``"zero3"``); see :mod:`galvatron_fx.runtime.data_parallel`. The stores land in ``ctx.stores``.
+Layers with ``sdp="none"`` of one DP group share DDP-style gradient buckets
+(:class:`~galvatron_fx.runtime.data_parallel.GradBuckets`, ``ctx.bucket_bytes`` each).
 Under a mixed-precision policy (``ctx.precision``) each buffer holds fp32 masters and a
 low-precision working copy the layer reads (:mod:`galvatron_fx.runtime.precision`).
 
@@ -30,7 +32,7 @@ import torch.fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..ir import layer_module_name
-from ..runtime.data_parallel import ENTRY, FlatParams, param_view, zero3_release
+from ..runtime.data_parallel import ENTRY, FlatParams, GradBuckets, param_view, zero3_release
 from ..runtime.groups import Layout
 from .base import check
 from .context import ContextPass
@@ -49,6 +51,7 @@ class DataParallelPass(ContextPass):
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         ctx = self.ctx
+        buckets: dict[tuple, GradBuckets] = {}
         for i, lp in enumerate(ctx.stage_plan.layers):
             layer = getattr(graph_module, layer_module_name(i))
             ranks = Layout(lp.tp, lp.dp, base=ctx.base).dp_ranks(ctx.rank)
@@ -56,6 +59,9 @@ class DataParallelPass(ContextPass):
                                          compute_dtype=ctx.precision.compute_dtype,
                                          reduce_dtype=ctx.precision.reduce_dtype)
             if store is not None:
+                if store.mode == "none" and store.dp > 1:
+                    key = (store.dp_ranks, store.reduce_dtype)
+                    store.buckets = buckets.setdefault(key, GradBuckets(store.dp_ranks, ctx.bucket_bytes))
                 ctx.stores.append(store)
         return PassResult(graph_module, bool(ctx.stores))
 

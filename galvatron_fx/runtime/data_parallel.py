@@ -9,7 +9,9 @@ and decides what its backward does:
 ``sdp``    rank holds at rest          forward                     backward (gradient of buffer)
 =========  ==========================  ==========================  ============================
 "none"     whole buffer (a Parameter)  ``dp_params``: nothing      accumulate; last micro-batch:
-                                                                   async all-reduce per bucket
+                                                                   into the DP group's buckets
+                                                                   (:class:`GradBuckets`), async
+                                                                   all-reduce per full bucket
 "zero2"    whole buffer; the Parameter ``zero2_params``: nothing    accumulate; last micro-batch:
            is this rank's 1/dp view                                async reduce-scatter
 "zero3"    its 1/dp shard only         ``zero3_all_gather``;        async reduce-scatter each
@@ -25,9 +27,9 @@ buffer (the shard *is* a view of it, so the step already updated this rank's par
 NOTE: why not DDP / FSDP2. Layers here are fx submodules that share the default world with
 per-layer DP groups, tied weights cross layers (BERT's decoder reads the embedding) and the cost
 model predicts state bytes from storages. One autograd Function at the entry of each layer fires
-exactly once per layer per backward, when the layer's whole gradient is complete: the natural
-bucket (overlap granularity = one layer; ``bucket_bytes`` splits big layers into several async
-all-reduces). Owning the storages makes ZeRO-2 (replicated params, sharded grads and optimizer
+exactly once per layer per backward, when the layer's whole gradient is complete; DP layers then
+fill DDP-style cross-layer buckets of ``bucket_bytes`` (in reverse layer order, overlapped with the
+rest of the backward). Owning the storages makes ZeRO-2 (replicated params, sharded grads and optimizer
 states) exact, which FSDP2 has no mode for, and keeps the measured bytes equal to the model's.
 """
 
@@ -107,6 +109,9 @@ class FlatParams(nn.Module):
         self._pending: list = []
         self.stale = False   # the optimizer may have updated the masters since the working copy was made
         self.last_micro_batch = True
+        # sdp="none", dp > 1: the DDP-style buckets shared with the other layers of this DP group
+        # (GradBuckets); None: one all-reduce per layer (split in bucket_bytes pieces)
+        self.buckets: GradBuckets | None = None
 
     @property
     def mixed(self) -> bool:
@@ -190,6 +195,8 @@ class FlatParams(nn.Module):
             self._launch_reduce_scatter(acc)
         elif self.dp == 1:
             self._pending.append((None, acc))
+        elif self.buckets is not None:
+            self.buckets.add(self, acc.to(self.reduce_dtype))
         else:
             acc = acc.to(self.reduce_dtype)
             step = max(1, self.bucket_bytes // acc.element_size())
@@ -211,6 +218,8 @@ class FlatParams(nn.Module):
     def finish_grad_sync(self) -> None:
         """Wait for this layer's collectives and set ``flat_param.grad`` (sum of the results, in the
         masters' dtype)."""
+        if self.buckets is not None:
+            self.buckets.finish()   # the first store to finish hands every store of its buckets its part
         total = None
         for work, _value in self._pending:
             if work is not None:
@@ -231,6 +240,8 @@ class FlatParams(nn.Module):
     def zero_grad_state(self) -> None:
         """Start of a step: no gradient, no pending op, no stale gathered buffer."""
         self._pending, self._acc = [], None
+        if self.buckets is not None:
+            self.buckets.reset()
         self.flat_param.grad = None
         self.free_full()
 
@@ -247,6 +258,53 @@ class FlatParams(nn.Module):
                 all_gather_single(self.full, self.flat_param.data.to(self.full.dtype, copy=True),
                                   group=group(self.dp_ranks))
         self.stale = False
+
+
+class GradBuckets:
+    """DDP-style gradient buckets across the ``sdp="none"`` layers of one DP group.
+
+    Layers hand their finished (accumulated) gradients over in backward order (:meth:`add`); once
+    ``bucket_bytes`` are collected they are concatenated into one buffer and all-reduced
+    asynchronously (overlapping the rest of the backward); :meth:`finish` launches the last partial
+    bucket, waits, and gives each layer its slice of the reduced buffers. Every rank of the group
+    sees the same layers in the same order, so all form the same buckets. Transient memory: one
+    bucket (the concatenated copy) per bucket in flight.
+    """
+
+    def __init__(self, ranks: Ranks, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.ranks, self.bucket_bytes = tuple(ranks), int(bucket_bytes)
+        self._open: list[tuple[FlatParams, torch.Tensor]] = []
+        self._open_bytes = 0
+        self._in_flight: list[tuple[object, torch.Tensor, list[tuple[FlatParams, int]]]] = []
+
+    def add(self, store: FlatParams, grad: torch.Tensor) -> None:
+        self._open.append((store, grad))
+        self._open_bytes += grad.numel() * grad.element_size()
+        if self._open_bytes >= self.bucket_bytes:
+            self._launch()
+
+    def _launch(self) -> None:
+        if not self._open:
+            return
+        parts = [(st, g.numel()) for st, g in self._open]
+        flat = torch.cat([g.reshape(-1) for _, g in self._open]) if len(self._open) > 1 else self._open[0][1]
+        work = dist.all_reduce(flat, group=group(self.ranks), async_op=True)
+        self._in_flight.append((work, flat, parts))
+        self._open, self._open_bytes = [], 0
+
+    def finish(self) -> None:
+        """Launch the open bucket, wait for all, append each layer's reduced slice to its pending list."""
+        self._launch()
+        for work, flat, parts in self._in_flight:
+            work.wait()
+            off = 0
+            for st, n in parts:
+                st._pending.append((None, flat[off:off + n]))
+                off += n
+        self._in_flight = []
+
+    def reset(self) -> None:
+        self._open, self._open_bytes, self._in_flight = [], 0, []
 
 
 def _free(t: torch.Tensor) -> None:
