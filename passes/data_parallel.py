@@ -25,7 +25,6 @@ layer has no trainable parameter.
 
 from __future__ import annotations
 
-import operator
 
 import torch
 import torch.fx
@@ -36,7 +35,7 @@ from ..runtime.data_parallel import ENTRY, FlatParams, GradBuckets, param_view, 
 from ..runtime.groups import Layout
 from .base import check
 from .context import ContextPass
-from .split_layers import is_trainable_param
+from .split_layers import is_trainable_param, layer_outputs, route_outputs
 
 
 class DataParallelPass(ContextPass):
@@ -110,19 +109,12 @@ def flatten_layer_params(layer: torch.fx.GraphModule, mode: str, dp_ranks, rank:
         views.add(view)
         owner, name = _fetch_owner(layer, n.target)
         delattr(owner, name)
-    out = next(n for n in graph.nodes if n.op == "output")
-    outs = out.args[0]
-    single = not isinstance(outs, (tuple, list))
-    outs_t = (outs,) if single else tuple(outs)
     if mode == "zero3":
-        if any(o in views for o in outs_t):
+        if any(o in views for o in layer_outputs(graph)[1]):
             store.keep_gathered = True   # a tied weight leaves the layer: keep it until backward
         else:
             store.regather_in_backward = not ckpt
-            with graph.inserting_before(out):
-                rel = graph.call_function(zero3_release, (fp, outs_t))
-                new = [graph.call_function(operator.getitem, (rel, i)) for i in range(len(outs_t))]
-            out.args = (new[0] if single else tuple(new),)
+            route_outputs(graph, zero3_release, fp)
     layer.delete_all_unused_submodules()
     graph.lint()
     layer.recompile()

@@ -18,7 +18,6 @@ the compute dtype, so both ends of a p2p transfer agree on it. See
 from __future__ import annotations
 
 import dataclasses
-import operator
 
 import torch
 import torch.fx
@@ -29,7 +28,7 @@ from ..runtime.pipeline import pass_on
 from ..runtime.precision import cast_input, enter_autocast, exit_autocast
 from .base import check
 from .context import ContextPass
-from .split_layers import layer_calls
+from .split_layers import layer_calls, route_outputs
 
 
 class MixedPrecisionPass(ContextPass):
@@ -78,14 +77,7 @@ def autocast_layer(layer: torch.fx.GraphModule, device_type: str, dtype: torch.d
                 cast = graph.call_function(cast_input, (p, dtype))
                 p.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
                 cast.meta = dict(p.meta)
-    out = next(n for n in graph.nodes if n.op == "output")
-    outs = out.args[0]
-    single = not isinstance(outs, (tuple, list))
-    outs_t = (outs,) if single else tuple(outs)
-    with graph.inserting_before(out):
-        done = graph.call_function(exit_autocast, (ac, outs_t))
-        new = [graph.call_function(operator.getitem, (done, i)) for i in range(len(outs_t))]
-    out.args = (new[0] if single else tuple(new),)
+    route_outputs(graph, exit_autocast, ac)
     graph.lint()
     layer.recompile()
 

@@ -50,6 +50,24 @@ def layer_calls(top: torch.fx.GraphModule) -> dict[int, torch.fx.Node]:
     return calls
 
 
+def layer_outputs(graph: torch.fx.Graph) -> tuple[torch.fx.Node, tuple]:
+    """A layer graph's output node and its values as a tuple (one bare value -> a 1-tuple)."""
+    out = next(n for n in graph.nodes if n.op == "output")
+    outs = out.args[0]
+    return out, (outs,) if not isinstance(outs, (tuple, list)) else tuple(outs)
+
+
+def route_outputs(graph: torch.fx.Graph, fn, *lead_args) -> None:
+    """Make a layer graph return ``fn(*lead_args, outputs)[i]`` instead of each output ``i``
+    (``fn`` returns the outputs, e.g. after releasing a buffer or leaving autocast)."""
+    out, outs_t = layer_outputs(graph)
+    single = not isinstance(out.args[0], (tuple, list))
+    with graph.inserting_before(out):
+        done = graph.call_function(fn, (*lead_args, outs_t))
+        new = [graph.call_function(operator.getitem, (done, i)) for i in range(len(outs_t))]
+    out.args = (new[0] if single else tuple(new),)
+
+
 def is_split(gm: torch.fx.GraphModule) -> bool:
     """Whether ``gm`` is a top graph of this pass (it calls ``layers_<i>`` submodules)."""
     return bool(layer_calls(gm))
