@@ -1,51 +1,49 @@
-"""Plan-portable, atomic training checkpoints on ``torch.distributed.checkpoint`` (DCP).
+"""Sharded, plan-portable, atomic training checkpoints on ``torch.distributed.checkpoint`` (DCP).
 
     gfx.checkpoint.save(dist_model, optimizer, "ckpt/step-100", step=100)    # collective
+    pending = gfx.checkpoint.save(dm, opt, path, step=100, async_save=True)  # training goes on
+    pending.result()                                                         # path, once complete
     step = gfx.checkpoint.load(dist_model, optimizer, "ckpt/step-100")       # collective, any plan
-    state = gfx.checkpoint.consolidate("ckpt/step-100")                      # no process group
-    model.load_state_dict(state, strict=False)                               # the original nn.Module
+    gfx.checkpoint.consolidate("ckpt/step-100", "export/")                   # one process: safetensors
+    state = gfx.checkpoint.consolidate("ckpt/step-100")                      # or fqn -> tensor
     path = gfx.checkpoint.latest("ckpt")                                     # newest complete one
 
-What is stored (plan independent). One DCP entry per original parameter FQN and per optimizer
-state of it, always the *whole* tensor, whatever the plan sharded:
+What is stored. One DCP tensor per original parameter FQN and per optimizer state of it, each the
+*global* (unsharded) tensor as a table of chunks; **every rank writes only elements it holds**, at
+their global offsets (:mod:`galvatron_fx.runtime.chunks`: a layer's ZeRO range of its flat buffer
+intersected with each TP-local slice, as boxes of the global tensor), no gathering:
 
 =========================  ===================================================================
-``model.<fqn>``            the full parameter (flat-buffer slice, ZeRO shards gathered over DP,
-                           TP shards reassembled with ``sharding.unshard``)
-``optim.<fqn>.<key>``      an elementwise optimizer state of it, reassembled the same way
-                           (AdamW: ``exp_avg``, ``exp_avg_sq``), or a 0-dim one (``step``)
+``model.<fqn>``            the parameter's fp32 masters
+``optim.<fqn>.<key>``      an elementwise optimizer state of it (AdamW: ``exp_avg``,
+                           ``exp_avg_sq``), same chunks; a 0-dim one (``step``) whole
 =========================  ===================================================================
 
 plus ``galvatron_checkpoint.json`` (the completion marker: step, world size, the saving plan's
-shape, optimizer hyper-parameters). Because the entries are plan independent, a checkpoint saved
-under one plan loads under any other plan of the same model (DP2 -> TP2, TP2 -> PP2, ZeRO-3 -> a
-searched plan, fewer devices after a failure): :func:`load` reads the whole tensors its rank's
-layers need and cuts this rank's TP shard and ZeRO shard out of them.
+shape, optimizer hyper-parameters) and, when ``save(..., config=...)`` got a transformers config,
+``hf_config.json``. Each element is written by exactly one rank: DP replicas split ownership as
+ZeRO shards would, TP rank 0 writes what TP keeps whole, stages own their layers; DCP checks that
+the chunks tile every tensor. On load, :func:`load` asks for the elements its plan holds (any
+plan, any world size) and DCP reads them from whichever chunks overlap, straight into the flat
+buffers and optimizer states.
 
-NOTE: why whole tensors rather than DTensor/ShardedTensor local shards. A layer's ZeRO shard is a
-range of a flat buffer of *TP-local* parameter slices, possibly of several fused q/k/v blocks:
-not a rectangular piece of any original parameter, which DCP's resharding needs. Gathering to
-whole tensors is exact and simple; DCP's planner then de-duplicates the replicated entries, so each
-tensor is written once, by one rank (``dedup_save_plans``), in parallel over the ranks that own
-different tensors (pipeline stages write their own layers). The cost is one transient whole copy
-of a layer's states per rank while saving: fine for the models a CPU test or a restart handles,
-and the place to switch to per-parameter local shards when states outgrow a rank.
-
-Atomicity. :func:`save` writes into ``<path>.tmp-<step>``; after a barrier rank 0 writes the marker
-(fsynced) and renames the directory into place (an older ``path`` is moved aside first and removed
-after). A rank killed mid-save leaves only the ``.tmp-`` directory, which has no marker and which
-:func:`load` refuses with :class:`IncompleteCheckpointError`; the previous checkpoint is untouched.
-All ranks must see one shared filesystem (the usual DCP assumption).
+Atomicity. :func:`save` writes into ``<path>.tmp-<step>``. DCP's coordinator commits a save only
+after every rank's data is written (``StorageWriter.finish``); its ``CommittingWriter`` then
+writes the marker (fsynced) and renames the directory into place (an older ``path`` is moved aside
+first and removed after). A rank killed mid-save leaves only the ``.tmp-`` directory, which has no
+marker, which :func:`load` refuses with :class:`IncompleteCheckpointError` and :func:`latest`
+skips; the previous checkpoint is untouched. An ``async_save`` commits the same way, from DCP's
+background thread. All ranks must see one shared filesystem (the usual DCP assumption).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import time
 import warnings
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -53,131 +51,177 @@ import torch.distributed as dist
 from .errors import ConfigError
 
 MARKER = "galvatron_checkpoint.json"
-FORMAT = "galvatron_fx.checkpoint/1"
+HF_CONFIG = "hf_config.json"
+FORMAT = "galvatron_fx.checkpoint/2"
+#: formats :func:`load` reads (/1: whole tensors, the same entries; DCP reshards them the same way)
+READABLE = ("galvatron_fx.checkpoint/1", FORMAT)
 
 
 class IncompleteCheckpointError(ConfigError):
     """A checkpoint directory without its completion marker (a save that did not finish)."""
 
 
+class AsyncSave:
+    """A save in flight (``save(..., async_save=True)``): :meth:`result` waits for it and returns
+    the checkpoint path (re-raising a failure); :meth:`done` polls. The next :func:`save` or
+    :func:`load` on this process waits for it first."""
+
+    def __init__(self, future: Future, path: str):
+        self._future, self.path = future, path
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> str:
+        self._future.result(timeout)
+        return self.path
+
+
+_PENDING: list[AsyncSave] = []
+_GROUP: dict[str, object] = {}   # "world": the default group it was made in, "group": DCP's group
+
+
 # ----------------------------------------------------------------------------- public API
 def save(dist_model, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike, *,
-         step: int = 0) -> str:
-    """Write model (and optimizer) state of ``dist_model`` to ``path`` atomically; collective.
+         step: int = 0, async_save: bool = False, config=None) -> str | AsyncSave:
+    """Write the masters (and optimizer states) of ``dist_model`` to ``path`` atomically; collective.
 
     Args:
         dist_model: what :func:`galvatron_fx.transform` returned (pp = 1 or pp > 1).
-        optimizer: ``dist_model.optimizer(...)`` or ``None`` (parameters only).
+        optimizer: an optimizer over ``dist_model.parameters()`` or ``None`` (parameters only).
         path: the checkpoint directory (replaced if it exists, only once the new one is complete).
         step: the training step, returned by :func:`load`.
-    Returns the path.
+        async_save: copy this rank's pieces (its share of the states) and return an
+            :class:`AsyncSave` at once; DCP writes them in a background thread while training
+            goes on.
+        config: the model's transformers config (a ``PretrainedConfig``, its dict, or the model
+            itself), stored so that :func:`consolidate` can write ``config.json`` for
+            ``from_pretrained``.
+    Returns the path (or, with ``async_save``, the pending save).
+
+    Memory: a synchronous save hands DCP views of the buffers, pieces of at most one bucket
+    (``bucket_bytes``): no copy on CPU; from an accelerator DCP copies the pieces to host memory.
+    An async save holds a host copy of this rank's pieces until they are written.
     """
-    path = os.fspath(path)
-    tmp = f"{path}.tmp-{int(step)}"
-    rank = dist.get_rank()
-    if rank == 0 and os.path.exists(tmp):   # left over from a save that was killed
-        shutil.rmtree(tmp)
-    dist.barrier()
-    state = state_dict(dist_model, optimizer)
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state, checkpoint_id=tmp)
-    dist.barrier()
+    from .runtime.sharded_state import ChunkSavePlanner, CommittingWriter, save_state
+
+    _wait_pending()
+    path = os.fspath(path)
+    tmp = f"{path}.tmp-{int(step)}"
+    stage = _stage(dist_model)
+    pg = _checkpoint_group()
+    rank = dist.get_rank()
+    marker = _marker(dist_model, optimizer, step) if rank == 0 else None
+    hf = _hf_config(config)   # on every rank: a bad config fails everywhere, before any collective
     if rank == 0:
-        _write_marker(tmp, dist_model, optimizer, step)
-        old = f"{path}.old-{int(step)}"
-        if os.path.exists(path):
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if os.path.exists(old):
-            shutil.rmtree(old)
-    dist.barrier()
-    return path
+        if os.path.exists(tmp):   # left over from a save that was killed
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+        if hf is not None:
+            with open(os.path.join(tmp, HF_CONFIG), "w") as f:
+                json.dump(hf, f, indent=1, sort_keys=True)
+    dist.barrier(group=pg)
+    writer = CommittingWriter(tmp, lambda: _commit(tmp, path, marker))
+    if not async_save:
+        dcp.save(save_state(stage, optimizer), storage_writer=writer, planner=ChunkSavePlanner(), process_group=pg)
+        return path
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    class _Staged(AsyncStager):   # save_state(copy=True) is the staging copy already
+        _synchronize_after_execute = False
+
+        def stage(self, state_dict):
+            return state_dict
+
+    future = dcp.async_save(save_state(stage, optimizer, copy=True), storage_writer=writer,
+                            planner=ChunkSavePlanner(), process_group=pg, async_stager=_Staged())
+    pending = AsyncSave(future, path)
+    _PENDING.append(pending)
+    return pending
 
 
 def load(dist_model, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> int:
-    """Restore ``dist_model`` (and ``optimizer``) from a checkpoint saved under *any* plan of the
-    same model; collective. Returns the saved step.
+    """Restore ``dist_model`` (and ``optimizer``) from a checkpoint saved under *any* plan and world
+    size of the same model; collective. Every replica ends consistent (ZeRO-2's whole buffers are
+    re-gathered). Returns the saved step.
 
     Raises:
         IncompleteCheckpointError: ``path`` has no completion marker (an interrupted save).
         ConfigError: no checkpoint at ``path``, or it lacks parameters of this model.
     """
-    path = os.fspath(path)
-    marker = read_marker(path)
     import torch.distributed.checkpoint as dcp
 
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    from .runtime.sharded_state import ChunkLoadPlanner, load_state
+
+    path = os.fspath(path)
+    _wait_pending()   # this process's async save may be the one to load
+    marker = read_marker(path)
     stage = _stage(dist_model)
-    flat_params = {id(s.flat_param) for s in stage.stores}
     if optimizer is not None:
         mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        if not flat_params <= mine:
-            raise ConfigError("the optimizer does not hold this model's parameters; build it with "
-                              "dist_model.optimizer(...) before gfx.checkpoint.load")
-    want: dict[str, torch.Tensor] = {}
-    opt_keys: dict[str, list[str]] = {}
-    for s in stage.stores:
-        for fqn, _shape in zip(s.fqns, s.shapes):
-            key = f"model.{fqn}"
-            if key not in meta:
-                raise ConfigError(f"checkpoint {path!r} has no parameter {fqn!r}: it was saved for another "
-                                  "model; load a checkpoint of this model or start from scratch")
-            want[key] = torch.empty(meta[key].size, dtype=meta[key].properties.dtype)
-            if optimizer is not None:
-                prefix = f"optim.{fqn}."
-                keys = [k[len(prefix):] for k in meta if k.startswith(prefix)]
-                opt_keys[fqn] = keys
-                for k in keys:
-                    m = meta[prefix + k]
-                    want[prefix + k] = torch.empty(m.size, dtype=m.properties.dtype)
-    dcp.load(want, checkpoint_id=path)
+        if not {id(s.flat_param) for s in stage.stores} <= mine:
+            raise ConfigError("the optimizer does not hold this model's parameters; build it over "
+                              "dist_model.parameters() before gfx.checkpoint.load")
+    reader = dcp.FileSystemReader(path)
+    state, finish = load_state(stage, optimizer, reader.read_metadata(), path)
     with torch.no_grad():
-        for s in stage.stores:
-            s.load_full(_local_buffer(s, stage, lambda fqn: want[f"model.{fqn}"]))
-            if optimizer is None:
-                continue
-            keys = opt_keys[s.fqns[0]] if s.fqns else []
-            st = {}
-            for k in keys:
-                first = want[f"optim.{s.fqns[0]}.{k}"]
-                if first.dim() == 0:
-                    st[k] = first.clone()
-                else:
-                    st[k] = _my_shard(s, _local_buffer(s, stage, lambda fqn: want[f"optim.{fqn}.{k}"]))
-            optimizer.state[s.flat_param] = st
+        dcp.load(state, storage_reader=reader, planner=ChunkLoadPlanner(), process_group=_checkpoint_group())
+    finish()
     if optimizer is not None:
         _restore_hparams(optimizer, marker.get("param_groups") or [])
     return int(marker["step"])
 
 
-def consolidate(path: str | os.PathLike, *, optimizer: bool = False) -> dict[str, torch.Tensor]:
-    """The whole checkpoint in one process, no process group needed: ``fqn -> tensor`` that
-    ``original_model.load_state_dict(state, strict=False)`` accepts (tied weights appear under one
-    name). With ``optimizer=True`` the keys keep their ``model.`` / ``optim.`` prefixes."""
+def consolidate(path: str | os.PathLike, out_dir: str | os.PathLike | None = None, *,
+                optimizer: bool = False):
+    """The whole checkpoint in one process, no process group needed.
+
+    With ``out_dir``: write the original model's state dict (the masters, original FQNs, tied
+    weights under one name) as ``out_dir/model.safetensors``, streamed tensor by tensor (memory:
+    about the largest tensor), plus ``config.json`` when the save recorded a transformers config,
+    so that ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads the trained weights; returns
+    ``out_dir``. Without: returns ``fqn -> tensor`` that ``original_model.load_state_dict(state,
+    strict=False)`` accepts (the whole model in memory); with ``optimizer=True`` the keys keep their
+    ``model.`` / ``optim.`` prefixes (and the optimizer states are included).
+    """
     path = os.fspath(path)
     read_marker(path)
-    import torch.distributed.checkpoint as dcp
+    from .consolidation import stream_safetensors, tensor_entries
 
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    want = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
-            if hasattr(m, "size") and (optimizer or k.startswith("model."))}
-    with warnings.catch_warnings():   # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(want, checkpoint_id=path, no_dist=True)
-    if optimizer:
-        return want
-    return {k[len("model."):]: v for k, v in want.items()}
+    entries = tensor_entries(path, optimizer=optimizer)
+    if out_dir is None:
+        state = _read(path, {k: torch.empty(size, dtype=dtype) for k, (size, dtype) in entries.items()})
+        return state if optimizer else {k[len("model."):]: v for k, v in state.items()}
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    names = {k: (k if optimizer else k[len("model."):]) for k in entries}
+    stream_safetensors(os.path.join(out_dir, "model.safetensors"), entries, names,
+                       lambda want: _read(path, want))
+    hf = os.path.join(path, HF_CONFIG)
+    if os.path.isfile(hf):
+        with open(hf) as f:
+            config = json.load(f)
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
+    return out_dir
 
 
 def latest(root: str | os.PathLike) -> str | None:
     """The complete checkpoint under ``root`` with the highest step (``None`` if there is none);
-    interrupted saves (``*.tmp-*``, no marker) are skipped."""
+    interrupted saves (``*.tmp-*``, no marker) are skipped. A ``*.old-*`` directory (a replaced
+    checkpoint, removed once its successor is in place) counts only if its successor is missing,
+    i.e. the saver died between the two renames."""
     root = os.fspath(root)
     best = None
-    for name in os.listdir(root) if os.path.isdir(root) else []:
+    names = os.listdir(root) if os.path.isdir(root) else []
+    for name in names:
         full = os.path.join(root, name)
-        if ".tmp-" in name or ".old-" in name or not os.path.isfile(os.path.join(full, MARKER)):
+        if ".tmp-" in name or not os.path.isfile(os.path.join(full, MARKER)):
+            continue
+        if ".old-" in name and name.rsplit(".old-", 1)[0] in names:
             continue
         try:
             step = read_marker(full)["step"]
@@ -190,6 +234,7 @@ def latest(root: str | os.PathLike) -> str | None:
 
 def read_marker(path: str) -> dict:
     """The completion marker of checkpoint ``path`` (raises if missing: the save did not finish)."""
+    path = os.fspath(path)
     if not os.path.isdir(path):
         parent = os.path.dirname(path) or "."
         tmp = [n for n in (os.listdir(parent) if os.path.isdir(parent) else [])
@@ -208,69 +253,51 @@ def read_marker(path: str) -> dict:
     except (OSError, ValueError) as exc:
         raise IncompleteCheckpointError(f"checkpoint {path!r} has an unreadable {MARKER} ({exc}); "
                                         "load the previous checkpoint") from exc
-    if data.get("format") != FORMAT:
-        raise ConfigError(f"checkpoint {path!r} has format {data.get('format')!r}, expected {FORMAT!r}")
+    if data.get("format") not in READABLE:
+        raise ConfigError(f"checkpoint {path!r} has format {data.get('format')!r}, expected one of {READABLE}")
     return data
 
 
-# ------------------------------------------------------------------- plan-independent state
-def state_dict(dist_model, optimizer: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:
-    """This rank's plan-independent entries (see the module docstring); collective over the
-    layers' DP and TP groups. Every rank holding a layer returns its whole tensors."""
-    stage = _stage(dist_model)
-    out: dict[str, torch.Tensor] = {}
-    for s in stage.stores:
-        _add_whole(out, "model.", "", s, stage, s.flat_param.data)
-        if optimizer is None:
-            continue
-        st = optimizer.state.get(s.flat_param, {})
-        for k in sorted(st):
-            v = st[k]
-            if not isinstance(v, torch.Tensor):
-                continue
-            if v.dim() == 0:
-                for fqn in s.fqns:
-                    out[f"optim.{fqn}.{k}"] = v.detach().clone()
-            elif v.shape == s.flat_param.shape:
-                _add_whole(out, "optim.", f".{k}", s, stage, v.detach())
-    return out
+# ------------------------------------------------------------------------------ internals
+def _commit(tmp: str, path: str, marker: dict) -> None:
+    """Rank 0, once every rank's data and DCP's metadata are on disk: the marker, then the rename."""
+    with open(os.path.join(tmp, MARKER), "w") as f:
+        json.dump(marker, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    old = f"{path}.old-{marker['step']}"
+    if os.path.exists(old):
+        shutil.rmtree(old)
+    if os.path.exists(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    if os.path.exists(old):
+        shutil.rmtree(old)
 
 
-def _add_whole(out, prefix, suffix, s, stage, local: torch.Tensor) -> None:
-    from .runtime.data_parallel import _gathered_copy
-    from .runtime.module import _unshard
+def _checkpoint_group():
+    """A gloo group over the world for DCP's collectives (created once per world, collectively).
 
-    full = local if s.mode == "none" else _gathered_copy(local, s.padded, s.dp_ranks)
-    for fqn, off, shape in zip(s.fqns, s.offsets, s.shapes):
-        t = full[off:off + math.prod(shape)].view(shape)
-        if fqn in stage._tp_shards:
-            info, ranks = stage._tp_shards[fqn]
-            t = _unshard(t, info, ranks)
-        out[f"{prefix}{fqn}{suffix}"] = t.detach().clone()
+    NOTE: a group of its own because an async save runs DCP's collectives from a background thread
+    while training runs its own; gloo because DCP coordinates on CPU tensors."""
+    if _GROUP.get("world") is not dist.group.WORLD:   # first save, or a re-initialised world
+        _GROUP.update(world=dist.group.WORLD, group=dist.new_group(backend="gloo"))
+    return _GROUP["group"]
 
 
-def _local_buffer(s, stage, whole_of) -> torch.Tensor:
-    """The layer's padded flat buffer on this rank (TP-local slices) from whole tensors."""
-    from .sharding import shard_tensor
-
-    buf = torch.zeros(s.padded, dtype=s.flat_param.dtype)
-    for fqn, off, shape in zip(s.fqns, s.offsets, s.shapes):
-        t = whole_of(fqn)
-        if fqn in stage._tp_shards:
-            info, ranks = stage._tp_shards[fqn]
-            t = shard_tensor(t, info, ranks.index(stage.rank))
-        if tuple(t.shape) != tuple(shape):
-            raise ConfigError(f"checkpoint parameter {fqn!r} has shape {tuple(t.shape)}, this model needs "
-                              f"{tuple(shape)} (per rank); it was saved for a different model configuration")
-        buf[off:off + t.numel()].copy_(t.reshape(-1))
-    return buf.to(s.flat_param.device)
+def _wait_pending() -> None:
+    while _PENDING:
+        _PENDING.pop(0).result()
 
 
-def _my_shard(s, full: torch.Tensor) -> torch.Tensor:
-    if s.mode == "none":
-        return full
-    lo = s.dp_index * s.shard_numel
-    return full[lo:lo + s.shard_numel].clone()
+def _read(path: str, want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``want`` (key -> an empty whole tensor) filled from checkpoint ``path`` in this process."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():   # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(want, checkpoint_id=path, no_dist=True)
+    return want
 
 
 def _stage(dist_model):
@@ -284,20 +311,33 @@ def _stage(dist_model):
     return stage
 
 
-def _write_marker(tmp: str, dist_model, optimizer, step: int) -> None:
+def _hf_config(config) -> dict | None:
+    """A transformers config (or the model holding one, or its dict) as the dict of ``config.json``."""
+    if config is None:
+        return None
+    model = config if isinstance(config, torch.nn.Module) else None
+    config = getattr(model, "config", config)
+    if isinstance(config, dict):
+        return dict(config)
+    if not hasattr(config, "to_json_string"):
+        raise ConfigError(f"config= takes a transformers PretrainedConfig, its dict or the model, "
+                          f"got {type(config).__name__}")
+    data = json.loads(config.to_json_string(use_diff=False))   # what save_pretrained writes
+    if not data.get("architectures") and model is not None:
+        data["architectures"] = [type(model).__name__]
+    return data
+
+
+def _marker(dist_model, optimizer, step: int) -> dict:
     plan = dist_model.plan
     groups = []
     for g in (optimizer.param_groups if optimizer is not None else []):
         groups.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
                        if k != "params" and isinstance(v, (int, float, bool, str, tuple, type(None)))})
-    data = {"format": FORMAT, "step": int(step), "world_size": dist.get_world_size(), "time": time.time(),
+    return {"format": FORMAT, "step": int(step), "world_size": dist.get_world_size(), "time": time.time(),
             "plan": {"pp": plan.pp, "micro_batches": plan.micro_batches,
                      "layers": [[lp.tp, lp.dp, lp.sdp] for lp in plan.layers]},
             "param_groups": groups}
-    with open(os.path.join(tmp, MARKER), "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _restore_hparams(optimizer: torch.optim.Optimizer, saved: list[dict]) -> None:

@@ -171,6 +171,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    """Write checkpoint CKPT's model weights as safetensors (+ config.json) into --out, one process."""
+    from .checkpoint import consolidate
+
+    out = consolidate(args.checkpoint, args.out)
+    progress(f"wrote {os.path.join(out, 'model.safetensors')}"
+             + (" and config.json" if os.path.isfile(os.path.join(out, "config.json")) else ""))
+    return 0
+
+
 def _write_json(path: str, data: dict) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2, sort_keys=True)
@@ -249,6 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override (repeatable)")
     p.add_argument("--json", metavar="PATH", help="write the training log (rank 0)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("consolidate", help="export a checkpoint as safetensors (one process)",
+                       description="Read checkpoint CKPT (gfx.checkpoint.save, any plan) in this one process "
+                                   "and write the original model's state dict as DIR/model.safetensors, tensor "
+                                   "by tensor (memory: about the largest tensor), plus DIR/config.json when the "
+                                   "save recorded a transformers config (then from_pretrained(DIR) loads it).")
+    p.add_argument("checkpoint", metavar="CKPT", help="a complete checkpoint directory")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (created)")
+    p.set_defaults(func=cmd_consolidate)
     return parser
 
 

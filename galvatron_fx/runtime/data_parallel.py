@@ -160,21 +160,13 @@ class FlatParams(nn.Module):
         return {fqn: full[off:off + math.prod(shape)].view(shape)
                 for fqn, off, shape in zip(self.fqns, self.offsets, self.shapes)}
 
-    @torch.no_grad()
-    def load_full(self, full: torch.Tensor) -> None:
-        """Set the masters from ``full`` (this rank's whole padded buffer, master dtype) and rebuild
-        the working copy from it (no collective)."""
-        lo = self.dp_index * self.shard_numel
-        if self.mode == "zero2" and not self.mixed:
-            self.full.copy_(full)                 # flat_param is this rank's view of it
-        elif self.mode == "none":
-            self.flat_param.copy_(full)
-        else:
-            self.flat_param.copy_(full[lo:lo + self.shard_numel])
-        if self.mixed and self.mode != "zero3":
-            self.full.copy_(full)
+    def masters_changed(self) -> None:
+        """The masters (``flat_param``) were or may be overwritten in place (an optimizer step to
+        come, a checkpoint load): drop ZeRO-3's gathered buffer and mark a working copy that is not
+        the masters themselves stale (:meth:`sync_after_step` rebuilds it; collective over DP for
+        ZeRO-2)."""
         self.free_full()
-        self.stale = False
+        self.stale = (self.mode == "zero2" and (self.dp > 1 or self.mixed)) or (self.mode == "none" and self.mixed)
 
     # --------------------------------------------------------------- gradients
     def on_grad(self, grad: torch.Tensor) -> None:
@@ -235,7 +227,7 @@ class FlatParams(nn.Module):
         # NOTE: whatever optimizer the user built may now update the masters; the working copy
         # (ZeRO-2's whole buffer, a mixed DP copy) is rebuilt before it is read next
         # (sync_after_step), so no hook on the user's optimizer is needed.
-        self.stale = (self.mode == "zero2" and (self.dp > 1 or self.mixed)) or (self.mode == "none" and self.mixed)
+        self.masters_changed()
 
     def zero_grad_state(self) -> None:
         """Start of a step: no gradient, no pending op, no stale gathered buffer."""
