@@ -9,11 +9,15 @@ cache off. Inputs: batch 4, sequence 16 (targets of encoder-decoders 8), images 
 * ``blocks``: block layers found / expected (the config's layer count; encoder + decoder layers for
   T5/BART, text + vision layers for CLIP, the sum of the stage depths for Swin);
 * ``tp2 states``: states bytes of the block layers at tp=2 over tp=1 (cost model on 2xA100-80GB):
-  0.5 when TP shards every block parameter, 1.0 when it shards none;
+  0.5 when TP shards every block parameter, 1.0 when it shards none (dynamo capture; the export
+  capture's figure follows after a slash where it differs);
 * ``meta plan``: built under ``torch.device("meta")``, captured (dynamo), and
   ``gfx.search(gm, 8xH100-80GB, "80GiB", 8)``;
-* ``tp2`` / ``zero3`` / ``pp2``: on 2 gloo ranks, 5 AdamW steps (lr 1e-3, eps 1e-6) of
-  ``Plan.uniform(tp=2)`` / ``(sdp="zero3")`` / ``(pp=2, micro_batches=2)`` from a dynamo capture:
+* ``head tp2``: the cost model's activation bytes of the LM head (the ``post`` layer) per sample at
+  tp=2 over tp=1, for the language models with the vocabulary ``HEAD_VOCAB`` (32 x hidden, the
+  ratio of real LMs; the vocabulary-parallel loss keeps 1/tp of the logits' bytes);
+* ``tp2`` / ``tp2sp`` / ``zero3`` / ``pp2``: on 2 gloo ranks, 5 AdamW steps (lr 1e-3, eps 1e-6) of
+  ``Plan.uniform(tp=2)`` / ``(tp=2, sp=True)`` / ``(sdp="zero3")`` / ``(pp=2, micro_batches=2)`` from a dynamo capture:
   the largest relative loss error over the steps against the eager model on one device (``ok``
   below ``--tol``), or the error's first line. The three plans run in one spawned world per model.
   NOTE: CLIP's contrastive loss is not a mean over samples (every sample is a negative of the
@@ -47,6 +51,7 @@ NOTE: the sequence differs from the batch: the local-batch pass cannot tell a ba
 the batch from an equal sequence length."""
 TRAIN_PLANS = {  # column -> Plan.uniform keywords on 2 ranks
     "tp2": dict(tp=2, dp=1),
+    "tp2sp": dict(tp=2, dp=1, sp=True),
     "zero3": dict(sdp="zero3"),
     "pp2": dict(pp=2, dp=1, micro_batches=2),
 }
@@ -121,11 +126,15 @@ def error_line(exc: BaseException) -> str:
     return head
 
 
-def _config(name: str):
+HEAD_VOCAB = 1024
+"""Vocabulary of the ``head tp2`` column: 32 x the hidden size 32 (Llama-3: 128k / 4096)."""
+
+
+def _config(name: str, vocab_size: int | None = None):
     import transformers
 
     cfg_cls, _, kw, _ = ARCHS[name]
-    cfg = getattr(transformers, cfg_cls)(**kw)
+    cfg = getattr(transformers, cfg_cls)(**(kw if vocab_size is None else dict(kw, vocab_size=vocab_size)))
     for sub in [cfg] + [getattr(cfg, k) for k in ("text_config", "vision_config") if hasattr(cfg, k)]:
         for key in NO_DROPOUT:
             if hasattr(sub, key):
@@ -170,13 +179,14 @@ def inputs(name: str, device: str = "cpu") -> dict:
     return dict(kw, return_loss=True) if kind == "clip" else kw
 
 
-def build(name: str, device: str = "cpu"):
-    """``(model, kwargs)``: the seeded model in eval mode (no dropout) on ``device`` and its inputs."""
+def build(name: str, device: str = "cpu", vocab_size: int | None = None):
+    """``(model, kwargs)``: the seeded model in eval mode (no dropout) on ``device`` and its inputs
+    (``vocab_size``: another vocabulary than the tiny config's; the inputs stay below 64)."""
     import transformers
 
     torch.manual_seed(0)
     with torch.device(device):
-        model = getattr(transformers, ARCHS[name][1])(_config(name))
+        model = getattr(transformers, ARCHS[name][1])(_config(name, vocab_size))
     return model.eval(), inputs(name, device)
 
 
@@ -185,10 +195,10 @@ def tensor_inputs(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
 
 
-def capture(name: str, method: str, device: str = "cpu"):
+def capture(name: str, method: str, device: str = "cpu", vocab_size: int | None = None):
     import galvatron_fx as gfx
 
-    model, kw = build(name, device)
+    model, kw = build(name, device, vocab_size)
     try:
         return gfx.capture(model, (), kwargs=kw, method=method)
     finally:
@@ -207,6 +217,20 @@ def tp2_states_ratio(gm) -> float:
         raise ValueError("no block layers")
     tp = {t: sum(cm.layer_cost(i, Strategy(tp=t, dp=1), BATCH).states_bytes for i in blocks) for t in (1, 2)}
     return tp[2] / tp[1]
+
+
+def head_activation_ratio(name: str, method: str = "dynamo", vocab_size: int = HEAD_VOCAB, sp: bool = False) -> float:
+    """Activation bytes of the LM head (the ``post`` layer) per sample at tp=2 (with or without sp)
+    over tp=1, from the cost model on 2xA100-80GB in fp32, with vocabulary ``vocab_size``."""
+    import galvatron_fx as gfx
+    from galvatron_fx.planner import cost_model_for
+    from galvatron_fx.solver.strategy import Strategy
+
+    gm = capture(name, method, vocab_size=vocab_size)
+    cm = cost_model_for(gm, gfx.Cluster.preset("2xA100-80GB"), precision="fp32")
+    post = next(la.index for la in gfx.layers(gm) if la.kind == "post")
+    act = {tp: cm.layer_cost(post, Strategy(tp=tp, dp=1, sp=sp and tp > 1), BATCH).activation_bytes for tp in (1, 2)}
+    return act[2] / act[1]
 
 
 def meta_plan(name: str) -> str:
@@ -305,6 +329,10 @@ def coverage_row(name: str, train: bool = True, timeout: float = 300.0, steps: i
     row["layers"] = None if gm is None else [la.name for la in gfx.layers(gm)]
     row["tp2_states_ratio"], row["tp2_states_error"] = _attempt(tp2_states_ratio, gm) if gm is not None \
         else (None, "no capture")
+    if graphs["export"] is not None:
+        row["tp2_states_ratio_export"], _ = _attempt(tp2_states_ratio, graphs["export"])
+    if ARCHS[name][3] in ("lm", "seq2seq"):
+        row["head_tp2_act_ratio"], row["head_tp2_act_error"] = _attempt(head_activation_ratio, name)
     plan, err = _attempt(meta_plan, name)
     row["meta_plan"] = plan or err
     if train:
@@ -312,6 +340,14 @@ def coverage_row(name: str, train: bool = True, timeout: float = 300.0, steps: i
             row[f"train_{label}"] = value
     row["seconds"] = time.perf_counter() - t0
     return row
+
+
+def _states_cell(r: dict) -> str:
+    """``tp2 states``: the dynamo figure, then the export one where it differs."""
+    dyn, exp = r["tp2_states_ratio"], r.get("tp2_states_ratio_export")
+    if dyn is None:
+        return _cell(r["tp2_states_error"], 0)
+    return f"{dyn:.3f}" if exp is None or abs(exp - dyn) < 5e-4 else f"{dyn:.3f} / {exp:.3f}"
 
 
 def _train_ok(value, tol: float) -> bool:
@@ -329,6 +365,9 @@ def summary(rows: list[dict], tol: float) -> dict:
         "median_tp2_states_ratio": statistics.median(ratios) if ratios else None,
         "train_tol": tol,
     }
+    heads = [r["head_tp2_act_ratio"] for r in rows if r.get("head_tp2_act_ratio") is not None]
+    if heads:
+        out["max_head_tp2_act_ratio"] = max(heads)
     for label in TRAIN_PLANS:
         if any(f"train_{label}" in r for r in rows):
             out[f"train_ok_{label}"] = sum(_train_ok(r.get(f"train_{label}"), tol) for r in rows)
@@ -340,6 +379,13 @@ def _cell(value, tol: float, width: int = 28) -> str:
         return f"{value:.1e}" + ("" if value <= tol else " (>tol)")
     text = str(value)
     return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _head_cell(row: dict) -> str:
+    if "head_tp2_act_error" not in row:
+        return "-"   # no LM head
+    ratio = row["head_tp2_act_ratio"]
+    return f"{ratio:.3f}" if ratio is not None else _cell(row["head_tp2_act_error"], 0)
 
 
 def main() -> None:
@@ -366,16 +412,17 @@ def main() -> None:
               f"{r['expected_blocks']}", flush=True)
 
     train_cols = [c for c in TRAIN_PLANS if any(f"train_{c}" in r for r in rows)]
-    headers = ["arch", "dynamo", "export", "blocks", "tp2 states", "meta plan"] + train_cols
+    headers = ["arch", "dynamo", "export", "blocks", "tp2 states", "head tp2", "meta plan"] + train_cols
     table = [[r["arch"], _cell(r["capture_dynamo"], args.tol), _cell(r["capture_export"], args.tol),
               f"{r['blocks']}/{r['expected_blocks']}",
-              f"{r['tp2_states_ratio']:.3f}" if r["tp2_states_ratio"] is not None else _cell(r["tp2_states_error"], 0),
+              _states_cell(r),
+              _head_cell(r),
               _cell(r["meta_plan"], args.tol)] + [_cell(r.get(f"train_{c}"), args.tol) for c in train_cols]
              for r in rows]
     print_table(headers, table)
     print("\nfailures:")
     for r in rows:
-        for key in ["capture_dynamo", "capture_export", "tp2_states_error", "meta_plan"] + \
+        for key in ["capture_dynamo", "capture_export", "tp2_states_error", "head_tp2_act_error", "meta_plan"] + \
                    [f"train_{c}" for c in train_cols]:
             value = r.get(key)
             if isinstance(value, float) and value > args.tol or isinstance(value, str) and not value.startswith("ok"):

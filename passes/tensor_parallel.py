@@ -16,8 +16,15 @@ Output (the same GraphModule, edited in place), for every such layer:
   (number of heads, width, sequence length under sp) are divided by ``tp``;
 * conjugate collectives from :mod:`galvatron_fx.runtime.tp_ops` sit on the edges:
   ``tp_copy_to_region`` before a sharded region (f), ``tp_reduce_from_region`` after it (g);
-  under sp ``tp_all_gather_sequence`` / ``tp_reduce_scatter_sequence`` instead; logits of a
-  vocab-parallel head are all-gathered (``tp_gather_from_region``) before the loss;
+  under sp ``tp_all_gather_sequence`` / ``tp_reduce_scatter_sequence`` instead;
+* the LM head is column parallel over the vocabulary and a cross entropy of its logits becomes
+  :func:`~galvatron_fx.runtime.vocab_parallel.vocab_parallel_cross_entropy` on the shards (full
+  logits never exist); other losses of vocab-sharded logits (class weights, ``mse_loss``, ...)
+  all-gather them first (``tp_gather_from_region``);
+* logits that also leave the graph as an output (HF models return them beside the loss) stay this
+  rank's vocabulary slice, marked by ``vocab_shard_output``: ``train_step`` never materialises
+  them, ``eval_step(return_outputs=True)`` assembles them; with ``gather_outputs`` (a ``loss_fn``
+  that reads the outputs) they are all-gathered at the output instead;
 * ``node.meta["val"]`` is recomputed (FakeTensorProp), so later passes see local shapes.
 
 Layout contract at layer boundaries: a value leaves and enters a layer with ``sp`` *sequence
@@ -53,7 +60,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from ..errors import ConfigError
 from ..ir import META_KEY, NodeInfo, ShardInfo, graph_info, node_info
-from ..runtime import tp_ops
+from ..runtime import tp_ops, vocab_parallel
 from ..runtime.groups import group as process_group
 from ..sharding import (  # noqa: F401 (unshard: re-exported, it used to live here)
     LayerTP,
@@ -61,6 +68,7 @@ from ..sharding import (  # noqa: F401 (unshard: re-exported, it used to live he
     analyze,
     boundary_layout,
     op_name,
+    set_arg,
     shard_tensor,
     unshard,
 )
@@ -78,6 +86,8 @@ _CONVERSION_OPS = {
     "all_gather_seq": tp_ops.tp_all_gather_sequence,
     "all_reduce": tp_ops.tp_reduce_from_region,
     "reduce_scatter": tp_ops.tp_reduce_scatter_sequence,
+    "scatter_outer": tp_ops.tp_scatter_outer,
+    "mark": vocab_parallel.vocab_shard_output,
 }
 
 
@@ -87,11 +97,14 @@ _MM = {torch.addmm: torch.mm, torch.ops.aten.addmm.default: torch.ops.aten.mm.de
 
 def apply_tensor_parallel(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[int, bool]], *,
                           tp_rank_of: Callable[[int], int],
-                          tp_group_of: Callable[[int], object]) -> torch.fx.GraphModule:
+                          tp_group_of: Callable[[int], object],
+                          gather_outputs: bool = False) -> torch.fx.GraphModule:
     """Shard the layers of ``layer_tp`` (layer index -> (tp degree, sp flag)); see the module docstring.
 
     ``tp_rank_of(layer)`` is this rank's index in the layer's TP group, ``tp_group_of(layer)`` the
-    ProcessGroup (None = the default group). Edits ``gm`` in place and returns it.
+    ProcessGroup (None = the default group). ``gather_outputs``: all-gather vocab-sharded graph
+    outputs (for a ``loss_fn`` reading them) instead of leaving them marked shards. Edits ``gm`` in
+    place and returns it.
 
     Raises:
         ConfigError: heads / key-value heads / ffn width of a block (or the sequence length under
@@ -111,8 +124,14 @@ def apply_tensor_parallel(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[in
             if size != tp or torch.distributed.get_rank(group) != rank:
                 raise ConfigError(f"layer {plans[idx].name}: its TP group has {size} ranks (this one is "
                                   f"{torch.distributed.get_rank(group)}), but tp={tp}, tp_rank={rank}")
-    _Rewriter(gm, plans, keys, tp_rank_of, layer_tp).run()
+    _Rewriter(gm, plans, keys, tp_rank_of, layer_tp, gather_outputs).run()
     gm.meta[REPORT_KEY] = {idx: _report(p) for idx, p in plans.items()}
+    for p in plans.values():
+        if p.sharded_outputs and not gather_outputs:
+            # NOTE: documented, not warned: it is what training wants (the loss is computed on the shards)
+            log.info("layer %s (tp=%d): output(s) %s leave as this rank's vocabulary slice (not materialised "
+                     "in training); eval_step(return_outputs=True) assembles them", p.name, p.tp,
+                     ", ".join(p.sharded_outputs))
     kinds = {r.index: r.kind for r in graph_info(gm).layers}
     for idx, p in plans.items():
         if p.replicated_linears:
@@ -124,7 +143,8 @@ def apply_tensor_parallel(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[in
 
 
 def tensor_parallel_report(gm: torch.fx.GraphModule) -> dict[int, dict]:
-    """Per tp layer: ``column`` / ``row`` / ``vocab_parallel`` ops, ``replicated_ops``, ``sharded`` and
+    """Per tp layer: ``column`` / ``row`` / ``vocab_parallel`` ops, ``vocab_losses`` (cross entropies run
+    on vocabulary shards), ``sharded_outputs`` (graph outputs left vocab-sharded), ``replicated_ops``, ``sharded`` and
     ``replicated`` parameter fqns, ``shape_args`` rewritten (for the cost model and for logs)."""
     return dict(gm.meta.get(REPORT_KEY, {}))
 
@@ -138,14 +158,16 @@ def param_shards(gm: torch.fx.GraphModule) -> dict[str, ShardInfo]:
 
 def _report(p: LayerTP) -> dict:
     return {"name": p.name, "tp": p.tp, "sp": p.sp, "column": list(p.column), "row": list(p.row),
-            "vocab_parallel": list(p.vocab_embeddings), "replicated_ops": list(p.replicated_linears),
+            "vocab_parallel": list(p.vocab_embeddings), "vocab_losses": list(p.vocab_losses),
+            "sharded_outputs": list(p.sharded_outputs), "replicated_ops": list(p.replicated_linears),
             "sharded": list(p.sharded_params), "replicated": list(p.replicated_params),
             "shape_args": dict(p.shape_args)}
 
 
 class _Rewriter:
-    def __init__(self, gm, plans: dict[int, LayerTP], keys, tp_rank_of, layer_tp):
+    def __init__(self, gm, plans: dict[int, LayerTP], keys, tp_rank_of, layer_tp, gather_outputs=False):
         self.gm, self.plans, self.keys, self.rank_of, self.layer_tp = gm, plans, keys, tp_rank_of, layer_tp
+        self.gather_outputs = gather_outputs
         self.graph = gm.graph
         self.by_name = {n.name: n for n in gm.graph.nodes}
         self.cache: dict[tuple, torch.fx.Node] = {}
@@ -215,22 +237,64 @@ class _Rewriter:
                 _set_size(node, *plan.shape_args[node.name])
             if node.name in plan.split_sizes:
                 _set_split_sizes(node, plan.split_sizes[node.name][1])
+            for path, value in plan.const_args.get(node.name, {}).items():
+                set_arg(node, path, value)      # slice bounds / indices of a fused output's blocks
+            if node.name in plan.regather:
+                self.regather(idx, node, *plan.regather[node.name], key)
             if node.name in plan.vocab_embeddings:
                 node = self.vocab_embedding(idx, node)
+            if node.name in plan.vocab_losses:
+                node = self.vocab_loss(idx, node, plan.vocab_losses[node.name])
             if node.name in plan.reduce_after or node.meta.get("_tp_reduce"):
                 self.reduce(idx, node, plan.reduce_after[node.meta.get("_tp_reduce", node.name)], key)
 
     def vocab_embedding(self, idx, node):
         from ..sharding import embedding_operands
 
-        ids, w = embedding_operands(node)
+        ids, w, pad = embedding_operands(node)
         start = int(self.rank_of(idx)) * (_local_rows(w))
         with self.graph.inserting_before(node):
-            new = self.new_node(idx, tp_ops.vocab_parallel_embedding, (ids, w, start), node)
+            new = self.new_node(idx, tp_ops.vocab_parallel_embedding, (ids, w, start, pad), node)
         new.meta["_tp_reduce"] = node.name
         node.replace_all_uses_with(new)
         self.graph.erase_node(node)
         return new
+
+    def vocab_loss(self, idx, node, spec):
+        """The cross entropy ``node`` of vocab-sharded logits -> the vocabulary-parallel one."""
+        from ..sharding.losses import bind_cross_entropy
+
+        ce = bind_cross_entropy(node)
+        start = int(self.rank_of(idx)) * (spec.num_classes // self.plans[idx].tp)
+        with self.graph.inserting_before(node):
+            new = self.new_node(idx, vocab_parallel.vocab_parallel_cross_entropy,
+                                (ce.input, ce.target, start, spec.num_classes, self.keys[idx], ce.ignore_index,
+                                 ce.reduction, ce.label_smoothing), node)
+        node.replace_all_uses_with(new)
+        self.graph.erase_node(node)
+        self.alias[new.name] = node.name
+        return new
+
+    def regather(self, idx, node, dim, local_sizes, modes, key):
+        """All-gather the ``"full"`` blocks of column linear ``node``'s local output (its chunk of
+        every block): split, ``tp_all_gather_sequence`` (backward: reduce-scatter of the partial
+        gradients), cat, so that those blocks are whole on every rank (Falcon's key / value head)."""
+        users = list(node.users)
+        with self.graph.inserting_after(node):
+            parts = self.new_node(idx, torch.split, (node, list(local_sizes), dim), node)
+        last, pieces = parts, []
+        for k, mode in enumerate(modes):
+            with self.graph.inserting_after(last):
+                last = self.new_node(idx, operator.getitem, (parts, k), node)
+            if mode == "full":
+                with self.graph.inserting_after(last):
+                    last = self.new_node(idx, tp_ops.tp_all_gather_sequence, (last, dim, key), node)
+            pieces.append(last)
+        with self.graph.inserting_after(last):
+            cat = self.new_node(idx, torch.cat, (pieces, dim), node)
+        for u in users:
+            u.replace_input_with(node, cat)
+        self.alias[cat.name] = node.name
 
     def reduce(self, idx, node, how, key):
         """Sum a partial result (row-parallel linear, vocab-parallel lookup), then add the bias."""
@@ -267,11 +331,14 @@ class _Rewriter:
         return plan.outputs.get(node.name), layer
 
     def convert_boundaries(self):
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
         for node in list(self.graph.nodes):
             if node.op == "get_attr" or META_KEY not in node.meta:
                 continue
             src_layout, src_layer = self.layout_out(node)
-            for user in list(node.users):
+            # NOTE: users in graph order: a conversion shared by several users of a layer is
+            # inserted before the first of them (OPT's residual reads the block input after its norm)
+            for user in sorted(node.users, key=lambda u: order.get(u, len(order))):
                 dst_layer = None if user.op == "output" else node_info(user).layer
                 if dst_layer == node_info(node).layer and node.op != "placeholder":
                     continue
@@ -280,7 +347,13 @@ class _Rewriter:
                 want = boundary_layout(self.gm, node, dst_layer, self.layer_tp)
                 x, before = node, user
                 same = src_layout == want and (want is None or self.keys[src_layer] == self.keys[dst_layer])
-                if not same and isinstance(src_layout, Sharded):   # to replicated, in the producer's group
+                producer = self.plans.get(src_layer)
+                marked = (user.op == "output" and not self.gather_outputs and producer is not None
+                          and node.name in producer.sharded_outputs)
+                if not same and marked:                            # logits left this rank's vocabulary slice
+                    x = self.converted(src_layer, x, ("mark", src_layout.dim), self.keys[src_layer], before,
+                                       after=node)
+                elif not same and isinstance(src_layout, Sharded):   # to replicated, in the producer's group
                     # NOTE: the gather belongs to the producer's layer (right after the value): the
                     # caller's batch resharding between the layers must see the whole sequence.
                     x = self.converted(src_layer, x, ("gather", src_layout.dim), self.keys[src_layer], before,
@@ -393,9 +466,11 @@ class TensorParallelPass(ContextPass):
         if not layer_tp:
             return PassResult(graph_module, False)
         layouts, rank = ctx.layouts(), ctx.rank
+        # NOTE: a loss_fn computes the loss from the outputs, so it gets whole logits
         gm = apply_tensor_parallel(fresh_copy(graph_module), layer_tp,
                                    tp_rank_of=lambda i: layouts[i].tp_index(rank),
-                                   tp_group_of=lambda i: process_group(layouts[i].tp_ranks(rank)))
+                                   tp_group_of=lambda i: process_group(layouts[i].tp_ranks(rank)),
+                                   gather_outputs=ctx.loss_fn is not None)
         ctx.tp_shards = {fqn: (shard, layouts[layer].tp_ranks(rank))
                          for fqn, (shard, layer) in _shards(gm).items()}
         return PassResult(gm, True)

@@ -31,50 +31,35 @@ import operator
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..ir import META_KEY, NodeInfo, ParamInfo
 from ..runtime.module import TokenLoss
+from ..sharding.losses import bind_cross_entropy
 from .base import check
 from .context import ContextPass
 from .split_layers import fetch_attr, fresh_copy, is_split, is_trainable_param
 
 SCALE_NAME = "galvatron_token_scale"
-_ATEN_CE = torch.ops.aten.cross_entropy_loss.default
-_MEAN, _SUM = 1, 2   # at::Reduction (None = 0)
+_SUM = 2   # at::Reduction (None = 0, Mean = 1)
 
 
 def _mean_cross_entropy(node) -> tuple[torch.fx.Node, int] | None:
     """``(target node, ignore_index)`` when ``node`` is a mean cross-entropy without class weights."""
-    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+    ce = bind_cross_entropy(node)
+    if ce is None or ce.weight is not None or ce.legacy or ce.reduction != "mean":
         return None
-    if node.target is F.cross_entropy:
-        names = ["input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
-                 "label_smoothing"]
-        bound = dict(zip(names, node.args))
-        bound.update(node.kwargs)
-        if (bound.get("weight") is not None or bound.get("size_average") is not None
-                or bound.get("reduce") is not None or bound.get("reduction", "mean") != "mean"):
-            return None
-        return bound["target"], int(bound.get("ignore_index", -100))
-    if node.target is _ATEN_CE:
-        names = ["self", "target", "weight", "reduction", "ignore_index", "label_smoothing"]
-        bound = dict(zip(names, node.args))
-        bound.update(node.kwargs)
-        if bound.get("weight") is not None or bound.get("reduction", _MEAN) != _MEAN:
-            return None
-        return bound["target"], int(bound.get("ignore_index", -100))
-    return None
+    return ce.target, ce.ignore_index
 
 
 def _to_sum(node: torch.fx.Node) -> None:
     """Set the cross-entropy's reduction to a sum (keyword or positional, as the node has it)."""
-    slot, value = (6, "sum") if node.target is F.cross_entropy else (3, _SUM)
+    ce = bind_cross_entropy(node)
+    (slot, key), value = ce.reduction_slot, _SUM if ce.aten else "sum"
     if len(node.args) > slot:
         node.args = (*node.args[:slot], value, *node.args[slot + 1:])
     else:
-        node.kwargs = {**node.kwargs, "reduction": value}
+        node.kwargs = {**node.kwargs, key: value}
 
 
 def _loss_output(gm: torch.fx.GraphModule) -> tuple[torch.fx.Node, int | None]:

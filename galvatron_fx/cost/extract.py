@@ -58,7 +58,7 @@ class LayerGraph:
     inputs: list[LayerInput]
     outputs: list[str]
     batch: int                                   # batch size the graph was captured with
-    roles: dict[str, str] = field(default_factory=dict)        # node -> column|row|vocab
+    roles: dict[str, str] = field(default_factory=dict)        # node -> column|row|vocab|vocab_loss
     gathered: set = field(default_factory=set)                 # consumers the rewrite feeds a gathered (whole) input
     out_sharded: dict[str, bool] = field(default_factory=dict)  # node -> output sharded under TP
     in_sharded: dict[str, bool] = field(default_factory=dict)   # node -> some activation input sharded
@@ -259,7 +259,8 @@ def roles_from_analysis(layer: LayerGraph, analysis) -> None:
     layer.param_shard_dim = {i.name: None for i in layer.inputs if i.kind == "param"}
     if analysis is None:
         return
-    for kind, names in (("column", analysis.column), ("row", analysis.row), ("vocab", analysis.vocab_embeddings)):
+    for kind, names in (("column", analysis.column), ("row", analysis.row), ("vocab", analysis.vocab_embeddings),
+                        ("vocab_loss", analysis.vocab_losses)):
         for name in names:
             layer.roles[name] = kind
     for name, state in analysis.states.items():
@@ -270,7 +271,9 @@ def roles_from_analysis(layer: LayerGraph, analysis) -> None:
     for node_name, shard in analysis.param_shards.items():
         if node_name in layer.param_shard_dim:
             layer.param_shard_dim[node_name] = shard.dim
-    # a sharded value the rewrite gathers before a consumer (the logits before the loss) reaches
-    # that consumer whole: what the consumer saves for backward is not sharded
+    # a sharded value the rewrite gathers before a consumer (logits before a loss without a shard
+    # rule, e.g. class weights) reaches that consumer whole: what it saves for backward is not
+    # sharded. NOTE: a vocab-parallel cross entropy (role vocab_loss) reads sharded logits, so what
+    # it saves (torch's log-softmax; the rewrite's softmax, the same size) is sharded
     layer.gathered = {consumer for (consumer, _producer), op in analysis.conversions.items()
                       if op and op[0] == "gather"}

@@ -14,6 +14,8 @@ op                             forward                      backward
 ``tp_gather_from_region``      all-gather                   keep this rank's chunk
 ``tp_all_gather_sequence``     all-gather                   reduce-scatter
 ``tp_reduce_scatter_sequence`` reduce-scatter               all-gather
+``tp_scatter_outer``           keep this rank's chunk of    all-gather
+                               each of ``outer`` parts
 =============================  ===========================  ============================
 
 Chunks are contiguous, equal and in group-rank order along ``dim``. On fake or meta tensors the ops
@@ -32,7 +34,7 @@ from ..distributed import all_gather_single, reduce_scatter_single
 __all__ = [
     "register_group", "group_of", "tp_copy_to_region", "tp_reduce_from_region", "tp_scatter_to_region",
     "tp_gather_from_region", "tp_all_gather_sequence", "tp_reduce_scatter_sequence",
-    "vocab_parallel_embedding",
+    "vocab_parallel_embedding", "tp_scatter_outer",
 ]
 
 _GROUPS: dict[str, tuple[object, int]] = {}
@@ -157,6 +159,27 @@ _AllGatherSequence = _conjugate("_AllGatherSequence", _all_gather, _reduce_scatt
 _ReduceScatterSequence = _conjugate("_ReduceScatterSequence", _reduce_scatter, _all_gather)
 
 
+class _ScatterOuter(torch.autograd.Function):
+    """``dim`` read as ``[outer, inner]``: keep this rank's chunk of ``inner`` (backward: all-gather it)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, outer, key):
+        dim = dim % x.dim()
+        ctx.dim, ctx.outer, ctx.key = dim, outer, key
+        return _chunk(x.unflatten(dim, (outer, -1)), dim + 1, key).flatten(dim, dim + 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        d = ctx.dim
+        return _all_gather(grad.unflatten(d, (ctx.outer, -1)), d + 1, ctx.key).flatten(d, d + 1), None, None, None
+
+
+def tp_scatter_outer(x: torch.Tensor, dim: int, outer: int, key: str) -> torch.Tensor:
+    """Keep this rank's part of a replicated value whose ``dim`` is ``[outer, inner]`` with ``inner``
+    chunked (Bloom's ALiBi over ``batch x heads``); backward all-gathers."""
+    return _ScatterOuter.apply(x, dim, outer, key)
+
+
 def tp_copy_to_region(x: torch.Tensor, key: str) -> torch.Tensor:
     """Megatron's f: a replicated value entering a sharded region (identity; backward all-reduce)."""
     return _CopyToRegion.apply(x, key)
@@ -189,11 +212,14 @@ def tp_reduce_scatter_sequence(x: torch.Tensor, dim: int, key: str) -> torch.Ten
     return _ReduceScatterSequence.apply(x, dim, key)
 
 
-def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int) -> torch.Tensor:
+def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int,
+                             padding_idx: int | None = None) -> torch.Tensor:
     """This rank's part of an embedding lookup whose table rows ``[vocab_start, vocab_start + n)``
     it holds: ids outside the range give zero rows. Summing over the group (``tp_reduce_from_region``
-    or ``tp_reduce_scatter_sequence``) gives the full lookup."""
+    or ``tp_reduce_scatter_sequence``) gives the full lookup. ``padding_idx`` (global row) gets no
+    gradient, as in ``F.embedding``."""
     n = weight.shape[0]
     outside = (ids < vocab_start) | (ids >= vocab_start + n)
     local = (ids - vocab_start).masked_fill(outside, 0)
-    return F.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    pad = padding_idx - vocab_start if padding_idx is not None and vocab_start <= padding_idx < vocab_start + n else None
+    return F.embedding(local, weight, padding_idx=pad).masked_fill(outside.unsqueeze(-1), 0.0)

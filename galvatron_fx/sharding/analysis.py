@@ -11,23 +11,25 @@ from ..errors import ConfigError
 from ..ir import META_KEY, graph_info
 
 # the rule modules register their rules on import
-from . import attention, linear, pointwise, reductions, views  # noqa: F401
+from . import attention, linear, losses, pointwise, reductions, selections, views  # noqa: F401
+from .operands import embedding_operands, linear_operands, weight_consumers
 from .registry import lookup
 from .state import (
     SEQ,
     TP,
     Demote,
+    Duplicated,
     LayerTP,
+    Reblock,
     Sharded,
     Unsupported,
     divisors,
-    embedding_operands,
     is_param,
     is_sharded,
-    linear_operands,
     op_name,
     tensor_inputs,
     tensor_val,
+    tp_origins,
 )
 
 LOSSES = {"cross_entropy", "cross_entropy_loss", "nll_loss", "log_softmax", "binary_cross_entropy_with_logits", "mse_loss"}
@@ -37,13 +39,16 @@ class LayerAnalyzer:
     """Propagate sharding states through one layer; see the module docstring."""
 
     def __init__(self, gm: torch.fx.GraphModule, layer: int, tp: int, sp: bool, demoted: set[str],
-                 input_layout):
+                 input_layout, blocks: dict | None = None, notes: dict | None = None):
         self.gm, self.layer, self.tp, self.sp, self.demoted = gm, layer, tp, sp, demoted
+        self.blocks = {} if blocks is None else blocks   # column linear -> its output's (size, mode) blocks
         info = graph_info(gm)
         self.record = info.layers[layer]
         self.kind = self.record.kind
         self.input_layout = input_layout   # (node, layer) -> Sharded | None for boundary inputs
         self.res = LayerTP(layer, self.record.name, tp, sp)
+        if notes is not None:
+            self.res.notes = notes     # kept over the re-analyses, which no longer meet the demoting op
         self.state: dict[torch.fx.Node, object] = {}
 
     # --- helpers
@@ -66,14 +71,16 @@ class LayerAnalyzer:
 
     def fail(self, node, states):
         """``node`` cannot run on these shards: gather sequence shards, demote tp origins."""
-        tp_origins = set()
-        flat = [x for s in states for x in (s if isinstance(s, (tuple, list)) else (s,))]
-        for s in flat:
-            if isinstance(s, Sharded) and s.kind == TP:
-                tp_origins |= set(s.origins)
-        if tp_origins:
-            raise Demote(tp_origins)
+        origins = tp_origins(states)
+        if origins:
+            self.res.notes.setdefault(node.name, f"{op_name(node)} cannot run on tensor-parallel shards")
+            raise Demote(origins)
         raise Unsupported
+
+    def node(self, name: str) -> torch.fx.Node:
+        if not hasattr(self, "_by_name"):
+            self._by_name = {n.name: n for n in self.gm.graph.nodes}
+        return self._by_name[name]
 
     def run(self) -> LayerTP:
         order = [n for n in self.gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")
@@ -86,16 +93,26 @@ class LayerAnalyzer:
             if not external:
                 continue
             s = self.state.get(node)
-            if is_sharded(s) and not isinstance(s, Sharded):   # a tuple (split) leaving the layer
-                origins = {o for x in s if isinstance(x, Sharded) for o in x.origins}
+            if is_sharded(s) and not isinstance(s, Sharded):   # a tuple (split) or duplicated value leaving
+                origins = tp_origins([s])
                 if origins:
                     raise Demote(origins)
                 s = None
             if isinstance(s, Sharded) and s.kind == TP:
-                raise Demote(s.origins)
+                if not self.vocab_sharded_output(s, external):
+                    raise Demote(s.origins)
+                self.res.sharded_outputs.append(node.name)
             self.res.outputs[node.name] = s   # replicated or sequence-sharded; the pass converts
         self.res.states = {n.name: s for n, s in self.state.items()}
         return self.res
+
+    def vocab_sharded_output(self, s: Sharded, external) -> bool:
+        """Logits beside a vocabulary-parallel loss of this layer may leave as a graph output still
+        sharded (HF LMs return them with the loss): only to the graph output, and only the logits
+        of those losses' column linears. The pass marks them (or gathers them for a ``loss_fn``)."""
+        heads = frozenset().union(*(v.origins for v in self.res.vocab_losses.values()))
+        return (bool(heads) and s.origins <= heads and getattr(s, "plain", True)
+                and all(u.op == "output" for u in external))
 
     def visit(self, node):
         ins = tensor_inputs(node)
@@ -106,14 +123,19 @@ class LayerAnalyzer:
         if not any(is_sharded(s) for s in states) and not sources:
             self.state[node] = None
             return
+        self.current = node
         try:
-            self.state[node] = self.rule(node, ins, states)
+            if any(isinstance(s, Duplicated) for s in states) and not lookup(op_name(node)).duplicated:
+                self.state[node] = self.duplicated(node, ins, states)
+            else:
+                self.state[node] = self.rule(node, ins, states)
         except Unsupported:
             for key in [k for k in self.res.conversions if k[0] == node.name]:
                 del self.res.conversions[key]
-            if any(isinstance(s, Sharded) and s.kind == TP for s in states):
-                if op_name(node) in LOSSES:      # vocab-parallel logits: all-gather before the loss
-                    for i, s in zip(ins, states):
+            self.res.const_args.pop(node.name, None)
+            if tp_origins(states):
+                if op_name(node) in LOSSES and all(s is None or isinstance(s, Sharded) and s.plain for s in states):
+                    for i, s in zip(ins, states):    # a loss without a shard rule (.losses): gather
                         if isinstance(s, Sharded):
                             self.conv(node, i, ("gather", s.dim))
                     self.state[node] = None
@@ -125,6 +147,24 @@ class LayerAnalyzer:
             self.state[node] = None
             if sources:
                 self.res.replicated_linears.append(node.name)
+
+    def duplicated(self, node, ins, states):
+        """Any op on duplicated and replicated values gives a duplicated value (every rank computes
+        the same, the gradients stay partial sums); the replicated inputs are copied (f), so their
+        gradients are summed over the group, sequence chunks all-gathered (their adjoint sums too)."""
+        if any(isinstance(s, Sharded) and s.kind == TP for s in states):
+            raise Unsupported
+        origins = frozenset(tp_origins(states))
+        for i, s in zip(ins, states):
+            v = tensor_val(i)
+            if isinstance(s, Sharded):       # sequence chunks: gathered whole (backward reduce-scatter)
+                self.conv(node, i, ("all_gather_seq", s.dim))
+            elif s is None and v is not None and v.is_floating_point():
+                self.conv(node, i, ("copy",))
+        val = node.meta.get("val")
+        if isinstance(val, (tuple, list)):
+            return tuple(Duplicated(origins) if isinstance(v, torch.Tensor) else None for v in val)
+        return Duplicated(origins) if isinstance(val, torch.Tensor) else None
 
     def rule(self, node, ins, states):
         """The state of ``node`` from its registered rule (raises Unsupported where it has none)."""
@@ -142,7 +182,8 @@ def boundary_layout(gm, node: torch.fx.Node, layer: int | None, layer_tp) -> Sha
         return None
     tp, sp = layer_tp.get(layer, (1, False))
     v = tensor_val(node)
-    if sp and int(tp) > 1 and v is not None and v.dim() == 3 and v.is_floating_point():
+    # NOTE: a dim 1 of size 1 is no sequence (Bloom's ALiBi is [batch x heads, 1, seq])
+    if sp and int(tp) > 1 and v is not None and v.dim() == 3 and v.is_floating_point() and v.shape[1] > 1:
         if v.shape[1] % int(tp):
             name = graph_info(gm).layers[layer].name
             raise ConfigError(f"layer {name}: sequence length {v.shape[1]} is not divisible by tp={tp} "
@@ -169,13 +210,16 @@ def analyze(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[int, bool]]) -> 
         return boundary_layout(gm, node, layer, layer_tp)
 
     demoted: set[str] = set()
+    blocks: dict[str, tuple] = {}
+    notes: dict[int, dict[str, str]] = {}
     for _ in range(len(gm.graph.nodes) + 1):
         try:
             out = {}
             for idx in sorted(layer_tp):
                 tp, sp = int(layer_tp[idx][0]), bool(layer_tp[idx][1])
                 if tp > 1:
-                    out[idx] = LayerAnalyzer(gm, idx, tp, sp, demoted, expected_layout).run()
+                    out[idx] = _analyze_layer(gm, idx, tp, sp, demoted, expected_layout, blocks,
+                                              notes.setdefault(idx, {}))
             _check_param_consistency(gm, out)
             break
         except Demote as d:
@@ -185,6 +229,19 @@ def analyze(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[int, bool]]) -> 
     for res in out.values():
         _summarise(gm, res)
     return out
+
+
+def _analyze_layer(gm, idx, tp, sp, demoted, expected_layout, blocks, notes) -> LayerTP:
+    """One layer, again each time a fused projection's output turns out to be taken apart
+    (:class:`Reblock`: the blocks are then known from the start)."""
+    for _ in range(len(gm.graph.nodes) + 1):
+        try:
+            return LayerAnalyzer(gm, idx, tp, sp, demoted, expected_layout, blocks, notes).run()
+        except Reblock as r:
+            if blocks.get(r.origin) == r.blocks:
+                raise RuntimeError(f"internal: tensor-parallel blocks of {r.origin} did not converge") from None
+            blocks[r.origin] = r.blocks
+    raise RuntimeError("internal: tensor-parallel blocks did not converge")
 
 
 def _check_param_consistency(gm, results: dict[int, LayerTP]) -> None:
@@ -197,9 +254,13 @@ def _check_param_consistency(gm, results: dict[int, LayerTP]) -> None:
     for node in gm.graph.nodes:
         if not is_param(node) or node.name not in wants:
             continue
-        for u in node.users:
+        consumers = weight_consumers(node)
+        for u in consumers:
             users_of.setdefault(node.name, set()).add(u.name)
-        for u in node.users:
+        for u in consumers:
+            if u.op == "output":
+                wants[node.name].add(None)
+                continue
             res = results.get(u.meta[META_KEY].layer)
             shard_users = set(res.column + res.row + res.vocab_embeddings) if res else set()
             if u.name not in shard_users:

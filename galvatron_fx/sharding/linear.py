@@ -1,11 +1,14 @@
 """Sharding rules of the ops that *start* sharded regions and end them: linears with a parameter
-weight (``linear``, ``matmul(x, W)``, GPT-2's ``addmm``), embeddings with a parameter table, and
-matmuls of two head-sharded activations (attention scores written out)."""
+weight in every form of :mod:`.operands` (``linear``, ``matmul`` also on a transposed parameter,
+GPT-2's ``addmm``, batched / grouped expert weights, ``einsum``), embeddings with a parameter
+table (also with a padding row), and matmuls of two head-sharded activations (attention scores
+written out, Bloom's ``baddbmm`` with ALiBi)."""
 
 from __future__ import annotations
 
 from ..errors import ConfigError
 from ..ir import META_KEY
+from .operands import GROUPED_MM, LinearOperands, embedding_operands, linear_operands
 from .pointwise import ACTIVATIONS
 from .registry import register_rule
 from .state import (
@@ -15,8 +18,7 @@ from .state import (
     Sharded,
     Unsupported,
     divisors,
-    embedding_operands,
-    linear_operands,
+    node_arg,
     op_name,
     shape_of,
     tensor_val,
@@ -31,59 +33,111 @@ def linear(an, node, ins, states):
     return parallel_linear(an, node, lin)
 
 
-@register_rule("matmul", "bmm", tensor_output=False)
+@register_rule("matmul", "bmm", "baddbmm", "einsum", *sorted(GROUPED_MM), tensor_output=False)
 def matmul(an, node, ins, states):
-    """``x @ W`` with a parameter weight is a linear; else a product of two tp-sharded activations
-    sharded alike along a batch dim (heads)."""
+    """A linear when a parameter is the weight (:func:`~.operands.linear_operands`); else a product
+    of two tp-sharded activations sharded alike along a batch dim (heads; Bloom's ``batch x heads``),
+    plus, for ``baddbmm``, an addend (ALiBi) copied or scattered to this rank's part."""
     lin = linear_operands(node)
     if lin is not None:
         return parallel_linear(an, node, lin)
-    if tensor_val(node) is None:
+    name = op_name(node)
+    if tensor_val(node) is None or name not in ("matmul", "bmm", "baddbmm"):
         raise Unsupported
-    if len(ins) != 2 or not all(isinstance(s, Sharded) and s.kind == TP for s in states):
+    if name == "baddbmm":
+        addend, a, b = node_arg(node, 0, "input"), node_arg(node, 1, "batch1"), node_arg(node, 2, "batch2")
+    else:
+        addend, a, b = None, node.args[0], node_arg(node, 1, "mat2", node_arg(node, 1, "other"))
+    sa, sb = an.st(a), an.st(b)
+    if not all(isinstance(x, Sharded) and x.kind == TP for x in (sa, sb)):
         raise Unsupported
-    a, b = ins
     na, nb, no = tensor_val(a).dim(), tensor_val(b).dim(), tensor_val(node).dim()
-    da, db = states[0].dim + no - na, states[1].dim + no - nb
-    if da != db or da >= no - 2:
+    da, db = sa.dim + no - na, sb.dim + no - nb
+    if da != db or da >= no - 2 or (sa.outer, sa.blocks) != (sb.outer, sb.blocks):
         raise Unsupported
-    return Sharded(da, TP, states[0].origins | states[1].origins)
+    out = Sharded(da, TP, sa.origins | sb.origins, sa.outer, sa.blocks, None)
+    if addend is not None:
+        _addend(an, node, addend, out)
+    return out
 
 
-def parallel_linear(an, node, lin):
-    """Column parallel on a replicated (or sequence-sharded) input, row parallel on a feature-sharded
-    one, replicated where the width does not divide or the linear was demoted."""
-    x, w, b, wout = lin
+def _addend(an, node, addend, out: Sharded) -> None:
+    """Conversion of a tensor added to an output in state ``out`` (Unsupported where none fits)."""
+    s, nd = an.st(addend), tensor_val(node).dim()
+    d = out.dim - (nd - tensor_val(addend).dim())
+    if isinstance(s, Sharded):
+        if (s.dim, s.kind, s.outer, s.blocks) != (d, out.kind, out.outer, out.blocks):
+            raise Unsupported
+    elif s is not None:
+        raise Unsupported
+    elif d < 0 or shape_of(addend)[d] == 1:
+        an.conv(node, addend, ("copy",))
+    elif out.plain:
+        an.conv(node, addend, ("scatter", d))
+    elif out.blocks is None:
+        an.conv(node, addend, ("scatter_outer", d, out.outer))
+    else:
+        raise Unsupported
+
+
+def parallel_linear(an, node, lin: LinearOperands):
+    """Column parallel on a replicated (or sequence-sharded) input, row parallel on an input sharded
+    along its input features, replicated where the width does not divide or the linear was demoted."""
+    x, w, b = lin.x, lin.weight, lin.bias
     s = an.st(x)
-    out_w = shape_of(w)[wout]
+    out_w = shape_of(w)[lin.w_out]
     fqn = w.meta[META_KEY].param.fqn
-    xd = tensor_val(x).dim()
-    if s is None or (s.kind == SEQ and s.dim != xd - 1):
-        if node.name not in an.demoted and _column_ok(an, node, out_w):
+    if s is None or (s.kind == SEQ and s.dim != lin.x_in and s.dim not in lin.x_shared):
+        blocks = an.blocks.get(node.name)
+        out = Sharded(lin.y_out, TP, frozenset({node.name}), blocks=blocks)
+        if node.name not in an.demoted and _column_ok(an, node, out_w) and _addend_ok(an, node, lin, out):
             an.conv(node, x, ("copy",) if s is None else ("all_gather_seq", s.dim))
+            if lin.addend is not None:
+                _addend(an, node, lin.addend, out)
             an.res.column.append(node.name)
-            an.res.param_shards[w.name] = ParamShard(fqn, wout, an.tp, (out_w,))
+            sizes = tuple(size for size, _ in blocks) if blocks else (out_w,)
+            an.res.param_shards[w.name] = ParamShard(fqn, lin.w_out, an.tp, sizes)
             if b is not None:
-                an.res.param_shards[b.name] = ParamShard(b.meta[META_KEY].param.fqn, 0, an.tp, (out_w,))
-            return Sharded(tensor_val(node).dim() - 1, TP, frozenset({node.name}))
+                an.res.param_shards[b.name] = ParamShard(b.meta[META_KEY].param.fqn, tensor_val(b).dim() - 1,
+                                                         an.tp, sizes)
+            if blocks and any(mode == "full" for _, mode in blocks):
+                # NOTE: a "full" block's chunks are all-gathered right after the linear (backward:
+                # reduce-scatter), so the weight stays evenly sharded and the block whole on each rank
+                an.res.regather[node.name] = (lin.y_out, tuple(size // an.tp for size in sizes),
+                                              tuple(mode for _, mode in blocks))
+            return out
         an.res.replicated_linears.append(node.name)
         if s is None:
             return None
-        _copy_params(an, node, w, b)
+        if lin.addend is not None:
+            raise Unsupported       # a whole addend beside sequence chunks: gathered instead
+        _copy_params(an, node, lin)
         return s
-    if s.kind == TP and s.dim == xd - 1:      # row parallel
+    if s.kind == TP and s.dim == lin.x_in and s.plain and lin.addend is None:      # row parallel
         an.res.row.append(node.name)
-        in_w = shape_of(w)[1 - wout]
-        an.res.param_shards[w.name] = ParamShard(fqn, 1 - wout, an.tp, (in_w,))
+        in_w = shape_of(w)[lin.w_in]
+        an.res.param_shards[w.name] = ParamShard(fqn, lin.w_in, an.tp, (in_w,))
         return _reduce(an, node)
-    if s.kind == TP:                           # weight applied per shard of another dim
-        _copy_params(an, node, w, b)
+    if s.kind == TP and op_name(node) in ("linear", "matmul", "addmm") and s.dim < tensor_val(x).dim() - 1 \
+            and tensor_val(w).dim() == 2:
+        _copy_params(an, node, lin)          # weight applied per shard of another dim
         return s
     raise Unsupported
 
 
-def _copy_params(an, node, w, b):
-    for p in (w, b):
+def _addend_ok(an, node, lin, out) -> bool:
+    if lin.addend is None:
+        return True
+    try:
+        _addend(an, node, lin.addend, out)
+    except Unsupported:
+        return False
+    an.res.conversions.pop((node.name, lin.addend.name), None)
+    return True
+
+
+def _copy_params(an, node, lin):
+    for p in (lin.weight_arg, lin.bias):
         if p is not None:
             an.conv(node, p, ("copy",))
 
@@ -106,10 +160,10 @@ def _feeds_activation(node, depth: int = 3) -> bool:
     return False
 
 
-def _reduce(an, node):
-    """Sum the partial output of ``node``: all-reduce, or reduce-scatter along the sequence (sp)."""
+def _reduce(an, node, scatter: bool = True):
+    """Sum the partial output of ``node``: all-reduce, or (``scatter``) reduce-scatter along the sequence (sp)."""
     v = tensor_val(node)
-    if an.sp and v.dim() == 3 and v.shape[1] % an.tp == 0:
+    if scatter and an.sp and v.dim() == 3 and v.shape[1] % an.tp == 0:
         an.res.reduce_after[node.name] = ("reduce_scatter", 1)
         return Sharded(1, SEQ)
     an.res.reduce_after[node.name] = ("all_reduce",)
@@ -122,7 +176,7 @@ def embedding(an, node, ins, states):
     emb = embedding_operands(node)
     if emb is None:
         raise Unsupported
-    ids, w = emb
+    ids, w, _pad = emb
     rows = shape_of(w)[0]
     if an.st(ids) is not None or rows % an.tp or node.name in an.demoted:
         an.res.replicated_linears.append(node.name)
@@ -131,4 +185,6 @@ def embedding(an, node, ins, states):
         return None
     an.res.vocab_embeddings.append(node.name)
     an.res.param_shards[w.name] = ParamShard(w.meta[META_KEY].param.fqn, 0, an.tp, (rows,))
-    return _reduce(an, node)
+    # NOTE: a lookup inside a block (T5's relative attention bias, [q, k, heads]) is no sequence
+    # activation: it is all-reduced, so that it reaches attention whole
+    return _reduce(an, node, scatter=an.kind != "block")

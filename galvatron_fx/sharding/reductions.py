@@ -1,8 +1,10 @@
 """Sharding rules of ops that work along some dims: norms over trailing dims, reductions and
-dim-wise ops (softmax, cumsum, ...) over dims other than the sharded one, and concatenation of
-values sharded alike along another dim."""
+dim-wise ops (softmax, cumsum, ...) over dims other than the sharded one, and concatenation (or
+stacking) of values sharded alike along another dim."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from .registry import register_rule
 from .state import Sharded, Unsupported, node_arg, op_name, tensor_val
@@ -44,13 +46,22 @@ def reduce(an, node, ins, states):
     if s.dim in dims:
         raise Unsupported
     keep = op_name(node) in DIMWISE or bool(node_arg(node, 2, "keepdim", False))
-    return Sharded(s.dim - (0 if keep else sum(1 for d in dims if d < s.dim)), s.kind, s.origins)
+    return s.moved(s.dim - (0 if keep else sum(1 for d in dims if d < s.dim)))
 
 
-@register_rule("cat")
+@register_rule("cat", "stack")
 def cat(an, node, ins, states):
-    dim = node_arg(node, 1, "dim", 0) % tensor_val(node).dim()
+    """Values sharded alike, concatenated (or stacked: GPT-J's interleaved rotary) along another dim."""
+    nd = tensor_val(node).dim()
+    dim = node_arg(node, 1, "dim", 0) % nd
     sh = [s for s in states if isinstance(s, Sharded)]
-    if len({(s.dim, s.kind) for s in sh}) != 1 or sh[0].dim == dim or len(sh) != len(states):
+    if len({(s.dim, s.kind, s.outer, s.blocks) for s in sh}) != 1 or len(sh) != len(states):
         raise Unsupported
-    return Sharded(sh[0].dim, sh[0].kind, frozenset().union(*(s.origins for s in sh)))
+    s = sh[0]
+    if op_name(node) == "stack":
+        out = s.dim + 1 if dim <= s.dim else s.dim
+    elif s.dim == dim:
+        raise Unsupported
+    else:
+        out = s.dim
+    return replace(s, dim=out, origins=frozenset().union(*(x.origins for x in sh)))

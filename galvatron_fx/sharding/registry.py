@@ -37,12 +37,15 @@ class Rule:
     # False: the rule also sees ops whose value is not a single tensor (tuples of a split, sizes);
     # True: such an op is Unsupported before the rule runs
     tensor_output: bool = True
+    # True: the rule also handles Duplicated inputs; False: an op with one is duplicated as a whole
+    # when its other inputs are replicated (LayerAnalyzer.duplicated), else Unsupported
+    duplicated: bool = False
 
 
 _RULES: dict[str, Rule] = {}
 
 
-def register_rule(*op_names: str, tensor_output: bool = True) -> Callable[[RuleFn], RuleFn]:
+def register_rule(*op_names: str, tensor_output: bool = True, duplicated: bool = False) -> Callable[[RuleFn], RuleFn]:
     """Decorator: ``fn`` is the rule of every op in ``op_names`` (an op has at most one rule)."""
     if not op_names:
         raise ValueError("register_rule needs at least one op name")
@@ -52,7 +55,7 @@ def register_rule(*op_names: str, tensor_output: bool = True) -> Callable[[RuleF
             if name in _RULES:
                 raise ValueError(f"sharding rule for {name!r} registered twice "
                                  f"({_RULES[name].fn.__qualname__} and {fn.__qualname__})")
-            _RULES[name] = Rule(fn, tensor_output)
+            _RULES[name] = Rule(fn, tensor_output, duplicated)
         return fn
 
     return deco

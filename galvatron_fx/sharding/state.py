@@ -5,7 +5,7 @@ See :mod:`galvatron_fx.sharding` for how the states are propagated.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx
@@ -17,9 +17,55 @@ TP, SEQ = "tp", "seq"
 
 @dataclass(frozen=True)
 class Sharded:
+    """A value split over the TP group along ``dim`` (``kind`` TP: heads / features; SEQ: sequence).
+
+    ``outer`` > 1 (TP only): ``dim`` is laid out ``[outer, inner]`` and only ``inner`` is chunked,
+    e.g. Bloom's ``batch x heads`` merged into one dim. ``blocks`` (TP only): ``dim`` is a fused
+    projection's output taken apart later, a sequence of ``(size, mode)`` blocks in the column
+    linear's output features: mode ``"tp"`` blocks are chunked (this rank's part of each), mode
+    ``"full"`` blocks are whole on every rank (all-gathered after the linear, gradients partial like
+    a :class:`Duplicated` value). ``scale``: output features of the origin per unit of ``dim`` (to
+    map a selection back onto the linear's weight), None where that is unknown."""
+
     dim: int
     kind: str                              # TP | SEQ
     origins: frozenset = frozenset()       # column linears (node names) the shards come from
+    outer: int = 1
+    blocks: tuple[tuple[int, str], ...] | None = None
+    scale: int | None = field(default=1, compare=False)
+
+    def moved(self, dim: int) -> Sharded:
+        """The same shards along another dim (a transpose, permute, reduction elsewhere, ...)."""
+        return replace(self, dim=dim)
+
+    @property
+    def plain(self) -> bool:
+        """Contiguous equal chunks of ``dim`` (no outer part, no fused blocks)."""
+        return self.outer == 1 and self.blocks is None
+
+    def local_size(self, size: int, tp: int) -> int:
+        """This rank's extent of ``dim`` whose global extent is ``size``."""
+        if self.blocks is None:
+            return size // tp
+        total = sum(b for b, _ in self.blocks)
+        return sum(b * size // total // (tp if mode == "tp" else 1) for b, mode in self.blocks)
+
+    def block_bounds(self, size: int) -> list[tuple[int, int, str]]:
+        """``(start, end, mode)`` of every block along ``dim`` (global extent ``size``)."""
+        total, start, out = sum(b for b, _ in self.blocks), 0, []
+        for b, mode in self.blocks:
+            out.append((start, start + b * size // total, mode))
+            start = out[-1][1]
+        return out
+
+
+@dataclass(frozen=True)
+class Duplicated:
+    """Every TP rank holds the whole value, but (as for values inside a sharded region) its gradient
+    is a partial sum over the group: a ``"full"`` block of a fused projection (Falcon's single
+    key/value head next to sharded query heads). It must not leave the layer."""
+
+    origins: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
@@ -53,13 +99,32 @@ class LayerTP:
     sharded_params: list[str] = field(default_factory=list)                    # fqns
     replicated_params: list[str] = field(default_factory=list)                 # fqns
     outputs: dict[str, Sharded | None] = field(default_factory=dict)           # escaping node -> layout
+    vocab_losses: dict[str, object] = field(default_factory=dict)              # cross entropy node -> losses.VocabLoss
+    sharded_outputs: list[str] = field(default_factory=list)                   # graph outputs left vocab-sharded
     states: dict[str, object] = field(default_factory=dict)
+    # column linear -> (dim, local block sizes, modes): its "full" blocks are all-gathered after it
+    regather: dict[str, tuple[int, tuple[int, ...], tuple[str, ...]]] = field(default_factory=dict)
+    # node -> {argument path: new constant} (slice bounds, indices of a fused output's blocks)
+    const_args: dict[str, dict[tuple, object]] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)                        # node -> why it runs whole
 
 
 def is_sharded(s) -> bool:
+    """``s`` (a state or a tuple of them) is not plainly replicated."""
     if isinstance(s, (tuple, list)):
-        return any(isinstance(x, Sharded) for x in s)
-    return isinstance(s, Sharded)
+        return any(isinstance(x, (Sharded, Duplicated)) for x in s)
+    return isinstance(s, (Sharded, Duplicated))
+
+
+def tp_origins(states) -> set[str]:
+    """The column linears behind the TP-sharded and duplicated values among ``states`` (nested)."""
+    out: set[str] = set()
+    for s in states:
+        if isinstance(s, (tuple, list)):
+            out |= tp_origins(s)
+        elif isinstance(s, Duplicated) or isinstance(s, Sharded) and s.kind == TP:
+            out |= set(s.origins)
+    return out
 
 
 class Demote(Exception):
@@ -72,6 +137,15 @@ class Demote(Exception):
 
 class Unsupported(Exception):
     """The op cannot run on the given shards."""
+
+
+class Reblock(Exception):
+    """The output of column linear ``origin`` is taken apart into ``blocks`` (``(size, mode)`` in
+    its output features): the layer is analysed again with the weight sharded per block."""
+
+    def __init__(self, origin: str, blocks: tuple[tuple[int, str], ...]):
+        super().__init__(origin, blocks)
+        self.origin, self.blocks = origin, blocks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,41 +192,27 @@ def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 def is_param(node) -> bool:
     info = node.meta.get(META_KEY) if isinstance(node, torch.fx.Node) else None
-    return node.op == "get_attr" and info is not None and info.param is not None
+    return info is not None and node.op == "get_attr" and info.param is not None
 
 
-def linear_operands(node: torch.fx.Node):
-    """``(x, weight, bias, weight_out_dim)`` of a linear op with a parameter weight, else None.
-
-    ``weight_out_dim`` is the dim of the weight parameter that indexes output features
-    (0 for ``linear``'s ``[out, in]``, 1 for ``matmul(x, W[in, out])`` and ``addmm(b, x, W[in, out])``)."""
-    name = op_name(node)
-    if name == "linear":
-        x, w, b = node_arg(node, 0, "input"), node_arg(node, 1, "weight"), node_arg(node, 2, "bias")
-        return (x, w, b, 0) if is_param(w) and tensor_val(w).dim() == 2 else None
-    if name == "matmul" and len(node.args) == 2 and is_param(node.args[1]) and tensor_val(node.args[1]).dim() == 2:
-        return node.args[0], node.args[1], None, 1
-    if (name == "addmm" and len(node.args) == 3 and not node.kwargs and is_param(node.args[2])
-            and tensor_val(node.args[2]).dim() == 2):
-        # addmm(bias, x, W[in, out]): transformers' Conv1D (GPT-2) after flattening x to 2-D
-        b = node.args[0]
-        return node.args[1], node.args[2], b if is_param(b) else None, 1
-    return None
-
-
-def embedding_operands(node: torch.fx.Node):
-    """``(ids, weight)`` of an embedding lookup with a parameter table, else None."""
-    if op_name(node) != "embedding":
-        return None
-    a, b = node.args[0], node.args[1]
-    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-        w, ids = a, b          # aten.embedding(weight, indices, ...)
+def set_arg(node: torch.fx.Node, path: tuple, value) -> None:
+    """Replace the constant at ``path`` in ``node``'s arguments: ``(i, j, ...)`` indexes ``node.args``
+    then nested tuples / lists, a first element of type str names a keyword."""
+    head, rest = path[0], path[1:]
+    if isinstance(head, str):
+        node.kwargs = {**node.kwargs, head: _set_in(node.kwargs[head], rest, value)}
     else:
-        ids, w = a, b          # F.embedding(input, weight, ...)
-    pad = node_arg(node, 2, "padding_idx")
-    if not is_param(w) or (pad is not None and pad != -1):
-        return None
-    return ids, w
+        args = list(node.args)
+        args[head] = _set_in(args[head], rest, value)
+        node.args = tuple(args)
+
+
+def _set_in(container, path, value):
+    if not path:
+        return value
+    items = list(container)
+    items[path[0]] = _set_in(items[path[0]], path[1:], value)
+    return type(container)(items)
 
 
 def divisors(n: int) -> str:

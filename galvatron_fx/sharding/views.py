@@ -1,27 +1,13 @@
-"""Sharding rules of ops that move, regroup or select dims: views and reshapes (head splits, whose
-size arguments are rewritten), transposes / permutes, indexing, splits of fused projections (q/k/v
-blocks), slices, GQA's ``repeat_interleave``, and reads of a sharded value's metadata."""
+"""Sharding rules of ops that move or regroup dims: views and reshapes (head splits, whose size
+arguments are rewritten; Bloom's ``batch x heads`` merges, an ``outer`` layout), transposes /
+permutes, GQA's ``repeat_interleave``, and reads of a sharded value's metadata. Ops that take part
+of a dim (indexing, slices, splits) are in :mod:`.selections`."""
 
 from __future__ import annotations
 
-import torch
-import torch.fx
-
 from ..errors import ConfigError
 from .registry import register_rule
-from .state import (
-    TP,
-    Demote,
-    ParamShard,
-    Sharded,
-    Unsupported,
-    divisors,
-    linear_operands,
-    node_arg,
-    op_name,
-    shape_of,
-    tensor_val,
-)
+from .state import TP, Sharded, Unsupported, divisors, node_arg, op_name, shape_of, tensor_val
 
 VIEWS = {"view", "reshape", "unflatten", "flatten", "view_as", "reshape_as"}
 
@@ -32,28 +18,33 @@ def view(an, node, ins, states):
     in_shape, out_shape = shape_of(x), shape_of(node)
     name = op_name(node)
     if name == "expand":
-        d = s.dim + len(out_shape) - len(in_shape)
+        new = s.moved(s.dim + len(out_shape) - len(in_shape))
+        if out_shape[new.dim] != in_shape[s.dim]:
+            raise Unsupported
     else:
-        d = _view_dim(in_shape, out_shape, s.dim, an.tp)
-    if d is None:
+        new = view_state(in_shape, out_shape, s, an.tp)
+    if new is None:
         if s.kind == TP and an.kind == "block" and name in ("view", "reshape", "unflatten"):
             _check_heads(an, node, s, in_shape, out_shape)
         raise Unsupported
+    d = new.dim
     if name in ("view", "reshape", "unflatten", "expand"):
         slot = _size_slot(node, name, d, len(out_shape))
         if slot is not None:
             old = _size_args(node, name)[slot]
             if isinstance(old, int) and old == out_shape[d]:
-                an.res.shape_args[node.name] = (slot, old, old // an.tp)
+                local = new.local_size(old, an.tp)
+                if local != old:
+                    an.res.shape_args[node.name] = (slot, old, local)
             elif not (isinstance(old, int) and old == -1):
                 raise Unsupported
     elif name in ("view_as", "reshape_as"):
         raise Unsupported
-    return Sharded(d, s.kind, s.origins)
+    return new
 
 
 def _check_heads(an, node, s, in_shape, out_shape):
-    if len(out_shape) > len(in_shape) and s.dim == len(in_shape) - 1:
+    if len(out_shape) > len(in_shape) and s.dim == len(in_shape) - 1 and s.plain:
         heads = out_shape[s.dim]
         role = _sdpa_role(node)
         what = "key/value heads" if role in (1, 2) else "attention heads"
@@ -89,7 +80,7 @@ def transpose(an, node, ins, states):
     s = states[0]
     d = s.dim
     a, b = _two_dims(node, tensor_val(node.args[0]).dim())
-    return Sharded(b if d == a else a if d == b else d, s.kind, s.origins)
+    return s.moved(b if d == a else a if d == b else d)
 
 
 @register_rule("movedim")
@@ -99,13 +90,13 @@ def movedim(an, node, ins, states):
     a, b = _two_dims(node, nd_in)
     perm = [i for i in range(nd_in) if i != a]
     perm.insert(b, a)
-    return Sharded(perm.index(s.dim), s.kind, s.origins)
+    return s.moved(perm.index(s.dim))
 
 
 @register_rule("t")
 def t(an, node, ins, states):
     s = states[0]
-    return Sharded(1 - s.dim if tensor_val(node.args[0]).dim() == 2 else s.dim, s.kind, s.origins)
+    return s.moved(1 - s.dim if tensor_val(node.args[0]).dim() == 2 else s.dim)
 
 
 @register_rule("permute")
@@ -113,23 +104,14 @@ def permute(an, node, ins, states):
     s = states[0]
     nd_in = tensor_val(node.args[0]).dim()
     perm = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
-    return Sharded([p % nd_in for p in perm].index(s.dim), s.kind, s.origins)
+    return s.moved([p % nd_in for p in perm].index(s.dim))
 
 
 @register_rule("unsqueeze")
 def unsqueeze(an, node, ins, states):
     s = states[0]
     u = node.args[1] % (tensor_val(node.args[0]).dim() + 1)
-    return Sharded(s.dim + 1 if u <= s.dim else s.dim, s.kind, s.origins)
-
-
-@register_rule("select")
-def select(an, node, ins, states):
-    s = states[0]
-    k = node.args[1] % tensor_val(node.args[0]).dim()
-    if k == s.dim:
-        raise Unsupported
-    return Sharded(s.dim - 1 if k < s.dim else s.dim, s.kind, s.origins)
+    return s.moved(s.dim + 1 if u <= s.dim else s.dim)
 
 
 @register_rule("squeeze")
@@ -138,97 +120,16 @@ def squeeze(an, node, ins, states):
     d = s.dim
     nd_in = tensor_val(node.args[0]).dim()
     in_shape, out_shape = shape_of(node.args[0]), shape_of(node)
-    return Sharded(d - sum(1 for i in range(d) if in_shape[i] == 1 and len(out_shape) < len(in_shape)
-                           and _squeezed(node, i, nd_in)), s.kind, s.origins)
-
-
-# --- indexing, splits, slices
-
-
-@register_rule("getitem", tensor_output=False)
-def getitem(an, node, ins, states):
-    """One part of a split (tuple) value, or basic indexing of a tensor."""
-    if isinstance(node.args[0], torch.fx.Node) and tensor_val(node.args[0]) is None:
-        parts = an.st(node.args[0])
-        return parts[node.args[1]] if isinstance(parts, (tuple, list)) else None
-    if tensor_val(node) is None:
-        raise Unsupported
-    s = states[0]
-    idx = node.args[1]
-    idx = idx if isinstance(idx, tuple) else (idx,)
-    nd_in = tensor_val(node.args[0]).dim()
-    if any(isinstance(i, torch.fx.Node) for i in idx):
-        raise Unsupported
-    if Ellipsis in idx:
-        k = idx.index(Ellipsis)
-        fill = nd_in - sum(1 for i in idx if i is not None and i is not Ellipsis)
-        idx = idx[:k] + (slice(None),) * fill + idx[k + 1:]
-    in_dim, out_dim = 0, 0
-    for i in idx:
-        if i is None:
-            out_dim += 1
-            continue
-        if in_dim == s.dim:
-            if isinstance(i, slice) and i == slice(None):
-                return Sharded(out_dim, s.kind, s.origins)
-            raise Unsupported
-        if isinstance(i, slice):
-            out_dim += 1
-        in_dim += 1
-    return Sharded(out_dim + (s.dim - in_dim), s.kind, s.origins)
-
-
-@register_rule("split", "chunk", "split_with_sizes", "unbind", tensor_output=False)
-def split(an, node, ins, states):
-    """Parts of a sharded dim: each part's size must divide by tp and the value must come from one
-    column linear, whose weight (and bias) are then sharded per block."""
-    s = states[0]
-    name = op_name(node)
-    nd = tensor_val(node.args[0]).dim()
-    parts = node.meta.get("val")
-    dim = node_arg(node, 2 if name != "unbind" else 1, "dim", 0) % nd
-    if name == "unbind":
-        if dim == s.dim:
-            raise Unsupported
-        return tuple(Sharded(s.dim - (1 if dim < s.dim else 0), s.kind, s.origins) for _ in parts)
-    out = tuple(Sharded(s.dim, s.kind, s.origins) for _ in parts)
-    if dim != s.dim:
-        return out
-    sizes = tuple(int(p.shape[dim]) for p in parts)
-    if s.kind != TP or len(s.origins) != 1 or any(z % an.tp for z in sizes):
-        raise Unsupported
-    origin = next(iter(s.origins))
-    _set_blocks(an, origin, sizes)
-    if name in ("split", "split_with_sizes"):
-        an.res.split_sizes[node.name] = (sizes, tuple(z // an.tp for z in sizes))
-    return out
-
-
-def _set_blocks(an, origin, sizes):
-    node = next(n for n in an.gm.graph.nodes if n.name == origin)
-    _, w, b, _ = linear_operands(node)
-    for p in (w, b):
-        if p is not None:
-            old = an.res.param_shards[p.name]
-            if old.blocks not in ((sum(sizes),), sizes):
-                raise Demote({origin})
-            an.res.param_shards[p.name] = ParamShard(old.fqn, old.dim, old.tp, sizes)
+    return s.moved(d - sum(1 for i in range(d) if in_shape[i] == 1 and len(out_shape) < len(in_shape)
+                           and _squeezed(node, i, nd_in)))
 
 
 @register_rule("repeat_interleave")
 def repeat_interleave(an, node, ins, states):
     s, d = states[0], node_arg(node, 2, "dim")
-    if d is None or len(ins) > 1 or (d % tensor_val(node.args[0]).dim() == s.dim and s.kind != TP):
+    if d is None or len(ins) > 1 or (d % tensor_val(node.args[0]).dim() == s.dim and (s.kind != TP or not s.plain)):
         raise Unsupported
     return s  # GQA: repeating local kv heads gives exactly the local query heads' kv
-
-
-@register_rule("slice", "narrow")
-def slice_(an, node, ins, states):
-    s, d = states[0], node_arg(node, 1, "dim", 0) % tensor_val(node.args[0]).dim()
-    if len(ins) > 1 or d == s.dim:
-        raise Unsupported
-    return s
 
 
 @register_rule("assert_tensor_metadata", "getattr", "size", "dim", tensor_output=False)
@@ -243,8 +144,8 @@ def metadata(an, node, ins, states):
 # shape helpers
 
 
-def _view_dim(in_shape, out_shape, d, tp):
-    """Output dim that carries contiguous chunking of input dim ``d`` through a reshape, or None."""
+def _groups(in_shape, out_shape):
+    """The runs of input dims and output dims a reshape maps onto each other, as index lists."""
     i = j = 0
     while i < len(in_shape) or j < len(out_shape):
         gi, gj = [i], [j]
@@ -260,14 +161,65 @@ def _view_dim(in_shape, out_shape, d, tp):
                 pj *= out_shape[j]
                 gj.append(j)
                 j += 1
-        if d in gi:
-            if any(in_shape[k] != 1 for k in gi if k < d):
-                return None
-            for k in gj:
-                if k < len(out_shape) and out_shape[k] != 1:
-                    return k if out_shape[k] % tp == 0 else None
-            return None
+        yield [k for k in gi if k < len(in_shape)], [k for k in gj if k < len(out_shape)]
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def view_state(in_shape, out_shape, s: Sharded, tp: int) -> Sharded | None:
+    """The state after a reshape of a value in state ``s``, or None where no dim of the output is
+    chunked alike.
+
+    The group of input dims merged with ``s.dim`` reads ``[P, Q, A]`` (``P``: the dims before it
+    times ``s.outer``, ``Q``: its chunked part, ``A``: the dims after). The sharded output dim is the
+    first one ``k`` of the group whose prefix product ``L`` divides ``P``, with ``o_k = (P / L) * m``:
+    either ``m`` splits ``Q`` (``m`` a multiple of ``tp``: the heads of a head split) or ``m`` is ``Q``
+    times trailing dims (a merge of the heads with the head dim). ``P / L`` is the new ``outer``."""
+    d = s.dim
+    for gi, gj in _groups(in_shape, out_shape):
+        if d not in gi:
+            continue
+        p = _prod(in_shape[k] for k in gi if k < d) * s.outer
+        q = in_shape[d] // s.outer
+        a = _prod(in_shape[k] for k in gi if k > d)
+        lead = 1
+        for k in gj:
+            o = out_shape[k]
+            if o != 1 and p % lead == 0 and (lead * o) % p == 0:
+                m, outer = lead * o // p, p // lead
+                if m <= q and q % m == 0 and (m % tp == 0 or s.blocks is not None):
+                    factor, scale = q // m, s.scale and s.scale * (q // m)
+                elif m > q and m % q == 0 and a % (m // q) == 0:
+                    factor = m // q
+                    scale = s.scale // factor if s.scale and s.scale % factor == 0 else None
+                    factor = None
+                else:
+                    lead *= o
+                    continue
+                if outer > 1 and (s.kind != TP or s.blocks is not None):
+                    return None
+                if s.blocks is not None and factor is not None and not _blocks_divide(s.blocks, q, factor, tp):
+                    return None
+                return Sharded(k, s.kind, s.origins, outer, s.blocks, scale)
+            lead *= o
+        return None
     return None
+
+
+def _blocks_divide(blocks, size: int, factor: int, tp: int) -> bool:
+    """Blocks of a dim of ``size`` still whole units after the dim is split by ``factor`` (tp blocks
+    also into multiples of ``tp``)."""
+    total = sum(b for b, _ in blocks)
+    for b, mode in blocks:
+        units = b * size
+        if units % total or (units // total) % factor or mode == "tp" and (units // total // factor) % tp:
+            return False
+    return True
 
 
 def _size_args(node, name):
