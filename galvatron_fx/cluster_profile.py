@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import all_gather_single, is_distributed, pick_device, reduce_scatter_single, synchronize
+from .ir import TORCH_DTYPES
 from .runtime.groups import GROUPS
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -55,7 +56,6 @@ _CPU_SIZES = (2**16, 2**20, 2**23)  # bytes
 _GPU_SIZES = (2**20, 2**24, 2**27)  # bytes
 _CPU_MATMUL = {"fp32": 256, "bf16": 48, "fp16": 48}  # square matmul side
 _GPU_MATMUL = {"fp32": 4096, "bf16": 8192, "fp16": 8192}
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class _Reporter:
@@ -161,8 +161,8 @@ def _ping_pong(nbytes: int, me: int, a: int, b: int, device: torch.device, repea
 
 def _matmul_flops(dtype: str, side: int, device: torch.device, repeats: int) -> float:
     """Measured FLOP/s of a ``side``×``side`` matmul in ``dtype`` (median of ``repeats``)."""
-    a = torch.randn(side, side, device=device).to(_TORCH_DTYPES[dtype])
-    b = torch.randn(side, side, device=device).to(_TORCH_DTYPES[dtype])
+    a = torch.randn(side, side, device=device).to(TORCH_DTYPES[dtype])
+    b = torch.randn(side, side, device=device).to(TORCH_DTYPES[dtype])
     c = torch.mm(a, b)
     synchronize(device)
     times = []

@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""Short dtype names (as in plans, clusters and the cost model) -> torch dtypes."""
+
 META_KEY = "galvatron"
 
 LAYER_KINDS = ("pre", "block", "post", "other")

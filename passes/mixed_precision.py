@@ -43,10 +43,7 @@ class MixedPrecisionPass(ContextPass):
             return PassResult(graph_module, False)
         device_type = _device_type(graph_module)
         for call in layer_calls(graph_module).values():
-            layer = call.args[0] if call.op == "call_function" else graph_module.get_submodule(call.target)
-            if isinstance(layer, torch.fx.Node):       # checkpoint_layer(self.layers_i, ...)
-                layer = graph_module.get_submodule(layer.target)
-            autocast_layer(layer, device_type, dtype)
+            autocast_layer(_layer_of(graph_module, call), device_type, dtype)
         info = self.ctx.stage_info
         if info is not None:
             _cast_sent(graph_module, dtype)
@@ -58,8 +55,7 @@ class MixedPrecisionPass(ContextPass):
         if self.ctx.precision.compute_dtype is None:
             return
         for i, call in layer_calls(graph_module).items():
-            target = call.args[0].target if call.op == "call_function" else call.target
-            layer = graph_module.get_submodule(target)
+            layer = _layer_of(graph_module, call)
             check(any(n.target is enter_autocast for n in layer.graph.nodes),
                   f"layer {i} must run under autocast in a mixed-precision plan")
 
@@ -80,6 +76,11 @@ def autocast_layer(layer: torch.fx.GraphModule, device_type: str, dtype: torch.d
     route_outputs(graph, exit_autocast, ac)
     graph.lint()
     layer.recompile()
+
+
+def _layer_of(top: torch.fx.GraphModule, call: torch.fx.Node) -> torch.fx.GraphModule:
+    """The layer submodule a layer call runs (``self.layers_i(...)`` or ``checkpoint_layer(self.layers_i, ...)``)."""
+    return top.get_submodule(call.args[0].target if call.op == "call_function" else call.target)
 
 
 def _device_type(top: torch.fx.GraphModule) -> str:

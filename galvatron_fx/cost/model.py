@@ -45,7 +45,7 @@ import torch.fx
 
 from ..cluster import Cluster, normalize_dtype
 from ..errors import ConfigError
-from ..ir import META_KEY
+from ..ir import META_KEY, TORCH_DTYPES
 from ..solver.strategy import Strategy
 from ..units import parse_bytes
 from .extract import LayerGraph, capture_batch, extract_layer, needs_grad, roles_from_analysis
@@ -53,7 +53,6 @@ from .measure import LayerMeasure, measure_layer
 from .memory import StatesBytes, states_bytes
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISION_DTYPES = {"fp32": ("fp32", False), "bf16-mixed": ("bf16", True), "fp16-mixed": ("fp16", True)}
 """precision -> (compute / storage dtype of parameters, gradients and activations, fp32 masters)."""
 B = sympy.Symbol("b", positive=True)

@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..ir import TORCH_DTYPES
 
 COMPUTE_DTYPES = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
-REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,9 @@ def precision_policy(name: str = "fp32", reduce_dtype: str | torch.dtype | None 
         raise ConfigError(f"precision must be one of {list(COMPUTE_DTYPES)}, got {name!r}")
     compute = COMPUTE_DTYPES[name]
     if isinstance(reduce_dtype, str):
-        if reduce_dtype not in REDUCE_DTYPES:
-            raise ConfigError(f"reduce_dtype must be one of {list(REDUCE_DTYPES)}, got {reduce_dtype!r}")
-        reduce_dtype = REDUCE_DTYPES[reduce_dtype]
+        if reduce_dtype not in TORCH_DTYPES:
+            raise ConfigError(f"reduce_dtype must be one of {list(TORCH_DTYPES)}, got {reduce_dtype!r}")
+        reduce_dtype = TORCH_DTYPES[reduce_dtype]
     if reduce_dtype is not None and reduce_dtype not in (torch.float32, compute):
         raise ConfigError(f"reduce_dtype {reduce_dtype} does not fit precision {name!r}: reduce in fp32 "
                           "or in the compute dtype")
