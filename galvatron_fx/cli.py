@@ -38,40 +38,77 @@ def parse_overrides(items: list[str] | None) -> dict:
 
 def cmd_layers(args: argparse.Namespace) -> int:
     """Capture MODEL and print its layer list."""
-    from . import capture, layers
+    from . import layers
 
     t0 = time.perf_counter()
     model, example_args = models.load(args.model, device=args.device, overrides=parse_overrides(args.set))
     progress(f"capturing {args.model} with method={args.method} on {args.device}")
-    gm = capture(model, example_args, method=args.method)
+    gm = _capture(model, example_args, args.method)
     records = layers(gm)
     info = gm.meta["galvatron"]
+    report = None
+    if args.tp is not None:
+        from .sharding.report import tp_report
+
+        report = tp_report(gm, args.tp, sp=args.sp)
     if args.json:
         rows = [{"index": r.index, "name": r.name, "kind": r.kind, "signature": r.signature,
                  "params": len(r.params), "nodes": len(r.nodes), "consumes_from": r.consumes_from}
                 for r in records]
+        for row, rep in zip(rows, report or []):
+            row["tp_report"] = rep.to_dict()
         _write_json(args.json, {"model": args.model, "method": args.method, "grouping": info.grouping,
                                 "fingerprint": info.fingerprint, "layers": rows})
     sigs: dict[str, str] = {}
     print(f"{args.model}: {len(records)} layers ({info.grouping}), captured by {args.method} "
           f"in {time.perf_counter() - t0:.1f}s, fingerprint {info.fingerprint[:12]}")
-    print(f"{'#':>4}  {'name':<28} {'kind':<6} {'sig':<4} {'params':>12} {'nodes':>6}  reads from")
+    tp_col = f"  tp={args.tp}{' sp' if args.sp else ''}" if report else ""
+    print(f"{'#':>4}  {'name':<28} {'kind':<6} {'sig':<4} {'params':>12} {'nodes':>6}  {'reads from':<10}{tp_col}")
     params = {n.meta["galvatron"].param.fqn: n.meta["galvatron"].param
               for n in gm.graph.nodes if n.op == "get_attr" and n.meta["galvatron"].param}
-    for r in records:
+    for k, r in enumerate(records):
         sig = sigs.setdefault(r.signature, chr(ord("A") + len(sigs)) if len(sigs) < 26 else "?")
         numel = sum(params[p].numel for p in r.params)
+        cell = f"  {report[k].summary()}" if report else ""
         print(f"{r.index:>4}  {r.name:<28} {r.kind:<6} {sig:<4} {numel:>12,} {len(r.nodes):>6}  "
-              f"{','.join(map(str, r.consumes_from)) or '-'}")
+              f"{','.join(map(str, r.consumes_from)) or '-':<10}{cell}")
+    if report:
+        _print_tp_details(report, every=args.tp_details)
     return 0
 
 
-def _capture_for_planning(args: argparse.Namespace):
-    from . import capture
+def _print_tp_details(report, every: bool) -> None:
+    """What stays whole under TP and why: every parameter (``every``), else the layers that shard
+    nothing or run some linear / embedding replicated, once per distinct explanation."""
+    seen: set[tuple] = set()
+    for rep in report:
+        if every:
+            print("\n".join(rep.lines()))
+            continue
+        notable = rep.notable_whole()
+        key = (rep.summary(), tuple(sorted(set(notable.values()))))
+        if not notable or key in seen:
+            continue
+        seen.add(key)
+        print(f"layer {rep.layer} {rep.name}: {rep.summary()}")
+        for fqn, why in notable.items():
+            print(f"    replicated  {fqn}: {why}")
 
+
+def _capture_for_planning(args: argparse.Namespace):
     model, example_args = models.load(args.model, device="meta", overrides=parse_overrides(args.set))
     progress(f"capturing {args.model} on the meta device (method={args.method})")
-    return capture(model, example_args, method=args.method)
+    return _capture(model, example_args, args.method)
+
+
+def _capture(model, example, method: str):
+    """Capture a loaded model; a factory may give its example inputs as keywords (a dict), as
+    transformers models are called."""
+    from . import capture
+
+    if isinstance(example, dict):
+        return capture(model, (), kwargs=example, method=method)
+    return capture(model, example, method=method)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -203,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="build zoo models on meta (no weight memory; default) or cpu")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="model override, e.g. --set layers=4 --set hidden=256 (repeatable)")
+    p.add_argument("--tp", type=int, metavar="N",
+                   help="also report what tensor parallelism of degree N shards in each layer, and why the rest stays whole")
+    p.add_argument("--sp", action="store_true", help="with --tp: analyse with sequence parallelism")
+    p.add_argument("--tp-details", action="store_true", help="with --tp: list every parameter of every layer")
     p.add_argument("--json", metavar="PATH", help="also write the layer list as JSON")
     p.set_defaults(func=cmd_layers)
 

@@ -291,6 +291,7 @@ class Plan:
                          f"{_gib(row['activation_bytes']):>10} {_gib(row['transient_bytes']):>10}"
                          if row else "")
                 lines.append(f"  {i:>4}  {layer.name:<26} {layer.strategy.label:<24} {cells}")
+        lines += _tp_lines(self.layers)
         return "\n".join(lines)
 
     # ---------------------------------------------------------- serialisation
@@ -414,3 +415,23 @@ class Plan:
             precision = default_precision(cluster or None)
         return cls(world_size, pp, schedule, micro_batches, global_batch_size, even_split(len(names), pp),
                    layers, est, model_fingerprint, dict(cluster or {}), precision=precision)
+
+
+def _tp_lines(layers: list[LayerPlan]) -> list[str]:
+    """explain(): what TP shards in the ``tp > 1`` layers (the search's ``tp_report``), one line
+    per distinct report, with the parameters that stay whole for a reason."""
+    out, seen = [], {}
+    for i, layer in enumerate(layers):
+        rep = layer.extra.get("tp_report")
+        if not rep:
+            continue
+        key = (layer.tp, rep["summary"], tuple(sorted(set(rep.get("whole", {}).values()))))
+        if key in seen:
+            out[seen[key]] += f", {i}"
+            continue
+        if not out:
+            out.append("tensor parallelism (what TP shards; layers with the same report grouped):")
+        seen[key] = len(out)
+        out.append(f"  tp={layer.tp} {rep['summary']}: layers {i}")
+        out += [f"      whole  {fqn}: {why}" for fqn, why in rep.get("whole", {}).items()]
+    return out

@@ -125,6 +125,15 @@ def tp_admissible(cost_model) -> Callable[[int, int], bool]:
     return lambda layer, tp: tp == 1 or not isinstance(cost_model.tp_analysis(layer, tp), Exception)
 
 
+def tp_useful(cost_model) -> Callable[[int, int], bool]:
+    """``(layer, tp) -> bool``: whether TP at degree ``tp`` shards any parameter of layer ``layer``
+    (:mod:`galvatron_fx.sharding.report`); the search does not offer degrees that shard nothing."""
+    def useful(layer: int, tp: int) -> bool:
+        res = cost_model.tp_analysis(layer, tp)
+        return tp == 1 or (not isinstance(res, Exception) and bool(res.sharded_params))
+    return useful
+
+
 def _options(constraints: dict | None, global_batch_size, reserve: float) -> SearchOptions:
     c = dict(constraints or {})
     unknown = sorted(set(c) - set(CONSTRAINT_KEYS))
@@ -180,7 +189,8 @@ def _engine(gm, cluster, world_size, budget, global_batch_size, constraints, cos
     sigs = [rec.signature for rec in cm.layers]
     reads = [set(rec.params) for rec in cm.layers]
     tied = [i for i, r in enumerate(reads) if any(r & other for j, other in enumerate(reads) if j != i)]
-    return Engine(cm, cluster, sigs, world_size, budget, opt, allowed_tp=tp_admissible(cm), tied_layers=tied,
+    return Engine(cm, cluster, sigs, world_size, budget, opt, allowed_tp=tp_admissible(cm), useful_tp=tp_useful(cm),
+                  tied_layers=tied,
                   progress=stderr_progress if progress is True else (progress or None),
                   layer_names=[rec.name for rec in cm.layers])
 
@@ -214,7 +224,26 @@ def search(model, cluster=None, memory_budget=None, global_batch_size: int | Non
     info = gm.meta[META_KEY]
     plan = _plan(result, [rec.name for rec in info.layers], world, info.fingerprint, cluster, precision, rest)
     plan.extra["memory_budget_bytes"] = int(budget)
+    _attach_tp_reports(gm, engine.costs, plan)
     return plan
+
+
+def _attach_tp_reports(gm, cost_model, plan: Plan) -> None:
+    """Each ``tp > 1`` layer's TP report in the plan (``layer.extra["tp_report"]``: the summary and
+    the parameters that stay whole because an op of theirs runs replicated), for ``plan.explain()``."""
+    from .sharding.report import layer_report
+
+    done: dict[tuple, dict] = {}
+    for i, layer in enumerate(plan.layers):
+        if layer.tp > 1:
+            res = cost_model.tp_analysis(i, layer.tp)
+            # NOTE: the analysis is cached per layer signature: a repeated block reports as the
+            # first block of its signature (fqns named after that one)
+            first = i if isinstance(res, Exception) else res.layer
+            if (first, layer.tp) not in done:
+                rep = layer_report(gm, res, first, layer.tp)
+                done[first, layer.tp] = {"summary": rep.summary(), "whole": rep.notable_whole()}
+            layer.extra["tp_report"] = done[first, layer.tp]
 
 
 def estimate(gm: torch.fx.GraphModule, plan: Plan, cluster=None, **cost_options) -> dict:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -72,6 +73,7 @@ from ..sharding import (  # noqa: F401 (unshard: re-exported, it used to live he
     shard_tensor,
     unshard,
 )
+from ..sharding.report import layer_report
 from .context import ContextPass
 from .split_layers import fetch_attr, fresh_copy
 
@@ -112,6 +114,7 @@ def apply_tensor_parallel(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[in
     """
     layer_tp = {int(k): (int(v[0]), bool(v[1])) for k, v in layer_tp.items() if int(v[0]) > 1}
     plans = analyze(gm, layer_tp)
+    _warn_shards_nothing(gm, plans)
     keys = {}
     for idx, (tp, _sp) in layer_tp.items():
         group = tp_group_of(idx)
@@ -140,6 +143,17 @@ def apply_tensor_parallel(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[in
             (log.warning if kinds[idx] == "block" else log.info)(
                 "layer %s (tp=%d): %s run replicated in the TP group", p.name, p.tp, ", ".join(p.replicated_linears))
     return gm
+
+
+def _warn_shards_nothing(gm: torch.fx.GraphModule, plans: dict[int, LayerTP]) -> None:
+    """A plan pinned ``tp > 1`` on a layer where TP shards no parameter: say so, with the reasons."""
+    for idx, p in plans.items():
+        if p.sharded_params:
+            continue
+        whole = "; ".join(f"{fqn}: {why}" for fqn, why in list(layer_report(gm, p, idx, p.tp).notable_whole().items())[:3])
+        warnings.warn(f"layer {p.name}: tp={p.tp} shards none of its parameters ({whole or 'it has none'}), "
+                      f"so its {p.tp} TP ranks each repeat the whole layer; give it tp=1 (the search never "
+                      f"does this; `galvatron-fx layers MODEL --tp {p.tp}` lists the reasons)", stacklevel=3)
 
 
 def tensor_parallel_report(gm: torch.fx.GraphModule) -> dict[int, dict]:

@@ -96,7 +96,8 @@ def _check(results, sharded: bool):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("kind, sdp", [("gpt2", "zero3"), ("bert", "zero2")])
+@pytest.mark.parametrize("kind, sdp", [("gpt2", "zero3"),
+                                       pytest.param("bert", "zero2", marks=pytest.mark.matrix)])  # CI time
 def test_backend_trains_like_eager(kind, sdp, tmp_path):
     pytest.importorskip("transformers")
     results = run_distributed(_compiled_run, 2, kind, sdp, str(tmp_path), timeout=120)
@@ -136,7 +137,7 @@ def _compiled_pipeline_run(rank, world_size, how, plan_dir):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("how", ["plan", "search"])
+@pytest.mark.parametrize("how", [pytest.param("plan", marks=pytest.mark.matrix), "search"])  # CI: the search
 def test_backend_pipeline_plan_trains_like_eager(how, tmp_path):
     pytest.importorskip("transformers")
     results = run_distributed(_compiled_pipeline_run, 2, how, str(tmp_path), timeout=180)
@@ -229,8 +230,9 @@ def _capture_methods(rank, world_size, method):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("method", ["fx", "dynamo", "export"])
+@pytest.mark.parametrize("method", ["fx", *(pytest.param(m, marks=pytest.mark.matrix) for m in ("dynamo", "export"))])
 def test_transform_accepts_every_capture_method(method):
+    # NOTE: CI runs fx here; dynamo and export train in CI through test_frontend_matrix_dist.py
     for ref, losses in run_distributed(_capture_methods, 2, method, timeout=90):
         for a, b in zip(losses, ref):
             assert abs(a - b) <= TOL * abs(b), (method, losses, ref)

@@ -29,7 +29,7 @@ import pytest
 
 import galvatron_fx as gfx
 from galvatron_fx.plan import LayerPlan, Plan
-from galvatron_fx.planner import cost_model_for, tp_admissible
+from galvatron_fx.planner import cost_model_for, tp_admissible, tp_useful
 from galvatron_fx.solver.objective import layer_step_time, layer_terms, p2p_time_per_microbatch
 from galvatron_fx.solver.pipeline import in_flight_microbatches
 from galvatron_fx.solver.strategy import strategy_space
@@ -71,7 +71,7 @@ def enumerate_space(gm, cluster, gbs: int, precision: str):
     the per-configuration strategy lists."""
     cm = cost_model_for(gm, cluster, precision=precision, reserve_bytes=0)
     L, N = len(cm.layers), cluster.world_size
-    admits = tp_admissible(cm)
+    admits, useful = tp_admissible(cm), tp_useful(cm)
     reads = [set(r.params) for r in cm.layers]
     tied = {i for i, r in enumerate(reads) if any(r & o for j, o in enumerate(reads) if j != i)}
     out, spaces = {}, {}
@@ -90,8 +90,11 @@ def enumerate_space(gm, cluster, gbs: int, precision: str):
             act = np.array([[x.activation_bytes for x in row] for row in terms])
             tr = np.array([[x.transient_bytes for x in row] for row in terms])
             R = [np.array([[slots * cm.reshard_time(i, a, c, b) for c in space] for a in space]) for i in range(L - 1)]
-            ok = [[admits(i, s.tp) and (p == 1 or i not in tied or (s.tp == 1 and not (s.sdp == "zero3" and s.ckpt)))
-                   for s in space] for i in range(L)]
+            # a TP degree that shards nothing is offered only when the layer has nothing else
+            offered = [[admits(i, s.tp) and useful(i, s.tp) for s in space] for i in range(L)]
+            offered = [row if any(row) else [admits(i, s.tp) for s in space] for i, row in enumerate(offered)]
+            ok = [[offered[i][k] and (p == 1 or i not in tied or (s.tp == 1 and not (s.sdp == "zero3" and s.ckpt)))
+                   for k, s in enumerate(space)] for i in range(L)]
             allowed = [np.flatnonzero(row) for row in ok]
             if any(len(a) == 0 for a in allowed):
                 continue

@@ -38,9 +38,10 @@ LOSSES = {"cross_entropy", "cross_entropy_loss", "nll_loss", "log_softmax", "bin
 class LayerAnalyzer:
     """Propagate sharding states through one layer; see the module docstring."""
 
-    def __init__(self, gm: torch.fx.GraphModule, layer: int, tp: int, sp: bool, demoted: set[str],
+    def __init__(self, gm: torch.fx.GraphModule, layer: int, tp: int, sp: bool, demoted: dict[str, str],
                  input_layout, blocks: dict | None = None, notes: dict | None = None):
-        self.gm, self.layer, self.tp, self.sp, self.demoted = gm, layer, tp, sp, demoted
+        self.gm, self.layer, self.tp, self.sp = gm, layer, tp, sp
+        self.demoted = demoted   # column linear -> why it must run replicated
         self.blocks = {} if blocks is None else blocks   # column linear -> its output's (size, mode) blocks
         info = graph_info(gm)
         self.record = info.layers[layer]
@@ -73,9 +74,14 @@ class LayerAnalyzer:
         """``node`` cannot run on these shards: gather sequence shards, demote tp origins."""
         origins = tp_origins(states)
         if origins:
-            self.res.notes.setdefault(node.name, f"{op_name(node)} cannot run on tensor-parallel shards")
-            raise Demote(origins)
+            why = self.res.notes.setdefault(node.name, f"{op_name(node)} cannot run on tensor-parallel shards")
+            raise Demote(origins, f"its output reaches {node.name}: {why}")
         raise Unsupported
+
+    def replicated(self, node, why: str) -> None:
+        """``node`` (a linear or embedding) runs on its whole weight; ``why`` goes to the report."""
+        self.res.replicated_linears.append(node.name)
+        self.res.why_replicated.setdefault(node.name, self.demoted.get(node.name, why))
 
     def node(self, name: str) -> torch.fx.Node:
         if not hasattr(self, "_by_name"):
@@ -96,11 +102,11 @@ class LayerAnalyzer:
             if is_sharded(s) and not isinstance(s, Sharded):   # a tuple (split) or duplicated value leaving
                 origins = tp_origins([s])
                 if origins:
-                    raise Demote(origins)
+                    raise Demote(origins, f"its output leaves the layer at {node.name} as split pieces")
                 s = None
             if isinstance(s, Sharded) and s.kind == TP:
                 if not self.vocab_sharded_output(s, external):
-                    raise Demote(s.origins)
+                    raise Demote(s.origins, f"its output leaves the layer sharded at {node.name}")
                 self.res.sharded_outputs.append(node.name)
             self.res.outputs[node.name] = s   # replicated or sequence-sharded; the pass converts
         self.res.states = {n.name: s for n, s in self.state.items()}
@@ -146,7 +152,7 @@ class LayerAnalyzer:
                     self.conv(node, i, ("gather", s.dim))
             self.state[node] = None
             if sources:
-                self.res.replicated_linears.append(node.name)
+                self.replicated(node, "its input is sharded in a way it cannot consume")
 
     def duplicated(self, node, ins, states):
         """Any op on duplicated and replicated values gives a duplicated value (every rank computes
@@ -209,7 +215,7 @@ def analyze(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[int, bool]]) -> 
     def expected_layout(node, layer):
         return boundary_layout(gm, node, layer, layer_tp)
 
-    demoted: set[str] = set()
+    demoted: dict[str, str] = {}   # column linear -> why it runs replicated
     blocks: dict[str, tuple] = {}
     notes: dict[int, dict[str, str]] = {}
     for _ in range(len(gm.graph.nodes) + 1):
@@ -223,9 +229,10 @@ def analyze(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[int, bool]]) -> 
             _check_param_consistency(gm, out)
             break
         except Demote as d:
-            if d.origins <= demoted:
+            if d.origins <= demoted.keys():
                 raise RuntimeError(f"internal: tensor-parallel analysis did not converge at {sorted(d.origins)}") from None
-            demoted |= d.origins
+            for origin in d.origins:
+                demoted.setdefault(origin, d.why)
     for res in out.values():
         _summarise(gm, res)
     return out
@@ -267,7 +274,7 @@ def _check_param_consistency(gm, results: dict[int, LayerTP]) -> None:
                 wants[node.name].add(None)
     for name, specs in wants.items():
         if len(specs) > 1:
-            raise Demote(users_of[name])
+            raise Demote(users_of[name], f"its weight {name} is tied to a use that cannot take the same shards")
 
 
 def _summarise(gm, res: LayerTP) -> None:

@@ -106,7 +106,7 @@ def parallel_linear(an, node, lin: LinearOperands):
                 an.res.regather[node.name] = (lin.y_out, tuple(size // an.tp for size in sizes),
                                               tuple(mode for _, mode in blocks))
             return out
-        an.res.replicated_linears.append(node.name)
+        an.replicated(node, _column_why(an, out_w))
         if s is None:
             return None
         if lin.addend is not None:
@@ -140,6 +140,12 @@ def _copy_params(an, node, lin):
     for p in (lin.weight_arg, lin.bias):
         if p is not None:
             an.conv(node, p, ("copy",))
+
+
+def _column_why(an, out_w) -> str:
+    if out_w % an.tp:
+        return f"output width {out_w} does not divide by tp={an.tp}"
+    return "its bias / addend cannot take the output's shards"
 
 
 def _column_ok(an, node, out_w) -> bool:
@@ -179,7 +185,8 @@ def embedding(an, node, ins, states):
     ids, w, _pad = emb
     rows = shape_of(w)[0]
     if an.st(ids) is not None or rows % an.tp or node.name in an.demoted:
-        an.res.replicated_linears.append(node.name)
+        an.replicated(node, f"{rows} rows do not divide by tp={an.tp}" if rows % an.tp
+                      else "its indices are sharded")
         if an.st(ids) is not None:
             raise Unsupported
         return None

@@ -107,6 +107,8 @@ class LayerTP:
     # node -> {argument path: new constant} (slice bounds, indices of a fused output's blocks)
     const_args: dict[str, dict[tuple, object]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)                        # node -> why it runs whole
+    # linear / embedding node that runs replicated -> why (the report: galvatron_fx/sharding/report.py)
+    why_replicated: dict[str, str] = field(default_factory=dict)
 
 
 def is_sharded(s) -> bool:
@@ -128,11 +130,13 @@ def tp_origins(states) -> set[str]:
 
 
 class Demote(Exception):
-    """These column linears (node names) must run replicated; the layers are analysed again."""
+    """These column linears (node names) must run replicated; the layers are analysed again.
+    ``why`` says what forced it (kept for the TP report)."""
 
-    def __init__(self, origins):
+    def __init__(self, origins, why: str = "its output cannot be used sharded"):
         super().__init__(sorted(origins))
         self.origins = set(origins)
+        self.why = why
 
 
 class Unsupported(Exception):

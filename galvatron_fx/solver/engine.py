@@ -122,6 +122,7 @@ class Engine:
     def __init__(self, costs: CostSource, cluster: Any, signatures: list[str], world_size: int,
                  budget_bytes: float, options: SearchOptions | None = None,
                  allowed_tp: Callable[[int, int], bool] | None = None,
+                 useful_tp: Callable[[int, int], bool] | None = None,
                  tied_layers: Iterable[int] = (),
                  progress: Callable[[str], None] | None = None,
                  layer_names: list[str] | None = None):
@@ -131,6 +132,7 @@ class Engine:
         self.budget = float(budget_bytes)
         self.opt = options or SearchOptions()
         self.allowed_tp = functools.lru_cache(maxsize=None)(allowed_tp or (lambda layer, tp: True))
+        self.useful_tp = functools.lru_cache(maxsize=None)(useful_tp or (lambda layer, tp: True))
         self.tied_layers = frozenset(tied_layers)
         self.tables = CachedCosts(costs, cluster, signatures)
         self.progress = progress or (lambda msg: None)
@@ -233,12 +235,19 @@ class Engine:
         return out[0], out[1], out[2], out[3]
 
     def _admissible(self, layer: int, tps: np.ndarray) -> np.ndarray:
-        """Whether layer ``layer`` admits each TP degree of ``tps`` (the TP pass's own analysis)."""
+        """Whether layer ``layer`` is offered each TP degree of ``tps``: the TP pass accepts it
+        (``allowed_tp``) and it shards something there (``useful_tp``). A degree that shards nothing
+        only repeats the layer on every TP rank; it is offered only where nothing else is (a tp
+        constraint) or every layer must share one strategy (``uniform_only``)."""
         key = (layer, tps.tobytes())
         hit = self._adm.get(key)
         if hit is None:
             by_tp = {int(tp): bool(self.allowed_tp(layer, int(tp))) for tp in np.unique(tps)}
-            hit = self._adm[key] = np.array([by_tp[int(tp)] for tp in tps])
+            hit = np.array([by_tp[int(tp)] for tp in tps])
+            if not self.opt.uniform_only:
+                useful = hit & np.array([tp == 1 or bool(self.useful_tp(layer, int(tp))) for tp in tps])
+                hit = useful if useful.any() else hit
+            self._adm[key] = hit
         return hit
 
     def _pipeline_allows(self, layer: int, s: Strategy, p: int) -> bool:
