@@ -125,6 +125,12 @@ def tp_admissible(cost_model) -> Callable[[int, int], bool]:
     return lambda layer, tp: tp == 1 or not isinstance(cost_model.tp_analysis(layer, tp), Exception)
 
 
+def sp_admissible(cost_model) -> Callable[[int, int], bool]:
+    """``(layer, tp) -> bool``: whether the tensor-parallel pass accepts sequence parallelism on
+    layer ``layer`` at degree ``tp`` (its boundary activations' sequence length divides by tp)."""
+    return lambda layer, tp: tp > 1 and not isinstance(cost_model.tp_analysis(layer, tp, sp=True), Exception)
+
+
 def tp_useful(cost_model) -> Callable[[int, int], bool]:
     """``(layer, tp) -> bool``: whether TP at degree ``tp`` shards any parameter of layer ``layer``
     (:mod:`galvatron_fx.sharding.report`); the search does not offer degrees that shard nothing."""
@@ -190,6 +196,7 @@ def _engine(gm, cluster, world_size, budget, global_batch_size, constraints, cos
     reads = [set(rec.params) for rec in cm.layers]
     tied = [i for i, r in enumerate(reads) if any(r & other for j, other in enumerate(reads) if j != i)]
     return Engine(cm, cluster, sigs, world_size, budget, opt, allowed_tp=tp_admissible(cm), useful_tp=tp_useful(cm),
+                  allowed_sp=sp_admissible(cm),
                   tied_layers=tied,
                   progress=stderr_progress if progress is True else (progress or None),
                   layer_names=[rec.name for rec in cm.layers])

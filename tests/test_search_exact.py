@@ -29,7 +29,7 @@ import pytest
 
 import galvatron_fx as gfx
 from galvatron_fx.plan import LayerPlan, Plan
-from galvatron_fx.planner import cost_model_for, tp_admissible, tp_useful
+from galvatron_fx.planner import cost_model_for, sp_admissible, tp_admissible, tp_useful
 from galvatron_fx.solver.objective import layer_step_time, layer_terms, p2p_time_per_microbatch
 from galvatron_fx.solver.pipeline import in_flight_microbatches
 from galvatron_fx.solver.strategy import strategy_space
@@ -71,7 +71,10 @@ def enumerate_space(gm, cluster, gbs: int, precision: str):
     the per-configuration strategy lists."""
     cm = cost_model_for(gm, cluster, precision=precision, reserve_bytes=0)
     L, N = len(cm.layers), cluster.world_size
-    admits, useful = tp_admissible(cm), tp_useful(cm)
+    tp_ok, useful, sp_ok = tp_admissible(cm), tp_useful(cm), sp_admissible(cm)
+
+    def admits(i, s):
+        return tp_ok(i, s.tp) and (not s.sp or sp_ok(i, s.tp))
     reads = [set(r.params) for r in cm.layers]
     tied = {i for i, r in enumerate(reads) if any(r & o for j, o in enumerate(reads) if j != i)}
     out, spaces = {}, {}
@@ -91,8 +94,8 @@ def enumerate_space(gm, cluster, gbs: int, precision: str):
             tr = np.array([[x.transient_bytes for x in row] for row in terms])
             R = [np.array([[slots * cm.reshard_time(i, a, c, b) for c in space] for a in space]) for i in range(L - 1)]
             # a TP degree that shards nothing is offered only when the layer has nothing else
-            offered = [[admits(i, s.tp) and useful(i, s.tp) for s in space] for i in range(L)]
-            offered = [row if any(row) else [admits(i, s.tp) for s in space] for i, row in enumerate(offered)]
+            offered = [[admits(i, s) and useful(i, s.tp) for s in space] for i in range(L)]
+            offered = [row if any(row) else [admits(i, s) for s in space] for i, row in enumerate(offered)]
             ok = [[offered[i][k] and (p == 1 or i not in tied or (s.tp == 1 and not (s.sdp == "zero3" and s.ckpt)))
                    for k, s in enumerate(space)] for i in range(L)]
             allowed = [np.flatnonzero(row) for row in ok]

@@ -65,11 +65,13 @@ def test_search_does_not_offer_tp_where_it_shards_nothing(vit):
     cluster = gfx.Cluster.preset("8xA100-80GB")
     args = (vit, cluster, 2, 80e9, 8)
     eng = _engine(*args, {"pp": 1}, {}, False)
-    tps = np.array([1, 2])
-    assert eng._admissible(0, tps).tolist() == [True, False]     # pre: patch conv, cls, positions
-    assert eng._admissible(1, tps).tolist() == [True, True]
+    tps, no_sp = np.array([1, 2]), np.array([False, False])
+    assert eng._admissible(0, tps, no_sp).tolist() == [True, False]     # pre: patch conv, cls, positions
+    assert eng._admissible(1, tps, no_sp).tolist() == [True, True]
+    # ViT's 17 tokens do not split over 2 ranks: no sequence parallelism for its blocks at tp=2
+    assert eng._admissible(1, tps, np.array([False, True])).tolist() == [True, False]
     uniform = _engine(*args, {"pp": 1, "uniform": True}, {}, False)
-    assert uniform._admissible(0, tps).tolist() == [True, True]  # a uniform tp plan stays possible
+    assert uniform._admissible(0, tps, no_sp).tolist() == [True, True]  # a uniform tp plan stays possible
     # pinned tp=2: nothing else is left for pre, so it keeps tp=2, and explain() says what that shards
     plan = gfx.search(vit, cluster, "80GB", 8, world_size=2, constraints={"pp": 1, "tp": 2})
     assert [la.tp for la in plan.layers] == [2, 2, 2, 2]

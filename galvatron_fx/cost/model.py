@@ -177,10 +177,11 @@ class CostModel:
                     self._owned[info.layer][info.param.fqn] = info.param.numel
         return self._owned[index]
 
-    def tp_analysis(self, index: int, tp: int):
-        """The tensor-parallel pass's own analysis of layer ``index`` at degree ``tp`` (cached per
-        signature), or the :class:`ConfigError` it raises when the layer cannot take that degree."""
-        key = (self.layers[index].signature, tp)
+    def tp_analysis(self, index: int, tp: int, sp: bool = False):
+        """The tensor-parallel pass's own analysis of layer ``index`` at degree ``tp`` (with sequence
+        parallelism: ``sp``; cached per signature), or the :class:`ConfigError` it raises when the
+        layer cannot take that degree (heads, widths, or a sequence length not divisible by tp)."""
+        key = (self.layers[index].signature, tp) if not sp else (self.layers[index].signature, tp, True)
         if key not in self._tp:
             from ..sharding import analyze
 
@@ -189,7 +190,7 @@ class CostModel:
             mine = set(self.layers[index].params)
             partners = [r.index for r in self.layers if mine & set(r.params)]
             try:
-                self._tp[key] = analyze(self.gm, {j: (tp, False) for j in partners}).get(index)
+                self._tp[key] = analyze(self.gm, {j: (tp, bool(sp)) for j in partners}).get(index)
             except ConfigError as exc:
                 self._tp[key] = exc
         return self._tp[key]

@@ -123,6 +123,7 @@ class Engine:
                  budget_bytes: float, options: SearchOptions | None = None,
                  allowed_tp: Callable[[int, int], bool] | None = None,
                  useful_tp: Callable[[int, int], bool] | None = None,
+                 allowed_sp: Callable[[int, int], bool] | None = None,
                  tied_layers: Iterable[int] = (),
                  progress: Callable[[str], None] | None = None,
                  layer_names: list[str] | None = None):
@@ -133,6 +134,7 @@ class Engine:
         self.opt = options or SearchOptions()
         self.allowed_tp = functools.lru_cache(maxsize=None)(allowed_tp or (lambda layer, tp: True))
         self.useful_tp = functools.lru_cache(maxsize=None)(useful_tp or (lambda layer, tp: True))
+        self.allowed_sp = functools.lru_cache(maxsize=None)(allowed_sp or (lambda layer, tp: True))
         self.tied_layers = frozenset(tied_layers)
         self.tables = CachedCosts(costs, cluster, signatures)
         self.progress = progress or (lambda msg: None)
@@ -220,6 +222,7 @@ class Engine:
     def _build_tables(self, p: int, m: int, b: int, space: tuple[Strategy, ...]):
         out = np.empty((4, self.L, len(space)))
         tps = np.array([s.tp for s in space])
+        sps = np.array([s.sp for s in space])
         whole = np.array([s.tp == 1 and not (s.sdp == "zero3" and s.ckpt) for s in space])
         by_sig: dict[int, np.ndarray] = {}
         for i in range(self.L):
@@ -228,22 +231,23 @@ class Engine:
                 r = self.tables.rows(i, space, b)
                 # NOTE: (m + p - 1) * t_mb + sync is layer_step_time's arithmetic, element by element
                 by_sig[sig] = np.stack([(m + p - 1) * r[0] + r[1], r[2], r[3], r[4]])
-            ok = self._admissible(i, tps)
+            ok = self._admissible(i, tps, sps)
             if p > 1 and i in self.tied_layers:
                 ok = ok & whole
             out[:, i, :] = np.where(ok[None, :], by_sig[sig], np.inf)
         return out[0], out[1], out[2], out[3]
 
-    def _admissible(self, layer: int, tps: np.ndarray) -> np.ndarray:
-        """Whether layer ``layer`` is offered each TP degree of ``tps``: the TP pass accepts it
-        (``allowed_tp``) and it shards something there (``useful_tp``). A degree that shards nothing
-        only repeats the layer on every TP rank; it is offered only where nothing else is (a tp
-        constraint) or every layer must share one strategy (``uniform_only``)."""
-        key = (layer, tps.tobytes())
+    def _admissible(self, layer: int, tps: np.ndarray, sps: np.ndarray) -> np.ndarray:
+        """Whether layer ``layer`` is offered each (TP degree, SP) of ``tps`` / ``sps``: the TP pass
+        accepts it (``allowed_tp``, ``allowed_sp``) and it shards something there (``useful_tp``).
+        A degree that shards nothing only repeats the layer on every TP rank; it is offered only
+        where nothing else is (a tp constraint) or every layer must share one strategy
+        (``uniform_only``)."""
+        key = (layer, tps.tobytes(), sps.tobytes())
         hit = self._adm.get(key)
         if hit is None:
-            by_tp = {int(tp): bool(self.allowed_tp(layer, int(tp))) for tp in np.unique(tps)}
-            hit = np.array([by_tp[int(tp)] for tp in tps])
+            hit = np.array([bool(self.allowed_tp(layer, int(tp))) and (not sp or bool(self.allowed_sp(layer, int(tp))))
+                            for tp, sp in zip(tps, sps)])
             if not self.opt.uniform_only:
                 useful = hit & np.array([tp == 1 or bool(self.useful_tp(layer, int(tp))) for tp in tps])
                 hit = useful if useful.any() else hit
