@@ -224,12 +224,19 @@ class _Rewriter:
         self.new_nodes.setdefault(layer, []).append(node.name)
         return node
 
+    def tp_of(self, layer) -> int:
+        return int(self.layer_tp[layer][0])
+
     def converted(self, layer, x, op, key, before, *, after=None):
         cache_key = (layer, x, op, key)
         if cache_key not in self.cache:
             fn = _CONVERSION_OPS[op[0]]
+            args = (x, *op[1:], key)
+            v = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+            if op[0] in ("gather", "all_gather_seq") and isinstance(v, torch.Tensor) and v.shape[op[1]] % self.tp_of(layer):
+                args = (*args, int(v.shape[op[1]]))   # uneven chunks (17 tokens over 2 ranks): the whole length
             with self.graph.inserting_after(after) if after is not None else self.graph.inserting_before(before):
-                self.cache[cache_key] = self.new_node(layer, fn, (x, *op[1:], key), before)
+                self.cache[cache_key] = self.new_node(layer, fn, args, before)
         return self.cache[cache_key]
 
     def rewrite_layer(self, idx, plan: LayerTP):

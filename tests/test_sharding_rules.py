@@ -171,7 +171,6 @@ def test_vocab_not_divisible_is_replicated_not_an_error():
     ("gpt-tiny", dict(hidden=96, heads=6), 4, False, "layer blocks.0: 6 attention heads are not divisible by tp=4; use tp in {1, 2, 3, 6}"),
     ("llama-7b", dict(kv_heads=2), 4, False, "layer blocks.0: 2 key/value heads are not divisible by tp=4; use tp in {1, 2}"),
     ("gpt-tiny", dict(ffn_hidden=66), 4, False, "layer blocks.0: ffn width 66"),
-    ("gpt-tiny", dict(seq_len=15), 2, True, "sequence length 15 is not divisible by tp=2"),
 ])
 def test_not_divisible_raises_config_error(name, overrides, tp, sp, message):
     gm = _capture(name, **overrides)
@@ -192,6 +191,17 @@ def test_apply_without_processes_updates_shapes_and_report():
     assert set(report) == {1, 3} and "blocks.0.mlp.fc1.weight" in report[1]["sharded"]
     layer_nodes = set(gm.meta[META_KEY].layers[1].nodes)
     assert any(n.startswith("tp_all_gather_sequence") for n in layer_nodes)
+
+
+def test_sequence_parallel_splits_a_length_tp_does_not_divide_unevenly():
+    gm = _capture("gpt-tiny", seq_len=15)
+    apply_tensor_parallel(gm, {1: (2, True)}, tp_rank_of=lambda i: 1, tp_group_of=lambda i: None)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    # NOTE: without processes the chunk is rank 0's (8 of 15 tokens; rank 1 runs 7); the gather
+    # carries the whole length
+    assert tuple(nodes["layer_norm"].meta["val"].shape) == (2, 8, 64)
+    gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target.__name__ == "tp_all_gather_sequence"]
+    assert gathers and all(n.args[-1] == 15 for n in gathers)
 
 
 def test_shard_unshard_round_trip_with_blocks():

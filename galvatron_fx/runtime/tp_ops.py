@@ -18,9 +18,12 @@ op                             forward                      backward
                                each of ``outer`` parts
 =============================  ===========================  ============================
 
-Chunks are contiguous, equal and in group-rank order along ``dim``. On fake or meta tensors the ops
-only compute the output shape (no communication), so FakeTensorProp and meta-device planning run
-through rewritten graphs.
+Chunks are contiguous and in group-rank order along ``dim``: ``c = ceil(n / size)`` elements each,
+the last ones shorter when ``size`` does not divide ``n`` (:func:`chunk_bounds`; a sequence of 17
+tokens over 2 ranks is 9 + 8). Uneven chunks travel padded to ``c`` and are trimmed after, so a
+gather needs ``full``, the whole length (the pass writes it into the graph). On fake or meta
+tensors the ops only compute the output shape (no communication), so FakeTensorProp and
+meta-device planning run through rewritten graphs.
 """
 
 from __future__ import annotations
@@ -76,46 +79,74 @@ def _all_reduce(x: torch.Tensor, key: str) -> torch.Tensor:
     return out
 
 
-def _all_gather(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
+def chunk_bounds(n: int, size: int, rank: int) -> tuple[int, int]:
+    """``(start, length)`` of rank ``rank``'s chunk of ``n`` elements over ``size`` ranks: chunks of
+    ``ceil(n / size)``, the last ones shorter (possibly empty)."""
+    c = -(-n // size)
+    start = min(rank * c, n)
+    return start, min(c, n - start)
+
+
+def _rank(x: torch.Tensor, group, size: int) -> int:
+    """This process's index in the group (0 without torch.distributed, e.g. planning on fake tensors)."""
+    if size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return max(dist.get_rank(group), 0)
+
+
+def _pad_to(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """``x`` zero-padded at the end of ``dim`` to length ``n``."""
+    if x.shape[dim] == n:
+        return x
+    shape = list(x.shape)
+    shape[dim] = n - x.shape[dim]
+    return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+def _all_gather(x: torch.Tensor, dim: int, key: str, full: int | None = None) -> torch.Tensor:
+    """The whole tensor of length ``full`` along ``dim`` (default: ``size`` x this chunk) from every
+    rank's chunk (:func:`chunk_bounds`)."""
     group, size = group_of(key)
     dim = dim % x.dim()
+    full = size * x.shape[dim] if full is None else int(full)
+    c = -(-full // size)
     if _is_fake(x):
         shape = list(x.shape)
-        shape[dim] *= size
+        shape[dim] = full
         return x.new_empty(shape)
     if size == 1:
         return x.clone()
-    front = x.movedim(dim, 0).contiguous()
-    out = front.new_empty((size * front.shape[0],) + tuple(front.shape[1:]))
+    front = _pad_to(x.movedim(dim, 0), 0, c).contiguous()
+    out = front.new_empty((size * c,) + tuple(front.shape[1:]))
     all_gather_single(out, front, group=group)
-    return out.movedim(0, dim).contiguous()
+    return out[:full].movedim(0, dim).contiguous()
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, dim: int, key: str, full: int | None = None) -> torch.Tensor:
+    """This rank's chunk (:func:`chunk_bounds`) of the sum over the group of ``x`` along ``dim``."""
     group, size = group_of(key)
     dim = dim % x.dim()
-    if x.shape[dim] % size:
-        raise RuntimeError(f"reduce-scatter: dim {dim} of size {x.shape[dim]} is not divisible by {size}")
+    n = x.shape[dim]
+    start, length = chunk_bounds(n, size, _rank(x, group, size))
     if _is_fake(x):
         shape = list(x.shape)
-        shape[dim] //= size
+        shape[dim] = length
         return x.new_empty(shape)
     if size == 1:
         return x.clone()
-    front = x.movedim(dim, 0).contiguous()
-    out = front.new_empty((front.shape[0] // size,) + tuple(front.shape[1:]))
+    c = -(-n // size)
+    front = _pad_to(x.movedim(dim, 0), 0, size * c).contiguous()
+    out = front.new_empty((c,) + tuple(front.shape[1:]))
     reduce_scatter_single(out, front, group=group)
-    return out.movedim(0, dim).contiguous()
+    return out[:length].movedim(0, dim).contiguous()
 
 
-def _chunk(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
+def _chunk(x: torch.Tensor, dim: int, key: str, full: int | None = None) -> torch.Tensor:
+    """This rank's chunk (:func:`chunk_bounds`) of ``x`` along ``dim``."""
     group, size = group_of(key)
     dim = dim % x.dim()
-    if x.shape[dim] % size:
-        raise RuntimeError(f"split: dim {dim} of size {x.shape[dim]} is not divisible by {size}")
-    n = x.shape[dim] // size
-    rank = 0 if _is_fake(x) or size == 1 else dist.get_rank(group)
-    return x.narrow(dim, rank * n, n).contiguous()
+    start, length = chunk_bounds(x.shape[dim], size, _rank(x, group, size))
+    return x.narrow(dim, start, length).contiguous()
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -140,15 +171,17 @@ class _ReduceFromRegion(torch.autograd.Function):
 
 
 def _conjugate(name: str, forward, backward) -> type[torch.autograd.Function]:
-    """An autograd Function running ``forward(x, dim, key)`` and, in backward, its adjoint
-    ``backward(grad, dim, key)`` (the pairs below differ only in which collectives they are)."""
+    """An autograd Function running ``forward(x, dim, key, full)`` and, in backward, its adjoint
+    ``backward(grad, dim, key, full)`` (the pairs below differ only in which collectives they are).
+    ``full`` is the whole length along ``dim``: given for a gather, ``x``'s own for a split."""
 
-    def fwd(ctx, x, dim, key):
+    def fwd(ctx, x, dim, key, full=None):
         ctx.dim, ctx.key = dim, key
-        return forward(x, dim, key)
+        ctx.full = full if full is not None else x.shape[dim % x.dim()]
+        return forward(x, dim, key, full)
 
     def bwd(ctx, grad):
-        return backward(grad, ctx.dim, ctx.key), None, None
+        return backward(grad, ctx.dim, ctx.key, ctx.full), None, None, None
 
     return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
@@ -195,15 +228,17 @@ def tp_scatter_to_region(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
     return _ScatterToRegion.apply(x, dim, key)
 
 
-def tp_gather_from_region(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
-    """All-gather chunks along ``dim`` into a replicated value (backward: keep this rank's chunk)."""
-    return _GatherFromRegion.apply(x, dim, key)
+def tp_gather_from_region(x: torch.Tensor, dim: int, key: str, full: int | None = None) -> torch.Tensor:
+    """All-gather chunks along ``dim`` into a replicated value of length ``full`` (default: equal
+    chunks); backward: keep this rank's chunk."""
+    return _GatherFromRegion.apply(x, dim, key, full)
 
 
-def tp_all_gather_sequence(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
+def tp_all_gather_sequence(x: torch.Tensor, dim: int, key: str, full: int | None = None) -> torch.Tensor:
     """Sequence parallel, entering a column-parallel region: all-gather along the sequence
-    ``dim``; backward reduce-scatters (the gradients of the ranks' column shards are partial sums)."""
-    return _AllGatherSequence.apply(x, dim, key)
+    ``dim`` (whole length ``full``, default equal chunks); backward reduce-scatters (the gradients
+    of the ranks' column shards are partial sums)."""
+    return _AllGatherSequence.apply(x, dim, key, full)
 
 
 def tp_reduce_scatter_sequence(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:

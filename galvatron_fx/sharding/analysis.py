@@ -23,7 +23,6 @@ from .state import (
     Reblock,
     Sharded,
     Unsupported,
-    divisors,
     is_param,
     is_sharded,
     op_name,
@@ -189,11 +188,9 @@ def boundary_layout(gm, node: torch.fx.Node, layer: int | None, layer_tp) -> Sha
     tp, sp = layer_tp.get(layer, (1, False))
     v = tensor_val(node)
     # NOTE: a dim 1 of size 1 is no sequence (Bloom's ALiBi is [batch x heads, 1, seq])
+    # NOTE: a sequence length not divisible by tp (ViT's 17 or 197 tokens) splits into uneven
+    # chunks (runtime/tp_ops.chunk_bounds)
     if sp and int(tp) > 1 and v is not None and v.dim() == 3 and v.is_floating_point() and v.shape[1] > 1:
-        if v.shape[1] % int(tp):
-            name = graph_info(gm).layers[layer].name
-            raise ConfigError(f"layer {name}: sequence length {v.shape[1]} is not divisible by tp={tp} "
-                              f"(sequence parallelism); use tp in {divisors(int(v.shape[1]))}")
         return Sharded(1, SEQ)
     return None
 
@@ -201,8 +198,7 @@ def boundary_layout(gm, node: torch.fx.Node, layer: int | None, layer_tp) -> Sha
 def analyze(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[int, bool]]) -> dict[int, LayerTP]:
     """Analyse every layer of ``layer_tp`` (layer index -> (tp, sp)); see the module docstring.
 
-    Raises ConfigError when a block's heads / key-value heads / ffn width do not divide by its tp or
-    sequence parallelism meets a sequence length not divisible by tp."""
+    Raises ConfigError when a block's heads / key-value heads / ffn width do not divide by its tp."""
     info = graph_info(gm)
     if info is None or not info.layers:
         raise ConfigError("apply_tensor_parallel needs a captured, layer-grouped GraphModule (gfx.capture)")

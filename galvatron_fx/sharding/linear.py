@@ -169,7 +169,7 @@ def _feeds_activation(node, depth: int = 3) -> bool:
 def _reduce(an, node, scatter: bool = True):
     """Sum the partial output of ``node``: all-reduce, or (``scatter``) reduce-scatter along the sequence (sp)."""
     v = tensor_val(node)
-    if scatter and an.sp and v.dim() == 3 and v.shape[1] % an.tp == 0:
+    if scatter and an.sp and v.dim() == 3 and v.shape[1] > 1:   # uneven chunks where tp does not divide
         an.res.reduce_after[node.name] = ("reduce_scatter", 1)
         return Sharded(1, SEQ)
     an.res.reduce_after[node.name] = ("all_reduce",)
