@@ -13,7 +13,7 @@ The first iteration's loss of each pair is compared (same initial weights and ba
 both sides compute the same thing. A native baseline that does not run on CPU/gloo is reported "n/a"
 with its error.
 
-    python benchmarks/runtime_overhead.py [--hidden 128] [--steps 7] [--json PATH]
+    python benchmarks/runtime_overhead.py [--hidden 128] [--steps 7] [--pairs dp,pp2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -160,14 +160,14 @@ def _smoke(step) -> tuple[str | None, float | None]:
     return next((e for e in errs if e), None), loss
 
 
-def _rank(rank, world, overrides, steps):
+def _rank(rank, world, overrides, steps, pairs):
     import galvatron_fx as gfx
 
     model, args, gm = build(overrides)
     eager = copy.deepcopy(model)
     gbs = args[0].shape[0]
     steps_by_name, status, loss_diff = {}, {}, {}
-    for label, kw, _ in PAIRS:
+    for label, kw, _ in pairs:
         plan = uniform(gm, world, gbs, **kw)
         dm = gfx.transform(gm, plan=plan)
         opt = dm.optimizer(torch.optim.AdamW, lr=LR)
@@ -195,13 +195,20 @@ def _rank(rank, world, overrides, steps):
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     add_model_args(p)
+    p.add_argument("--pairs", default=",".join(label for label, _, _ in PAIRS),
+                   help="comma-separated subset of " + ", ".join(label for label, _, _ in PAIRS))
     args = p.parse_args()
+    wanted = args.pairs.split(",")
+    unknown = sorted(set(wanted) - {label for label, _, _ in PAIRS})
+    if unknown:
+        p.error(f"unknown --pairs {unknown}")
+    pairs = [pair for pair in PAIRS if pair[0] in wanted]
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    res = spawn(_rank, 2, model_kw(args), args.steps)[0]
+    res = spawn(_rank, 2, model_kw(args), args.steps, pairs)[0]
     wall = time.perf_counter() - t0
     rows, out, ratios = [], {}, []
-    for label, _, native in PAIRS:
+    for label, _, native in pairs:
         ours = res["times"][f"gfx:{label}"]
         theirs = res["times"].get(f"native:{label}")
         err = res["errors"][label]

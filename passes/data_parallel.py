@@ -16,7 +16,9 @@ nodes with their original FQN targets) and the layer's ``sdp`` mode and DP ranks
 Output (in place): the layer holds a :class:`~galvatron_fx.runtime.data_parallel.FlatParams`
 submodule ``flat_params``; its graph starts with ``params = dp_params(flat_params)`` /
 ``zero2_params`` / ``zero3_all_gather`` and reads each parameter as
-``param_view(params, offset, shape)`` under the parameter's old node name; a ZeRO-3 layer ends with
+a view of one chunk of ``param_parts = params.split_with_sizes(sizes)`` (the buffer cut at
+every parameter and padding gap: ``param_parts[j].view(shape)``) under the parameter's old node
+name; a ZeRO-3 layer ends with
 ``zero3_release(flat_params, outputs)`` (unless a view of its buffer is itself an output, a tied
 weight, which keeps the buffer gathered). The original parameter attributes are removed, so
 the layer's only parameter is ``flat_params.flat_param``. Returns the store, or ``None`` when the
@@ -25,13 +27,15 @@ layer has no trainable parameter.
 
 from __future__ import annotations
 
+import math
+import operator
 
 import torch
 import torch.fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..ir import layer_module_name
-from ..runtime.data_parallel import ENTRY, FlatParams, GradBuckets, param_view, zero3_release
+from ..runtime.data_parallel import ENTRY, FlatParams, GradBuckets, zero3_release
 from ..runtime.groups import Layout
 from .base import check
 from .context import ContextPass
@@ -79,6 +83,22 @@ def _fetch_owner(root: torch.nn.Module, target: str):
     return owner, name
 
 
+def _split_sizes(offsets, shapes, padded: int) -> tuple[list[int], list[int]]:
+    """Chunk sizes (elements) cutting a buffer of ``padded`` elements at every parameter (disjoint
+    ranges ``[offset, offset + numel)``; padding gaps are chunks of their own), and the chunk index
+    of each parameter."""
+    sizes, index, pos = [], [0] * len(offsets), 0
+    for i in sorted(range(len(offsets)), key=offsets.__getitem__):
+        if offsets[i] > pos:
+            sizes.append(offsets[i] - pos)
+        index[i] = len(sizes)
+        sizes.append(math.prod(shapes[i]))
+        pos = offsets[i] + sizes[-1]
+    if padded > pos:
+        sizes.append(padded - pos)
+    return sizes, index
+
+
 def flatten_layer_params(layer: torch.fx.GraphModule, mode: str, dp_ranks, rank: int,
                          bucket_bytes: int, ckpt: bool = False, compute_dtype: torch.dtype | None = None,
                          reduce_dtype: torch.dtype | None = None) -> FlatParams | None:
@@ -97,10 +117,17 @@ def flatten_layer_params(layer: torch.fx.GraphModule, mode: str, dp_ranks, rank:
         fp = graph.get_attr("flat_params")
         params = graph.call_function(ENTRY[mode], (fp,))
         params.name = "params" if "params" not in {n.name for n in graph.nodes} else params.name
+    # NOTE: one split of the buffer, not a slice per parameter: a slice's backward writes a
+    # zero-filled gradient of the *whole* buffer and autograd adds them up (2 x params full-buffer
+    # passes per backward, per micro-batch); the split's backward is one concatenation.
+    sizes, index = _split_sizes(store.offsets, store.shapes, store.padded)
+    with graph.inserting_after(params):
+        parts = graph.call_method("split_with_sizes", (params, sizes))
+        parts.name = "param_parts" if "param_parts" not in {n.name for n in graph.nodes} else parts.name
     views = set()
-    for n, off, shape in zip(nodes, store.offsets, store.shapes):
+    for i, (n, shape) in enumerate(zip(nodes, store.shapes)):
         with graph.inserting_before(n):
-            view = graph.call_function(param_view, (params, off, shape))
+            view = graph.call_method("view", (graph.call_function(operator.getitem, (parts, index[i])), shape))
         view.meta = dict(n.meta)
         n.replace_all_uses_with(view)
         old = n.name

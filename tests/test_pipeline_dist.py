@@ -79,6 +79,7 @@ def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=True, eps
             "predicted_activation": est["activation_bytes"][dm.stage_index],
             "seconds": seconds,
             "code": dm.code,
+            "layer_code": [m.code for n, m in dm.stage.named_children() if n.startswith("layers_")],
             "strategies": sorted({lp.strategy.label for lp in plan.layers}),
         }
     return results
@@ -101,6 +102,12 @@ def _check(results):
             if r["schedule"] == "gpipe":
                 assert st["order"] == [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
             assert st["peak_saved_bytes"] > 0
+            # NOTE: speed: a layer reads its parameters as chunks of one split of its flat buffer;
+            # a slice per parameter would cost a zero-filled whole-buffer gradient per parameter
+            # in every micro-batch's backward (the pp2 overhead over torch.distributed.pipelining)
+            for code in r["layer_code"]:
+                if "params = " in code:
+                    assert code.count("split_with_sizes(") == 1, (label, code)
             # per-rank bytes of parameters + gradients + optimizer states equal the cost model's
             assert r["states"] == r["predicted_states"], (label, r["stage"], r["states"], r["predicted_states"])
 
@@ -205,6 +212,7 @@ CASES_4_T5_TP = [
 
 
 @pytest.mark.dist
+@pytest.mark.matrix   # CI time: T5 pipelines in CI through test_hf_doors_dist.py (GPipe and 1F1B)
 def test_pipeline_world4_t5_tensor_parallel_and_searched():
     results = run_distributed(_run_cases, 4, "t5-large-32", T5, CASES_4_T5_TP, True, T5_EPS, timeout=150)
     _report(results, "t5")
