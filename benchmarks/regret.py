@@ -1,21 +1,25 @@
-"""Search regret on the local 2-rank gloo cluster: the searched plan's measured step time over the best
-measured uniform plan, under a memory budget where plain DP does not fit.
+"""Search regret over a sweep on the local 2-rank gloo cluster: per case (model x memory budget), the
+searched plan's measured step time over the best measured plan that fits.
 
-Inside the spawned world the cluster is profiled (``Cluster.profile()``) and rank 0 builds the cost
-model (``--mode profiled`` by default: layers timed on this CPU). The budget is ``--budget-fraction``
-(0.75) x the DP baseline's estimated per-device memory. Candidates: the uniform plans the search
-considers on 2 devices -- pp1 x micro-batches {1, 2}: tp1 x {none, zero2, zero3} x ckpt, tp2 x ckpt
-x sp; pp2 (1F1B): ckpt x micro-batches {2, 4, 8} -- those the cost model says fit, plus the searched
-plan. All are measured (``train_step`` + AdamW step, slowest rank, interleaved rounds, medians).
-Reports the regret (searched / best measured) and the cost model's ranking vs the measured one
-(Spearman, top-1).
+Per model (``--hiddens``: gpt-tiny widths), inside one spawned world: the cluster is profiled
+(``Cluster.profile()``), every rank builds the cost model at once (``--mode profiled`` by default, the
+default on a profiled cluster: layers timed on this CPU under the contention training sees; rank 0's
+figures count), and rank 0 estimates the uniform plans of 2 devices -- pp1: tp1 x {none, zero2,
+zero3} x ckpt and tp2 x sp x ckpt (1 micro-batch); pp2 (1F1B): ckpt x micro-batches {2, 4} -- and
+searches one plan per budget (``--budget-fractions`` x the DP plan's estimated memory). Every
+distinct plan (uniform or searched) is then measured once, interleaved with the others
+(``train_step`` + AdamW step, slowest rank, medians), so a case's figures come from the same rounds.
+A case's candidates are the uniform plans the cost model says fit its budget; its regret is
+``searched / min(best fitting uniform, searched)`` in measured step time (1.0 is perfect).
 
-    python benchmarks/regret.py [--mode profiled|analytic] [--budget-fraction 0.75] [--json PATH]
+    python benchmarks/regret.py [--hiddens 64 128] [--budget-fractions 1.0 0.8 0.6 0.45] [--json PATH]
 """
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -39,7 +43,7 @@ from _dist import (  # noqa: E402
 )
 
 
-def candidates(pp1_micro_batches=(1, 2), pp2_micro_batches=(2, 4, 8)) -> list[dict]:
+def candidates(pp1_micro_batches=(1,), pp2_micro_batches=(2, 4)) -> list[dict]:
     """Plan.uniform keywords of the uniform plans on 2 devices."""
     out = []
     for ckpt in (False, True):
@@ -53,96 +57,122 @@ def candidates(pp1_micro_batches=(1, 2), pp2_micro_batches=(2, 4, 8)) -> list[di
     return out
 
 
-def _rank(rank, world, overrides, mode, steps, fraction):
+def _key(plan_d: dict) -> str:
+    """A plan's identity for de-duplication (what runs, not its estimate)."""
+    keep = ("pp", "schedule", "micro_batches", "global_batch_size", "stages", "layers", "precision")
+    return json.dumps({k: plan_d[k] for k in keep}, sort_keys=True, default=list)
+
+
+def _rank(rank, world, overrides, mode, steps, fractions):
     import galvatron_fx as gfx
 
     cluster = profiled_cluster()
     model, args, gm = build(overrides)
     gbs = args[0].shape[0]
-    box = [None]
-    if rank == 0:
-        with tempfile.TemporaryDirectory() as cache:
-            cost = {"mode": mode, "reserve_bytes": 0}
-            if mode == "profiled":
-                cost.update(cache_dir=cache, profile_sizes=(2, 8, 16))
-            dp = gfx.estimate(gm, uniform(gm, world, gbs), cluster, **cost)
-            budget = int(fraction * max(dp["memory_bytes_per_device"]))
-            rows = []
-            for kw in candidates():
-                plan = uniform(gm, world, gbs, **kw)
-                est = gfx.estimate(gm, plan, cluster, **cost)
-                rows.append((plan.to_dict(), est["step_time_s"], max(est["memory_bytes_per_device"])))
+    with tempfile.TemporaryDirectory() as cache:
+        cost = {"mode": mode, "reserve_bytes": 0}
+        if mode == "profiled":
+            cost.update(cache_dir=cache, profile_sizes=(2, 8, 16), profile_repeats=9)
+        # NOTE: every rank prices the plans (and so times the layers) at once; rank 0's figures count
+        plans, preds, mems = {}, {}, {}
+        for kw in candidates():
+            plan = uniform(gm, world, gbs, **kw)
+            est = gfx.estimate(gm, plan, cluster, **cost)
+            k = _key(plan.to_dict())
+            plans[k], preds[k], mems[k] = plan.to_dict(), est["step_time_s"], max(est["memory_bytes_per_device"])
+        uniform_keys = list(plans)
+        dp_memory = mems[_key(uniform(gm, world, gbs).to_dict())]
+        cases, search_s = [], []
+        for f in fractions:
+            budget = int(f * dp_memory)
             t0 = time.perf_counter()
-            searched = gfx.search(gm, cluster, budget, gbs, **cost)
-            search_s = time.perf_counter() - t0
-            est = gfx.estimate(gm, searched, cluster, **cost)
-            rows.append((searched.to_dict(), est["step_time_s"], max(est["memory_bytes_per_device"])))
-        box = [{"budget": budget, "dp_memory": max(dp["memory_bytes_per_device"]), "rows": rows,
-                "search_s": search_s}]
+            try:
+                searched = gfx.search(gm, cluster, budget, gbs, **cost)
+            except gfx.InfeasibleError:
+                cases.append({"fraction": f, "budget": budget, "searched": None})
+                continue
+            search_s.append(time.perf_counter() - t0)
+            k = _key(searched.to_dict())
+            if k not in plans:
+                est = gfx.estimate(gm, searched, cluster, **cost)
+                plans[k], preds[k], mems[k] = searched.to_dict(), est["step_time_s"], max(est["memory_bytes_per_device"])
+            cases.append({"fraction": f, "budget": budget, "searched": k,
+                          "fitting": [u for u in uniform_keys if mems[u] <= budget]})
+    box = [{"plans": plans, "preds": preds, "mems": mems, "cases": cases, "dp_memory": dp_memory,
+            "uniform": uniform_keys, "search_s": search_s}] if rank == 0 else [None]
     dist.broadcast_object_list(box, src=0)
     info = box[0]
-    fits = [(i, r) for i, r in enumerate(info["rows"]) if r[2] <= info["budget"]]
+    needed = sorted({k for c in info["cases"] if c["searched"] for k in [c["searched"], *c["fitting"]]})
     step_fns = {}
-    for i, (plan_d, _, _) in fits:
-        dm = gfx.transform(gm, plan=gfx.Plan.from_dict(plan_d))
+    for k in needed:
+        dm = gfx.transform(gm, plan=gfx.Plan.from_dict(info["plans"][k]))
         opt = dm.optimizer(torch.optim.AdamW, lr=1e-4)
-        step_fns[i] = gfx_step(dm, opt, args)
-    times = interleaved(step_fns, steps)
-    return {**info, "measured": times}
+        step_fns[k] = gfx_step(dm, opt, args)
+    info["measured"] = interleaved(step_fns, steps)
+    return info
+
+
+def _model_cases(args, hidden: int) -> tuple[list[dict], dict]:
+    import galvatron_fx as gfx
+
+    overrides = {**model_kw(args), "hidden": hidden}
+    res = spawn(_rank, 2, overrides, args.mode, args.steps, args.budget_fractions)[0]
+    meas, preds, mems = res["measured"], res["preds"], res["mems"]
+    label = {k: plan_label(gfx.Plan.from_dict(d)) for k, d in res["plans"].items()}
+    out = []
+    print(f"\ngpt-tiny {overrides}: DP's estimated memory {res['dp_memory'] / 2**20:.2f} MiB; "
+          f"{len(meas)} distinct plans measured (train_step + AdamW, median of {args.steps})")
+    rows = [[label[k], mems[k] / 2**20, preds[k] * 1e3, meas[k] * 1e3 if k in meas else "-"]
+            for k in sorted(res["plans"], key=lambda k: meas.get(k, float("inf")))]
+    print_table(["plan", "pred MiB", "pred ms", "meas ms"], rows)
+    for c in res["cases"]:
+        name = f"hidden{hidden} @ {c['fraction']:.2f} x DP"
+        if c["searched"] is None:
+            out.append({"case": name, "budget_bytes": c["budget"], "infeasible": True})
+            continue
+        pool = [*c["fitting"], c["searched"]]
+        best = min(pool, key=lambda k: meas[k])
+        uni = c["fitting"]
+        rho = spearman([preds[k] for k in uni], [meas[k] for k in uni]) if len(uni) > 2 else float("nan")
+        out.append({"case": name, "budget_bytes": c["budget"], "searched": label[c["searched"]],
+                    "searched_step_s": meas[c["searched"]], "searched_pred_s": preds[c["searched"]],
+                    "best": label[best], "best_step_s": meas[best], "fitting_uniform": len(uni),
+                    "regret": meas[c["searched"]] / meas[best], "spearman": rho})
+    return out, {"overrides": overrides, "dp_memory_bytes": res["dp_memory"], "search_s": res["search_s"],
+                 "plans": [{"plan": label[k], "pred_s": preds[k], "pred_memory": mems[k], "measured_s": meas.get(k)}
+                           for k in res["plans"]]}
 
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
-    add_model_args(p)
+    add_model_args(p, steps=5)
+    p.add_argument("--hiddens", type=int, nargs="+", default=[64, 128], help="model sizes (hidden widths)")
     p.add_argument("--mode", choices=["profiled", "analytic"], default="profiled")
-    p.add_argument("--budget-fraction", type=float, default=0.75, help="x the DP baseline's estimated memory")
+    p.add_argument("--budget-fractions", type=float, nargs="+", default=[1.0, 0.8, 0.6, 0.45],
+                   help="budgets, x the DP plan's estimated memory")
     args = p.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    res = spawn(_rank, 2, model_kw(args), args.mode, args.steps, args.budget_fraction)[0]
+    cases, models = [], {}
+    for h in args.hiddens:
+        c, m = _model_cases(args, h)
+        cases += c
+        models[f"hidden{h}"] = m
     wall = time.perf_counter() - t0
-    import galvatron_fx as gfx
-
-    n = len(res["rows"])
-    searched_i = n - 1
-    entries = []
-    for i, (plan_d, pred, mem) in enumerate(res["rows"]):
-        plan = gfx.Plan.from_dict(plan_d)
-        meas = res["measured"].get(i)
-        entries.append({"label": ("searched: " if i == searched_i else "") + plan_label(plan), "pred_s": pred,
-                        "pred_memory": mem, "fits": mem <= res["budget"], "measured_s": meas, "plan": plan_d})
-    measured = [e for e in entries if e["measured_s"] is not None]
-    pred_rank = {id(e): k + 1 for k, e in enumerate(sorted(measured, key=lambda e: e["pred_s"]))}
-    meas_rank = {id(e): k + 1 for k, e in enumerate(sorted(measured, key=lambda e: e["measured_s"]))}
-    rows = []
-    for e in sorted(entries, key=lambda e: (e["measured_s"] is None, e["measured_s"] or 0)):
-        e["pred_rank"], e["measured_rank"] = pred_rank.get(id(e)), meas_rank.get(id(e))
-        rows.append([e["label"], e["pred_memory"] / 2**20, "yes" if e["fits"] else "oom", e["pred_s"] * 1e3,
-                     e["measured_s"] * 1e3 if e["measured_s"] else "-", e["pred_rank"] or "-",
-                     e["measured_rank"] or "-"])
-    best = min(measured, key=lambda e: e["measured_s"])
-    searched = entries[searched_i]
-    regret = searched["measured_s"] / best["measured_s"]
-    uni = [e for e in measured if e is not searched]
-    rho = spearman([e["pred_s"] for e in uni], [e["measured_s"] for e in uni])
-    top1 = min(uni, key=lambda e: e["pred_s"]) is min(uni, key=lambda e: e["measured_s"])
-    print(f"gpt-tiny {model_kw(args)} on 2 gloo ranks; cost model {args.mode} on the profiled cluster; "
-          f"budget {res['budget'] / 2**20:.2f} MiB = {args.budget_fraction} x DP's "
-          f"{res['dp_memory'] / 2**20:.2f} MiB; iteration incl. AdamW, median of {args.steps}")
-    print_table(["plan", "pred MiB", "fits", "pred ms", "meas ms", "pred rank", "meas rank"], rows)
-    print(f"summary: regret {regret:.2f} (searched {searched['measured_s'] * 1e3:.1f} ms vs best measured "
-          f"{best['label']} {best['measured_s'] * 1e3:.1f} ms); Spearman {rho:.2f} over {len(uni)} feasible "
-          f"uniform plans, predicted best {'is' if top1 else 'is not'} measured best; "
-          f"search {res['search_s']:.2f} s, run {wall:.0f} s")
-    write_json(args.json, {"model": "gpt-tiny", "overrides": model_kw(args), "mode": args.mode,
-                           "budget_bytes": res["budget"], "dp_memory_bytes": res["dp_memory"],
-                           "plans": entries,
-                           "regret": regret, "spearman": rho, "top1_agrees": top1, "wall_s": wall,
-                           # NOTE: one case (one model x one budget) per run so far: the sweep of the
-                           # performance issue is not built; the figures below are over that one case
-                           "summary": {"regret_max": regret, "regret_median": regret,
-                                       "cases_within_5pct_fraction": float(regret <= 1.05), "cases": 1,
-                                       "spearman": rho}})
+    done = [c for c in cases if not c.get("infeasible")]
+    print()
+    print_table(["case", "searched", "meas ms", "best measured", "meas ms", "fitting", "regret", "Spearman"],
+                [[c["case"], c["searched"], c["searched_step_s"] * 1e3, c["best"], c["best_step_s"] * 1e3,
+                  c["fitting_uniform"], c["regret"], c["spearman"]] for c in done])
+    regrets = [c["regret"] for c in done]
+    summary = {"regret_max": max(regrets), "regret_median": statistics.median(regrets),
+               "cases_within_5pct_fraction": sum(r <= 1.05 for r in regrets) / len(regrets),
+               "cases": len(done), "infeasible_cases": len(cases) - len(done)}
+    print(f"summary: {len(done)} cases, regret median {summary['regret_median']:.3f}, max "
+          f"{summary['regret_max']:.3f}, within 5 % in {100 * summary['cases_within_5pct_fraction']:.0f} % "
+          f"of cases; cost model {args.mode} on the profiled cluster; run {wall:.0f} s")
+    write_json(args.json, {"model": "gpt-tiny", "mode": args.mode, "cases": cases, "models": models,
+                           "wall_s": wall, "summary": summary})
 
 
 if __name__ == "__main__":

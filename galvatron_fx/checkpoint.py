@@ -10,8 +10,8 @@
 
 What is stored. One DCP tensor per original parameter FQN and per optimizer state of it, each the
 *global* (unsharded) tensor as a table of chunks; **every rank writes only elements it holds**, at
-their global offsets (:mod:`galvatron_fx.runtime.chunks`: a layer's ZeRO range of its flat buffer
-intersected with each TP-local slice, as boxes of the global tensor), no gathering:
+their global offsets (:mod:`galvatron_fx.runtime.chunks`: its dim-0 slice of each TP-local
+parameter slice, as boxes of the global tensor: one box, cut only at fused q/k/v blocks), no gathering:
 
 =========================  ===================================================================
 ``model.<fqn>``            the parameter's fp32 masters
@@ -22,7 +22,7 @@ intersected with each TP-local slice, as boxes of the global tensor), no gatheri
 plus ``galvatron_checkpoint.json`` (the completion marker: step, world size, the saving plan's
 shape, optimizer hyper-parameters) and, when ``save(..., config=...)`` got a transformers config,
 ``hf_config.json``. Each element is written by exactly one rank: DP replicas split ownership as
-ZeRO shards would, TP rank 0 writes what TP keeps whole, stages own their layers; DCP checks that
+ZeRO shards would (dim-0 slices), TP rank 0 writes what TP keeps whole, stages own their layers; DCP checks that
 the chunks tile every tensor. On load, :func:`load` asks for the elements its plan holds (any
 plan, any world size) and DCP reads them from whichever chunks overlap, straight into the flat
 buffers and optimizer states.

@@ -32,6 +32,28 @@ each device gets when all devices of a node talk across nodes at once (one NIC p
 machines). A ring whose group has ``k`` devices on a node can drive ``k`` such shares in parallel (NCCL
 runs one channel per NIC), hence the ``× k``; a strided group such as ``[0, 8]`` gets one share.
 
+**Overheads.** Besides FLOPs and bytes, a step pays fixed costs that dominate small models and
+small messages (all seconds; 0 on a hand-made ``Cluster(...)`` unless given, GPU presets get datasheet-
+style defaults, :meth:`Cluster.profile` measures them):
+
+==========================  ===================================================================
+field                       what it prices
+==========================  ===================================================================
+``op_launch_s``             one op call (one fx node) in forward: dispatch + kernel launch
+``op_launch_bwd_s``         the same op's backward node
+``collective_latency_s``    one collective or send call beyond the ring's ``α`` steps (the
+                            framework's call, the backend's fixed cost): added once per call
+``layer_overhead_s``        one layer per micro-batch: the runtime's entry / exit autograd
+                            Functions, parameter views and hooks (forward + backward)
+``microbatch_overhead_s``   one micro-batch of one stage: slicing the inputs, the loss, starting
+                            the autograd engine; with pipelining, the send / recv bookkeeping
+``optimizer_s_per_byte``    the optimizer step, per byte of fp32 parameters a device updates
+``optimizer_overhead_s``    the optimizer step, per parameter tensor (one flat buffer per layer)
+==========================  ===================================================================
+
+:mod:`galvatron_fx.cost.model` and :mod:`galvatron_fx.solver.objective` say where each enters a
+step.
+
 Measured clusters (:meth:`Cluster.profile`) also carry ``fits``: per collective kind and group size, the
 link bandwidth and latency that reproduce the measured times through the same formulas. They replace the
 link figures for groups of that size laid out like the measured one (consecutive ranks from 0).
@@ -68,6 +90,17 @@ DEFAULT_EFFICIENCY = 0.5
 # PCIe contention); Galvatron-BMW models this with an overlap coefficient. 1.3 is a middle-of-the-road
 # default; Cluster.profile() measures the real one.
 DEFAULT_OVERLAP_SLOWDOWN = 1.3
+OVERHEAD_FIELDS = ("op_launch_s", "op_launch_bwd_s", "collective_latency_s", "layer_overhead_s",
+                   "microbatch_overhead_s", "optimizer_s_per_byte", "optimizer_overhead_s")
+"""The fixed-cost fields of a :class:`Cluster` (module docstring), seconds (per byte for the optimizer)."""
+# NOTE: GPU defaults. A CUDA kernel launch from PyTorch's eager dispatcher costs ~5-10 us, the backward
+# node about as much again; an NCCL call ~10-30 us beyond its ring steps (the presets' ``α`` prices
+# those); a galvatron layer adds two autograd Functions and its parameter views; a fused / foreach
+# Adam step streams ~7 fp32 words per parameter (read p, g, m, v; write p, m, v) at HBM speed,
+# ~3.5e-12 s per parameter byte at 2 TB/s.
+GPU_OVERHEADS = dict(op_launch_s=7e-6, op_launch_bwd_s=10e-6, collective_latency_s=20e-6,
+                     layer_overhead_s=60e-6, microbatch_overhead_s=300e-6, optimizer_s_per_byte=5e-12,
+                     optimizer_overhead_s=20e-6)
 
 _DTYPE_ALIASES = {
     "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32", "torch.float": "fp32",
@@ -187,7 +220,9 @@ class Cluster:
     ``fp32``, ``bf16``, ``fp16``); ``efficiency`` the achievable fraction of peak (0, 1];
     bandwidths bytes/s per direction; latencies seconds; ``overlap_slowdown`` ≥ 1 is the factor by which
     compute and communication slow each other while they overlap. ``inter_*`` default to the ``intra_*``
-    figures. ``fits`` holds measured per-collective link figures (see the module docstring):
+    figures. The overhead fields (:data:`OVERHEAD_FIELDS`) are seconds per op, call, layer,
+    micro-batch or optimizer tensor, and seconds per byte for ``optimizer_s_per_byte`` (module
+    docstring). ``fits`` holds measured per-collective link figures (see the module docstring):
     ``{kind: {str(group_size): {"bandwidth": bytes/s, "latency": s}}}``, kind one of
     :data:`COLLECTIVES` or ``"p2p"``.
     """
@@ -204,6 +239,13 @@ class Cluster:
     overlap_slowdown: float = DEFAULT_OVERLAP_SLOWDOWN
     name: str = "custom"
     fits: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    op_launch_s: float = 0.0
+    op_launch_bwd_s: float = 0.0
+    collective_latency_s: float = 0.0
+    layer_overhead_s: float = 0.0
+    microbatch_overhead_s: float = 0.0
+    optimizer_s_per_byte: float = 0.0
+    optimizer_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.nodes = _count("nodes", self.nodes)
@@ -234,6 +276,8 @@ class Cluster:
         if not isinstance(self.name, str):
             raise ConfigError(f"cluster field 'name' must be a string, got {self.name!r}")
         self.fits = self._check_fits(self.fits)
+        for name in OVERHEAD_FIELDS:
+            setattr(self, name, _positive(name, getattr(self, name), allow_zero=True))
 
     @staticmethod
     def _check_fits(fits: Any) -> dict[str, dict[str, dict[str, float]]]:
@@ -312,13 +356,20 @@ class Cluster:
             return None
         return fig["bandwidth"], fig["latency"]
 
-    def collective_time(self, kind: str, nbytes: float, ranks: Sequence[int] | int) -> float:
+    @property
+    def profiled(self) -> bool:
+        """Whether this cluster was measured (:meth:`profile`: named ``local-...``)."""
+        return self.name.startswith("local-")
+
+    def collective_time(self, kind: str, nbytes: float, ranks: Sequence[int] | int, calls: float = 1.0) -> float:
         """Seconds for collective ``kind`` of ``nbytes`` bytes over the global ``ranks``.
 
         ``kind`` is one of ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``.
         ``nbytes`` is the full size: the all-reduced buffer, the all-gather **output**, the
         reduce-scatter **input**, or each rank's all-to-all send buffer. ``ranks`` is a sequence of
         global ranks (an int ``n`` means ``range(n)``). A group of one rank, or 0 bytes, costs 0.
+        ``calls`` is how many calls the message takes (``collective_latency_s`` each): 1, or a
+        fraction when the runtime packs it into a bucket shared with other messages.
         """
         if kind not in COLLECTIVES:
             raise ConfigError(f"unknown collective {kind!r}; use one of {', '.join(COLLECTIVES)}")
@@ -331,7 +382,7 @@ class Cluster:
         if n <= 1 or nbytes <= 0:
             return 0.0
         steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
-        return steps / n * nbytes / bandwidth + steps * latency
+        return steps / n * nbytes / bandwidth + steps * latency + calls * self.collective_latency_s
 
     def p2p_time(self, nbytes: float, src: int, dst: int) -> float:
         """Seconds to send ``nbytes`` bytes from global rank ``src`` to ``dst`` (0 when equal)."""
@@ -339,16 +390,20 @@ class Cluster:
         if len(group) <= 1 or nbytes <= 0:
             return 0.0
         bandwidth, latency = self._measured_link(P2P, group) or self.group_link(group)
-        return nbytes / bandwidth + latency
+        return nbytes / bandwidth + latency + self.collective_latency_s
 
     def overlap_time(self, compute_s: float, comm_s: float) -> float:
         """Seconds for ``compute_s`` of compute overlapped with ``comm_s`` of communication.
 
         While both run, both are slowed by ``overlap_slowdown``: the overlapped stretch takes
-        ``overlap_slowdown × min(compute_s, comm_s)``, the rest of the longer one runs alone.
+        ``overlap_slowdown × min(compute_s, comm_s)``, the rest of the longer one runs alone. Never
+        more than ``compute_s + comm_s`` (running them one after the other).
+
+        NOTE: the cap matters where compute and communication share CPU cores (gloo on a busy
+        host measures slowdowns above 2, which would make overlapping worse than not overlapping).
         """
         short, long = sorted((float(compute_s), float(comm_s)))
-        return long + (self.overlap_slowdown - 1.0) * short
+        return min(long + (self.overlap_slowdown - 1.0) * short, long + short)
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -422,6 +477,7 @@ class Cluster:
             inter_bandwidth=spec.inter_share(per_node),
             inter_latency=spec.inter_latency,
             name=canonical,
+            **GPU_OVERHEADS,
         )
 
     @classmethod
@@ -444,4 +500,8 @@ class Cluster:
             f"  intra-node {self.intra_bandwidth / 1e9:.3g} GB/s, {self.intra_latency * 1e6:.3g} us; "
             f"inter-node {self.inter_bandwidth / 1e9:.3g} GB/s/device, {self.inter_latency * 1e6:.3g} us",
             f"  overlap slowdown {self.overlap_slowdown:.2f}",
+            f"  overheads: op {self.op_launch_s * 1e6:.3g} + {self.op_launch_bwd_s * 1e6:.3g} us (fwd + bwd), "
+            f"collective {self.collective_latency_s * 1e6:.3g} us, layer {self.layer_overhead_s * 1e6:.3g} us, "
+            f"micro-batch {self.microbatch_overhead_s * 1e6:.3g} us, optimizer "
+            f"{self.optimizer_s_per_byte * 1e12:.3g} ps/byte + {self.optimizer_overhead_s * 1e6:.3g} us/tensor",
         ])

@@ -3,6 +3,13 @@
 :func:`profile` (also ``Cluster.profile()`` and ``Cluster.preset("local")``) must be called by every
 rank of ``group``. It measures, in this order:
 
+0. the fixed costs of :data:`galvatron_fx.cluster.OVERHEAD_FIELDS` (:func:`measure_overheads`), on
+   every rank at once (so that ranks sharing a host contend as in training): a chain of tiny ops
+   forward and backward (per-op launch), a one-element all-reduce between stretches of compute
+   (per-collective latency, rank skew included), a
+   layer's autograd entry / exit Functions and parameter views (per layer), a micro-batch's slicing,
+   loss and ``backward()`` call on a one-op graph (per micro-batch), AdamW steps at two sizes
+   (per parameter byte and per tensor).
 1. the layout: ranks sharing a hostname form a node;
 2. for every group size a plan can use (powers of two up to the group size, and the group size
    itself; consecutive ranks from 0)
@@ -52,6 +59,8 @@ _UNMEASURED_LATENCY = 0.0  # s
 # Latencies fitted below this are measurement noise; floor them so that every figure stays positive.
 _MIN_LATENCY = 1e-6  # s
 
+_FLOOR = dict(op_launch_s=1e-7, op_launch_bwd_s=1e-7, collective_latency_s=_MIN_LATENCY, layer_overhead_s=1e-7,
+              microbatch_overhead_s=1e-7, optimizer_s_per_byte=1e-14, optimizer_overhead_s=1e-7)
 _CPU_SIZES = (2**16, 2**20, 2**23)  # bytes
 _GPU_SIZES = (2**20, 2**24, 2**27)  # bytes
 _CPU_MATMUL = {"fp32": 256, "bf16": 48, "fp16": 48}  # square matmul side
@@ -76,15 +85,19 @@ def _steps(kind: str, n: int) -> tuple[float, float]:
     return steps / n, float(steps)
 
 
-def fit_link(kind: str, n: int, sizes: Sequence[float], times: Sequence[float]) -> dict[str, float]:
+def fit_link(kind: str, n: int, sizes: Sequence[float], times: Sequence[float],
+             call_latency: float = 0.0) -> dict[str, float]:
     """Least-squares fit of ``times`` (s) against ``sizes`` (bytes) as ``{"bandwidth", "latency"}``.
 
     The line ``t = a + b·S`` is mapped through the ring formula of ``kind`` over ``n`` ranks:
     ``bandwidth = c_bw / b`` bytes/s and ``latency = a / c_lat`` s. A non-positive slope (noise) falls
     back to the largest message's mean rate; a negative intercept refits through the origin.
+    ``call_latency`` (the cluster's ``collective_latency_s``, charged once per call on top of the
+    ring) is taken off every time first, so that the two do not count the same seconds twice.
     """
     if len(sizes) < 2 or len(sizes) != len(times):
         raise ValueError("fit_link needs at least two (size, time) pairs")
+    times = [max(t - call_latency, 1e-12) for t in times]
     xm, ym = statistics.fmean(sizes), statistics.fmean(times)
     var = sum((x - xm) ** 2 for x in sizes)
     b = sum((x - xm) * (y - ym) for x, y in zip(sizes, times)) / var if var > 0 else 0.0
@@ -274,7 +287,7 @@ def profile(
         return dict(
             memory_bytes=_device_memory(device, 1), peak_flops=flops, efficiency=1.0,
             intra_bandwidth=_UNMEASURED_BANDWIDTH, intra_latency=_UNMEASURED_LATENCY,
-            overlap_slowdown=1.0, name=f"local-1x{device.type}",
+            overlap_slowdown=1.0, name=f"local-1x{device.type}", **measure_overheads(device, None, repeats, say),
         )
 
     pg = group if group is not None else dist.group.WORLD
@@ -286,6 +299,8 @@ def profile(
     per_node = _layout(pg, world)
     nodes = world // per_node
 
+    overheads = measure_overheads(device, pg, repeats, say)
+    call = overheads["collective_latency_s"]
     fits: dict[str, dict[str, dict[str, float]]] = {kind: {} for kind in COLLECTIVES}
     group_sizes = [2**i for i in range(1, world.bit_length()) if 2**i <= world]
     if world > 1 and world not in group_sizes:
@@ -299,7 +314,7 @@ def profile(
             timer = _Timer(device, sub, repeats, warmup)
             for kind in COLLECTIVES:
                 times = [timer(_collective_op(kind, s, n, device, sub)) for s in sizes]
-                fit = fit_link(kind, n, sizes, times)
+                fit = fit_link(kind, n, sizes, times, call)
                 fits[kind][str(n)] = fit
                 say(f"{kind:>14} n={n}: {fit['bandwidth'] / 1e9:8.3f} GB/s, {fit['latency'] * 1e6:8.1f} us")
     _barrier(pg, device)
@@ -312,7 +327,7 @@ def profile(
     for a, b, where in pairs:
         if me in (a, b):
             times = [_ping_pong(s, me, a, b, device, repeats, warmup) for s in sizes]
-            fit = fit_link(P2P, 2, sizes, times)
+            fit = fit_link(P2P, 2, sizes, times, call)
             if where == "intra" or per_node == 1:
                 fits[P2P]["2"] = fit
             inter_p2p = fit if where == "inter" else inter_p2p
@@ -324,7 +339,7 @@ def profile(
 
     box = [None]
     if me_local == 0:
-        box[0] = _assemble(fits, inter_p2p, per_node, nodes, flops, overlap, device)
+        box[0] = {**_assemble(fits, inter_p2p, per_node, nodes, flops, overlap, device), **overheads}
         say(f"done in {time.perf_counter() - say.start:.1f}s")
     dist.broadcast_object_list(box, src=ranks[0], group=pg)
     return box[0]
@@ -336,6 +351,128 @@ def _measure_compute(device: torch.device, sides: dict[str, int], repeats: int, 
         flops[dtype] = _matmul_flops(dtype, side, device, repeats)
         say(f"{'matmul ' + dtype:>14}: {flops[dtype] / 1e9:8.2f} GFLOP/s ({side}x{side})")
     return flops
+
+
+class _LayerEntry(torch.autograd.Function):
+    """Stand-in for the runtime's per-layer entry / exit Functions (identity on a flat buffer)."""
+
+    @staticmethod
+    def forward(ctx, flat):
+        return flat.view_as(flat)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _median_time(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup``, device synchronised."""
+    times = []
+    for i in range(warmup + repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Callable[[str], None] | None = None,
+                      chain: int = 64) -> dict[str, float]:
+    """The fixed costs of :data:`galvatron_fx.cluster.OVERHEAD_FIELDS`, in seconds (per byte for
+    ``optimizer_s_per_byte``), measured on this device; with a process group ``pg``, every rank of it
+    must call this (the collective latency is a one-element all-reduce over ``pg``, 0 without one).
+
+    Each figure is the median over ``repeats`` of a loop of ``chain`` calls, divided by ``chain``.
+    """
+    x0 = torch.zeros(16, device=device, requires_grad=True)
+
+    def fwd_chain():
+        y = x0
+        for _ in range(chain):
+            y = y * 1.0
+        return y
+
+    t_fwd = _median_time(fwd_chain, device, repeats)
+    t_all = _median_time(lambda: fwd_chain().sum().backward(), device, repeats)
+    op_fwd = t_fwd / chain
+    op_bwd = max(t_all - t_fwd, 0.0) / chain
+
+    # a layer: entry Function over its flat buffer, a dozen parameter views, an exit Function
+    flat = torch.zeros(1024, device=device, requires_grad=True)
+
+    def layers():
+        y = x0
+        for _ in range(chain // 8):
+            buf = _LayerEntry.apply(flat)
+            views = [buf[i * 64:(i + 1) * 64] for i in range(12)]
+            y = _LayerEntry.apply(y) + views[0][:16]
+        y.sum().backward()
+
+    t_layers = _median_time(layers, device, repeats) / (chain // 8)
+    layer = max(t_layers - 16 * (op_fwd + op_bwd), op_fwd + op_bwd)
+
+    # a micro-batch: slice the inputs, a one-op loss, scale, backward, accumulate the detached loss
+    inp = torch.zeros(8, 16, device=device)
+    w = torch.zeros(16, device=device, requires_grad=True)
+
+    def micro_batch():
+        total = None
+        for k in range(chain // 8):
+            a = inp[k % 8:k % 8 + 1]
+            loss = (a * w).sum()
+            (loss * 1.0).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+
+    micro = _median_time(micro_batch, device, repeats) / (chain // 8)
+
+    latency = 0.0
+    if pg is not None and dist.get_world_size(pg) > 1:
+        # NOTE: a blocking collective between stretches of compute (what TP and resharding do) also
+        # waits for the slowest rank to get there; timed as (compute + one-element all-reduce) x 8
+        # minus the compute alone, per call
+        one = torch.zeros(1, device=device)
+        side = 256 if device.type == "cpu" else 2048
+        a = torch.randn(side, side, device=device)
+
+        def work():
+            for _ in range(2):
+                torch.mm(a, a)
+
+        timer = _Timer(device, pg, repeats, 2)
+        alone = timer(lambda: [work() for _ in range(8)])
+        both = timer(lambda: [(work(), dist.all_reduce(one, group=pg)) for _ in range(8)])
+        bare = timer(lambda: [dist.all_reduce(one, group=pg) for _ in range(8)])
+        latency = max(both - alone, bare) / 8
+
+    # AdamW at two sizes of 4 tensors: slope = seconds per byte, intercept / 4 = per tensor
+    def adam_time(numel: int) -> float:
+        params = [torch.zeros(numel, device=device, requires_grad=True) for _ in range(4)]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        return _median_time(opt.step, device, repeats)
+
+    small, large = 1024, 2**18 if device.type == "cpu" else 2**22
+    t_small, t_large = adam_time(small), adam_time(large)
+    per_byte = max(t_large - t_small, 0.0) / (4 * 4 * (large - small))
+    per_tensor = max(t_small - 4 * 4 * small * per_byte, 0.0) / 4
+    out = dict(op_launch_s=op_fwd, op_launch_bwd_s=op_bwd, collective_latency_s=latency, layer_overhead_s=layer,
+               microbatch_overhead_s=micro, optimizer_s_per_byte=per_byte, optimizer_overhead_s=per_tensor)
+    # NOTE: a difference of two noisy medians may come out <= 0; floor it at a tiny positive figure
+    out = {k: v if k == "collective_latency_s" and pg is None else max(v, _FLOOR[k]) for k, v in out.items()}
+    if pg is not None and dist.get_world_size(pg) > 1:
+        # NOTE: ranks sharing a host measured at once; the slowest rank paces a step
+        vals = torch.tensor(list(out.values()), dtype=torch.float64, device=device)
+        dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=pg)
+        out = dict(zip(out, vals.tolist()))
+    if say is not None:
+        say(f"{'overheads':>14}: op {out['op_launch_s'] * 1e6:.1f} + {out['op_launch_bwd_s'] * 1e6:.1f} us, "
+            f"collective {out['collective_latency_s'] * 1e6:.1f} us, layer {out['layer_overhead_s'] * 1e6:.1f} us, "
+            f"micro-batch {out['microbatch_overhead_s'] * 1e6:.1f} us, optimizer "
+            f"{out['optimizer_s_per_byte'] * 1e12:.1f} ps/byte + {out['optimizer_overhead_s'] * 1e6:.1f} us/tensor")
+    return out
 
 
 def _measure_overlap(device, pg, nbytes, world, side, repeats, warmup, say) -> float:

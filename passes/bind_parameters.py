@@ -6,7 +6,7 @@ original model (the torch.compile backend's parameters, which an optimizer built
 ``param.data = view`` onto the distributed program's storage:
 
 * ``sdp="none"``: a view of the layer's flat buffer, the whole (TP-local) parameter, shape kept;
-* ZeRO-2/3: the 1-D part of the parameter that lies in this rank's flat shard (possibly empty);
+* ZeRO-2/3: this rank's dim-0 slice of the parameter in its flat shard, 1-D (possibly empty);
 * a trainable parameter this rank holds no part of (another pipeline stage): an empty tensor.
 
 ``optimizer.step()`` on the original parameters therefore updates the program's buffers in
@@ -16,7 +16,6 @@ land in ``ctx.bindings`` and on the model as ``model.bindings``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,20 +55,12 @@ def bind_parameters(stores, params: dict[str, nn.Parameter]) -> dict[str, Bindin
     """Re-point each of ``params`` onto ``stores`` (see the module docstring); fqn -> Binding."""
     bindings: dict[str, Binding] = {}
     for store in stores:
-        flat = store.flat_param
-        base = 0 if store.mode == "none" else store.dp_index * store.shard_numel
-        end = base + flat.numel()
-        for fqn, off, shape in zip(store.fqns, store.offsets, store.shapes):
+        for i, (fqn, shape) in enumerate(zip(store.fqns, store.shapes)):
             p = params.get(fqn)
             if p is None:
                 continue
-            n = math.prod(shape)
-            if store.mode == "none":
-                bindings[fqn] = Binding(p, store, off, off + n, tuple(shape))
-            else:
-                lo = min(max(off, base), end)
-                hi = max(min(off + n, end), lo)
-                bindings[fqn] = Binding(p, store, lo - base, hi - base, None)
+            lo, hi = store.shard_span(i)
+            bindings[fqn] = Binding(p, store, lo, hi, tuple(shape) if store.mode == "none" else None)
     for fqn, p in params.items():
         if fqn not in bindings and p.requires_grad:
             bindings[fqn] = Binding(p, None)  # e.g. a parameter of another pipeline stage

@@ -1,8 +1,8 @@
 """Sharded-checkpoint geometry and its DCP plumbing, in one process (no process group).
 
 * :func:`range_boxes`: a flat range of a row-major tensor is at most ``2n - 1`` boxes, exactly;
-* :func:`layer_pieces`: over every TP rank (fused blocks included) and every DP range of a padded
-  flat buffer, the pieces tile the global tensor exactly once, and each view holds the right values;
+* :func:`layer_pieces`: over every TP rank (fused blocks included) and every rank's dim-0 ZeRO
+  slice, the pieces tile the global tensor exactly once, and each view holds the right values;
 * :class:`ChunkedTensor` + the planners: DCP stores the pieces as chunks and reloads them into
   differently cut pieces (resharding); the save hands DCP views without copying;
 * the streamed safetensors file equals ``safetensors.torch.save_file``'s.
@@ -41,6 +41,8 @@ def test_range_boxes_are_exact_and_at_most_2n_minus_1():
 
 
 def test_pieces_tile_every_global_tensor_once_over_tp_and_dp():
+    from galvatron_fx.runtime.data_parallel import zero_layout
+
     rng = random.Random(1)
     for _ in range(300):
         nd = rng.randint(1, 3)
@@ -53,24 +55,32 @@ def test_pieces_tile_every_global_tensor_once_over_tp_and_dp():
         for r in range(tp):
             info = ShardInfo(dim, tp, r, blocks)
             local = shard_tensor(full, info, r)
-            padded = math.ceil(local.numel() / dp) * dp
-            buf = torch.full((padded,), -1)
-            buf[:local.numel()] = local.reshape(-1)
-            shard = padded // dp
+            lay = zero_layout([(3,), tuple(local.shape)], dp)    # a 1-D parameter first, then this one
+            buf = torch.full((lay.padded,), -1)
+            buf[lay.offsets[1]:lay.offsets[1] + local.numel()] = local.reshape(-1)
+            w = lay.row[1]
             for k in range(dp):
-                pieces = layer_pieces(["w"], [0], [tuple(local.shape)], {"w": info}, k * shard, (k + 1) * shard,
+                shard = lay.shard_of(buf, k)
+                a, b = lay.held_rows(1, k)
+                span = (a * w, b * w, lay.shard_offsets[1] - a * w)
+                pieces = layer_pieces(["w"], [tuple(local.shape)], [span], {"w": info},
                                       max_numel=rng.choice([None, 1, 5]))["w"]
                 for p in pieces:
-                    view = piece_view(buf[k * shard:(k + 1) * shard], k * shard, p)
+                    view = piece_view(shard, p)
                     assert torch.equal(view, _region(full, p.global_offsets, p.sizes)), p
                     _region(cover, p.global_offsets, p.sizes).add_(1)
+                if tp == 1 and b > a:   # a ZeRO shard's part of a parameter is one dim-0 chunk
+                    whole = layer_pieces(["w"], [tuple(local.shape)], [span], {})["w"]
+                    assert [(q.global_offsets, q.sizes) for q in whole] == \
+                        [((a,) + (0,) * (nd - 1), (b - a,) + tuple(shape[1:]))]
         assert (cover == 1).all()
 
 
 def test_replicated_parameters_are_skipped_unless_asked():
-    pieces = layer_pieces(["a", "b"], [0, 6], [(2, 3), (4,)], {}, 0, 10, replicated=False)
+    spans = [(0, 6, 0), (0, 4, 6)]
+    pieces = layer_pieces(["a", "b"], [(2, 3), (4,)], spans, {}, replicated=False)
     assert pieces == {"a": [], "b": []}
-    pieces = layer_pieces(["a", "b"], [0, 6], [(2, 3), (4,)], {}, 4, 10)
+    pieces = layer_pieces(["a", "b"], [(2, 3), (4,)], [(4, 6, 0), (0, 4, 6)], {})
     assert [(p.global_offsets, p.sizes) for p in pieces["a"]] == [((1, 1), (1, 2))]
     assert [(p.global_offsets, p.sizes) for p in pieces["b"]] == [((0,), (4,))]
 

@@ -165,8 +165,7 @@ def test_sharded_resume_cross_plan_async_and_consolidate(tmp_path):
         assert len(per_file) == 2, per_file
         lo, hi = min(per_file.values()), max(per_file.values())
         assert hi <= 1.25 * lo, per_file
-        if label.startswith("tp2"):
-            assert frac >= 0.9, frac
+        assert frac >= 0.9, (label, frac)   # ZeRO-3 and TP2: every rank's dim-0 / TP slice of each tensor
     # consolidation: one process, no process group, into the original nn.Module, and as safetensors
     model, _ = gfx.models.build("gpt-tiny", device="cpu", **GPT)
     for label in ("zero3-to-tp2", "tp2-to-zero2"):

@@ -207,3 +207,23 @@ def test_defaults_and_summary():
     assert c.world_size == 1 and c.collective_time("all_reduce", 1e9, [0]) == 0.0
     assert "1.00 GiB" in c.summary()
     assert math.isfinite(c.compute_time(1e9))
+
+
+def test_overhead_fields(two_nodes):
+    """Per-call collective latency on top of the ring; presets carry GPU-scale overheads; JSON keeps them."""
+    from galvatron_fx.cluster import OVERHEAD_FIELDS
+
+    assert all(getattr(two_nodes, k) == 0.0 for k in OVERHEAD_FIELDS)   # hand-made: none unless given
+    slow = Cluster.from_dict({**two_nodes.to_dict(), "collective_latency_s": 1e-3})
+    assert slow.collective_time("all_gather", 1e9, [0, 1]) == pytest.approx(
+        two_nodes.collective_time("all_gather", 1e9, [0, 1]) + 1e-3)
+    assert slow.collective_time("all_reduce", 1e9, [0, 1], calls=0.25) == pytest.approx(
+        two_nodes.collective_time("all_reduce", 1e9, [0, 1]) + 0.25e-3)
+    assert slow.p2p_time(1e9, 0, 1) == pytest.approx(two_nodes.p2p_time(1e9, 0, 1) + 1e-3)
+    assert slow.collective_time("all_reduce", 1e9, [3]) == 0.0
+    a100 = Cluster.preset("8xA100-80GB")
+    assert 5e-6 <= a100.op_launch_s <= 10e-6 and 10e-6 <= a100.collective_latency_s <= 30e-6
+    assert all(getattr(a100, k) > 0 for k in OVERHEAD_FIELDS) and not a100.profiled
+    assert Cluster.from_dict(json.loads(json.dumps(a100.to_dict()))) == a100
+    with pytest.raises(ConfigError, match="layer_overhead_s"):
+        Cluster.from_dict({**two_nodes.to_dict(), "layer_overhead_s": -1})

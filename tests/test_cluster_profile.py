@@ -90,6 +90,11 @@ def test_profile_two_gloo_ranks(tmp_path):
     figures += [v for by_size in c.fits.values() for fig in by_size.values() for v in fig.values()]
     assert all(v > 0 and math.isfinite(v) for v in figures), c.to_dict()
     assert c.overlap_slowdown >= 1 and math.isfinite(c.overlap_slowdown)
+    from galvatron_fx.cluster import OVERHEAD_FIELDS
+
+    overheads = {k: getattr(c, k) for k in OVERHEAD_FIELDS}
+    assert all(0 < v < 0.1 and math.isfinite(v) for v in overheads.values()), overheads
+    assert c.profiled
     assert set(c.fits) == {*COLLECTIVES, "p2p"} and all("2" in c.fits[k] for k in c.fits)
     sizes = [0, 1e3, 1e5, 1e7, 1e9]
     for kind in COLLECTIVES:

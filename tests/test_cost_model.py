@@ -60,7 +60,7 @@ def test_tiny_param_split(tiny):
 @pytest.mark.parametrize("strategy, mixed, expect", [
     (Strategy(1, 1), False, (296 * 4, 296 * 4, 296 * 8)),
     (Strategy(2, 1), False, (160 * 4, 160 * 4, 160 * 8)),
-    (Strategy(1, 2, "zero2"), False, (1184, 592, 1184)),
+    (Strategy(1, 2, "zero2"), False, (1184 + 592, 592, 1184)),   # the whole buffer + its shard (a copy)
     (Strategy(1, 2, "zero3"), False, (592, 592, 1184)),
     (Strategy(2, 2, "zero3"), False, (320, 320, 640)),
     # mixed: bf16 working copy (none under ZeRO-3), fp32 grads, fp32 moments, fp32 masters
@@ -84,8 +84,8 @@ def test_states_bytes_sgd():
 
 
 def test_states_bytes_follow_the_runtime_flat_buffer_padding():
-    # 7 elements over dp=4: the flat buffer is padded to 8, each rank's shard holds 2
-    for sdp, expect in (("none", (32, 32, 64)), ("zero2", (32, 8, 16)), ("zero3", (8, 8, 16))):
+    # 7 elements over dp=4: the flat buffer is padded to 8, each rank's shard holds 2 (ZeRO-2: a copy)
+    for sdp, expect in (("none", (32, 32, 64)), ("zero2", (40, 8, 16)), ("zero3", (8, 8, 16))):
         st = states_bytes(0, 7, Strategy(1, 4, sdp), itemsize=4)
         assert (st.params, st.grads, st.optimizer) == expect, sdp
 
@@ -109,6 +109,11 @@ def test_tiny_scaling_rules(tiny):
     assert sp2.activation_bytes == 4 * (15 + 24 + 24) * 4
     assert ck.activation_bytes == 4 * 24 * 4 and ck.transient_bytes == one.activation_bytes
     assert tp2.fwd_s == pytest.approx(one.fwd_s / 2) and ck.bwd_s == pytest.approx(one.bwd_s + one.fwd_s)
+    # per-op launches (the layer's op count) do not shrink under TP; the recompute launches again
+    ops = cm.op_counts[cm.layers[i].signature]
+    launch = ops * (CLUSTER.op_launch_s + CLUSTER.op_launch_bwd_s)
+    assert ops > 0 and one.overhead_s == pytest.approx(CLUSTER.layer_overhead_s + launch) == tp2.overhead_s
+    assert ck.overhead_s == pytest.approx(one.overhead_s + ops * CLUSTER.op_launch_s)
     # TP: one all-reduce forward (fc2 out) + one backward (ln out), 3*8 fp32 per sample each
     ar = CLUSTER.collective_time("all_reduce", 4 * 24 * 4, [0, 1])
     assert tp2.tp_comm_s == pytest.approx(2 * ar) and one.tp_comm_s == 0
@@ -119,7 +124,7 @@ def test_tiny_scaling_rules(tiny):
     assert dp.grad_sync_s == pytest.approx(CLUSTER.collective_time("all_reduce", 296 * 4, [0, 1, 2, 3]))
     z3 = cm.layer_cost(i, Strategy(2, 2, "zero3"), 4)
     assert z3.zero3_gather_s == pytest.approx(2 * CLUSTER.collective_time("all_gather", 160 * 4, [0, 2]))
-    assert z3.transient_bytes == 2 * 160 * 4
+    assert z3.transient_bytes == 3 * 160 * 4   # gradient, gathered buffer, [dp, S] staging
     # symbolic form agrees with direct evaluation
     f = cm.lambdified(i, Strategy(2, 1))
     assert f["activation_bytes"](4) == pytest.approx(tp2.activation_bytes)
@@ -189,3 +194,24 @@ def test_saved_activations_match_real_run(name, kw):
         real2 = saved_bytes(lambda: shard(x), list(shard.parameters()))
         predicted2 = cm.activation_bytes(1, Strategy(2, 1), 3)
         assert abs(predicted2 - real2) <= 0.05 * real2
+
+
+def test_overhead_terms(tiny):
+    """Per-layer / per-micro-batch framework overhead and the optimizer step (cluster fields)."""
+    gm, i = tiny
+    c = Cluster(memory_bytes="16GiB", peak_flops={"fp32": 1e12, "bf16": 1e12, "fp16": 1e12},
+                intra_bandwidth=1e9, intra_latency=0.0, devices_per_node=4, layer_overhead_s=1e-4,
+                microbatch_overhead_s=1e-3, optimizer_s_per_byte=1e-9, optimizer_overhead_s=1e-5,
+                collective_latency_s=1e-4)
+    cm = CostModel(gm, c, mode="analytic", bucket_bytes=0)
+    dp = cm.layer_cost(i, Strategy(1, 4), 4)
+    z3 = cm.layer_cost(i, Strategy(1, 4, "zero3"), 4)
+    first = cm.layer_cost(0, Strategy(1, 4), 4)
+    assert dp.overhead_s == pytest.approx(1e-4) and first.overhead_s == pytest.approx(1.1e-3)
+    assert dp.optimizer_s == pytest.approx(296 * 4 * 1e-9 + 1e-5)          # whole buffer
+    assert z3.optimizer_s == pytest.approx(74 * 4 * 1e-9 + 1e-5)           # this rank's shard
+    # one call latency per collective, on top of the ring
+    assert dp.grad_sync_s == pytest.approx(2 * 3 / 4 * 296 * 4 / 1e9 + 1e-4)
+    bucketed = CostModel(gm, c, mode="analytic", bucket_bytes=296 * 4 * 2).layer_cost(i, Strategy(1, 4), 4)
+    assert bucketed.grad_sync_s == pytest.approx(dp.grad_sync_s - 0.5e-4)  # half a bucket: half a call
+    assert dp.exposed_sync_s == 0 and bucketed.exposed_sync_s == pytest.approx(bucketed.grad_sync_s)  # one bucket

@@ -3,17 +3,20 @@
 For a layer whose parameters have ``sharded`` elements TP splits (linear weights, column-parallel
 biases, vocab-parallel embeddings) and ``replicated`` elements it keeps whole (norms, row-parallel
 biases), one device holds ``n = ceil(sharded / tp) + replicated`` elements of each state. The
-runtime keeps them in one flat buffer per layer padded to a multiple of ``dp``
-(:func:`flat_layout`, shared with :mod:`galvatron_fx.runtime.data_parallel`): ``P`` padded
-elements, a ``S = P / dp`` shard per rank. With ``k`` optimizer states per parameter (Adam 2: first
-and second moments; SGD with momentum 1; SGD 0), per device:
+runtime keeps them in one flat buffer per layer in which every parameter is padded along dim 0 to a
+multiple of ``dp`` rows (:func:`~galvatron_fx.runtime.data_parallel.zero_layout`, the same function
+the runtime lays its buffers out with, given the TP-local parameter shapes): ``P`` padded elements,
+a ``S = P / dp`` shard per rank (each parameter's dim-0 slice). Without the shapes (element counts
+only) the layer counts as one 1-D parameter of ``n`` elements. With ``k`` optimizer states per
+parameter (Adam 2: first and second moments; SGD with momentum 1; SGD 0), per device:
 
 =============  ==========  ==========  ==========  ===========================================
 state          DP          ZeRO-2      ZeRO-3
 =============  ==========  ==========  ==========  ===========================================
 fp32 (``w = 4``, the parameters are their own masters)
 -------------------------------------------------------------------------------------------------
-params         ``4 P``     ``4 P``     ``4 S``     the buffer the layer reads (ZeRO-2: whole)
+params         ``4 P``     ``4(P+S)``  ``4 S``     the buffer the layer reads (ZeRO-2: whole,
+                                                   plus its shard, a copy; ``4 P`` at dp = 1)
 grads          ``4 P``     ``4 S``     ``4 S``
 optimizer      ``4 k P``   ``4 k S``   ``4 k S``
 -------------  ----------  ----------  ----------  -------------------------------------------
@@ -38,7 +41,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..runtime.data_parallel import flat_layout  # NOTE: the runtime owns its buffer layout; costed alike
+from ..runtime.data_parallel import zero_layout  # NOTE: the runtime owns its buffer layout; costed alike
 from ..solver.strategy import Strategy
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1}
@@ -72,11 +75,15 @@ def per_tp_elements(sharded: int, replicated: int, tp: int) -> int:
 
 
 def states_bytes(sharded: int, replicated: int, strategy: Strategy, *, itemsize: int,
-                 mixed_precision: bool = False, optimizer: str = "adam") -> StatesBytes:
+                 mixed_precision: bool = False, optimizer: str = "adam", shapes=None) -> StatesBytes:
     """Per-device bytes of parameters, gradients, optimizer states and masters (module docstring);
-    ``itemsize``: the compute dtype's (4 for fp32, 2 for a mixed plan's working copy)."""
-    padded, shard = flat_layout(per_tp_elements(sharded, replicated, strategy.tp), strategy.dp)
-    held = {"none": (padded, padded, padded), "zero2": (padded, shard, shard),
+    ``itemsize``: the compute dtype's (4 for fp32, 2 for a mixed plan's working copy); ``shapes``:
+    the layer's TP-local parameter shapes at ``strategy.tp`` (exact padding), else ``None``."""
+    layout = zero_layout(shapes if shapes is not None
+                         else [(per_tp_elements(sharded, replicated, strategy.tp),)], strategy.dp)
+    padded, shard = layout.padded, layout.shard
+    zero2_params = padded + (shard if strategy.dp > 1 else 0)   # fp32: the shard is a copy
+    held = {"none": (padded, padded, padded), "zero2": (zero2_params, shard, shard),
             "zero3": (shard, shard, shard)}[strategy.sdp]  # elements of params, grads, optimizer
     k = optimizer_states(optimizer)
     if not mixed_precision:

@@ -22,7 +22,18 @@ Scaling rules (per device, per micro-batch unless noted), from the fake-tensor m
   and ``zero3_gather_s`` (per micro-batch) all-gathers the parameters in forward and in backward.
   DP group: ``dp`` ranks strided by ``tp``. How these overlap with compute, and how layers add up
   to a step and a device's memory, is :mod:`galvatron_fx.solver.objective` (one place for both).
-* **Memory**: :mod:`.memory` for states; transients are ZeRO-3's gathered parameters of the layer,
+* **Overheads** (the cluster's fixed costs, :data:`galvatron_fx.cluster.OVERHEAD_FIELDS`): in
+  analytic mode ``overhead_s`` adds ``op_launch_s`` + ``op_launch_bwd_s`` per op of the layer graph
+  (the forward's twice under checkpointing; ``fwd_s``/``bwd_s`` stay FLOPs over the compute rate;
+  profiled layer times already hold the launches); every collective call adds
+  ``collective_latency_s`` (DP gradients packed into ``bucket_bytes`` buckets pay their share of a
+  call, and the last bucket's share, ``exposed_sync_s``, overlaps no backward); ``overhead_s`` (per
+  micro-batch) is ``layer_overhead_s``, plus ``microbatch_overhead_s`` on the first layer (slicing,
+  loss, starting backward); ``optimizer_s`` (per step) is ``optimizer_s_per_byte`` x the fp32
+  parameter bytes the device updates (its shard under ZeRO) + ``optimizer_overhead_s`` for the
+  layer's flat buffer, and on the first layer one collective call (the step's loss all-reduce).
+* **Memory**: :mod:`.memory` for states; transients are ZeRO-3's gathered parameters of the layer
+  and the ``[dp, S]`` staging buffer of its all-gather or gradient reduce-scatter,
   the gradient bucket (``bucket_bytes``, full gradients for ZeRO-3's reduce-scatter) and the
   recomputed activations under checkpointing.
 * **Precision** (``precision``): ``"fp32"`` computes and stores everything in fp32;
@@ -37,6 +48,7 @@ Scaling rules (per device, per micro-batch unless noted), from the fake-tensor m
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import asdict, dataclass
 
 import sympy
@@ -63,8 +75,9 @@ B = sympy.Symbol("b", positive=True)
 class LayerCost:
     """One layer under one strategy and micro-batch size, per device. Seconds and bytes.
 
-    ``fwd_s``/``bwd_s``/``tp_comm_s``/``zero3_gather_s``/``activation_bytes``/``output_bytes`` are per
-    micro-batch; ``grad_sync_s`` per step; ``param_bytes``/``grad_bytes``/``optimizer_bytes``/
+    ``fwd_s``/``bwd_s``/``tp_comm_s``/``zero3_gather_s``/``overhead_s``/``activation_bytes``/
+    ``output_bytes`` are per micro-batch; ``grad_sync_s``, ``optimizer_s`` and ``exposed_sync_s`` (the
+    part of ``grad_sync_s`` no backward can hide: the last gradient bucket's share) per step; ``param_bytes``/``grad_bytes``/``optimizer_bytes``/
     ``master_bytes`` (fp32 masters of a mixed plan)/``transient_bytes`` are resident (transient:
     the layer's largest temporary buffer).
     """
@@ -81,6 +94,9 @@ class LayerCost:
     transient_bytes: float
     output_bytes: float
     master_bytes: float = 0.0
+    overhead_s: float = 0.0
+    optimizer_s: float = 0.0
+    exposed_sync_s: float = 0.0
 
     @property
     def states_bytes(self) -> float:
@@ -108,19 +124,41 @@ def dp_group(strategy: Strategy) -> list[int]:
     return list(range(0, strategy.tp * strategy.dp, strategy.tp))
 
 
+_CALLS = ("call_function", "call_method", "call_module")
+_FREE = (operator.getitem,)
+PROFILE_MAX_PARAM_BYTES = 64 * 2**20
+"""Largest layer (fp32 parameter bytes) :func:`default_mode` profiles on a measured cluster."""
+
+
+def default_mode(cluster: Cluster, cost: CostModel) -> str:
+    """``"profiled"`` on a measured cluster (:attr:`Cluster.profiled`) when every layer's
+    parameters fit in :data:`PROFILE_MAX_PARAM_BYTES` (timing them here is quick and prices this
+    machine), else ``"analytic"`` (datasheet presets; models too large to run here).
+
+    NOTE: profiled layer times hold this device's real per-op costs and kernel efficiencies, which
+    FLOPs over a matmul rate miss (on the 2-core CPU: LayerNorm, softmax and GELU cost as much as
+    the matmuls); ``benchmarks/cost_model_accuracy.py --mode`` compares the two."""
+    if not cluster.profiled:
+        return "analytic"
+    biggest = max((sum(cost._owned_params(r.index).values()) for r in cost.layers), default=0)
+    return "profiled" if 4 * biggest <= PROFILE_MAX_PARAM_BYTES else "analytic"
+
+
 class CostModel:
     """Per-layer costs of a captured graph on a cluster (module docstring for the rules).
 
     ``mode="analytic"`` prices FLOPs with the cluster's compute rate; ``"profiled"`` times the
-    layers on the local device (:mod:`.profile`, cached in ``cache_dir``). Structurally identical
-    layers (equal signatures) are measured once.
+    layers on the local device (:mod:`.profile`, cached in ``cache_dir``); ``None`` (the default)
+    is :func:`default_mode`: profiled on a measured cluster (``Cluster.profile()`` /
+    ``Cluster.preset("local")``) for layers small enough to run here, analytic otherwise.
+    Structurally identical layers (equal signatures) are measured once.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, cluster: Cluster, dtype: str = "fp32", mode: str = "analytic",
+    def __init__(self, gm: torch.fx.GraphModule, cluster: Cluster, dtype: str = "fp32", mode: str | None = None,
                  optimizer: str = "adam", mixed_precision: bool = False, reserve_bytes: int | str = "1GiB",
                  bucket_bytes: int | str = "25MiB", cache_dir=None, profile_sizes: tuple[int, ...] | None = None,
-                 precision: str | None = None, reduce_dtype: str = "fp32"):
-        if mode not in ("analytic", "profiled"):
+                 precision: str | None = None, reduce_dtype: str = "fp32", profile_repeats: int = 5):
+        if mode not in ("analytic", "profiled", None):
             raise ConfigError(f"cost mode must be 'analytic' or 'profiled', got {mode!r}")
         if precision is not None:
             if precision not in PRECISION_DTYPES:
@@ -140,7 +178,7 @@ class CostModel:
         # NOTE: 0 (or "0", as a command line passes it) means no reserve; parse_bytes rejects zero sizes
         self.reserve_bytes = parse_bytes(reserve_bytes, "reserve") if reserve_bytes not in (0, "0", None) else 0
         self.bucket_bytes = parse_bytes(bucket_bytes, "bucket_bytes") if bucket_bytes else 0
-        self.cache_dir, self.profile_sizes = cache_dir, profile_sizes
+        self.cache_dir, self.profile_sizes, self.profile_repeats = cache_dir, profile_sizes, profile_repeats
         info = gm.meta.get(META_KEY)
         if info is None or not info.layers:
             raise ConfigError("the cost model needs a layer-grouped graph: capture the model with gfx.capture() "
@@ -152,6 +190,8 @@ class CostModel:
         self._tp: dict[tuple, object] = {}
         self._params: dict[tuple, LayerParams] = {}
         self._owned: list[dict[str, int]] | None = None
+        self._shapes: list[dict[str, tuple[int, ...]]] = [{} for _ in info.layers]
+        self._local_shapes: dict[tuple, list[tuple[int, ...]]] = {}
         for rec in self.layers:
             if rec.signature in self.graphs:
                 continue
@@ -163,6 +203,11 @@ class CostModel:
             roles_from_analysis(graph, None if isinstance(analysis, Exception) else analysis)
             self.graphs[rec.signature] = graph
             self.measures[rec.signature] = measure_layer(graph, compute_dtype=self.compute_dtype)
+        self.op_counts = {sig: sum(n.op in _CALLS and n.target not in _FREE for n in g.gm.graph.nodes)
+                          for sig, g in self.graphs.items()}
+        """Ops (fx call nodes, getitem excluded) per layer signature: what ``op_launch_s`` prices."""
+        if self.mode is None:
+            self.mode = default_mode(cluster, self)
         self._profiles: dict[tuple, dict] = {}
 
     # ------------------------------------------------------------------ inputs
@@ -175,7 +220,28 @@ class CostModel:
                 if n.op == "get_attr" and info is not None and info.layer is not None \
                         and info.param is not None and info.param.is_param:
                     self._owned[info.layer][info.param.fqn] = info.param.numel
+                    self._shapes[info.layer][info.param.fqn] = tuple(info.param.shape)
         return self._owned[index]
+
+    def layer_shapes(self, index: int, tp: int) -> list[tuple[int, ...]]:
+        """TP-local shapes of the parameters layer ``index`` owns at degree ``tp``, as the runtime's
+        flat buffer holds them (a sharded dim keeps ``block / tp`` of every block): the input of
+        the buffer layout (:func:`galvatron_fx.runtime.data_parallel.zero_layout`)."""
+        key = (index, tp)
+        if key not in self._local_shapes:
+            owned = self._owned_params(index)
+            shapes = [self._shapes[index][fqn] for fqn in owned]
+            analysis = self.tp_analysis(index, tp) if tp > 1 else None
+            if analysis is not None and not isinstance(analysis, Exception):
+                rep = {shard.fqn: shard for shard in analysis.param_shards.values()}
+                for i, fqn in enumerate(self._owned_params(analysis.layer)):   # same order (see below)
+                    shard = rep.get(fqn)
+                    if shard is not None and i < len(shapes):
+                        shape = list(shapes[i])
+                        shape[shard.dim] = sum(b // shard.tp for b in shard.blocks)
+                        shapes[i] = tuple(shape)
+            self._local_shapes[key] = shapes
+        return self._local_shapes[key]
 
     def tp_analysis(self, index: int, tp: int, sp: bool = False):
         """The tensor-parallel pass's own analysis of layer ``index`` at degree ``tp`` (with sequence
@@ -224,7 +290,8 @@ class CostModel:
         """Per-device parameter, gradient and optimizer-state bytes of layer ``index``."""
         p = self.layer_params(index, strategy.tp)
         return states_bytes(p.sharded, p.replicated, strategy, itemsize=self.itemsize,
-                            mixed_precision=self.mixed_precision, optimizer=self.optimizer)
+                            mixed_precision=self.mixed_precision, optimizer=self.optimizer,
+                            shapes=self.layer_shapes(index, strategy.tp))
 
     def boundary_bytes(self, index: int, micro_batch_size: float) -> float:
         """Bytes of the activations layer ``index`` hands to later layers for ``micro_batch_size``
@@ -262,23 +329,28 @@ class CostModel:
             fwd = self.cluster.compute_time(fwd_f, self.dtype)
             bwd = self.cluster.compute_time(bwd_f, self.dtype)
             return fwd, bwd + (fwd if s.ckpt else 0.0)
+        # NOTE: checkpointing is priced as the analytic rule does (backward + a recomputed forward)
+        # on the plain layer's profile: timed under torch.utils.checkpoint at the small profiling
+        # sizes, the per-op saved-tensor hooks overstated the steps measured in training 1.3-2x
         prof = self.profile(index, s)
-        return prof["fwd"](n), prof["bwd"](n)
+        fwd, bwd = prof["fwd"](n), prof["bwd"](n)
+        return fwd, bwd + (fwd if s.ckpt else 0.0)
 
     def profile(self, index: int, s: Strategy) -> dict:
-        """Profiled ``{"fwd": Affine, "bwd": Affine}`` seconds per sample count for layer ``index``."""
+        """Profiled ``{"fwd": Affine, "bwd": Affine}`` seconds per sample count for layer ``index``
+        under ``s``'s TP degree (without checkpointing: :meth:`_compute_times` adds the recompute)."""
         from .profile import PROFILE_SIZES, profile_layer
 
         sig = self.layers[index].signature
-        key = (sig, s.tp, s.sp, s.ckpt)
+        key = (sig, s.tp, s.sp, False)
         if key not in self._profiles:
             m = self.measures[sig]
             fs, fr = m.fwd_flops_sharded(1), m.fwd_flops_rep(1)
             dtype = TORCH_DTYPES[self.dtype]
             self._profiles[key] = profile_layer(
-                self.graphs[sig], tp=s.tp, sp=s.sp, ckpt=s.ckpt, dtype=dtype,
+                self.graphs[sig], tp=s.tp, sp=s.sp, ckpt=False, dtype=dtype,
                 sharded_fraction=fs / (fs + fr) if fs + fr else 1.0,
-                sizes=self.profile_sizes or PROFILE_SIZES, cache=self.cache_dir)
+                sizes=self.profile_sizes or PROFILE_SIZES, cache=self.cache_dir, repeats=self.profile_repeats)
         return self._profiles[key]
 
     def activation_bytes(self, index: int, strategy: Strategy, micro_batch_size: float) -> float:
@@ -308,8 +380,16 @@ class CostModel:
         full_params, full_grads = elems_tp * self.itemsize, elems_tp * self.reduce_itemsize
         dpg = dp_group(s)
         ct = self.cluster.collective_time
+        exposed = 0.0
         if s.sdp == "none":
-            sync = ct("all_reduce", full_grads, dpg)
+            # NOTE: the runtime packs DP gradients into buckets of bucket_bytes (one call each),
+            # filled in reverse layer order; the last bucket's all-reduce starts once backward is
+            # over, so its share of every layer's sync is exposed (all of it for a model smaller
+            # than one bucket)
+            share = min(1.0, full_grads / self.bucket_bytes) if self.bucket_bytes else 1.0
+            sync = ct("all_reduce", full_grads, dpg, calls=share)
+            if self.bucket_bytes:
+                exposed = sync * min(1.0, self.bucket_bytes / max(self._model_grad_bytes(), 1.0))
         elif s.sdp == "zero2":
             sync = ct("reduce_scatter", full_grads, dpg) + ct("all_gather", full_params, dpg)
         else:
@@ -320,12 +400,36 @@ class CostModel:
         if s.dp > 1:
             transient = full_grads if s.sdp == "zero3" else min(self.bucket_bytes, full_grads)
         if s.sdp == "zero3" and s.dp > 1:
-            transient += full_params
+            # NOTE: the gathered buffer, plus the runtime's [dp, S] staging buffer of its all-gather
+            # (forward) or of the gradient's reduce-scatter (backward, beside the gradient)
+            transient += full_params + max(full_params, full_grads)
         if s.ckpt:
             transient += recompute
         out = m.output_elems(n) * self.itemsize / (s.tp if s.sp else 1)
+        overhead, optimizer = self._overheads(index, elems_tp, s)
         return LayerCost(fwd, bwd, self._tp_comm(m, n, s), sync, gather, st.params, st.grads, st.optimizer,
-                         act, transient, out, st.masters)
+                         act, transient, out, st.masters, overhead, optimizer, exposed)
+
+    def _model_grad_bytes(self) -> float:
+        """Bytes of the whole model's gradients as DP reduces them (no TP): what the buckets hold."""
+        if not hasattr(self, "_grad_bytes"):
+            self._grad_bytes = sum(sum(self._owned_params(r.index).values()) for r in self.layers) \
+                * self.reduce_itemsize
+        return self._grad_bytes
+
+    def _overheads(self, index: int, elems_tp: int, s: Strategy) -> tuple[float, float]:
+        """``(overhead_s per micro-batch, optimizer_s per step)`` of layer ``index`` (module docstring)."""
+        c = self.cluster
+        first = index == 0
+        overhead = c.layer_overhead_s + (c.microbatch_overhead_s if first else 0.0)
+        if self.mode == "analytic":
+            ops = self.op_counts[self.layers[index].signature]
+            overhead += ops * (c.op_launch_s * (2 if s.ckpt else 1) + c.op_launch_bwd_s)
+        held = elems_tp if s.sdp == "none" else math.ceil(elems_tp / s.dp)
+        optimizer = (held * 4 * c.optimizer_s_per_byte + c.optimizer_overhead_s) if elems_tp else 0.0
+        if first and self.cluster.world_size > 1:
+            optimizer += c.collective_latency_s
+        return overhead, optimizer
 
     # ------------------------------------------------------------------ resharding
     def _gather_time(self, nbytes: float, have: Strategy, want: Strategy) -> float:

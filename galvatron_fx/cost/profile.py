@@ -19,6 +19,7 @@ sizes, so a second annotation re-profiles nothing. ``PROFILE_CALLS`` counts real
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -76,9 +77,14 @@ def _reshape_sizes(node: torch.fx.Node, args: tuple, x: torch.Tensor) -> tuple:
 
 
 class _ShardedRunner(torch.fx.Interpreter):
-    """Runs a layer with TP-sharded weights, fixing reshapes of sharded tensors."""
+    """Runs a layer with TP-sharded weights, fixing reshapes of sharded tensors; records the fixed
+    sizes (``fixed``: node name -> args) so that :func:`_sharded_module` can bake them in."""
 
     RESHAPES = ("view", "reshape", "unflatten")
+
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.fixed: dict[str, tuple] = {}
 
     def run_node(self, n):
         self._node = n
@@ -89,6 +95,7 @@ class _ShardedRunner(torch.fx.Interpreter):
         name = target if isinstance(target, str) else getattr(target, "__name__", "")
         if name in self.RESHAPES and isinstance(args[0], torch.Tensor) and isinstance(node.args[0], torch.fx.Node):
             args = _reshape_sizes(node, args, args[0])
+            self.fixed[node.name] = args[1:]
         return getattr(super(), kind)(target, args, kwargs)
 
     def call_function(self, target, args, kwargs):
@@ -96,6 +103,23 @@ class _ShardedRunner(torch.fx.Interpreter):
 
     def call_method(self, target, args, kwargs):
         return self._call("call_method", target, args, kwargs)
+
+
+def _sharded_module(gm: torch.fx.GraphModule, args: list) -> torch.fx.GraphModule:
+    """A copy of ``gm`` that runs on ``args`` (TP-sharded weights) at generated-code speed: one
+    :class:`_ShardedRunner` pass finds the reshape sizes, which the copy then takes as constants.
+
+    NOTE: timing the fx Interpreter itself would add its per-node Python cost (tens of us) to every
+    op, which the runtime's generated code does not pay; sizes are baked for this input shape only."""
+    runner = _ShardedRunner(gm)
+    with torch.no_grad():
+        runner.run(*args)
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:
+        if node.name in runner.fixed:
+            node.args = (node.args[0], *runner.fixed[node.name])
+    graph.eliminate_dead_code()
+    return torch.fx.GraphModule(gm, graph)
 
 
 def _shards(layer: LayerGraph, tp: int) -> dict[str, tuple[int, int]]:
@@ -115,13 +139,12 @@ def time_layer(layer: LayerGraph, n: int, *, tp: int = 1, ckpt: bool = False, dt
     device = device or pick_device()
     args = make_inputs(layer, n, device=device, dtype=dtype, real=True, shard=_shards(layer, tp))
     gm = layer.on_device(device)
-    runner = _ShardedRunner(gm) if tp > 1 else gm
+    runner = _sharded_module(gm, args) if tp > 1 else gm
 
     def forward():
         if ckpt:
-            return torch.utils.checkpoint.checkpoint(lambda *a: runner.run(*a) if tp > 1 else runner(*a),
-                                                     *args, use_reentrant=False)
-        return runner.run(*args) if tp > 1 else runner(*args)
+            return torch.utils.checkpoint.checkpoint(runner, *args, use_reentrant=False)
+        return runner(*args)
 
     fwd, bwd = [], []
     for i in range(warmup + repeats):
@@ -154,12 +177,19 @@ def _time_sizes(layer: LayerGraph, sizes: tuple[int, ...], **kw) -> tuple[tuple[
 
 
 def _fit(ns, ys) -> Affine:
-    """Least-squares ``a * n + c``."""
+    """Least-squares ``a * n + c`` with ``a, c >= 0`` (a time never falls with more samples, nor
+    goes below zero): a negative intercept (noise) refits through the origin, a negative slope
+    takes the mean as a constant."""
     k = len(ns)
     mx, my = sum(ns) / k, sum(ys) / k
     sxx = sum((x - mx) ** 2 for x in ns)
     a = sum((x - mx) * (y - my) for x, y in zip(ns, ys)) / sxx if sxx else my / mx
-    return Affine(a, my - a * mx)
+    c = my - a * mx
+    if a < 0:
+        return Affine(0.0, my)
+    if c < 0:
+        return Affine(sum(x * y for x, y in zip(ns, ys)) / sum(x * x for x in ns), 0.0)
+    return Affine(a, c)
 
 
 def profile_layer(layer: LayerGraph, *, tp: int = 1, sp: bool = False, ckpt: bool = False, dtype=None,
@@ -170,7 +200,7 @@ def profile_layer(layer: LayerGraph, *, tp: int = 1, sp: bool = False, ckpt: boo
 
     device = device or pick_device()
     dtype_name = str(dtype or "native").replace("torch.", "")
-    key = dict(signature=layer.signature, tp=tp, sp=sp, ckpt=ckpt, device=device_name(device),
+    key = dict(version=3, signature=layer.signature, tp=tp, sp=sp, ckpt=ckpt, device=device_name(device),
                dtype=dtype_name, sizes=list(sizes))
     path = cache_dir(cache) / "layers" / f"{short_hash(sorted(key.items()), n=24)}.json"
     if path.exists():

@@ -1,24 +1,26 @@
 """Geometry of sharded checkpoints: which rectangles of which *global* parameters a rank holds.
 
-A layer's flat buffer (:mod:`.data_parallel`) is a concatenation of TP-local parameter slices; a
-rank keeps a contiguous range of it (ZeRO: its 1/dp shard). A contiguous range of a row-major
-n-D tensor is a union of at most ``2n - 1`` hyper-rectangles ("boxes"), each itself a contiguous
-range (:func:`range_boxes`: a partial first row, whole rows, a partial last row, recursively), and a
-box of a TP-local slice is a box of the global tensor once it is cut at the slice's block
-boundaries (fused q/k/v are sharded per block: rank ``r`` holds chunk ``r`` of every block along
-``ShardInfo.dim``; :func:`local_to_global`). So every element a rank holds is named by
-``(fqn, global offsets, sizes)``: exactly the chunk metadata of ``torch.distributed.checkpoint``.
+A layer's flat buffer (:mod:`.data_parallel`) holds TP-local parameter slices; a rank keeps, of each
+of them, a contiguous range of elements: the whole slice, or under ZeRO its dim-0 rows
+``[r * R, (r + 1) * R)`` (:class:`~.data_parallel.ZeroLayout`), which is one box. A contiguous range
+of a row-major n-D tensor is in general a union of at most ``2n - 1`` hyper-rectangles ("boxes"),
+each itself a contiguous range (:func:`range_boxes`: a partial first row, whole rows, a partial last
+row, recursively; a range of whole rows is one box), and a box of a TP-local slice is a box of the
+global tensor once it is cut at the slice's block boundaries (fused q/k/v are sharded per block:
+rank ``r`` holds chunk ``r`` of every block along ``ShardInfo.dim``; :func:`local_to_global`). So
+every element a rank holds is named by ``(fqn, global offsets, sizes)``: exactly the chunk
+metadata of ``torch.distributed.checkpoint``.
 
-Ownership (:func:`layer_pieces` with ``owned=True``): every element of every parameter is written by
-exactly one rank:
+Ownership (what a save writes, :class:`~.sharded_state.StoreGeometry`): every element of every
+parameter is written by exactly one rank:
 
-* the layer's flat buffer is split into the ``dp`` ranges a ZeRO shard would have, whatever ``sdp``
-  is: rank ``dp_index`` owns range ``dp_index`` (so DP replicas also save in parallel);
+* each TP-local slice is split into the ``dp`` dim-0 slices a ZeRO shard would hold, whatever
+  ``sdp`` is: rank ``dp_index`` owns slice ``dp_index`` (so DP replicas also save in parallel);
 * a parameter a TP layer keeps whole (a norm's weight) is owned by TP rank 0 only;
 * pipeline stages hold disjoint layers.
 
-Loading asks for what the rank *holds* instead (``owned=False``: its whole buffer under
-``sdp="none"``, its shard under ZeRO, replicated parameters on every TP rank).
+Loading asks for what the rank *holds* instead (its whole buffer under ``sdp="none"``, its shard
+under ZeRO, replicated parameters on every TP rank).
 
 Pure: integers and tuples only (``torch`` just for the views of :func:`piece_view`).
 """
@@ -36,8 +38,9 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]   # (offsets, sizes), elements per
 @dataclass(frozen=True)
 class Piece:
     """One box of parameter ``fqn`` held by a rank: ``sizes`` elements at ``global_offsets`` of the
-    whole parameter, read at ``local_offsets`` of this rank's TP-local slice (``local_shape``) that
-    starts at element ``buffer_offset`` of the layer's flat buffer."""
+    whole parameter, read at ``local_offsets`` of this rank's TP-local slice (``local_shape``),
+    whose element 0 sits (or would sit: a ZeRO shard starts inside the slice) at element
+    ``buffer_offset`` of the buffer holding it."""
 
     fqn: str
     global_offsets: tuple[int, ...]
@@ -105,46 +108,49 @@ def local_to_global(box: Box, shard) -> list[tuple[Box, tuple[int, ...]]]:
     return out
 
 
-def layer_pieces(fqns, offsets, shapes, shards: dict, lo: int, hi: int, *, replicated: bool = True,
+def layer_pieces(fqns, shapes, spans, shards: dict, *, replicated: bool = True,
                  max_numel: int | None = None) -> dict[str, list[Piece]]:
-    """``fqn -> [Piece]`` for the elements ``[lo, hi)`` of a layer's flat buffer.
+    """``fqn -> [Piece]`` for the elements a rank holds of each parameter of a layer.
 
     Args:
-        fqns, offsets, shapes: the layer's parameters, their element offsets in the buffer and
-            TP-local shapes (``FlatParams.fqns / offsets / shapes``).
+        fqns, shapes: the layer's parameters and their TP-local shapes (``FlatParams.fqns / shapes``).
+        spans: per parameter ``(lo, hi, origin)``: its elements ``[lo, hi)`` (row-major, of the
+            TP-local slice) that the rank holds, and the buffer index of the slice's element 0
+            (``lo`` then sits at ``origin + lo``; see :class:`Piece`).
         shards: ``fqn -> ShardInfo`` of the TP-sharded ones (the others are kept whole).
         replicated: include the parameters kept whole (``False`` on TP ranks other than 0 when
             saving: TP rank 0 owns them).
-        max_numel: cut ``[lo, hi)`` into ranges of at most this many elements first, so no piece
-            exceeds it (bounds the memory of one read or write to a bucket).
+        max_numel: cut each range into pieces of at most this many elements (whole rows when a
+            row fits), bounding the memory of one read or write to a bucket.
     Every fqn of the layer is a key (an empty list when the rank holds none of it).
     """
     out: dict[str, list[Piece]] = {fqn: [] for fqn in fqns}
-    step = max_numel if max_numel and max_numel > 0 else max(hi - lo, 1)
-    for fqn, off, shape in zip(fqns, offsets, shapes):
+    for fqn, shape, (lo, hi, origin) in zip(fqns, shapes, spans):
         shard = shards.get(fqn)
-        if shard is None and not replicated:
+        if (shard is None and not replicated) or lo >= hi:
             continue
-        n = math.prod(shape)
-        a, b = max(lo, off), min(hi, off + n)
-        for x in range(a, b, step):
-            for box in range_boxes(shape, x - off, min(b, x + step) - off):
+        row = math.prod(shape[1:]) if len(shape) > 1 else 1
+        step = hi - lo
+        if max_numel and max_numel > 0 and max_numel < step:
+            step = max_numel // row * row if row <= max_numel else max_numel
+        for x in range(lo, hi, step):
+            for box in range_boxes(shape, x, min(hi, x + step)):
                 for (l_off, size), g_off in local_to_global(box, shard):
-                    out[fqn].append(Piece(fqn, tuple(g_off), tuple(size), tuple(l_off), tuple(shape), off))
+                    out[fqn].append(Piece(fqn, tuple(g_off), tuple(size), tuple(l_off), tuple(shape), origin))
     return out
 
 
-def piece_view(buffer: torch.Tensor, buffer_lo: int, piece: Piece) -> torch.Tensor:
-    """The elements of ``piece`` as a view of ``buffer``, a tensor holding the flat-buffer elements
-    from ``buffer_lo`` on (the whole buffer with 0, a ZeRO shard with its first element's index)."""
+def piece_view(buffer: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The elements of ``piece`` as a view of ``buffer``, the buffer holding them (a whole flat
+    buffer, a ZeRO shard, an optimizer state laid out alike)."""
     strides, acc = [], 1
     for s in reversed(piece.local_shape):
         strides.append(acc)
         acc *= s
     strides = tuple(reversed(strides))
-    start = piece.buffer_offset - buffer_lo + sum(o * s for o, s in zip(piece.local_offsets, strides))
+    start = piece.buffer_offset + sum(o * s for o, s in zip(piece.local_offsets, strides))
     if start < 0 or start + _extent(piece.sizes, strides) > buffer.numel():
-        raise ValueError(f"piece {piece} lies outside the buffer range starting at {buffer_lo}")
+        raise ValueError(f"piece {piece} lies outside the buffer of {buffer.numel()} elements")
     return buffer.as_strided(piece.sizes, strides, buffer.storage_offset() + start)
 
 

@@ -1,9 +1,14 @@
 """Per-layer data parallelism and ZeRO-2/3 on one flat parameter buffer per layer.
 
-Every layer's trainable parameters are packed, in graph order, into one flat 1-D buffer padded to a
-multiple of the layer's ``dp`` (:class:`FlatParams`). The layer's graph reads its parameters as
-views of that buffer (``param_view``); one call at the top of the layer graph produces the buffer
-and decides what its backward does:
+Every layer's trainable parameters are packed, in graph order, into one flat 1-D buffer (the *full*
+buffer, :class:`FlatParams`: the parameters back to back, padded at the end to ``dp * S``), sharded
+in FSDP2's per-parameter dim-0 layout (:class:`ZeroLayout`): each parameter is padded along dim 0
+to a multiple of ``dp`` rows, and rank ``r``'s *shard* (``S`` elements) is, for every parameter in
+turn, its rows ``[r * R, (r + 1) * R)`` (``R`` rows per rank; a 1-D or 0-D
+parameter counts its elements as rows). So a rank's part of each parameter is a rectangular dim-0
+slice of it (sharded checkpoints store it as one chunk with its global offset, :mod:`.chunks`).
+The layer's graph reads its parameters as views of the full buffer (``param_view``); one call at the
+top of the layer graph produces the buffer and decides what its backward does:
 
 =========  ==========================  ==========================  ============================
 ``sdp``    rank holds at rest          forward                     backward (gradient of buffer)
@@ -12,17 +17,28 @@ and decides what its backward does:
                                                                    into the DP group's buckets
                                                                    (:class:`GradBuckets`), async
                                                                    all-reduce per full bucket
-"zero2"    whole buffer; the Parameter ``zero2_params``: nothing    accumulate; last micro-batch:
-           is this rank's 1/dp view                                async reduce-scatter
-"zero3"    its 1/dp shard only         ``zero3_all_gather``;        async reduce-scatter each
+"zero2"    whole buffer and its shard  ``zero2_params``: nothing    accumulate; last micro-batch:
+           (the Parameter, a copy)                                  async reduce-scatter
+"zero3"    its shard only              ``zero3_all_gather``;        async reduce-scatter each
                                        ``zero3_release`` frees the micro-batch, then free
                                        buffer after the layer      the re-gathered buffer
 =========  ==========================  ==========================  ============================
 
+Collectives (FSDP2's copy-in / copy-out): a gather is *one* all-gather of the shard into a
+``[dp, S]`` staging buffer, then a copy of each parameter's ``[dp, seg]`` columns into its place in
+the full buffer (parameters back to back, padding at the end); a gradient is copied the other way
+into a ``[dp, S]`` staging buffer and reduce-scattered once. NOTE: measured on 2 gloo ranks (gpt-tiny block, hidden 128 / 256), one
+collective plus the copies is 2-5x faster than one collective per parameter (per-call latency
+dominates); the price is the staging buffer, one whole-layer buffer, which the cost model counts
+as transient bytes (:mod:`galvatron_fx.cost.model`).
+
 The optimizer sees one Parameter per layer (``FlatParams.flat_param``: the whole buffer, or this
 rank's shard), whose ``.grad`` :func:`finish_grad_sync` fills with the gradient of the global-batch
 loss. After ``optimizer.step()``, :func:`sync_params` all-gathers ZeRO-2 shards into the whole
-buffer (the shard *is* a view of it, so the step already updated this rank's part in place).
+buffer. NOTE: ZeRO-2's shard is no longer a view of its replicated buffer (its rows are scattered
+over the parameters' blocks), so fp32 ZeRO-2 with ``dp > 1`` holds the shard as a copy: ``S``
+elements (1/dp of the layer) more than a flat-range shard did; mixed precision already kept its
+fp32 masters apart from the low-precision buffer and pays nothing more.
 
 NOTE: why not DDP / FSDP2. Layers here are fx submodules that share the default world with
 per-layer DP groups, tied weights cross layers (BERT's decoder reads the embedding) and the cost
@@ -36,6 +52,7 @@ states) exact, which FSDP2 has no mode for, and keeps the measured bytes equal t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -47,20 +64,112 @@ SDP_MODES = ("none", "zero2", "zero3")
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
+@dataclass(frozen=True)
+class ZeroLayout:
+    """Where each parameter of a layer sits in the full buffer and in a rank's shard (elements).
 
-def flat_layout(numel: int, dp: int) -> tuple[int, int]:
-    """``(padded, shard)`` elements of a layer's flat buffer of ``numel`` elements over ``dp`` ranks:
-    padded to a multiple of ``dp`` (at least one element per rank), each rank's shard ``padded/dp``."""
-    padded = math.ceil(max(numel, 1) / dp) * dp
-    return padded, padded // dp
+    Parameter ``i`` has ``rows[i]`` rows of ``row[i]`` elements (dim 0 of an n-D shape; a 1-D or
+    0-D parameter is ``numel`` rows of one element), padded to ``dp * per_rank[i]`` rows:
 
+    * full buffer: the parameters back to back (row-major, at ``offsets[i]``, as the layer graph
+      reads them), then padding up to ``padded = dp * shard`` elements;
+    * rank ``r``'s shard: parameter ``i``'s rows ``[r * per_rank[i], (r + 1) * per_rank[i])`` at
+      ``shard_offsets[i]``, ``seg(i) = per_rank[i] * row[i]`` elements (zero rows past the
+      parameter's end); ``shard`` elements in all.
+
+    A ``[dp, shard]`` staging buffer (row ``r``: rank ``r``'s shard, what one all-gather gives) and
+    the full buffer convert into each other with at most two copies per parameter
+    (:meth:`copy_out`, :meth:`copy_in`).
+    """
+
+    dp: int
+    rows: tuple[int, ...]
+    row: tuple[int, ...]
+    per_rank: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shard_offsets: tuple[int, ...]
+    shard: int
+
+    @property
+    def padded(self) -> int:
+        return self.dp * self.shard
+
+    def seg(self, i: int) -> int:
+        """Elements of parameter ``i`` in one rank's shard (padding rows included)."""
+        return self.per_rank[i] * self.row[i]
+
+    def held_rows(self, i: int, rank: int) -> tuple[int, int]:
+        """Rows ``[lo, hi)`` of parameter ``i`` that rank ``rank`` holds (padding excluded; may be empty)."""
+        lo = min(rank * self.per_rank[i], self.rows[i])
+        return lo, min(lo + self.per_rank[i], self.rows[i])
+
+    def _pairs(self, full: torch.Tensor, staging: torch.Tensor):
+        """Per parameter: (its elements in ``full``, its ``[dp, seg]`` columns of ``staging``, the
+        ranks ``k`` holding ``per_rank`` whole rows, the elements of rank ``k``'s partial part)."""
+        st = staging.view(self.dp, self.shard)
+        for i, (o, so) in enumerate(zip(self.offsets, self.shard_offsets)):
+            seg = self.seg(i)
+            if seg == 0:
+                continue
+            k = self.rows[i] // self.per_rank[i]
+            rem = (self.rows[i] - k * self.per_rank[i]) * self.row[i]
+            yield full[o:o + self.rows[i] * self.row[i]], st[:, so:so + seg], k, rem
+
+    def copy_out(self, staging: torch.Tensor, full: torch.Tensor) -> None:
+        """``full`` (the whole buffer) from a ``[dp, shard]`` staging buffer of every rank's shard."""
+        for dst, cols, k, rem in self._pairs(full, staging):
+            seg = cols.shape[1]
+            if k:
+                dst[:k * seg].view(k, seg).copy_(cols[:k])
+            if rem:
+                dst[k * seg:].copy_(cols[k, :rem])
+
+    def copy_in(self, full: torch.Tensor, staging: torch.Tensor) -> None:
+        """A ``[dp, shard]`` staging buffer from ``full`` (padding rows zeroed)."""
+        for src, cols, k, rem in self._pairs(full, staging):
+            seg = cols.shape[1]
+            if k:
+                cols[:k].copy_(src[:k * seg].view(k, seg))
+            if k < self.dp:
+                cols[k, :rem].copy_(src[k * seg:])
+                cols[k, rem:].zero_()
+                cols[k + 1:].zero_()
+
+    def shard_of(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """A copy of rank ``rank``'s shard of the full buffer ``full`` (padding rows zero)."""
+        out = full.new_zeros(self.shard)
+        for i, (o, so) in enumerate(zip(self.offsets, self.shard_offsets)):
+            a, b = self.held_rows(i, rank)
+            w = self.row[i]
+            out[so:so + (b - a) * w].copy_(full[o + a * w:o + b * w])
+        return out
+
+
+def zero_layout(shapes, dp: int) -> ZeroLayout:
+    """The :class:`ZeroLayout` of parameters of ``shapes`` (TP-local) over ``dp`` ranks; the cost
+    model prices the same (:func:`galvatron_fx.cost.memory.states_bytes`)."""
+    rows, row = [], []
+    for shape in shapes:
+        shape = tuple(shape)
+        rows.append(shape[0] if len(shape) > 1 else math.prod(shape))
+        row.append(math.prod(shape[1:]) if len(shape) > 1 else 1)
+    per_rank = [math.ceil(r / dp) for r in rows]
+    offsets, shard_offsets, n, m = [], [], 0, 0
+    for r, w, pr in zip(rows, row, per_rank):
+        offsets.append(m)
+        shard_offsets.append(n)
+        m += r * w
+        n += pr * w
+    return ZeroLayout(dp, tuple(rows), tuple(row), tuple(per_rank), tuple(offsets), tuple(shard_offsets), n)
 
 
 class FlatParams(nn.Module):
     """One layer's trainable parameters as one flat buffer (see the module docstring).
 
-    ``fqns``, ``shapes`` and ``offsets`` (elements) locate each original parameter in the buffer.
-    ``numel`` is the unpadded size, ``padded`` the size rounded up to a multiple of ``dp``.
+    ``fqns``, ``shapes`` and ``offsets`` (elements) locate each original parameter in the full
+    buffer; ``layout`` (:class:`ZeroLayout`) also in each rank's shard. ``numel`` is the unpadded
+    size, ``padded`` the full buffer's (every parameter padded along dim 0 to a multiple of ``dp``
+    rows), ``shard_numel`` a shard's (``padded / dp``).
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor], mode: str, dp_ranks: Ranks, rank: int,
@@ -74,12 +183,10 @@ class FlatParams(nn.Module):
         self.dp_index = self.dp_ranks.index(rank)
         self.fqns = list(tensors)
         self.shapes = [tuple(t.shape) for t in tensors.values()]
-        self.offsets, n = [], 0
-        for t in tensors.values():
-            self.offsets.append(n)
-            n += t.numel()
-        self.numel = n
-        self.padded, self.shard_numel = flat_layout(n, self.dp)  # the cost model predicts the same
+        self.layout = zero_layout(self.shapes, self.dp)   # the cost model predicts the same
+        self.offsets = list(self.layout.offsets)
+        self.numel = sum(t.numel() for t in tensors.values())
+        self.padded, self.shard_numel = self.layout.padded, self.layout.shard
         first = next(iter(tensors.values()), torch.empty(0))
         # mixed precision (runtime/precision.py): the Parameter is the fp32 master, the layer reads
         # a working copy in ``compute_dtype``; gradients are reduced in ``reduce_dtype``
@@ -89,15 +196,14 @@ class FlatParams(nn.Module):
         with torch.no_grad():
             for t, off in zip(tensors.values(), self.offsets):
                 full[off:off + t.numel()].copy_(t.reshape(-1))
-        lo = self.dp_index * self.shard_numel
         if mode == "none":
             self.flat_param = nn.Parameter(full)
             self.full = full.to(self.compute_dtype) if self.mixed else None
-        elif mode == "zero2" and not self.mixed:
+        elif mode == "zero2" and not self.mixed and self.dp == 1:
             self.full = full
-            self.flat_param = nn.Parameter(full[lo:lo + self.shard_numel])  # a view: shares storage
+            self.flat_param = nn.Parameter(full)   # dp = 1: the shard is the whole buffer (shared storage)
         else:
-            self.flat_param = nn.Parameter(full[lo:lo + self.shard_numel].clone())
+            self.flat_param = nn.Parameter(self.layout.shard_of(full, self.dp_index))
             self.full = full.to(self.compute_dtype) if self.mixed else full
             if mode == "zero3":
                 _free(self.full)
@@ -118,6 +224,15 @@ class FlatParams(nn.Module):
         """The layer computes on a low-precision working copy of fp32 masters."""
         return self.compute_dtype is not None
 
+    def shard_span(self, i: int) -> tuple[int, int]:
+        """Elements ``[lo, hi)`` of ``flat_param`` holding parameter ``i``'s rows on this rank
+        (ZeRO: its dim-0 slice, padding excluded, possibly empty; ``sdp="none"``: the whole parameter)."""
+        if self.mode == "none":
+            return self.offsets[i], self.offsets[i] + math.prod(self.shapes[i])
+        a, b = self.layout.held_rows(i, self.dp_index)
+        lo = self.layout.shard_offsets[i]
+        return lo, lo + (b - a) * self.layout.row[i]
+
     def extra_repr(self) -> str:
         return (f"mode={self.mode}, dp_ranks={self.dp_ranks}, params={len(self.fqns)}, "
                 f"numel={self.numel}, padded={self.padded}")
@@ -136,12 +251,20 @@ class FlatParams(nn.Module):
         if self.full.untyped_storage().size() == 0:
             self.full.untyped_storage().resize_(self.padded * self.full.element_size())
             with torch.no_grad():
-                shard = self.flat_param.data.to(self.full.dtype)
-                if self.dp == 1:
-                    self.full.data.copy_(shard)
-                else:
-                    all_gather_single(self.full.data, shard.contiguous(), group=group(self.dp_ranks))
+                self._gather_into(self.full.data)
         return self.full
+
+    def _gather_into(self, full: torch.Tensor) -> None:
+        """Fill ``full`` (a whole buffer) from every rank's masters: cast this rank's shard to
+        ``full``'s dtype, all-gather into a ``[dp, S]`` staging buffer, copy out per parameter
+        (collective over DP; ``dp = 1``: a copy, shard and buffer share the layout)."""
+        shard = self.flat_param.data.to(full.dtype)
+        if self.dp == 1:
+            full.copy_(shard)
+            return
+        staging = full.new_empty(self.padded)
+        all_gather_single(staging, shard.contiguous(), group=group(self.dp_ranks))
+        self.layout.copy_out(staging, full)
 
     def free_full(self) -> None:
         """zero3: drop the gathered buffer (its storage shrinks to 0 bytes)."""
@@ -156,7 +279,8 @@ class FlatParams(nn.Module):
         elif self.mode == "zero2" and not self.mixed:
             full = self.full.clone()
         else:
-            full = _gathered_copy(self.flat_param.data, self.padded, self.dp_ranks)
+            full = self.flat_param.data.new_empty(self.padded)
+            self._gather_into(full)
         return {fqn: full[off:off + math.prod(shape)].view(shape)
                 for fqn, off, shape in zip(self.fqns, self.offsets, self.shapes)}
 
@@ -201,10 +325,12 @@ class FlatParams(nn.Module):
         if self.dp == 1:
             self._pending.append((None, grad.detach().to(self.flat_param.dtype, copy=True)))
             return
-        grad = grad.to(self.reduce_dtype)
-        out = grad.new_empty(self.shard_numel)
-        work = reduce_scatter_single(out, grad.contiguous(), group=group(self.dp_ranks), async_op=True)
-        self._pending.append((work, grad))   # keep the input alive until the op completes
+        # copy-in: each parameter's rows into its [dp, seg] columns of a [dp, S] staging buffer
+        staging = grad.new_empty(self.padded, dtype=self.reduce_dtype)
+        self.layout.copy_in(grad.detach(), staging)
+        out = staging.new_empty(self.shard_numel)
+        work = reduce_scatter_single(out, staging, group=group(self.dp_ranks), async_op=True)
+        self._pending.append((work, staging))   # keep the input alive until the op completes
         self._pending.append((None, out))
 
     def finish_grad_sync(self) -> None:
@@ -244,11 +370,10 @@ class FlatParams(nn.Module):
         if not self.stale:
             return
         with torch.no_grad():
-            if self.mode == "none" or self.dp == 1:
+            if self.mode == "none":
                 self.full.copy_(self.flat_param.data)
             else:
-                all_gather_single(self.full, self.flat_param.data.to(self.full.dtype, copy=True),
-                                  group=group(self.dp_ranks))
+                self._gather_into(self.full)
         self.stale = False
 
 
@@ -301,15 +426,6 @@ class GradBuckets:
 
 def _free(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(0)
-
-
-def _gathered_copy(shard: torch.Tensor, padded: int, ranks: Ranks) -> torch.Tensor:
-    out = shard.new_empty(padded)
-    if len(ranks) == 1:
-        out.copy_(shard)
-    else:
-        all_gather_single(out, shard.contiguous(), group=group(ranks))
-    return out
 
 
 # ------------------------------------------------------------------------------ graph calls

@@ -13,10 +13,12 @@ piece), check that the ranks' pieces tile every tensor exactly once, store the c
 ``.metadata`` and, on load, intersect the pieces a rank needs with the stored chunks (resharding to
 any plan). The two planner subclasses only find a piece by its offsets.
 
-NOTE: why not ShardedTensor or DTensor. A ZeRO shard is a range of a layer's flat buffer, so a
-rank's part of a parameter is a union of boxes with irregular offsets that no DTensor placement
-describes; ShardedTensor would need every rank's boxes of every tensor (or one metadata all-gather
-per tensor) and contiguous local shards. The pieces here are views of the flat buffers and the
+NOTE: why not ShardedTensor or DTensor. A ZeRO shard holds each parameter's dim-0 slice, which is
+what DTensor's ``Shard(0)`` describes, but the TP-local slices of fused projections are cut per block
+(a rank's part of q/k/v is several boxes of the global tensor), TP-replicated parameters are
+written by TP rank 0 only, and a DTensor per parameter would need a device mesh per layer's
+(tp, dp) groups; ShardedTensor would need every rank's boxes of every tensor (or one metadata
+all-gather per tensor). The pieces here are views of the flat buffers and the
 optimizer states: a synchronous save copies nothing (:meth:`ChunkedTensor.write_view` hands DCP a
 tensor whose storage is exactly the piece's bytes, so its CPU writer does not clone it) and a load
 writes into the buffers in place.
@@ -24,6 +26,7 @@ writes into the buffers in place.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 
@@ -150,30 +153,33 @@ class StoreGeometry:
                 shape[info.dim] = sum(info.blocks)
             self.global_shapes[fqn] = tuple(shape)
 
-    @property
-    def shard_range(self) -> tuple[int, int]:
-        """Flat-buffer elements ``[lo, hi)`` of this rank's 1/dp range (its ZeRO shard)."""
-        s = self.store
-        lo = s.dp_index * s.shard_numel
-        return lo, lo + s.shard_numel
-
-    @property
-    def master_lo(self) -> int:
-        """Flat-buffer index of ``flat_param[0]`` (0 for a whole buffer, the shard's start under ZeRO)."""
-        return 0 if self.store.mode == "none" else self.shard_range[0]
+    def _spans(self, whole: bool) -> list[tuple[int, int, int]]:
+        """Per parameter ``(lo, hi, origin)`` in ``flat_param``'s coordinates (:func:`.chunks.layer_pieces`):
+        the whole parameter (``whole``, only under ``sdp="none"``) or this rank's dim-0 slice."""
+        s, lay = self.store, self.store.layout
+        out = []
+        for i, shape in enumerate(s.shapes):
+            w = lay.row[i]
+            if whole:
+                out.append((0, math.prod(shape), s.offsets[i]))
+                continue
+            a, b = lay.held_rows(i, s.dp_index)
+            # the slice starts at shard_offsets[i] of a ZeRO shard, at offsets[i] + a * w of a whole buffer
+            origin = s.offsets[i] if s.mode == "none" else lay.shard_offsets[i] - a * w
+            out.append((a * w, b * w, origin))
+        return out
 
     def owned(self, max_numel: int | None) -> dict[str, list[Piece]]:
-        """The pieces this rank writes: its 1/dp range, TP-replicated parameters on TP rank 0 only."""
-        lo, hi = self.shard_range
+        """The pieces this rank writes: its dim-0 slice of every parameter (what its ZeRO shard
+        holds, whatever ``sdp`` is), TP-replicated parameters on TP rank 0 only."""
         s = self.store
-        return layer_pieces(s.fqns, s.offsets, s.shapes, self.shards, lo, hi,
+        return layer_pieces(s.fqns, s.shapes, self._spans(False), self.shards,
                             replicated=self.tp_index == 0, max_numel=max_numel)
 
     def held(self) -> dict[str, list[Piece]]:
         """The pieces this rank's masters hold (what a load fills)."""
         s = self.store
-        lo, hi = (0, s.padded) if s.mode == "none" else self.shard_range
-        return layer_pieces(s.fqns, s.offsets, s.shapes, self.shards, lo, hi)
+        return layer_pieces(s.fqns, s.shapes, self._spans(s.mode == "none"), self.shards)
 
 
 _LAYER = re.compile(layer_module_name(0).replace("0", r"(\d+)"))
@@ -204,7 +210,7 @@ def _chunked(geo: StoreGeometry, pieces: dict[str, list[Piece]], flat: torch.Ten
     for fqn, ps in pieces.items():
         views = []
         for p in ps:
-            v = piece_view(flat, geo.master_lo, p)
+            v = piece_view(flat, p)
             views.append((p.global_offsets, v.to("cpu", copy=True) if copy else v))   # staging: host memory
         out[f"{prefix}{fqn}{suffix}"] = ChunkedTensor(geo.global_shapes[fqn], flat.dtype, views)
     return out

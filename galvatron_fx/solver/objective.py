@@ -6,10 +6,13 @@ by the same model. Units: seconds and bytes.
 
 For a pipeline of ``p`` stages and ``m`` micro-batches (stage ``k`` on devices ``k*N/p ..``):
 
-* a layer's time per micro-batch ``t_mb = overlap(fwd + bwd, zero3_gather) + tp_comm + reshard_in``
-  (ZeRO-3 parameter gathers overlap compute; TP collectives sit on the critical path);
-* its per-step gradient synchronisation is exposed only beyond the last backward it overlaps:
-  ``sync = overlap(bwd, grad_sync) - bwd``;
+* a layer's time per micro-batch ``t_mb = overlap(fwd + bwd, zero3_gather) + tp_comm + overhead +
+  reshard_in`` (ZeRO-3 parameter gathers overlap compute; TP collectives and the framework's fixed
+  per-layer / per-micro-batch costs sit on the critical path);
+* its per-step gradient synchronisation is exposed only beyond the last backward it overlaps (but
+  the share in the last gradient bucket, ``exposed_sync``, overlaps nothing), and its share of the
+  optimizer step follows: ``sync = overlap(bwd, grad_sync - exposed_sync) - bwd + exposed_sync +
+  optimizer``;
 * stage ``k`` takes ``T_k = (m + p - 1) * sum(t_mb) + sum(sync) + (m + p - 1) * p2p_k`` per step and
   the step time is ``max_k T_k`` (the slowest stage paces the pipeline: GPipe and 1F1B have the same
   bubble);
@@ -56,8 +59,10 @@ class LayerTerms:
 def layer_terms(cost: Any, cluster: Any) -> LayerTerms:
     """Reduce a cost model ``LayerCost`` to :class:`LayerTerms` with the cluster's overlap model."""
     compute = cost.fwd_s + cost.bwd_s
-    t_mb = cluster.overlap_time(compute, cost.zero3_gather_s) + cost.tp_comm_s
-    sync = cluster.overlap_time(cost.bwd_s, cost.grad_sync_s) - cost.bwd_s
+    t_mb = cluster.overlap_time(compute, cost.zero3_gather_s) + cost.tp_comm_s + getattr(cost, "overhead_s", 0.0)
+    exposed = getattr(cost, "exposed_sync_s", 0.0)
+    sync = (cluster.overlap_time(cost.bwd_s, cost.grad_sync_s - exposed) - cost.bwd_s + exposed
+            + getattr(cost, "optimizer_s", 0.0))
     states = cost.states_bytes
     return LayerTerms(t_mb, sync, states, cost.activation_bytes, cost.transient_bytes)
 
@@ -74,14 +79,15 @@ def layer_memory(terms: LayerTerms, inflight: int) -> float:
 
 def p2p_time_per_microbatch(costs: CostSource, cluster: Any, last_layer: int, strategy: Strategy,
                             micro_batch_size: int, src: int, dst: int) -> float:
-    """Seconds per micro-batch to send stage outputs forward and their gradients back.
+    """Seconds per micro-batch to send stage outputs forward and their gradients back, and the
+    receiving stage's per-micro-batch bookkeeping (the cluster's ``microbatch_overhead_s``).
 
     Each of the stage's ``dp`` batch slices (sequence-sharded by ``tp`` under SP) travels once.
     """
     nbytes = costs.boundary_bytes(last_layer, micro_batch_size) / strategy.dp
     if strategy.sp:
         nbytes /= strategy.tp
-    return 2 * cluster.p2p_time(nbytes, src, dst)
+    return 2 * cluster.p2p_time(nbytes, src, dst) + getattr(cluster, "microbatch_overhead_s", 0.0)
 
 
 def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy], stages: list[tuple[int, int]],
