@@ -38,6 +38,7 @@ def test_architecture_captures_with_its_blocks_and_tp_shards_them(name):
 
 @pytest.mark.slow
 @pytest.mark.dist
+@pytest.mark.matrix   # CI time: T5 trains in CI through test_hf_doors_dist.py
 def test_t5_trains_under_tp2_like_one_device():
     errors = hf_coverage.train_errors("t5", ["tp2"], steps=3, timeout=120)
     assert isinstance(errors["tp2"], float) and errors["tp2"] <= 1e-5, errors

@@ -144,12 +144,13 @@ def _check(results, steps):
         assert n_sharded > 0 and has_ops
 
 
-@pytest.mark.parametrize("method", ["fx", "dynamo", "export"])
+# NOTE: CI time: export runs in CI in test_gpt_tiny_tp2_sequence_parallel_adamw
+@pytest.mark.parametrize("method", ["fx", "dynamo", pytest.param("export", marks=pytest.mark.matrix)])
 def test_gpt_tiny_tp2_matches_single_device(method):
     _check(run_distributed(_tp_body, 2, "gpt-tiny", method, 2, False, 1), 1)
 
 
-@pytest.mark.parametrize("method", ["fx", "export"])
+@pytest.mark.parametrize("method", [pytest.param("fx", marks=pytest.mark.matrix), "export"])   # CI time
 def test_gpt_tiny_tp2_sequence_parallel_adamw(method):
     _check(run_distributed(_tp_body, 2, "gpt-tiny", method, 2, True, 3), 3)
 
@@ -183,6 +184,6 @@ def test_bert_tp2_sequence_parallel():
     _check(run_distributed(_tp_body, 2, "bert-huge-32", "dynamo", 2, True, 1), 1)
 
 
-@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("sp", [pytest.param(False, marks=pytest.mark.matrix), True])   # CI time
 def test_fused_qkv_gqa_tp2_adamw(sp):
     _check(run_distributed(_tp_body, 2, "fused-qkv", "fx", 2, sp, 3), 3)
