@@ -249,16 +249,9 @@ class CostModel:
         layer cannot take that degree (heads, widths, or a sequence length not divisible by tp)."""
         key = (self.layers[index].signature, tp) if not sp else (self.layers[index].signature, tp, True)
         if key not in self._tp:
-            from ..sharding import analyze
+            from ..sharding.analysis import analyze_layer
 
-            # NOTE: a tied weight is sharded only if every layer reading it is; analyse those
-            # layers together at the same degree (what a uniform plan does)
-            mine = set(self.layers[index].params)
-            partners = [r.index for r in self.layers if mine & set(r.params)]
-            try:
-                self._tp[key] = analyze(self.gm, {j: (tp, bool(sp)) for j in partners}).get(index)
-            except ConfigError as exc:
-                self._tp[key] = exc
+            self._tp[key] = analyze_layer(self.gm, index, tp, sp)   # with the layers sharing its weights
         return self._tp[key]
 
     def layer_params(self, index: int, tp: int) -> LayerParams:

@@ -87,7 +87,7 @@ def chunk_bounds(n: int, size: int, rank: int) -> tuple[int, int]:
     return start, min(c, n - start)
 
 
-def _rank(x: torch.Tensor, group, size: int) -> int:
+def _rank(group, size: int) -> int:
     """This process's index in the group (0 without torch.distributed, e.g. planning on fake tensors)."""
     if size == 1 or not (dist.is_available() and dist.is_initialized()):
         return 0
@@ -127,7 +127,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, key: str, full: int | None = None
     group, size = group_of(key)
     dim = dim % x.dim()
     n = x.shape[dim]
-    start, length = chunk_bounds(n, size, _rank(x, group, size))
+    start, length = chunk_bounds(n, size, _rank(group, size))
     if _is_fake(x):
         shape = list(x.shape)
         shape[dim] = length
@@ -145,7 +145,7 @@ def _chunk(x: torch.Tensor, dim: int, key: str, full: int | None = None) -> torc
     """This rank's chunk (:func:`chunk_bounds`) of ``x`` along ``dim``."""
     group, size = group_of(key)
     dim = dim % x.dim()
-    start, length = chunk_bounds(x.shape[dim], size, _rank(x, group, size))
+    start, length = chunk_bounds(x.shape[dim], size, _rank(group, size))
     return x.narrow(dim, start, length).contiguous()
 
 

@@ -47,7 +47,7 @@ The result, :class:`LayerTP`, is plain data: roles of nodes, per-edge conversion
 arguments, parameter shards. :mod:`galvatron_fx.passes.tensor_parallel` applies it.
 """
 
-from .analysis import LOSSES, LayerAnalyzer, analyze, boundary_layout
+from .analysis import LOSSES, LayerAnalyzer, analyze, analyze_layer, boundary_layout
 from .linear import parallel_linear
 from .operands import LinearOperands, embedding_operands, linear_operands, weight_consumers, weight_param
 from .pointwise import ACTIVATIONS, POINTWISE
@@ -74,7 +74,7 @@ from .views import VIEWS
 __all__ = [
     "ACTIVATIONS", "DIMWISE", "LOSSES", "POINTWISE", "REDUCTIONS", "SEQ", "TP", "VIEWS",
     "Demote", "Duplicated", "LayerAnalyzer", "LayerTP", "LinearOperands", "ParamShard", "Reblock", "Rule",
-    "Sharded", "Unsupported", "analyze", "boundary_layout", "default_rule", "embedding_operands", "is_param",
+    "Sharded", "Unsupported", "analyze", "analyze_layer", "boundary_layout", "default_rule", "embedding_operands", "is_param",
     "is_sharded", "linear_operands", "lookup", "op_name", "parallel_linear", "register_rule", "registered_ops",
     "set_arg", "shard_tensor", "unshard", "weight_consumers", "weight_param",
 ]

@@ -234,6 +234,19 @@ def analyze(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[int, bool]]) -> 
     return out
 
 
+def analyze_layer(gm: torch.fx.GraphModule, index: int, tp: int, sp: bool = False):
+    """Layer ``index`` alone at degree ``tp`` (``sp``: sequence parallel), analysed together with the
+    layers sharing a weight with it (a tied weight is sharded only if every layer reading it is: what
+    a uniform plan does): its :class:`LayerTP`, or the :class:`ConfigError` it raises."""
+    layers = graph_info(gm).layers
+    mine = set(layers[index].params)
+    partners = [r.index for r in layers if mine & set(r.params)] or [index]
+    try:
+        return analyze(gm, {j: (tp, bool(sp)) for j in partners}).get(index)
+    except ConfigError as exc:
+        return exc
+
+
 def _analyze_layer(gm, idx, tp, sp, demoted, expected_layout, blocks, notes) -> LayerTP:
     """One layer, again each time a fused projection's output turns out to be taken apart
     (:class:`Reblock`: the blocks are then known from the start)."""

@@ -16,7 +16,7 @@ import torch.fx
 
 from ..errors import ConfigError
 from ..ir import META_KEY, graph_info
-from .analysis import analyze
+from .analysis import analyze_layer
 from .operands import embedding_operands, linear_operands, weight_consumers
 from .state import LayerTP, is_param, op_name
 
@@ -87,10 +87,10 @@ def layer_report(gm: torch.fx.GraphModule, res: LayerTP | Exception, layer: int,
     rep.total_elements = sum(_numel(p) for p in params.values())
     roles = {**{n: "column-parallel" for n in res.column}, **{n: "row-parallel" for n in res.row},
              **{n: "vocabulary-parallel" for n in res.vocab_embeddings}}
-    shards = {s.fqn: (name, s) for name, s in res.param_shards.items()}
+    shards = {s.fqn: s for s in res.param_shards.values()}
     for fqn, node in params.items():
         if fqn in shards:
-            _, s = shards[fqn]
+            s = shards[fqn]
             users = [roles[u.name] for u in weight_consumers(node) if u.name in roles]
             rep.sharded[fqn] = f"{users[0] if users else 'sharded'}, dim {s.dim}"
             rep.sharded_elements += _numel(node)
@@ -107,15 +107,7 @@ def tp_report(gm: torch.fx.GraphModule, tp: int, sp: bool = False) -> list[Layer
         raise ConfigError("tp_report needs a captured, layer-grouped GraphModule (gfx.capture)")
     if int(tp) < 2:
         raise ConfigError(f"a tensor-parallel report needs tp >= 2, got {tp}")
-    out = []
-    for rec in info.layers:
-        partners = [r.index for r in info.layers if set(rec.params) & set(r.params)] or [rec.index]
-        try:
-            res = analyze(gm, {j: (tp, sp) for j in partners}).get(rec.index)
-        except ConfigError as exc:
-            res = exc
-        out.append(layer_report(gm, res, rec.index, tp))
-    return out
+    return [layer_report(gm, analyze_layer(gm, rec.index, tp, sp), rec.index, tp) for rec in info.layers]
 
 
 def _numel(param: torch.fx.Node) -> int:
