@@ -6,7 +6,8 @@ of the rank layout in :mod:`galvatron_fx.runtime.groups`): all-reduced (``sdp="n
 reduce-scattered with replicated parameters (``"zero2"``) or sharded and all-gathered around use
 (``"zero3"``); see :mod:`galvatron_fx.runtime.data_parallel`. The stores land in ``ctx.stores``.
 Layers with ``sdp="none"`` of one DP group share DDP-style gradient buckets
-(:class:`~galvatron_fx.runtime.data_parallel.GradBuckets`, ``ctx.bucket_bytes`` each).
+(:class:`~galvatron_fx.runtime.data_parallel.GradBuckets`, ``ctx.bucket_bytes`` each); ZeRO-3
+layers are chained for prefetch (:func:`link_zero3_prefetch`).
 Under a mixed-precision policy (``ctx.precision``) each buffer holds fp32 masters and a
 low-precision working copy the layer reads (:mod:`galvatron_fx.runtime.precision`).
 
@@ -14,11 +15,10 @@ One layer (:func:`flatten_layer_params`). Input: a layer GraphModule from :mod:`
 nodes with their original FQN targets) and the layer's ``sdp`` mode and DP ranks.
 
 Output (in place): the layer holds a :class:`~galvatron_fx.runtime.data_parallel.FlatParams`
-submodule ``flat_params``; its graph starts with ``params = dp_params(flat_params)`` /
-``zero2_params`` / ``zero3_all_gather`` and reads each parameter as
-a view of one chunk of ``param_parts = params.split_with_sizes(sizes)`` (the buffer cut at
-every parameter and padding gap: ``param_parts[j].view(shape)``) under the parameter's old node
-name; a ZeRO-3 layer ends with
+submodule ``flat_params``; its graph starts with ``param_parts = dp_params(flat_params)`` /
+``zero2_params`` / ``zero3_all_gather`` (the buffer's chunks, cut at every parameter and padding
+gap: ``FlatParams.part_sizes``) and reads each parameter as ``param_parts[j].view(shape)`` under
+the parameter's old node name; a ZeRO-3 layer ends with
 ``zero3_release(flat_params, outputs)`` (unless a view of its buffer is itself an output, a tied
 weight, which keeps the buffer gathered). The original parameter attributes are removed, so
 the layer's only parameter is ``flat_params.flat_param``. Returns the store, or ``None`` when the
@@ -27,7 +27,6 @@ layer has no trainable parameter.
 
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
@@ -66,6 +65,7 @@ class DataParallelPass(ContextPass):
                     key = (store.dp_ranks, store.reduce_dtype)
                     store.buckets = buckets.setdefault(key, GradBuckets(store.dp_ranks, ctx.bucket_bytes))
                 ctx.stores.append(store)
+        link_zero3_prefetch(ctx.stores)
         return PassResult(graph_module, bool(ctx.stores))
 
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:
@@ -75,28 +75,20 @@ class DataParallelPass(ContextPass):
             check(not left, f"layer {i} still reads trainable parameters outside its flat buffer: {left}")
 
 
+def link_zero3_prefetch(stores: list[FlatParams]) -> None:
+    """Chain a stage's ZeRO-3 layers in forward (= graph) order for FSDP2-style prefetch: each
+    gather starts the next layer's all-gather in forward and the previous one's in backward."""
+    chain = [s for s in stores if s.mode == "zero3"]
+    for a, b in zip(chain, chain[1:]):
+        a.next_zero3, b.prev_zero3 = b, a
+
+
 def _fetch_owner(root: torch.nn.Module, target: str):
     *path, name = target.split(".")
     owner = root
     for atom in path:
         owner = getattr(owner, atom)
     return owner, name
-
-
-def _split_sizes(offsets, shapes, padded: int) -> tuple[list[int], list[int]]:
-    """Chunk sizes (elements) cutting a buffer of ``padded`` elements at every parameter (disjoint
-    ranges ``[offset, offset + numel)``; padding gaps are chunks of their own), and the chunk index
-    of each parameter."""
-    sizes, index, pos = [], [0] * len(offsets), 0
-    for i in sorted(range(len(offsets)), key=offsets.__getitem__):
-        if offsets[i] > pos:
-            sizes.append(offsets[i] - pos)
-        index[i] = len(sizes)
-        sizes.append(math.prod(shapes[i]))
-        pos = offsets[i] + sizes[-1]
-    if padded > pos:
-        sizes.append(padded - pos)
-    return sizes, index
 
 
 def flatten_layer_params(layer: torch.fx.GraphModule, mode: str, dp_ranks, rank: int,
@@ -113,21 +105,18 @@ def flatten_layer_params(layer: torch.fx.GraphModule, mode: str, dp_ranks, rank:
     store = FlatParams(tensors, mode, dp_ranks, rank, bucket_bytes, compute_dtype, reduce_dtype)
     layer.add_submodule("flat_params", store)
     first = next(n for n in graph.nodes if n.op != "placeholder")
+    # NOTE: the entry call hands out the buffer's chunks itself, not a buffer the graph slices or
+    # splits: a slice's backward writes a zero-filled gradient of the *whole* buffer (autograd adds
+    # them up), a split's backward concatenates one; per micro-batch, both were the pipeline's
+    # overhead over torch.distributed.pipelining
     with graph.inserting_before(first):
         fp = graph.get_attr("flat_params")
-        params = graph.call_function(ENTRY[mode], (fp,))
-        params.name = "params" if "params" not in {n.name for n in graph.nodes} else params.name
-    # NOTE: one split of the buffer, not a slice per parameter: a slice's backward writes a
-    # zero-filled gradient of the *whole* buffer and autograd adds them up (2 x params full-buffer
-    # passes per backward, per micro-batch); the split's backward is one concatenation.
-    sizes, index = _split_sizes(store.offsets, store.shapes, store.padded)
-    with graph.inserting_after(params):
-        parts = graph.call_method("split_with_sizes", (params, sizes))
+        parts = graph.call_function(ENTRY[mode], (fp,))
         parts.name = "param_parts" if "param_parts" not in {n.name for n in graph.nodes} else parts.name
     views = set()
     for i, (n, shape) in enumerate(zip(nodes, store.shapes)):
         with graph.inserting_before(n):
-            view = graph.call_method("view", (graph.call_function(operator.getitem, (parts, index[i])), shape))
+            view = graph.call_method("view", (graph.call_function(operator.getitem, (parts, store.part_index[i])), shape))
         view.meta = dict(n.meta)
         n.replace_all_uses_with(view)
         old = n.name

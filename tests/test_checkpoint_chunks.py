@@ -41,7 +41,7 @@ def test_range_boxes_are_exact_and_at_most_2n_minus_1():
 
 
 def test_pieces_tile_every_global_tensor_once_over_tp_and_dp():
-    from galvatron_fx.runtime.data_parallel import zero_layout
+    from galvatron_fx.runtime.zero_layout import zero_layout
 
     rng = random.Random(1)
     for _ in range(300):

@@ -68,8 +68,9 @@ def _run(rank, world, labels, precision):
 
 def _fsdp2(rank, world):
     """The reference: FSDP2 bf16 params / fp32 reduction on the same model and batches."""
-    import galvatron_fx as gfx
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import galvatron_fx as gfx
 
     torch.manual_seed(0)
     model, args = gfx.models.build("gpt-tiny", device="cpu", **GPT)
@@ -146,7 +147,8 @@ def _overflow(rank, world):
     out = []
     for step, batch in enumerate(_batches(args, 3)):
         if step == 1 and rank == 1:   # inject: one rank's gradient overflows in step 1
-            store.on_grad = lambda g: on_grad(g.masked_fill(torch.ones_like(g, dtype=torch.bool), float("inf")))
+            store.on_grad = lambda gs: on_grad(tuple(None if g is None else torch.full_like(g, float("inf"))
+                                                     for g in gs))
         else:
             store.on_grad = on_grad
         before = [p.detach().clone() for p in dm.parameters()]

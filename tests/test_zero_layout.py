@@ -3,18 +3,21 @@
 * every rank's shard holds, per parameter, its rows ``[r * R, (r + 1) * R)`` (zero padding rows);
 * the ``[dp, S]`` staging buffer of all shards and the full buffer convert into each other exactly
   (``copy_out`` / ``copy_in``, padding zeroed), as the all-gather and reduce-scatter use them;
+* ``buffer_parts`` cuts the full buffer at every parameter (the layer-entry call's chunks);
 * ``FlatParams`` builds its shard and spans from it, and the cost model's ``states_bytes`` given the
   same shapes predicts its buffer sizes.
 """
 
 from __future__ import annotations
 
+import math
 import random
 
 import torch
 
 from galvatron_fx.cost.memory import states_bytes
-from galvatron_fx.runtime.data_parallel import FlatParams, zero_layout
+from galvatron_fx.runtime.data_parallel import FlatParams
+from galvatron_fx.runtime.zero_layout import buffer_parts, zero_layout
 from galvatron_fx.solver.strategy import Strategy
 
 
@@ -49,6 +52,28 @@ def test_staging_and_full_buffer_round_trip():
         back = torch.full((lay.padded,), float("nan"))
         lay.copy_in(full, back)
         assert torch.equal(back, staging)
+        # from per-parameter gradients (the entry call's chunks), one of them absent (zeros)
+        srcs = [t.reshape(-1) for t in params]
+        gone = rng.randrange(len(srcs))
+        srcs[gone] = None
+        back.fill_(float("nan"))
+        lay.copy_in_params(srcs, back)
+        expect = staging.view(dp, lay.shard).clone()
+        so = lay.shard_offsets[gone]
+        expect[:, so:so + lay.seg(gone)] = 0
+        assert torch.equal(back.view(dp, lay.shard), expect)
+
+
+def test_buffer_parts_cut_at_every_parameter():
+    rng = random.Random(1)
+    for _ in range(100):
+        shapes, dp = _shapes(rng), rng.randint(1, 4)
+        lay = zero_layout(shapes, dp)
+        sizes, index = buffer_parts(lay)
+        assert sum(sizes) == lay.padded
+        starts = [sum(sizes[:j]) for j in range(len(sizes))]
+        for i, shape in enumerate(shapes):
+            assert starts[index[i]] == lay.offsets[i] and sizes[index[i]] == math.prod(shape)
 
 
 def test_flat_params_shard_and_memory_model_agree():

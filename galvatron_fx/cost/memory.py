@@ -4,7 +4,7 @@ For a layer whose parameters have ``sharded`` elements TP splits (linear weights
 biases, vocab-parallel embeddings) and ``replicated`` elements it keeps whole (norms, row-parallel
 biases), one device holds ``n = ceil(sharded / tp) + replicated`` elements of each state. The
 runtime keeps them in one flat buffer per layer in which every parameter is padded along dim 0 to a
-multiple of ``dp`` rows (:func:`~galvatron_fx.runtime.data_parallel.zero_layout`, the same function
+multiple of ``dp`` rows (:func:`~galvatron_fx.runtime.zero_layout.zero_layout`, the same function
 the runtime lays its buffers out with, given the TP-local parameter shapes): ``P`` padded elements,
 a ``S = P / dp`` shard per rank (each parameter's dim-0 slice). Without the shapes (element counts
 only) the layer counts as one 1-D parameter of ``n`` elements. With ``k`` optimizer states per
@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..runtime.data_parallel import zero_layout  # NOTE: the runtime owns its buffer layout; costed alike
+from ..runtime.zero_layout import zero_layout  # NOTE: the runtime owns its buffer layout; costed alike
 from ..solver.strategy import Strategy
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1}

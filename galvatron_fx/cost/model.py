@@ -32,8 +32,9 @@ Scaling rules (per device, per micro-batch unless noted), from the fake-tensor m
   loss, starting backward); ``optimizer_s`` (per step) is ``optimizer_s_per_byte`` x the fp32
   parameter bytes the device updates (its shard under ZeRO) + ``optimizer_overhead_s`` for the
   layer's flat buffer, and on the first layer one collective call (the step's loss all-reduce).
-* **Memory**: :mod:`.memory` for states; transients are ZeRO-3's gathered parameters of the layer
-  and the ``[dp, S]`` staging buffer of its all-gather or gradient reduce-scatter,
+* **Memory**: :mod:`.memory` for states; transients are ZeRO-3's gathered parameters of the layer,
+  its neighbour's prefetched ones with their ``[dp, S]`` all-gather staging buffer, and the buffer's
+  gradient or its reduce-scatter staging,
   the gradient bucket (``bucket_bytes``, full gradients for ZeRO-3's reduce-scatter) and the
   recomputed activations under checkpointing.
 * **Precision** (``precision``): ``"fp32"`` computes and stores everything in fp32;
@@ -226,7 +227,7 @@ class CostModel:
     def layer_shapes(self, index: int, tp: int) -> list[tuple[int, ...]]:
         """TP-local shapes of the parameters layer ``index`` owns at degree ``tp``, as the runtime's
         flat buffer holds them (a sharded dim keeps ``block / tp`` of every block): the input of
-        the buffer layout (:func:`galvatron_fx.runtime.data_parallel.zero_layout`)."""
+        the buffer layout (:func:`galvatron_fx.runtime.zero_layout.zero_layout`)."""
         key = (index, tp)
         if key not in self._local_shapes:
             owned = self._owned_params(index)
@@ -390,12 +391,14 @@ class CostModel:
         gather = 2 * ct("all_gather", full_params, dpg) if s.sdp == "zero3" else 0.0
         act, recompute = self._activations(m, n, s)
         transient = 0.0
-        if s.dp > 1:
-            transient = full_grads if s.sdp == "zero3" else min(self.bucket_bytes, full_grads)
         if s.sdp == "zero3" and s.dp > 1:
-            # NOTE: the gathered buffer, plus the runtime's [dp, S] staging buffer of its all-gather
-            # (forward) or of the gradient's reduce-scatter (backward, beside the gradient)
-            transient += full_params + max(full_params, full_grads)
+            # NOTE: in the layer's backward: its gathered buffer, the neighbour's prefetched buffer
+            # and [dp, S] staging buffer (priced at this layer's size: exact inside a stack of
+            # equal blocks), then the buffer's gradient, or (the own buffer freed) the gradient's
+            # reduce-scatter staging; the forward peak (three buffers) is never larger
+            transient = 3 * full_params + max(full_params, full_grads)
+        elif s.dp > 1:
+            transient = min(self.bucket_bytes, full_grads)
         if s.ckpt:
             transient += recompute
         out = m.output_elems(n) * self.itemsize / (s.tp if s.sp else 1)

@@ -2,7 +2,7 @@
 
 A layer's flat buffer (:mod:`.data_parallel`) holds TP-local parameter slices; a rank keeps, of each
 of them, a contiguous range of elements: the whole slice, or under ZeRO its dim-0 rows
-``[r * R, (r + 1) * R)`` (:class:`~.data_parallel.ZeroLayout`), which is one box. A contiguous range
+``[r * R, (r + 1) * R)`` (:class:`~.zero_layout.ZeroLayout`), which is one box. A contiguous range
 of a row-major n-D tensor is in general a union of at most ``2n - 1`` hyper-rectangles ("boxes"),
 each itself a contiguous range (:func:`range_boxes`: a partial first row, whole rows, a partial last
 row, recursively; a range of whole rows is one box), and a box of a TP-local slice is a box of the

@@ -2,13 +2,13 @@
 
 Every layer's trainable parameters are packed, in graph order, into one flat 1-D buffer (the *full*
 buffer, :class:`FlatParams`: the parameters back to back, padded at the end to ``dp * S``), sharded
-in FSDP2's per-parameter dim-0 layout (:class:`ZeroLayout`): each parameter is padded along dim 0
+in FSDP2's per-parameter dim-0 layout (:class:`~.zero_layout.ZeroLayout`): each parameter is padded along dim 0
 to a multiple of ``dp`` rows, and rank ``r``'s *shard* (``S`` elements) is, for every parameter in
 turn, its rows ``[r * R, (r + 1) * R)`` (``R`` rows per rank; a 1-D or 0-D
 parameter counts its elements as rows). So a rank's part of each parameter is a rectangular dim-0
 slice of it (sharded checkpoints store it as one chunk with its global offset, :mod:`.chunks`).
-The layer's graph reads its parameters as views of the full buffer (``param_view``); one call at the
-top of the layer graph produces the buffer and decides what its backward does:
+The layer's graph reads its parameters as views of the full buffer's chunks; one call at the top of
+the layer graph produces them (:class:`_LayerParams`) and decides what its backward does:
 
 =========  ==========================  ==========================  ============================
 ``sdp``    rank holds at rest          forward                     backward (gradient of buffer)
@@ -19,9 +19,10 @@ top of the layer graph produces the buffer and decides what its backward does:
                                                                    all-reduce per full bucket
 "zero2"    whole buffer and its shard  ``zero2_params``: nothing    accumulate; last micro-batch:
            (the Parameter, a copy)                                  async reduce-scatter
-"zero3"    its shard only              ``zero3_all_gather``;        async reduce-scatter each
-                                       ``zero3_release`` frees the micro-batch, then free
-                                       buffer after the layer      the re-gathered buffer
+"zero3"    its shard only              ``zero3_all_gather``         free the re-gathered buffer,
+                                       (prefetched by the previous  async reduce-scatter each
+                                       layer); ``zero3_release``    micro-batch
+                                       frees it after the layer
 =========  ==========================  ==========================  ============================
 
 Collectives (FSDP2's copy-in / copy-out): a gather is *one* all-gather of the shard into a
@@ -31,6 +32,12 @@ into a ``[dp, S]`` staging buffer and reduce-scattered once. NOTE: measured on 2
 collective plus the copies is 2-5x faster than one collective per parameter (per-call latency
 dominates); the price is the staging buffer, one whole-layer buffer, which the cost model counts
 as transient bytes (:mod:`galvatron_fx.cost.model`).
+
+ZeRO-3 prefetch (FSDP2's order): the ZeRO-3 layers of a stage are chained in forward order
+(``prev_zero3`` / ``next_zero3``); a gather in forward starts the next layer's all-gather
+asynchronously, a gather in backward (the re-gather, or a checkpointed layer's recomputation) the
+previous layer's, so the collective runs beside the current layer's compute. At most two layers'
+buffers are gathered at once, plus the prefetched one's staging buffer (priced as transient bytes).
 
 The optimizer sees one Parameter per layer (``FlatParams.flat_param``: the whole buffer, or this
 rank's shard), whose ``.grad`` :func:`finish_grad_sync` fills with the gradient of the global-batch
@@ -52,122 +59,23 @@ states) exact, which FSDP2 has no mode for, and keeps the measured bytes equal t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .groups import Ranks, all_gather_single, group, reduce_scatter_single
+from .zero_layout import buffer_parts, zero_layout
 
 SDP_MODES = ("none", "zero2", "zero3")
 DEFAULT_BUCKET_BYTES = 25 * 2**20
-
-
-@dataclass(frozen=True)
-class ZeroLayout:
-    """Where each parameter of a layer sits in the full buffer and in a rank's shard (elements).
-
-    Parameter ``i`` has ``rows[i]`` rows of ``row[i]`` elements (dim 0 of an n-D shape; a 1-D or
-    0-D parameter is ``numel`` rows of one element), padded to ``dp * per_rank[i]`` rows:
-
-    * full buffer: the parameters back to back (row-major, at ``offsets[i]``, as the layer graph
-      reads them), then padding up to ``padded = dp * shard`` elements;
-    * rank ``r``'s shard: parameter ``i``'s rows ``[r * per_rank[i], (r + 1) * per_rank[i])`` at
-      ``shard_offsets[i]``, ``seg(i) = per_rank[i] * row[i]`` elements (zero rows past the
-      parameter's end); ``shard`` elements in all.
-
-    A ``[dp, shard]`` staging buffer (row ``r``: rank ``r``'s shard, what one all-gather gives) and
-    the full buffer convert into each other with at most two copies per parameter
-    (:meth:`copy_out`, :meth:`copy_in`).
-    """
-
-    dp: int
-    rows: tuple[int, ...]
-    row: tuple[int, ...]
-    per_rank: tuple[int, ...]
-    offsets: tuple[int, ...]
-    shard_offsets: tuple[int, ...]
-    shard: int
-
-    @property
-    def padded(self) -> int:
-        return self.dp * self.shard
-
-    def seg(self, i: int) -> int:
-        """Elements of parameter ``i`` in one rank's shard (padding rows included)."""
-        return self.per_rank[i] * self.row[i]
-
-    def held_rows(self, i: int, rank: int) -> tuple[int, int]:
-        """Rows ``[lo, hi)`` of parameter ``i`` that rank ``rank`` holds (padding excluded; may be empty)."""
-        lo = min(rank * self.per_rank[i], self.rows[i])
-        return lo, min(lo + self.per_rank[i], self.rows[i])
-
-    def _pairs(self, full: torch.Tensor, staging: torch.Tensor):
-        """Per parameter: (its elements in ``full``, its ``[dp, seg]`` columns of ``staging``, the
-        ranks ``k`` holding ``per_rank`` whole rows, the elements of rank ``k``'s partial part)."""
-        st = staging.view(self.dp, self.shard)
-        for i, (o, so) in enumerate(zip(self.offsets, self.shard_offsets)):
-            seg = self.seg(i)
-            if seg == 0:
-                continue
-            k = self.rows[i] // self.per_rank[i]
-            rem = (self.rows[i] - k * self.per_rank[i]) * self.row[i]
-            yield full[o:o + self.rows[i] * self.row[i]], st[:, so:so + seg], k, rem
-
-    def copy_out(self, staging: torch.Tensor, full: torch.Tensor) -> None:
-        """``full`` (the whole buffer) from a ``[dp, shard]`` staging buffer of every rank's shard."""
-        for dst, cols, k, rem in self._pairs(full, staging):
-            seg = cols.shape[1]
-            if k:
-                dst[:k * seg].view(k, seg).copy_(cols[:k])
-            if rem:
-                dst[k * seg:].copy_(cols[k, :rem])
-
-    def copy_in(self, full: torch.Tensor, staging: torch.Tensor) -> None:
-        """A ``[dp, shard]`` staging buffer from ``full`` (padding rows zeroed)."""
-        for src, cols, k, rem in self._pairs(full, staging):
-            seg = cols.shape[1]
-            if k:
-                cols[:k].copy_(src[:k * seg].view(k, seg))
-            if k < self.dp:
-                cols[k, :rem].copy_(src[k * seg:])
-                cols[k, rem:].zero_()
-                cols[k + 1:].zero_()
-
-    def shard_of(self, full: torch.Tensor, rank: int) -> torch.Tensor:
-        """A copy of rank ``rank``'s shard of the full buffer ``full`` (padding rows zero)."""
-        out = full.new_zeros(self.shard)
-        for i, (o, so) in enumerate(zip(self.offsets, self.shard_offsets)):
-            a, b = self.held_rows(i, rank)
-            w = self.row[i]
-            out[so:so + (b - a) * w].copy_(full[o + a * w:o + b * w])
-        return out
-
-
-def zero_layout(shapes, dp: int) -> ZeroLayout:
-    """The :class:`ZeroLayout` of parameters of ``shapes`` (TP-local) over ``dp`` ranks; the cost
-    model prices the same (:func:`galvatron_fx.cost.memory.states_bytes`)."""
-    rows, row = [], []
-    for shape in shapes:
-        shape = tuple(shape)
-        rows.append(shape[0] if len(shape) > 1 else math.prod(shape))
-        row.append(math.prod(shape[1:]) if len(shape) > 1 else 1)
-    per_rank = [math.ceil(r / dp) for r in rows]
-    offsets, shard_offsets, n, m = [], [], 0, 0
-    for r, w, pr in zip(rows, row, per_rank):
-        offsets.append(m)
-        shard_offsets.append(n)
-        m += r * w
-        n += pr * w
-    return ZeroLayout(dp, tuple(rows), tuple(row), tuple(per_rank), tuple(offsets), tuple(shard_offsets), n)
 
 
 class FlatParams(nn.Module):
     """One layer's trainable parameters as one flat buffer (see the module docstring).
 
     ``fqns``, ``shapes`` and ``offsets`` (elements) locate each original parameter in the full
-    buffer; ``layout`` (:class:`ZeroLayout`) also in each rank's shard. ``numel`` is the unpadded
+    buffer; ``layout`` (:class:`~.zero_layout.ZeroLayout`) also in each rank's shard. ``numel`` is the unpadded
     size, ``padded`` the full buffer's (every parameter padded along dim 0 to a multiple of ``dp``
     rows), ``shard_numel`` a shard's (``padded / dp``).
     """
@@ -187,6 +95,8 @@ class FlatParams(nn.Module):
         self.offsets = list(self.layout.offsets)
         self.numel = sum(t.numel() for t in tensors.values())
         self.padded, self.shard_numel = self.layout.padded, self.layout.shard
+        # the layer reads parameter i as chunk part_index[i] of its buffer cut in part_sizes
+        self.part_sizes, self.part_index = buffer_parts(self.layout)
         first = next(iter(tensors.values()), torch.empty(0))
         # mixed precision (runtime/precision.py): the Parameter is the fp32 master, the layer reads
         # a working copy in ``compute_dtype``; gradients are reduced in ``reduce_dtype``
@@ -211,6 +121,12 @@ class FlatParams(nn.Module):
         # stays gathered from the layer's forward until its backward
         self.keep_gathered = False
         self.regather_in_backward = True  # zero3: False under checkpointing (recompute gathers)
+        # zero3 prefetch (FSDP2's): the ZeRO-3 layers of this stage before / after this one in
+        # forward order (DataParallelPass links them); a gather in forward starts the next one's,
+        # a gather in backward the previous one's
+        self.prev_zero3: FlatParams | None = None
+        self.next_zero3: FlatParams | None = None
+        self._prefetch: tuple | None = None   # (work, staging, shard) of an async all-gather
         self._acc: torch.Tensor | None = None
         self._pending: list = []
         self.stale = False   # the optimizer may have updated the masters since the working copy was made
@@ -246,13 +162,46 @@ class FlatParams(nn.Module):
         return self.full if self.full is not None else self.flat_param.data
 
     def gather_full(self) -> torch.Tensor:
-        """zero3: all-gather the whole buffer into ``self.full``'s storage (allocating it); mixed:
-        the shards are cast first, so the gather moves low-precision bytes."""
-        if self.full.untyped_storage().size() == 0:
-            self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+        """zero3: the whole buffer in ``self.full`` (allocating its storage): the prefetched
+        all-gather if one is in flight, else one now (mixed: the shards are cast first, so the
+        gather moves low-precision bytes). Then start the neighbour's gather: the next ZeRO-3
+        layer's in forward, the previous one's in backward (checkpoint recomputation included)."""
+        if self._prefetch is not None:
+            self._finish_prefetch()
+        elif self.full.untyped_storage().size() == 0:
+            self._alloc_full()
             with torch.no_grad():
                 self._gather_into(self.full.data)
+        backward = torch._C._current_graph_task_id() != -1
+        neighbour = self.prev_zero3 if backward else self.next_zero3
+        if neighbour is not None:
+            neighbour.prefetch()
         return self.full
+
+    def prefetch(self) -> None:
+        """zero3: start an asynchronous all-gather of the whole buffer (no-op when it is gathered
+        or in flight). Transient: the buffer and its ``[dp, S]`` staging buffer until it is used."""
+        if self.mode != "zero3" or self._prefetch is not None or self.full.untyped_storage().size():
+            return
+        self._alloc_full()
+        with torch.no_grad():
+            shard = self.flat_param.data.to(self.full.dtype)
+            if self.dp == 1:
+                self.full.data.copy_(shard)
+                return
+            staging = self.full.new_empty(self.padded)
+            work = all_gather_single(staging, shard.contiguous(), group=group(self.dp_ranks), async_op=True)
+        self._prefetch = (work, staging, shard)
+
+    def _finish_prefetch(self) -> None:
+        work, staging, _shard = self._prefetch
+        self._prefetch = None
+        work.wait()
+        with torch.no_grad():
+            self.layout.copy_out(staging, self.full.data)
+
+    def _alloc_full(self) -> None:
+        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
 
     def _gather_into(self, full: torch.Tensor) -> None:
         """Fill ``full`` (a whole buffer) from every rank's masters: cast this rank's shard to
@@ -267,8 +216,13 @@ class FlatParams(nn.Module):
         self.layout.copy_out(staging, full)
 
     def free_full(self) -> None:
-        """zero3: drop the gathered buffer (its storage shrinks to 0 bytes)."""
+        """zero3: drop the gathered buffer (its storage shrinks to 0 bytes; a prefetch in flight
+        is completed first, so every rank of the group runs the same collectives)."""
         if self.mode == "zero3":
+            if self._prefetch is not None:
+                work = self._prefetch[0]
+                self._prefetch = None
+                work.wait()
             _free(self.full)
 
     def unsharded(self) -> dict[str, torch.Tensor]:
@@ -293,22 +247,26 @@ class FlatParams(nn.Module):
         self.stale = (self.mode == "zero2" and (self.dp > 1 or self.mixed)) or (self.mode == "none" and self.mixed)
 
     # --------------------------------------------------------------- gradients
-    def on_grad(self, grad: torch.Tensor) -> None:
-        """Backward of the layer-entry call: ``grad`` is the whole-buffer gradient of one pass (in
-        the working copy's dtype); accumulation over micro-batches is in the masters' dtype."""
+    def on_grad(self, grads: tuple) -> None:
+        """Backward of the layer-entry call: ``grads`` are the gradients of one pass for each chunk
+        of the buffer (``part_sizes``; ``None`` for a chunk nothing read, padding), in the working
+        copy's dtype; accumulation over micro-batches is in the masters' dtype. The first pass
+        concatenates its chunks straight into the accumulator (no whole-buffer gradient to copy);
+        ZeRO-3 copies them into its reduce-scatter staging buffer."""
         if self.mode == "zero3":
-            self._launch_reduce_scatter(grad)
-            self.free_full()
+            self.free_full()   # the layer's backward is done with its parameters
+            self._launch_reduce_scatter(grads)
             return
         if self._acc is None:
-            self._acc = grad.detach().to(self.flat_param.dtype, copy=True)
+            self._acc = self._cat(grads, torch.empty(self.padded, dtype=self.flat_param.dtype,
+                                                     device=self.flat_param.device))
         else:
-            self._acc.add_(grad)
+            self._acc.add_(self._cat(grads))   # NOTE: one cat + one add beat a loop or _foreach_add_ on CPU
         if not self.last_micro_batch:
             return
         acc, self._acc = self._acc, None
         if self.mode == "zero2":
-            self._launch_reduce_scatter(acc)
+            self._launch_reduce_scatter(acc.split_with_sizes(self.part_sizes))
         elif self.dp == 1:
             self._pending.append((None, acc))
         elif self.buckets is not None:
@@ -321,13 +279,24 @@ class FlatParams(nn.Module):
                 self._pending.append((dist.all_reduce(bucket, group=group(self.dp_ranks), async_op=True), None))
             self._pending.append((None, acc))
 
-    def _launch_reduce_scatter(self, grad: torch.Tensor) -> None:
+    def _cat(self, grads: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole-buffer gradient from the chunks' (``None`` chunks: zeros), into ``out`` (cast
+        to its dtype) when given."""
+        flat = [g.detach().reshape(-1) if g is not None else self.flat_param.new_zeros(n)
+                for g, n in zip(grads, self.part_sizes)]
+        if out is None:
+            return torch.cat(flat)
+        return torch.cat(flat, out=out)
+
+    def _launch_reduce_scatter(self, grads: tuple) -> None:
+        """Async reduce-scatter of a whole-buffer gradient given as its chunks (``grads``)."""
         if self.dp == 1:
-            self._pending.append((None, grad.detach().to(self.flat_param.dtype, copy=True)))
+            self._pending.append((None, self._cat(grads).to(self.flat_param.dtype)))
             return
         # copy-in: each parameter's rows into its [dp, seg] columns of a [dp, S] staging buffer
-        staging = grad.new_empty(self.padded, dtype=self.reduce_dtype)
-        self.layout.copy_in(grad.detach(), staging)
+        staging = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.flat_param.device)
+        params = [grads[j] for j in self.part_index]
+        self.layout.copy_in_params([None if g is None else g.detach().reshape(-1) for g in params], staging)
         out = staging.new_empty(self.shard_numel)
         work = reduce_scatter_single(out, staging, group=group(self.dp_ranks), async_op=True)
         self._pending.append((work, staging))   # keep the input alive until the op completes
@@ -430,16 +399,18 @@ def _free(t: torch.Tensor) -> None:
 
 # ------------------------------------------------------------------------------ graph calls
 class _LayerParams(torch.autograd.Function):
-    """Entry of a layer: returns the whole buffer; backward hands its gradient to ``store``."""
+    """Entry of a layer: the whole buffer as its chunks (``store.part_sizes``); backward hands the
+    chunks' gradients to ``store`` (NOTE: one chunk per parameter, not one buffer split in the
+    graph, whose backward would concatenate a whole-buffer gradient first, per micro-batch)."""
 
     @staticmethod
     def forward(ctx, flat_param, store: FlatParams):
         ctx.store = store
-        return store.working().data
+        return tuple(store.working().data.split_with_sizes(store.part_sizes))
 
     @staticmethod
-    def backward(ctx, grad):
-        ctx.store.on_grad(grad)
+    def backward(ctx, *grads):
+        ctx.store.on_grad(grads)
         return None, None
 
 
@@ -459,18 +430,18 @@ class _Release(torch.autograd.Function):
         return (None, *grads)
 
 
-def dp_params(store: FlatParams) -> torch.Tensor:
-    """Data parallel: the whole parameter buffer; backward all-reduces its gradient over DP."""
+def dp_params(store: FlatParams) -> tuple[torch.Tensor, ...]:
+    """Data parallel: the buffer's chunks; backward all-reduces its gradient over DP."""
     return _LayerParams.apply(store.flat_param, store)
 
 
-def zero2_params(store: FlatParams) -> torch.Tensor:
-    """ZeRO-2: the whole (replicated) buffer; backward reduce-scatters its gradient over DP."""
+def zero2_params(store: FlatParams) -> tuple[torch.Tensor, ...]:
+    """ZeRO-2: the (replicated) buffer's chunks; backward reduce-scatters its gradient over DP."""
     return _LayerParams.apply(store.flat_param, store)
 
 
-def zero3_all_gather(store: FlatParams) -> torch.Tensor:
-    """ZeRO-3: all-gather the buffer over DP; backward reduce-scatters its gradient."""
+def zero3_all_gather(store: FlatParams) -> tuple[torch.Tensor, ...]:
+    """ZeRO-3: all-gather the buffer over DP, its chunks; backward reduce-scatters its gradient."""
     return _LayerParams.apply(store.flat_param, store)
 
 
@@ -487,11 +458,6 @@ def zero3_release(store: FlatParams, outs: tuple) -> tuple:
     for i, r in zip(diff, released):
         out[i] = r
     return tuple(out)
-
-
-def param_view(flat: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """Parameter ``shape`` at element ``offset`` of a layer's buffer (a differentiable view)."""
-    return flat[offset:offset + math.prod(shape)].view(shape)
 
 
 ENTRY = {"none": dp_params, "zero2": zero2_params, "zero3": zero3_all_gather}

@@ -6,11 +6,11 @@ by the same model. Units: seconds and bytes.
 
 For a pipeline of ``p`` stages and ``m`` micro-batches (stage ``k`` on devices ``k*N/p ..``):
 
-* a layer's time per micro-batch ``t_mb = fwd + bwd + zero3_gather + tp_comm + overhead +
-  reshard_in``: ZeRO-3's parameter gathers (forward and backward), TP collectives and the
-  framework's fixed per-layer / per-micro-batch costs all sit on the critical path (NOTE: the
-  runtime gathers a ZeRO-3 layer when it starts, without prefetch; a prefetching runtime would
-  price ``overlap(fwd + bwd, zero3_gather)`` here);
+* a layer's time per micro-batch ``t_mb = overlap(fwd + bwd, zero3_gather) + tp_comm + overhead +
+  reshard_in``: ZeRO-3's parameter gathers (forward and backward) overlap compute (the runtime
+  prefetches the next layer's gather in forward, the previous one's in backward, each beside a
+  neighbour's compute, priced as the layer's own); TP collectives and the framework's fixed
+  per-layer / per-micro-batch costs sit on the critical path;
 * its per-step gradient synchronisation is exposed only beyond the last backward it overlaps (but
   the share in the last gradient bucket, ``exposed_sync``, overlaps nothing), and its share of the
   optimizer step follows: ``sync = overlap(bwd, grad_sync - exposed_sync) - bwd + exposed_sync +
@@ -61,7 +61,7 @@ class LayerTerms:
 def layer_terms(cost: Any, cluster: Any) -> LayerTerms:
     """Reduce a cost model ``LayerCost`` to :class:`LayerTerms` with the cluster's overlap model."""
     compute = cost.fwd_s + cost.bwd_s
-    t_mb = compute + cost.zero3_gather_s + cost.tp_comm_s + getattr(cost, "overhead_s", 0.0)
+    t_mb = cluster.overlap_time(compute, cost.zero3_gather_s) + cost.tp_comm_s + getattr(cost, "overhead_s", 0.0)
     exposed = getattr(cost, "exposed_sync_s", 0.0)
     sync = (cluster.overlap_time(cost.bwd_s, cost.grad_sync_s - exposed) - cost.bwd_s + exposed
             + getattr(cost, "optimizer_s", 0.0))
