@@ -17,8 +17,8 @@ nodes with their original FQN targets) and the layer's ``sdp`` mode and DP ranks
 Output (in place): the layer holds a :class:`~galvatron_fx.runtime.data_parallel.FlatParams`
 submodule ``flat_params``; its graph starts with ``param_parts = dp_params(flat_params)`` /
 ``zero2_params`` / ``zero3_all_gather`` (the buffer's chunks, cut at every parameter and padding
-gap: ``FlatParams.part_sizes``) and reads each parameter as ``param_parts[j].view(shape)`` under
-the parameter's old node name; a ZeRO-3 layer ends with
+gap: ``FlatParams.part_sizes``, each parameter's in its shape) and reads each parameter as
+``param_parts[j]`` under the parameter's old node name; a ZeRO-3 layer ends with
 ``zero3_release(flat_params, outputs)`` (unless a view of its buffer is itself an output, a tied
 weight, which keeps the buffer gathered). The original parameter attributes are removed, so
 the layer's only parameter is ``flat_params.flat_param``. Returns the store, or ``None`` when the
@@ -114,9 +114,9 @@ def flatten_layer_params(layer: torch.fx.GraphModule, mode: str, dp_ranks, rank:
         parts = graph.call_function(ENTRY[mode], (fp,))
         parts.name = "param_parts" if "param_parts" not in {n.name for n in graph.nodes} else parts.name
     views = set()
-    for i, (n, shape) in enumerate(zip(nodes, store.shapes)):
+    for i, n in enumerate(nodes):
         with graph.inserting_before(n):
-            view = graph.call_method("view", (graph.call_function(operator.getitem, (parts, store.part_index[i])), shape))
+            view = graph.call_function(operator.getitem, (parts, store.part_index[i]))
         view.meta = dict(n.meta)
         n.replace_all_uses_with(view)
         old = n.name

@@ -95,8 +95,13 @@ class FlatParams(nn.Module):
         self.offsets = list(self.layout.offsets)
         self.numel = sum(t.numel() for t in tensors.values())
         self.padded, self.shard_numel = self.layout.padded, self.layout.shard
-        # the layer reads parameter i as chunk part_index[i] of its buffer cut in part_sizes
+        # the layer reads parameter i as chunk part_index[i] of its buffer cut in part_sizes,
+        # handed out in part_shapes (the parameter's shape; padding gaps 1-D)
         self.part_sizes, self.part_index = buffer_parts(self.layout)
+        self.part_shapes = [(n,) for n in self.part_sizes]
+        for i, j in enumerate(self.part_index):
+            self.part_shapes[j] = self.shapes[i]
+        self._zeros: dict = {}   # (chunk, dtype) -> a zero gradient for a chunk nothing read
         first = next(iter(tensors.values()), torch.empty(0))
         # mixed precision (runtime/precision.py): the Parameter is the fp32 master, the layer reads
         # a working copy in ``compute_dtype``; gradients are reduced in ``reduce_dtype``
@@ -258,10 +263,9 @@ class FlatParams(nn.Module):
             self._launch_reduce_scatter(grads)
             return
         if self._acc is None:
-            self._acc = self._cat(grads, torch.empty(self.padded, dtype=self.flat_param.dtype,
-                                                     device=self.flat_param.device))
+            self._acc = self._flat(grads).to(self.flat_param.dtype)   # fp32: the concatenation itself
         else:
-            self._acc.add_(self._cat(grads))   # NOTE: one cat + one add beat a loop or _foreach_add_ on CPU
+            self._acc.add_(self._flat(grads))   # NOTE: one concatenation + one add beat a loop or _foreach_add_ on CPU
         if not self.last_micro_batch:
             return
         acc, self._acc = self._acc, None
@@ -279,24 +283,27 @@ class FlatParams(nn.Module):
                 self._pending.append((dist.all_reduce(bucket, group=group(self.dp_ranks), async_op=True), None))
             self._pending.append((None, acc))
 
-    def _cat(self, grads: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The whole-buffer gradient from the chunks' (``None`` chunks: zeros), into ``out`` (cast
-        to its dtype) when given."""
-        flat = [g.detach().reshape(-1) if g is not None else self.flat_param.new_zeros(n)
-                for g, n in zip(grads, self.part_sizes)]
-        if out is None:
-            return torch.cat(flat)
-        return torch.cat(flat, out=out)
+    def _flat(self, grads: tuple) -> torch.Tensor:
+        """The whole-buffer gradient (a new tensor) from the chunks' (``None`` chunks: zeros)."""
+        return torch._C._nn.flatten_dense_tensors([g if g is not None else self._zero(j, grads)
+                                                   for j, g in enumerate(grads)])
+
+    def _zero(self, j: int, grads: tuple) -> torch.Tensor:
+        dtype = next((g.dtype for g in grads if g is not None), self.flat_param.dtype)
+        key = (j, dtype)
+        if key not in self._zeros:
+            self._zeros[key] = torch.zeros(self.part_shapes[j], dtype=dtype, device=self.flat_param.device)
+        return self._zeros[key]
 
     def _launch_reduce_scatter(self, grads: tuple) -> None:
         """Async reduce-scatter of a whole-buffer gradient given as its chunks (``grads``)."""
         if self.dp == 1:
-            self._pending.append((None, self._cat(grads).to(self.flat_param.dtype)))
+            self._pending.append((None, self._flat(grads).to(self.flat_param.dtype)))
             return
         # copy-in: each parameter's rows into its [dp, seg] columns of a [dp, S] staging buffer
         staging = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.flat_param.device)
         params = [grads[j] for j in self.part_index]
-        self.layout.copy_in_params([None if g is None else g.detach().reshape(-1) for g in params], staging)
+        self.layout.copy_in_params([None if g is None else g.reshape(-1) for g in params], staging)
         out = staging.new_empty(self.shard_numel)
         work = reduce_scatter_single(out, staging, group=group(self.dp_ranks), async_op=True)
         self._pending.append((work, staging))   # keep the input alive until the op completes
@@ -399,14 +406,16 @@ def _free(t: torch.Tensor) -> None:
 
 # ------------------------------------------------------------------------------ graph calls
 class _LayerParams(torch.autograd.Function):
-    """Entry of a layer: the whole buffer as its chunks (``store.part_sizes``); backward hands the
-    chunks' gradients to ``store`` (NOTE: one chunk per parameter, not one buffer split in the
-    graph, whose backward would concatenate a whole-buffer gradient first, per micro-batch)."""
+    """Entry of a layer: the whole buffer as its chunks (``store.part_sizes``), each parameter's
+    already in its shape; backward hands the chunks' gradients to ``store`` (NOTE: not one buffer
+    the graph splits and views: per micro-batch, the split's backward concatenated a whole-buffer
+    gradient that was then copied, and every view added an autograd node)."""
 
     @staticmethod
     def forward(ctx, flat_param, store: FlatParams):
         ctx.store = store
-        return tuple(store.working().data.split_with_sizes(store.part_sizes))
+        parts = store.working().data.split_with_sizes(store.part_sizes)
+        return tuple(p.view(shape) for p, shape in zip(parts, store.part_shapes))
 
     @staticmethod
     def backward(ctx, *grads):
