@@ -6,8 +6,8 @@ of the rank layout in :mod:`galvatron_fx.runtime.groups`): all-reduced (``sdp="n
 reduce-scattered with replicated parameters (``"zero2"``) or sharded and all-gathered around use
 (``"zero3"``); see :mod:`galvatron_fx.runtime.data_parallel`. The stores land in ``ctx.stores``.
 Layers with ``sdp="none"`` of one DP group share DDP-style gradient buckets
-(:class:`~galvatron_fx.runtime.data_parallel.GradBuckets`, ``ctx.bucket_bytes`` each); ZeRO-3
-layers are chained for prefetch (:func:`link_zero3_prefetch`).
+(:class:`~galvatron_fx.runtime.data_parallel.GradBuckets`, ``ctx.bucket_bytes`` each); ZeRO-2 and
+ZeRO-3 layers are chained for prefetch (:func:`link_prefetch`).
 Under a mixed-precision policy (``ctx.precision``) each buffer holds fp32 masters and a
 low-precision working copy the layer reads (:mod:`galvatron_fx.runtime.precision`).
 
@@ -65,7 +65,7 @@ class DataParallelPass(ContextPass):
                     key = (store.dp_ranks, store.reduce_dtype)
                     store.buckets = buckets.setdefault(key, GradBuckets(store.dp_ranks, ctx.bucket_bytes))
                 ctx.stores.append(store)
-        link_zero3_prefetch(ctx.stores)
+        link_prefetch(ctx.stores)
         return PassResult(graph_module, bool(ctx.stores))
 
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:
@@ -75,12 +75,13 @@ class DataParallelPass(ContextPass):
             check(not left, f"layer {i} still reads trainable parameters outside its flat buffer: {left}")
 
 
-def link_zero3_prefetch(stores: list[FlatParams]) -> None:
-    """Chain a stage's ZeRO-3 layers in forward (= graph) order for FSDP2-style prefetch: each
-    gather starts the next layer's all-gather in forward and the previous one's in backward."""
-    chain = [s for s in stores if s.mode == "zero3"]
+def link_prefetch(stores: list[FlatParams]) -> None:
+    """Chain a stage's ZeRO-2 (dp > 1) and ZeRO-3 layers in forward (= graph) order for
+    FSDP2-style prefetch: each gather starts the next layer's all-gather in forward (ZeRO-3: the
+    previous one's in backward)."""
+    chain = [s for s in stores if s.mode == "zero3" or (s.mode == "zero2" and s.dp > 1)]
     for a, b in zip(chain, chain[1:]):
-        a.next_zero3, b.prev_zero3 = b, a
+        a.next_gather, b.prev_gather = b, a
 
 
 def _fetch_owner(root: torch.nn.Module, target: str):

@@ -18,7 +18,8 @@ Scaling rules (per device, per micro-batch unless noted), from the fake-tensor m
   block); with SP each is an all-gather plus a reduce-scatter of the same size; checkpointing
   repeats the forward ones. TP group: ``tp`` consecutive ranks.
 * **Data parallel** (``grad_sync_s``, per step): DP all-reduces the layer's gradients (``/ tp``);
-  ZeRO-2 reduce-scatters them and all-gathers the updated parameters; ZeRO-3 reduce-scatters them,
+  ZeRO-2 reduce-scatters them and all-gathers the updated parameters (``regather_s``, beside the
+  next forward); ZeRO-3 reduce-scatters them,
   and ``zero3_gather_s`` (per micro-batch) all-gathers the parameters in forward and in backward.
   DP group: ``dp`` ranks strided by ``tp``. How these overlap with compute, and how layers add up
   to a step and a device's memory, is :mod:`galvatron_fx.solver.objective` (one place for both).
@@ -77,8 +78,9 @@ class LayerCost:
     """One layer under one strategy and micro-batch size, per device. Seconds and bytes.
 
     ``fwd_s``/``bwd_s``/``tp_comm_s``/``zero3_gather_s``/``overhead_s``/``activation_bytes``/
-    ``output_bytes`` are per micro-batch; ``grad_sync_s``, ``optimizer_s`` and ``exposed_sync_s`` (the
-    part of ``grad_sync_s`` no backward can hide: the last gradient bucket's share) per step; ``param_bytes``/``grad_bytes``/``optimizer_bytes``/
+    ``output_bytes`` are per micro-batch; ``grad_sync_s``, ``optimizer_s``, ``exposed_sync_s`` (the
+    part of ``grad_sync_s`` no backward can hide: the last gradient bucket's share) and
+    ``regather_s`` (ZeRO-2's all-gather of the updated shards, beside the next forward) per step; ``param_bytes``/``grad_bytes``/``optimizer_bytes``/
     ``master_bytes`` (fp32 masters of a mixed plan)/``transient_bytes`` are resident (transient:
     the layer's largest temporary buffer).
     """
@@ -98,6 +100,7 @@ class LayerCost:
     overhead_s: float = 0.0
     optimizer_s: float = 0.0
     exposed_sync_s: float = 0.0
+    regather_s: float = 0.0
 
     @property
     def states_bytes(self) -> float:
@@ -374,7 +377,7 @@ class CostModel:
         full_params, full_grads = elems_tp * self.itemsize, elems_tp * self.reduce_itemsize
         dpg = dp_group(s)
         ct = self.cluster.collective_time
-        exposed = 0.0
+        exposed = regather = 0.0
         if s.sdp == "none":
             # NOTE: the runtime packs DP gradients into buckets of bucket_bytes (one call each),
             # filled in reverse layer order; the last bucket's all-reduce starts once backward is
@@ -385,7 +388,8 @@ class CostModel:
             if self.bucket_bytes:
                 exposed = sync * min(1.0, self.bucket_bytes / max(self._model_grad_bytes(), 1.0))
         elif s.sdp == "zero2":
-            sync = ct("reduce_scatter", full_grads, dpg) + ct("all_gather", full_params, dpg)
+            sync = ct("reduce_scatter", full_grads, dpg)
+            regather = ct("all_gather", full_params, dpg)
         else:
             sync = ct("reduce_scatter", full_grads, dpg)
         gather = 2 * ct("all_gather", full_params, dpg) if s.sdp == "zero3" else 0.0
@@ -404,7 +408,7 @@ class CostModel:
         out = m.output_elems(n) * self.itemsize / (s.tp if s.sp else 1)
         overhead, optimizer = self._overheads(index, elems_tp, s)
         return LayerCost(fwd, bwd, self._tp_comm(m, n, s), sync, gather, st.params, st.grads, st.optimizer,
-                         act, transient, out, st.masters, overhead, optimizer, exposed)
+                         act, transient, out, st.masters, overhead, optimizer, exposed, regather)
 
     def _model_grad_bytes(self) -> float:
         """Bytes of the whole model's gradients as DP reduces them (no TP): what the buckets hold."""

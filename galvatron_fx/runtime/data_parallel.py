@@ -17,8 +17,9 @@ the layer graph produces them (:class:`_LayerParams`) and decides what its backw
                                                                    into the DP group's buckets
                                                                    (:class:`GradBuckets`), async
                                                                    all-reduce per full bucket
-"zero2"    whole buffer and its shard  ``zero2_params``: nothing    accumulate; last micro-batch:
-           (the Parameter, a copy)                                  async reduce-scatter
+"zero2"    whole buffer and its shard  ``zero2_params``: after an   accumulate; last micro-batch:
+           (the Parameter, a copy)     optimizer step, all-gather   async reduce-scatter
+                                       the shards (prefetched)
 "zero3"    its shard only              ``zero3_all_gather``         free the re-gathered buffer,
                                        (prefetched by the previous  async reduce-scatter each
                                        layer); ``zero3_release``    micro-batch
@@ -33,16 +34,17 @@ collective plus the copies is 2-5x faster than one collective per parameter (per
 dominates); the price is the staging buffer, one whole-layer buffer, which the cost model counts
 as transient bytes (:mod:`galvatron_fx.cost.model`).
 
-ZeRO-3 prefetch (FSDP2's order): the ZeRO-3 layers of a stage are chained in forward order
-(``prev_zero3`` / ``next_zero3``); a gather in forward starts the next layer's all-gather
-asynchronously, a gather in backward (the re-gather, or a checkpointed layer's recomputation) the
-previous layer's, so the collective runs beside the current layer's compute. At most two layers'
-buffers are gathered at once, plus the prefetched one's staging buffer (priced as transient bytes).
+Prefetch (FSDP2's order): the ZeRO-2 and ZeRO-3 layers of a stage are chained in forward order
+(``prev_gather`` / ``next_gather``); a gather in forward starts the next layer's all-gather
+asynchronously (ZeRO-3: its buffer; ZeRO-2: its re-gather after an optimizer step), a ZeRO-3
+gather in backward (the re-gather, or a checkpointed layer's recomputation) the previous layer's,
+so the collective runs beside the current layer's compute. At most two ZeRO-3 layers' buffers
+are gathered at once, plus the prefetched one's staging buffer (priced as transient bytes).
 
 The optimizer sees one Parameter per layer (``FlatParams.flat_param``: the whole buffer, or this
 rank's shard), whose ``.grad`` :func:`finish_grad_sync` fills with the gradient of the global-batch
-loss. After ``optimizer.step()``, :func:`sync_params` all-gathers ZeRO-2 shards into the whole
-buffer. NOTE: ZeRO-2's shard is no longer a view of its replicated buffer (its rows are scattered
+loss. After ``optimizer.step()``, the next forward re-gathers ZeRO-2 shards into the whole buffer
+(layer by layer, prefetched; ``DistributedModel.sync_params`` does all at once). NOTE: ZeRO-2's shard is no longer a view of its replicated buffer (its rows are scattered
 over the parameters' blocks), so fp32 ZeRO-2 with ``dp > 1`` holds the shard as a copy: ``S``
 elements (1/dp of the layer) more than a flat-range shard did; mixed precision already kept its
 fp32 masters apart from the low-precision buffer and pays nothing more.
@@ -126,11 +128,11 @@ class FlatParams(nn.Module):
         # stays gathered from the layer's forward until its backward
         self.keep_gathered = False
         self.regather_in_backward = True  # zero3: False under checkpointing (recompute gathers)
-        # zero3 prefetch (FSDP2's): the ZeRO-3 layers of this stage before / after this one in
-        # forward order (DataParallelPass links them); a gather in forward starts the next one's,
-        # a gather in backward the previous one's
-        self.prev_zero3: FlatParams | None = None
-        self.next_zero3: FlatParams | None = None
+        # prefetch (FSDP2's): the ZeRO-2/3 layers of this stage before / after this one in forward
+        # order (DataParallelPass links them); a gather in forward starts the next one's, a
+        # ZeRO-3 gather in backward the previous one's
+        self.prev_gather: FlatParams | None = None
+        self.next_gather: FlatParams | None = None
         self._prefetch: tuple | None = None   # (work, staging, shard) of an async all-gather
         self._acc: torch.Tensor | None = None
         self._pending: list = []
@@ -161,15 +163,19 @@ class FlatParams(nn.Module):
     # ------------------------------------------------------------------ buffer
     def working(self) -> torch.Tensor:
         """The whole buffer the layer computes with (``_LayerParams``): the masters (fp32 DP),
-        the replicated buffer (ZeRO-2), the low-precision copy (mixed DP) or, gathered now, ZeRO-3's."""
+        the replicated buffer (ZeRO-2, re-gathered here after an optimizer step: prefetched by
+        the previous layer or now), the low-precision copy (mixed DP) or, gathered now, ZeRO-3's."""
         if self.mode == "zero3":
             return self.gather_full()
+        if self.stale:
+            self.sync_after_step()
+            self._prefetch_neighbour()
         return self.full if self.full is not None else self.flat_param.data
 
     def gather_full(self) -> torch.Tensor:
         """zero3: the whole buffer in ``self.full`` (allocating its storage): the prefetched
         all-gather if one is in flight, else one now (mixed: the shards are cast first, so the
-        gather moves low-precision bytes). Then start the neighbour's gather: the next ZeRO-3
+        gather moves low-precision bytes). Then start the neighbour's gather: the next ZeRO-2/3
         layer's in forward, the previous one's in backward (checkpoint recomputation included)."""
         if self._prefetch is not None:
             self._finish_prefetch()
@@ -177,22 +183,32 @@ class FlatParams(nn.Module):
             self._alloc_full()
             with torch.no_grad():
                 self._gather_into(self.full.data)
-        backward = torch._C._current_graph_task_id() != -1
-        neighbour = self.prev_zero3 if backward else self.next_zero3
-        if neighbour is not None:
-            neighbour.prefetch()
+        self._prefetch_neighbour()
         return self.full
 
+    def _prefetch_neighbour(self) -> None:
+        backward = torch._C._current_graph_task_id() != -1
+        neighbour = self.prev_gather if backward else self.next_gather
+        if neighbour is not None:
+            neighbour.prefetch()
+
     def prefetch(self) -> None:
-        """zero3: start an asynchronous all-gather of the whole buffer (no-op when it is gathered
-        or in flight). Transient: the buffer and its ``[dp, S]`` staging buffer until it is used."""
-        if self.mode != "zero3" or self._prefetch is not None or self.full.untyped_storage().size():
+        """Start an asynchronous all-gather of the whole buffer: ZeRO-3's when it is not gathered,
+        ZeRO-2's when the masters changed since (a no-op otherwise, or when one is in flight).
+        Transient: the ``[dp, S]`` staging buffer (ZeRO-3: and the buffer) until it is used."""
+        if self._prefetch is not None:
             return
-        self._alloc_full()
+        if self.mode == "zero3":
+            if self.full.untyped_storage().size():
+                return
+            self._alloc_full()
+        elif not (self.mode == "zero2" and self.stale):
+            return
         with torch.no_grad():
             shard = self.flat_param.data.to(self.full.dtype)
             if self.dp == 1:
                 self.full.data.copy_(shard)
+                self.stale = False
                 return
             staging = self.full.new_empty(self.padded)
             work = all_gather_single(staging, shard.contiguous(), group=group(self.dp_ranks), async_op=True)
@@ -204,6 +220,14 @@ class FlatParams(nn.Module):
         work.wait()
         with torch.no_grad():
             self.layout.copy_out(staging, self.full.data)
+        self.stale = False
+
+    def _drop_prefetch(self) -> None:
+        """Complete and discard a prefetch in flight (every rank of the group still runs it)."""
+        if self._prefetch is not None:
+            work = self._prefetch[0]
+            self._prefetch = None
+            work.wait()
 
     def _alloc_full(self) -> None:
         self.full.untyped_storage().resize_(self.padded * self.full.element_size())
@@ -224,10 +248,7 @@ class FlatParams(nn.Module):
         """zero3: drop the gathered buffer (its storage shrinks to 0 bytes; a prefetch in flight
         is completed first, so every rank of the group runs the same collectives)."""
         if self.mode == "zero3":
-            if self._prefetch is not None:
-                work = self._prefetch[0]
-                self._prefetch = None
-                work.wait()
+            self._drop_prefetch()
             _free(self.full)
 
     def unsharded(self) -> dict[str, torch.Tensor]:
@@ -249,6 +270,7 @@ class FlatParams(nn.Module):
         the masters themselves stale (:meth:`sync_after_step` rebuilds it; collective over DP for
         ZeRO-2)."""
         self.free_full()
+        self._drop_prefetch()   # ZeRO-2: a re-gather of the old masters
         self.stale = (self.mode == "zero2" and (self.dp > 1 or self.mixed)) or (self.mode == "none" and self.mixed)
 
     # --------------------------------------------------------------- gradients
@@ -344,6 +366,9 @@ class FlatParams(nn.Module):
         optimizer step, a checkpoint load): ZeRO-2 all-gathers the (low-precision) shards
         (collective over DP), mixed DP casts locally; a no-op otherwise."""
         if not self.stale:
+            return
+        if self._prefetch is not None:
+            self._finish_prefetch()
             return
         with torch.no_grad():
             if self.mode == "none":

@@ -102,14 +102,14 @@ class DistributedModel(torch.fx.GraphModule):
             self.loss_scaler.unscale_or_skip(self._stores)
 
     def _micro_batches(self, args, kwargs, where: str) -> list[tuple[list, list]]:
-        """Match the inputs, prepare the step (the token count of a token loss; ZeRO-2's re-gather
-        of the shards the user's optimizer updated) and cut the global batch: per micro-batch, the
+        """Match the inputs, prepare the step (the token count of a token loss) and cut the global batch: per micro-batch, the
         graph inputs (whole micro-batch) and this rank's slices of the ``loss_fn`` targets."""
         graph_inputs, targets = match_inputs(self.input_names, args, kwargs, where)
         m, lay = self.plan.micro_batches, self.output_layout
         if self.token_loss is not None:
             self.token_loss.prepare(graph_inputs)
-        self.sync_params()
+        # NOTE: no sync_params(): each ZeRO-2 layer re-gathers its shards when the forward first
+        # reads it, prefetched by the layer before (overlapping its compute)
         micro = [_split(t, m) for t in graph_inputs]
         micro_t = [_split(t, m) for t in targets]
         return [([mb[k] for mb in micro], [slice_input(t[k], lay.batch_index(self.rank), lay.dp) for t in micro_t])
@@ -179,8 +179,9 @@ class DistributedModel(torch.fx.GraphModule):
 
     def sync_params(self) -> None:
         """ZeRO-2: all-gather the shards an optimizer step (or a checkpoint load) changed into the
-        whole buffers (collective over each DP group; a no-op when nothing changed). ``train_step``
-        and :meth:`full_state_dict` run it first, so users never need to."""
+        whole buffers (collective over each DP group; a no-op when nothing changed). The forward
+        does it layer by layer (prefetched) and :meth:`full_state_dict` runs it first, so users
+        never need to."""
         for s in self._stores:
             s.sync_after_step()
 

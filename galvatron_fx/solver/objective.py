@@ -13,8 +13,9 @@ For a pipeline of ``p`` stages and ``m`` micro-batches (stage ``k`` on devices `
   per-layer / per-micro-batch costs sit on the critical path;
 * its per-step gradient synchronisation is exposed only beyond the last backward it overlaps (but
   the share in the last gradient bucket, ``exposed_sync``, overlaps nothing), and its share of the
-  optimizer step follows: ``sync = overlap(bwd, grad_sync - exposed_sync) - bwd + exposed_sync +
-  optimizer``;
+  optimizer step follows, and ZeRO-2's re-gather of the updated shards overlaps the next forward
+  (prefetched by the layer before): ``sync = overlap(bwd, grad_sync - exposed_sync) - bwd +
+  exposed_sync + overlap(fwd, regather) - fwd + optimizer``;
 * stage ``k`` takes ``T_k = (m + p - 1) * sum(t_mb) + sum(sync) + (m + p - 1) * p2p_k`` per step and
   the step time is ``max_k T_k`` (the slowest stage paces the pipeline: GPipe and 1F1B have the same
   bubble);
@@ -63,8 +64,9 @@ def layer_terms(cost: Any, cluster: Any) -> LayerTerms:
     compute = cost.fwd_s + cost.bwd_s
     t_mb = cluster.overlap_time(compute, cost.zero3_gather_s) + cost.tp_comm_s + getattr(cost, "overhead_s", 0.0)
     exposed = getattr(cost, "exposed_sync_s", 0.0)
+    regather = getattr(cost, "regather_s", 0.0)
     sync = (cluster.overlap_time(cost.bwd_s, cost.grad_sync_s - exposed) - cost.bwd_s + exposed
-            + getattr(cost, "optimizer_s", 0.0))
+            + cluster.overlap_time(cost.fwd_s, regather) - cost.fwd_s + getattr(cost, "optimizer_s", 0.0))
     states = cost.states_bytes
     return LayerTerms(t_mb, sync, states, cost.activation_bytes, cost.transient_bytes)
 

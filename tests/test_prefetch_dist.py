@@ -1,11 +1,12 @@
-"""ZeRO-3 prefetch (runtime/data_parallel.py ``FlatParams.prefetch``) on 2 gloo ranks.
+"""ZeRO-2/3 prefetch (runtime/data_parallel.py ``FlatParams.prefetch``) on 2 and 4 gloo ranks.
 
-A gather in forward starts the next ZeRO-3 layer's all-gather, a gather in backward the previous
+ZeRO-3: a gather in forward starts the next layer's all-gather, a gather in backward the previous
 one's (FSDP2's order), so per pass only the first layer waits for a gather it did not prefetch; at
-most two layers' buffers are gathered at once (beyond a tied weight kept for its backward). The
-step still trains exactly like one device: with and without checkpointing (the recomputation
-gathers and prefetches backward), with pp = 2 (each stage chains its own layers), with the user's
-SGD.
+most two layers' buffers are gathered at once (beyond a tied weight kept for its backward).
+ZeRO-2: after an optimizer step, the first forward re-gathers each layer's shards when it reads
+the layer, prefetched by the layer before. Every step still trains exactly like one device: with
+and without checkpointing (the recomputation gathers and prefetches backward), with pp = 2 (each
+stage chains its own layers), with the user's SGD.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from tests.dist_utils import run_distributed
 from tests.training import TOL, apply_specs, transform
 
 
-def _counting(rank, world_size, pp, ckpt):
+def _counting(rank, world_size, pp, ckpt, sdp):
     import galvatron_fx as gfx
     from galvatron_fx.runtime.data_parallel import FlatParams
 
@@ -46,7 +47,7 @@ def _counting(rank, world_size, pp, ckpt):
     ref = copy.deepcopy(model)
     gm = gfx.capture(model, args, method="fx")
     plan = gfx.Plan.uniform(gm, world_size, pp=pp, global_batch_size=8, micro_batches=2)
-    apply_specs(plan, [dict(sdp="zero3", ckpt=ckpt)])
+    apply_specs(plan, [dict(sdp=sdp, ckpt=ckpt)])
     dm = transform(gm, plan)
     stores.extend(dm.stores)
     opt = torch.optim.SGD(dm.parameters(), lr=0.1)
@@ -61,18 +62,21 @@ def _counting(rank, world_size, pp, ckpt):
         loss.backward()
         ref_opt.step()
         ref_losses.append(loss.item())
-    zero3 = sum(s.mode == "zero3" and s.dp > 1 and not s.keep_gathered for s in dm.stores)
-    return counts, zero3, losses, ref_losses
+    chained = sum(s.mode == sdp and s.dp > 1 and not s.keep_gathered for s in dm.stores)
+    return counts, chained, losses, ref_losses
 
 
-def _check(pp, ckpt):
-    for counts, zero3, losses, ref_losses in run_distributed(_counting, 2 * pp, pp, ckpt):
-        assert zero3 >= 3, zero3
-        # 3 steps x 2 micro-batches x (forward + backward) passes; each pass waits for its first gather
-        passes = 3 * 2 * 2
+def _check(pp, ckpt, sdp="zero3"):
+    for counts, chained, losses, ref_losses in run_distributed(_counting, 2 * pp, pp, ckpt, sdp):
+        assert chained >= 3, chained
+        if sdp == "zero3":
+            # 3 steps x 2 micro-batches x (forward + backward) passes; each waits for its first gather
+            passes = 3 * 2 * 2
+            assert counts["max_gathered"] <= 2, counts
+        else:
+            passes = 2   # the first forward after each of the first 2 optimizer steps
         assert counts["waited"] == passes, counts
-        assert counts["prefetched"] == passes * (zero3 - 1), counts
-        assert counts["max_gathered"] <= 2, counts
+        assert counts["prefetched"] == passes * (chained - 1), counts
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= TOL, (losses, ref_losses)
 
 
@@ -82,3 +86,7 @@ def test_zero3_prefetches_the_next_layer_and_trains_exactly():
 
 def test_zero3_prefetch_under_checkpointing_and_pipeline_stages():
     _check(pp=2, ckpt=True)
+
+
+def test_zero2_regathers_after_the_step_prefetched_layer_by_layer():
+    _check(pp=1, ckpt=False, sdp="zero2")
