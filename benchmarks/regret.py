@@ -72,7 +72,7 @@ def _rank(rank, world, overrides, mode, steps, fractions):
     with tempfile.TemporaryDirectory() as cache:
         cost = {"mode": mode, "reserve_bytes": 0}
         if mode == "profiled":
-            cost.update(cache_dir=cache, profile_sizes=(2, 8, 16), profile_repeats=9)
+            cost.update(cache_dir=cache, profile_sizes=(1, 4, 16), profile_repeats=9)
         # NOTE: every rank prices the plans (and so times the layers) at once; rank 0's figures count
         plans, preds, mems = {}, {}, {}
         for kw in candidates():

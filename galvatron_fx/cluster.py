@@ -49,6 +49,9 @@ field                       what it prices
                             the autograd engine; with pipelining, the send / recv bookkeeping
 ``optimizer_s_per_byte``    the optimizer step, per byte of fp32 parameters a device updates
 ``optimizer_overhead_s``    the optimizer step, per parameter tensor (one flat buffer per layer)
+``checkpoint_op_s``         one forward op of a checkpointed layer: ``torch.utils.checkpoint``'s
+                            saved-tensor hooks and recomputation bookkeeping (re-running the op
+                            is priced as a second forward)
 ==========================  ===================================================================
 
 :mod:`galvatron_fx.cost.model` and :mod:`galvatron_fx.solver.objective` say where each enters a
@@ -91,16 +94,17 @@ DEFAULT_EFFICIENCY = 0.5
 # default; Cluster.profile() measures the real one.
 DEFAULT_OVERLAP_SLOWDOWN = 1.3
 OVERHEAD_FIELDS = ("op_launch_s", "op_launch_bwd_s", "collective_latency_s", "layer_overhead_s",
-                   "microbatch_overhead_s", "optimizer_s_per_byte", "optimizer_overhead_s")
+                   "microbatch_overhead_s", "optimizer_s_per_byte", "optimizer_overhead_s", "checkpoint_op_s")
 """The fixed-cost fields of a :class:`Cluster` (module docstring), seconds (per byte for the optimizer)."""
 # NOTE: GPU defaults. A CUDA kernel launch from PyTorch's eager dispatcher costs ~5-10 us, the backward
 # node about as much again; an NCCL call ~10-30 us beyond its ring steps (the presets' ``α`` prices
-# those); a galvatron layer adds two autograd Functions and its parameter views; a fused / foreach
+# those); a galvatron layer adds two autograd Functions and its parameter views; checkpointing adds
+# two Python saved-tensor hooks per saved tensor (a few us per op, host-side like a launch); a fused / foreach
 # Adam step streams ~7 fp32 words per parameter (read p, g, m, v; write p, m, v) at HBM speed,
 # ~3.5e-12 s per parameter byte at 2 TB/s.
 GPU_OVERHEADS = dict(op_launch_s=7e-6, op_launch_bwd_s=10e-6, collective_latency_s=20e-6,
                      layer_overhead_s=60e-6, microbatch_overhead_s=300e-6, optimizer_s_per_byte=5e-12,
-                     optimizer_overhead_s=20e-6)
+                     optimizer_overhead_s=20e-6, checkpoint_op_s=5e-6)
 
 _DTYPE_ALIASES = {
     "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32", "torch.float": "fp32",
@@ -246,6 +250,7 @@ class Cluster:
     microbatch_overhead_s: float = 0.0
     optimizer_s_per_byte: float = 0.0
     optimizer_overhead_s: float = 0.0
+    checkpoint_op_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.nodes = _count("nodes", self.nodes)
@@ -503,5 +508,6 @@ class Cluster:
             f"  overheads: op {self.op_launch_s * 1e6:.3g} + {self.op_launch_bwd_s * 1e6:.3g} us (fwd + bwd), "
             f"collective {self.collective_latency_s * 1e6:.3g} us, layer {self.layer_overhead_s * 1e6:.3g} us, "
             f"micro-batch {self.microbatch_overhead_s * 1e6:.3g} us, optimizer "
-            f"{self.optimizer_s_per_byte * 1e12:.3g} ps/byte + {self.optimizer_overhead_s * 1e6:.3g} us/tensor",
+            f"{self.optimizer_s_per_byte * 1e12:.3g} ps/byte + {self.optimizer_overhead_s * 1e6:.3g} us/tensor, "
+            f"checkpointing {self.checkpoint_op_s * 1e6:.3g} us/op",
         ])

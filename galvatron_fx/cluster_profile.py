@@ -60,7 +60,8 @@ _UNMEASURED_LATENCY = 0.0  # s
 _MIN_LATENCY = 1e-6  # s
 
 _FLOOR = dict(op_launch_s=1e-7, op_launch_bwd_s=1e-7, collective_latency_s=_MIN_LATENCY, layer_overhead_s=1e-7,
-              microbatch_overhead_s=1e-7, optimizer_s_per_byte=1e-14, optimizer_overhead_s=1e-7)
+              microbatch_overhead_s=1e-7, optimizer_s_per_byte=1e-14, optimizer_overhead_s=1e-7,
+              checkpoint_op_s=1e-7)
 _CPU_SIZES = (2**16, 2**20, 2**23)  # bytes
 _GPU_SIZES = (2**20, 2**24, 2**27)  # bytes
 _CPU_MATMUL = {"fp32": 256, "bf16": 48, "fp16": 48}  # square matmul side
@@ -427,6 +428,21 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
 
     micro = _median_time(micro_batch, device, repeats) / (chain // 8)
 
+    # checkpointing: the same op chain (each op saves a tensor) under torch.utils.checkpoint, beyond
+    # the plain forward + backward and the recomputed forward, per op
+    w0 = torch.ones(16, device=device, requires_grad=True)
+
+    def saving_chain(x):
+        for _ in range(chain):
+            x = x * w0
+        return x
+
+    t_plain = _median_time(lambda: saving_chain(x0).sum().backward(), device, repeats)
+    t_saving_fwd = _median_time(lambda: saving_chain(x0), device, repeats)
+    t_ckpt = _median_time(lambda: torch.utils.checkpoint.checkpoint(saving_chain, x0, use_reentrant=False)
+                          .sum().backward(), device, repeats)
+    ckpt_op = max(t_ckpt - t_plain - t_saving_fwd, 0.0) / chain
+
     latency = 0.0
     if pg is not None and dist.get_world_size(pg) > 1:
         # NOTE: a blocking collective between stretches of compute (what TP and resharding do) also
@@ -459,7 +475,8 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
     per_byte = max(t_large - t_small, 0.0) / (4 * 4 * (large - small))
     per_tensor = max(t_small - 4 * 4 * small * per_byte, 0.0) / 4
     out = dict(op_launch_s=op_fwd, op_launch_bwd_s=op_bwd, collective_latency_s=latency, layer_overhead_s=layer,
-               microbatch_overhead_s=micro, optimizer_s_per_byte=per_byte, optimizer_overhead_s=per_tensor)
+               microbatch_overhead_s=micro, optimizer_s_per_byte=per_byte, optimizer_overhead_s=per_tensor,
+               checkpoint_op_s=ckpt_op)
     # NOTE: a difference of two noisy medians may come out <= 0; floor it at a tiny positive figure
     out = {k: v if k == "collective_latency_s" and pg is None else max(v, _FLOOR[k]) for k, v in out.items()}
     if pg is not None and dist.get_world_size(pg) > 1:
@@ -471,7 +488,8 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
         say(f"{'overheads':>14}: op {out['op_launch_s'] * 1e6:.1f} + {out['op_launch_bwd_s'] * 1e6:.1f} us, "
             f"collective {out['collective_latency_s'] * 1e6:.1f} us, layer {out['layer_overhead_s'] * 1e6:.1f} us, "
             f"micro-batch {out['microbatch_overhead_s'] * 1e6:.1f} us, optimizer "
-            f"{out['optimizer_s_per_byte'] * 1e12:.1f} ps/byte + {out['optimizer_overhead_s'] * 1e6:.1f} us/tensor")
+            f"{out['optimizer_s_per_byte'] * 1e12:.1f} ps/byte + {out['optimizer_overhead_s'] * 1e6:.1f} us/tensor, "
+            f"checkpointing {out['checkpoint_op_s'] * 1e6:.1f} us/op")
     return out
 
 

@@ -109,11 +109,13 @@ def test_tiny_scaling_rules(tiny):
     assert sp2.activation_bytes == 4 * (15 + 24 + 24) * 4
     assert ck.activation_bytes == 4 * 24 * 4 and ck.transient_bytes == one.activation_bytes
     assert tp2.fwd_s == pytest.approx(one.fwd_s / 2) and ck.bwd_s == pytest.approx(one.bwd_s + one.fwd_s)
-    # per-op launches (the layer's op count) do not shrink under TP; the recompute launches again
+    # per-op launches (the layer's op count) do not shrink under TP; the recompute launches again,
+    # and every op pays checkpointing's hooks
     ops = cm.op_counts[cm.layers[i].signature]
     launch = ops * (CLUSTER.op_launch_s + CLUSTER.op_launch_bwd_s)
     assert ops > 0 and one.overhead_s == pytest.approx(CLUSTER.layer_overhead_s + launch) == tp2.overhead_s
-    assert ck.overhead_s == pytest.approx(one.overhead_s + ops * CLUSTER.op_launch_s)
+    assert CLUSTER.checkpoint_op_s > 0
+    assert ck.overhead_s == pytest.approx(one.overhead_s + ops * (CLUSTER.op_launch_s + CLUSTER.checkpoint_op_s))
     # TP: one all-reduce forward (fc2 out) + one backward (ln out), 3*8 fp32 per sample each
     ar = CLUSTER.collective_time("all_reduce", 4 * 24 * 4, [0, 1])
     assert tp2.tp_comm_s == pytest.approx(2 * ar) and one.tp_comm_s == 0

@@ -26,7 +26,8 @@ Scaling rules (per device, per micro-batch unless noted), from the fake-tensor m
 * **Overheads** (the cluster's fixed costs, :data:`galvatron_fx.cluster.OVERHEAD_FIELDS`): in
   analytic mode ``overhead_s`` adds ``op_launch_s`` + ``op_launch_bwd_s`` per op of the layer graph
   (the forward's twice under checkpointing; ``fwd_s``/``bwd_s`` stay FLOPs over the compute rate;
-  profiled layer times already hold the launches); every collective call adds
+  profiled layer times already hold the launches); a checkpointed layer adds ``checkpoint_op_s``
+  per op in both modes; every collective call adds
   ``collective_latency_s`` (DP gradients packed into ``bucket_bytes`` buckets pay their share of a
   call, and the last bucket's share, ``exposed_sync_s``, overlaps no backward); ``overhead_s`` (per
   micro-batch) is ``layer_overhead_s``, plus ``microbatch_overhead_s`` on the first layer (slicing,
@@ -422,9 +423,11 @@ class CostModel:
         c = self.cluster
         first = index == 0
         overhead = c.layer_overhead_s + (c.microbatch_overhead_s if first else 0.0)
+        ops = self.op_counts[self.layers[index].signature]
         if self.mode == "analytic":
-            ops = self.op_counts[self.layers[index].signature]
             overhead += ops * (c.op_launch_s * (2 if s.ckpt else 1) + c.op_launch_bwd_s)
+        if s.ckpt:
+            overhead += ops * getattr(c, "checkpoint_op_s", 0.0)
         held = elems_tp if s.sdp == "none" else math.ceil(elems_tp / s.dp)
         optimizer = (held * 4 * c.optimizer_s_per_byte + c.optimizer_overhead_s) if elems_tp else 0.0
         if first and self.cluster.world_size > 1:
