@@ -69,8 +69,11 @@ def _compiled_run(rank, world_size, kind, sdp, plan_dir):
     def _search_forbidden(*_a, **_k):
         raise AssertionError("the backend searched although a plan was given")
 
-    backend.agreement._search = _search_forbidden
-    losses = _train(lambda: compiled(ids, labels=labels).loss, params)
+    search, backend.agreement._search = backend.agreement._search, _search_forbidden
+    try:
+        losses = _train(lambda: compiled(ids, labels=labels).loss, params)
+    finally:
+        backend.agreement._search = search   # the rank processes are pooled (tests/dist_utils.py)
     local = {n: p.numel() for n, p in model.named_parameters()}
     sd = backend.full_state_dict(model)
     ref_sd = dict(ref_model.named_parameters())

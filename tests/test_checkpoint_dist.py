@@ -295,7 +295,7 @@ def test_interrupted_save_is_never_loaded_and_previous_survives(tmp_path, async_
 
     path = str(tmp_path / "ckpt")
     with pytest.raises(DistributedTestError):
-        run_distributed(_kill_mid_save, 2, path, async_save, timeout=120)
+        run_distributed(_kill_mid_save, 2, path, async_save, timeout=120, fresh=True)
     tmp = path + ".tmp-2"
     assert os.path.isdir(tmp) and os.listdir(tmp)          # rank 1's data files are there
     with pytest.raises(checkpoint.IncompleteCheckpointError, match="incomplete.*never loaded"):

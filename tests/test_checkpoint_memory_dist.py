@@ -64,7 +64,7 @@ def _measure(rank, world, path, spec):
         largest[0] = max(largest[0], t.nbytes)
         return t
 
-    sharded_state.ChunkSavePlanner.resolve_data = accounted
+    sharded_state.ChunkSavePlanner.resolve_data = accounted   # fresh processes: never restored
     checkpoint.save(dm, opt, path + "-warm", step=0)          # imports, process group, first-use caches
     copies[0] = 0
     # NOTE: hand freed heap memory back first, or a copy could reuse it without raising the RSS
@@ -83,7 +83,7 @@ def _measure(rank, world, path, spec):
 @pytest.mark.parametrize("spec", [dict(sdp="zero3"), dict(tp=2, dp=1), dict(sdp="none")],
                          ids=["zero3", "tp2", "dp2"])
 def test_save_extra_memory_within_one_bucket(tmp_path, spec):
-    for rank, r in enumerate(run_distributed(_measure, 2, str(tmp_path / "ck"), spec, timeout=400)):
+    for rank, r in enumerate(run_distributed(_measure, 2, str(tmp_path / "ck"), spec, timeout=400, fresh=True)):
         print(f"{spec} rank {rank}: extra RSS during save {r['extra_rss'] / 2**20:.2f} MiB, copies "
               f"{r['copies']} B, largest piece {r['largest_piece'] / 2**20:.2f} MiB, states "
               f"{r['states'] / 2**20:.1f} MiB, whole-layer gather (old format) >= "

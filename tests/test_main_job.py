@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.dist
 @pytest.mark.slow
 def test_main_job_trains_the_searched_plan_like_one_device(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "main_job.py"), str(tmp_path)], cwd=ROOT,
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "main_job.py"), str(tmp_path), "--once"], cwd=ROOT,
                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.e+-]+)$", out.stdout, flags=re.M)

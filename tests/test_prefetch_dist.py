@@ -20,7 +20,6 @@ from tests.training import TOL, apply_specs, transform
 
 
 def _counting(rank, world_size, pp, ckpt, sdp):
-    import galvatron_fx as gfx
     from galvatron_fx.runtime.data_parallel import FlatParams
 
     counts = {"prefetched": 0, "waited": 0, "max_gathered": 0}
@@ -43,6 +42,15 @@ def _counting(rank, world_size, pp, ckpt, sdp):
         return out
 
     FlatParams._finish_prefetch, FlatParams._gather_into, FlatParams.gather_full = _finish, _into, _full
+    try:
+        return _train(rank, world_size, pp, ckpt, sdp, counts, stores)
+    finally:   # the rank processes are pooled (tests/dist_utils.py)
+        FlatParams._finish_prefetch, FlatParams._gather_into, FlatParams.gather_full = finish, gather_into, gather_full
+
+
+def _train(rank, world_size, pp, ckpt, sdp, counts, stores):
+    import galvatron_fx as gfx
+
     model, args = gfx.models.build("gpt-tiny", device="cpu", layers=4, batch=8)
     ref = copy.deepcopy(model)
     gm = gfx.capture(model, args, method="fx")
