@@ -6,20 +6,22 @@ most two layers' buffers are gathered at once (beyond a tied weight kept for its
 ZeRO-2: after an optimizer step, the first forward re-gathers each layer's shards when it reads
 the layer, prefetched by the layer before. Every step still trains exactly like one device: with
 and without checkpointing (the recomputation gathers and prefetches backward), with pp = 2 (each
-stage chains its own layers), with the user's SGD.
+stage chains its own layers), with the user's SGD; and on a transformers Llama captured by
+torch.export from keyword inputs, with the user's AdamW.
 """
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
 from tests.training import TOL, apply_specs, transform
 
 
-def _counting(rank, world_size, pp, ckpt, sdp):
+def _counting(rank, world_size, pp, ckpt, sdp, kind):
     from galvatron_fx.runtime.data_parallel import FlatParams
 
     counts = {"prefetched": 0, "waited": 0, "max_gathered": 0}
@@ -43,30 +45,37 @@ def _counting(rank, world_size, pp, ckpt, sdp):
 
     FlatParams._finish_prefetch, FlatParams._gather_into, FlatParams.gather_full = _finish, _into, _full
     try:
-        return _train(rank, world_size, pp, ckpt, sdp, counts, stores)
+        return _train(world_size, pp, ckpt, sdp, kind, counts, stores)
     finally:   # the rank processes are pooled (tests/dist_utils.py)
         FlatParams._finish_prefetch, FlatParams._gather_into, FlatParams.gather_full = finish, gather_into, gather_full
 
 
-def _train(rank, world_size, pp, ckpt, sdp, counts, stores):
+def _train(world_size, pp, ckpt, sdp, kind, counts, stores):
     import galvatron_fx as gfx
 
-    model, args = gfx.models.build("gpt-tiny", device="cpu", layers=4, batch=8)
+    if kind == "llama":   # transformers, keyword inputs, torch.export, the user's AdamW
+        from tests.test_hf_doors_dist import hf_model
+
+        model, kwargs = hf_model("llama")
+        args, method, opt_cls, lr = (), "export", torch.optim.AdamW, 1e-3
+    else:
+        model, args = gfx.models.build("gpt-tiny", device="cpu", layers=4, batch=8)
+        kwargs, method, opt_cls, lr = {}, "fx", torch.optim.SGD, 0.1
     ref = copy.deepcopy(model)
-    gm = gfx.capture(model, args, method="fx")
+    gm = gfx.capture(model, args, kwargs=kwargs, method=method)
     plan = gfx.Plan.uniform(gm, world_size, pp=pp, global_batch_size=8, micro_batches=2)
     apply_specs(plan, [dict(sdp=sdp, ckpt=ckpt)])
     dm = transform(gm, plan)
     stores.extend(dm.stores)
-    opt = torch.optim.SGD(dm.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt, ref_opt = opt_cls(dm.parameters(), lr=lr), opt_cls(ref.parameters(), lr=lr)
     losses, ref_losses = [], []
     for _ in range(3):
-        losses.append(dm.train_step(*args).item())
+        losses.append(dm.train_step(*args, **kwargs).item())
         opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-        loss = ref(*args)
+        loss = ref(*args, **kwargs)
+        loss = loss.loss if kind == "llama" else loss
         loss.backward()
         ref_opt.step()
         ref_losses.append(loss.item())
@@ -74,8 +83,8 @@ def _train(rank, world_size, pp, ckpt, sdp, counts, stores):
     return counts, chained, losses, ref_losses
 
 
-def _check(pp, ckpt, sdp="zero3"):
-    for counts, chained, losses, ref_losses in run_distributed(_counting, 2 * pp, pp, ckpt, sdp):
+def _check(pp, ckpt, sdp="zero3", kind="gpt-tiny", tol=TOL):
+    for counts, chained, losses, ref_losses in run_distributed(_counting, 2 * pp, pp, ckpt, sdp, kind):
         assert chained >= 3, chained
         if sdp == "zero3":
             # 3 steps x 2 micro-batches x (forward + backward) passes; each waits for its first gather
@@ -85,7 +94,7 @@ def _check(pp, ckpt, sdp="zero3"):
             passes = 2   # the first forward after each of the first 2 optimizer steps
         assert counts["waited"] == passes, counts
         assert counts["prefetched"] == passes * (chained - 1), counts
-        assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= TOL, (losses, ref_losses)
+        assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= tol, (losses, ref_losses)
 
 
 def test_zero3_prefetches_the_next_layer_and_trains_exactly():
@@ -98,3 +107,8 @@ def test_zero3_prefetch_under_checkpointing_and_pipeline_stages():
 
 def test_zero2_regathers_after_the_step_prefetched_layer_by_layer():
     _check(pp=1, ckpt=False, sdp="zero2")
+
+
+def test_zero3_prefetch_on_a_transformers_llama_through_export():
+    pytest.importorskip("transformers")
+    _check(pp=1, ckpt=False, kind="llama", tol=1e-4)
