@@ -205,21 +205,14 @@ class FlatParams(nn.Module):
         elif not (self.mode == "zero2" and self.stale):
             return
         with torch.no_grad():
-            shard = self.flat_param.data.to(self.full.dtype)
-            if self.dp == 1:
-                self.full.data.copy_(shard)
-                self.stale = False
-                return
-            staging = self.full.new_empty(self.padded)
-            work = all_gather_single(staging, shard.contiguous(), group=group(self.dp_ranks), async_op=True)
-        self._prefetch = (work, staging, shard)
+            self._prefetch = self._start_gather(self.full.data)
+        if self._prefetch is None:   # dp = 1: copied already
+            self.stale = False
 
     def _finish_prefetch(self) -> None:
-        work, staging, _shard = self._prefetch
-        self._prefetch = None
-        work.wait()
+        pending, self._prefetch = self._prefetch, None
         with torch.no_grad():
-            self.layout.copy_out(staging, self.full.data)
+            self._finish_gather(pending, self.full.data)
         self.stale = False
 
     def _drop_prefetch(self) -> None:
@@ -236,12 +229,24 @@ class FlatParams(nn.Module):
         """Fill ``full`` (a whole buffer) from every rank's masters: cast this rank's shard to
         ``full``'s dtype, all-gather into a ``[dp, S]`` staging buffer, copy out per parameter
         (collective over DP; ``dp = 1``: a copy, shard and buffer share the layout)."""
+        pending = self._start_gather(full)
+        if pending is not None:
+            self._finish_gather(pending, full)
+
+    def _start_gather(self, full: torch.Tensor) -> tuple | None:
+        """Launch the all-gather filling ``full`` asynchronously: ``(work, staging, shard)`` (the
+        cast shard kept alive until it completes); ``dp = 1``: copy now, ``None``."""
         shard = self.flat_param.data.to(full.dtype)
         if self.dp == 1:
             full.copy_(shard)
-            return
+            return None
         staging = full.new_empty(self.padded)
-        all_gather_single(staging, shard.contiguous(), group=group(self.dp_ranks))
+        work = all_gather_single(staging, shard.contiguous(), group=group(self.dp_ranks), async_op=True)
+        return work, staging, shard
+
+    def _finish_gather(self, pending: tuple, full: torch.Tensor) -> None:
+        work, staging, _shard = pending
+        work.wait()
         self.layout.copy_out(staging, full)
 
     def free_full(self) -> None:
