@@ -16,8 +16,8 @@ killed and the error names the ranks that did not report.
 NOTE: CI time. The ranks are a pool kept per (world size, threads) for the whole test session:
 spawning 2 / 4 processes, importing torch and forming the gloo group costs 3 / 7 s per call here,
 most of a small test. After each function the ranks meet at a barrier (so a test that leaves a
-collective unmatched fails itself, not the next one), the environment is restored and dynamo's
-caches are reset; after any failure or timeout the pool is killed and the next call starts a new
+collective unmatched fails itself, not the next one), the environment is restored, dynamo's
+caches and the backend's counters are reset; after any failure or timeout the pool is killed and the next call starts a new
 one. A function that changes module state must restore it (``try/finally``), or pass
 ``fresh=True`` to get processes of its own. ``GALVATRON_TEST_POOL=0`` turns the pool off.
 """
@@ -101,6 +101,8 @@ def _pool_worker(rank: int, world_size: int, port: int, threads: int, tasks, res
             os.environ.update(env)
             if "torch._dynamo" in sys.modules:
                 sys.modules["torch._dynamo"].reset()
+            if "galvatron_fx.backend.options" in sys.modules:   # the process-wide counters tests read
+                sys.modules["galvatron_fx.backend.options"].stats.update(compiles=0, searches=0)
     dist.destroy_process_group()
 
 

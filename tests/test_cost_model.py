@@ -128,9 +128,11 @@ def test_tiny_scaling_rules(tiny):
     assert z3.zero3_gather_s == pytest.approx(2 * CLUSTER.collective_time("all_gather", 160 * 4, [0, 2]))
     # own buffer, the prefetched neighbour (buffer + [dp, S] staging), the gradient
     assert z3.transient_bytes == 4 * 160 * 4
-    # ZeRO-2: reduce-scatter in backward; the updated shards' all-gather beside the next forward
+    # ZeRO-2/3: a reduce-scatter per micro-batch; ZeRO-2's updated shards all-gathered beside the next forward
     z2 = cm.layer_cost(i, Strategy(2, 2, "zero2"), 4)
-    assert z2.grad_sync_s == pytest.approx(CLUSTER.collective_time("reduce_scatter", 160 * 4, [0, 2]))
+    rs = CLUSTER.collective_time("reduce_scatter", 160 * 4, [0, 2])
+    assert z2.reduce_scatter_s == pytest.approx(rs) == z3.reduce_scatter_s and dp.reduce_scatter_s == 0
+    assert z2.grad_sync_s == z3.grad_sync_s == 0
     assert z2.regather_s == pytest.approx(CLUSTER.collective_time("all_gather", 160 * 4, [0, 2]))
     assert z3.regather_s == dp.regather_s == 0
     # symbolic form agrees with direct evaluation

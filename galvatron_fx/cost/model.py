@@ -17,10 +17,11 @@ Scaling rules (per device, per micro-batch unless noted), from the fake-tensor m
   output in forward and of each replicated column-parallel input in backward (Megatron: 2 + 2 per
   block); with SP each is an all-gather plus a reduce-scatter of the same size; checkpointing
   repeats the forward ones. TP group: ``tp`` consecutive ranks.
-* **Data parallel** (``grad_sync_s``, per step): DP all-reduces the layer's gradients (``/ tp``);
-  ZeRO-2 reduce-scatters them and all-gathers the updated parameters (``regather_s``, beside the
-  next forward); ZeRO-3 reduce-scatters them,
-  and ``zero3_gather_s`` (per micro-batch) all-gathers the parameters in forward and in backward.
+* **Data parallel**: DP all-reduces the layer's gradients (``/ tp``) once per step
+  (``grad_sync_s``); ZeRO-2 and ZeRO-3 reduce-scatter every micro-batch's (``reduce_scatter_s``);
+  ZeRO-2 all-gathers the updated parameters once per step (``regather_s``, beside the next
+  forward); ZeRO-3 (``zero3_gather_s``, per micro-batch) all-gathers the parameters in forward and
+  in backward.
   DP group: ``dp`` ranks strided by ``tp``. How these overlap with compute, and how layers add up
   to a step and a device's memory, is :mod:`galvatron_fx.solver.objective` (one place for both).
 * **Overheads** (the cluster's fixed costs, :data:`galvatron_fx.cluster.OVERHEAD_FIELDS`): in
@@ -78,8 +79,8 @@ B = sympy.Symbol("b", positive=True)
 class LayerCost:
     """One layer under one strategy and micro-batch size, per device. Seconds and bytes.
 
-    ``fwd_s``/``bwd_s``/``tp_comm_s``/``zero3_gather_s``/``overhead_s``/``activation_bytes``/
-    ``output_bytes`` are per micro-batch; ``grad_sync_s``, ``optimizer_s``, ``exposed_sync_s`` (the
+    ``fwd_s``/``bwd_s``/``tp_comm_s``/``zero3_gather_s``/``reduce_scatter_s`` (ZeRO-2/3's gradient
+    reduce-scatter)/``overhead_s``/``activation_bytes``/``output_bytes`` are per micro-batch; ``grad_sync_s``, ``optimizer_s``, ``exposed_sync_s`` (the
     part of ``grad_sync_s`` no backward can hide: the last gradient bucket's share) and
     ``regather_s`` (ZeRO-2's all-gather of the updated shards, beside the next forward) per step; ``param_bytes``/``grad_bytes``/``optimizer_bytes``/
     ``master_bytes`` (fp32 masters of a mixed plan)/``transient_bytes`` are resident (transient:
@@ -102,6 +103,7 @@ class LayerCost:
     optimizer_s: float = 0.0
     exposed_sync_s: float = 0.0
     regather_s: float = 0.0
+    reduce_scatter_s: float = 0.0
 
     @property
     def states_bytes(self) -> float:
@@ -378,7 +380,7 @@ class CostModel:
         full_params, full_grads = elems_tp * self.itemsize, elems_tp * self.reduce_itemsize
         dpg = dp_group(s)
         ct = self.cluster.collective_time
-        exposed = regather = 0.0
+        exposed = regather = reduce_scatter = 0.0
         if s.sdp == "none":
             # NOTE: the runtime packs DP gradients into buckets of bucket_bytes (one call each),
             # filled in reverse layer order; the last bucket's all-reduce starts once backward is
@@ -388,11 +390,12 @@ class CostModel:
             sync = ct("all_reduce", full_grads, dpg, calls=share)
             if self.bucket_bytes:
                 exposed = sync * min(1.0, self.bucket_bytes / max(self._model_grad_bytes(), 1.0))
-        elif s.sdp == "zero2":
-            sync = ct("reduce_scatter", full_grads, dpg)
-            regather = ct("all_gather", full_params, dpg)
         else:
-            sync = ct("reduce_scatter", full_grads, dpg)
+            # NOTE: ZeRO reduce-scatters every micro-batch's gradient (shards summed: no whole-buffer
+            # gradient outlives a pass), beside the backward of the layers before it
+            sync, reduce_scatter = 0.0, ct("reduce_scatter", full_grads, dpg)
+            if s.sdp == "zero2":
+                regather = ct("all_gather", full_params, dpg)
         gather = 2 * ct("all_gather", full_params, dpg) if s.sdp == "zero3" else 0.0
         act, recompute = self._activations(m, n, s)
         transient = 0.0
@@ -402,6 +405,8 @@ class CostModel:
             # equal blocks), then the buffer's gradient, or (the own buffer freed) the gradient's
             # reduce-scatter staging; the forward peak (three buffers) is never larger
             transient = 3 * full_params + max(full_params, full_grads)
+        elif s.sdp == "zero2" and s.dp > 1:
+            transient = full_params + full_grads   # a pass's gradient and its reduce-scatter staging
         elif s.dp > 1:
             transient = min(self.bucket_bytes, full_grads)
         if s.ckpt:
@@ -409,7 +414,7 @@ class CostModel:
         out = m.output_elems(n) * self.itemsize / (s.tp if s.sp else 1)
         overhead, optimizer = self._overheads(index, elems_tp, s)
         return LayerCost(fwd, bwd, self._tp_comm(m, n, s), sync, gather, st.params, st.grads, st.optimizer,
-                         act, transient, out, st.masters, overhead, optimizer, exposed, regather)
+                         act, transient, out, st.masters, overhead, optimizer, exposed, regather, reduce_scatter)
 
     def _model_grad_bytes(self) -> float:
         """Bytes of the whole model's gradients as DP reduces them (no TP): what the buckets hold."""

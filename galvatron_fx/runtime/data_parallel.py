@@ -17,12 +17,12 @@ the layer graph produces them (:class:`_LayerParams`) and decides what its backw
                                                                    into the DP group's buckets
                                                                    (:class:`GradBuckets`), async
                                                                    all-reduce per full bucket
-"zero2"    whole buffer and its shard  ``zero2_params``: after an   accumulate; last micro-batch:
-           (the Parameter, a copy)     optimizer step, all-gather   async reduce-scatter
+"zero2"    whole buffer and its shard  ``zero2_params``: after an   async reduce-scatter each
+           (the Parameter, a copy)     optimizer step, all-gather   micro-batch, shards summed
                                        the shards (prefetched)
 "zero3"    its shard only              ``zero3_all_gather``         free the re-gathered buffer,
                                        (prefetched by the previous  async reduce-scatter each
-                                       layer); ``zero3_release``    micro-batch
+                                       layer); ``zero3_release``    micro-batch, shards summed
                                        frees it after the layer
 =========  ==========================  ==========================  ============================
 
@@ -134,7 +134,9 @@ class FlatParams(nn.Module):
         self.prev_gather: FlatParams | None = None
         self.next_gather: FlatParams | None = None
         self._prefetch: tuple | None = None   # (work, staging, shard) of an async all-gather
-        self._acc: torch.Tensor | None = None
+        self._acc: torch.Tensor | None = None     # DP: the whole-buffer gradient over micro-batches
+        self._rs: tuple | None = None             # ZeRO: (work, staging, shard) of the reduce-scatter in flight
+        self._rs_sum: torch.Tensor | None = None  # ZeRO: the shards of earlier micro-batches, summed
         self._pending: list = []
         self.stale = False   # the optimizer may have updated the masters since the working copy was made
         self.last_micro_batch = True
@@ -282,11 +284,14 @@ class FlatParams(nn.Module):
     def on_grad(self, grads: tuple) -> None:
         """Backward of the layer-entry call: ``grads`` are the gradients of one pass for each chunk
         of the buffer (``part_sizes``; ``None`` for a chunk nothing read, padding), in the working
-        copy's dtype; accumulation over micro-batches is in the masters' dtype. The first pass
-        concatenates its chunks straight into the accumulator (no whole-buffer gradient to copy);
-        ZeRO-3 copies them into its reduce-scatter staging buffer."""
-        if self.mode == "zero3":
-            self.free_full()   # the layer's backward is done with its parameters
+        copy's dtype; accumulation over micro-batches is in the masters' dtype. DP concatenates the
+        first pass's chunks straight into the accumulator (no whole-buffer gradient to copy); ZeRO-2
+        and ZeRO-3 copy them into a reduce-scatter staging buffer every pass and accumulate shards,
+        so no whole-buffer gradient outlives the pass (NOTE: accumulating whole-buffer gradients
+        over micro-batches would hold ``P - S`` elements per layer the memory model does not)."""
+        if self.mode in ("zero2", "zero3"):
+            if self.mode == "zero3":
+                self.free_full()   # the layer's backward is done with its parameters
             self._launch_reduce_scatter(grads)
             return
         if self._acc is None:
@@ -296,9 +301,7 @@ class FlatParams(nn.Module):
         if not self.last_micro_batch:
             return
         acc, self._acc = self._acc, None
-        if self.mode == "zero2":
-            self._launch_reduce_scatter(acc.split_with_sizes(self.part_sizes))
-        elif self.dp == 1:
+        if self.dp == 1:
             self._pending.append((None, acc))
         elif self.buckets is not None:
             self.buckets.add(self, acc.to(self.reduce_dtype))
@@ -323,9 +326,13 @@ class FlatParams(nn.Module):
         return self._zeros[key]
 
     def _launch_reduce_scatter(self, grads: tuple) -> None:
-        """Async reduce-scatter of a whole-buffer gradient given as its chunks (``grads``)."""
+        """Reduce-scatter one pass's whole-buffer gradient (given as its chunks, ``grads``)
+        asynchronously into a shard; the previous pass's shard is folded into the running sum
+        first (:meth:`_fold_reduce_scatter`), so one layer holds at most two shards and one
+        staging buffer."""
+        self._fold_reduce_scatter()
         if self.dp == 1:
-            self._pending.append((None, self._flat(grads).to(self.flat_param.dtype)))
+            self._rs = (None, None, self._flat(grads))
             return
         # copy-in: each parameter's rows into its [dp, seg] columns of a [dp, S] staging buffer
         staging = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.flat_param.device)
@@ -333,14 +340,28 @@ class FlatParams(nn.Module):
         self.layout.copy_in_params([None if g is None else g.reshape(-1) for g in params], staging)
         out = staging.new_empty(self.shard_numel)
         work = reduce_scatter_single(out, staging, group=group(self.dp_ranks), async_op=True)
-        self._pending.append((work, staging))   # keep the input alive until the op completes
-        self._pending.append((None, out))
+        self._rs = (work, staging, out)   # the staging buffer stays alive until the op completes
+
+    def _fold_reduce_scatter(self) -> None:
+        """Wait for the reduce-scatter in flight (if any) and add its shard to the running sum (in
+        the masters' dtype)."""
+        if self._rs is None:
+            return
+        (work, _staging, out), self._rs = self._rs, None
+        if work is not None:
+            work.wait()
+        out = out.to(self.flat_param.dtype)
+        self._rs_sum = out if self._rs_sum is None else self._rs_sum.add_(out)
 
     def finish_grad_sync(self) -> None:
         """Wait for this layer's collectives and set ``flat_param.grad`` (sum of the results, in the
         masters' dtype)."""
         if self.buckets is not None:
             self.buckets.finish()   # the first store to finish hands every store of its buckets its part
+        self._fold_reduce_scatter()
+        if self._rs_sum is not None:
+            self._pending.append((None, self._rs_sum))
+            self._rs_sum = None
         total = None
         for work, _value in self._pending:
             if work is not None:
@@ -360,7 +381,8 @@ class FlatParams(nn.Module):
 
     def zero_grad_state(self) -> None:
         """Start of a step: no gradient, no pending op, no stale gathered buffer."""
-        self._pending, self._acc = [], None
+        self._fold_reduce_scatter()   # an interrupted step's collective still completes on every rank
+        self._pending, self._acc, self._rs_sum = [], None, None
         if self.buckets is not None:
             self.buckets.reset()
         self.flat_param.grad = None

@@ -6,10 +6,11 @@ by the same model. Units: seconds and bytes.
 
 For a pipeline of ``p`` stages and ``m`` micro-batches (stage ``k`` on devices ``k*N/p ..``):
 
-* a layer's time per micro-batch ``t_mb = overlap(fwd + bwd, zero3_gather) + tp_comm + overhead +
-  reshard_in``: ZeRO-3's parameter gathers (forward and backward) overlap compute (the runtime
-  prefetches the next layer's gather in forward, the previous one's in backward, each beside a
-  neighbour's compute, priced as the layer's own); TP collectives and the framework's fixed
+* a layer's time per micro-batch ``t_mb = overlap(fwd + bwd, zero3_gather + reduce_scatter) +
+  tp_comm + overhead + reshard_in``: ZeRO-3's parameter gathers (forward and backward) and ZeRO-2/3's
+  per-micro-batch gradient reduce-scatter overlap compute (the runtime prefetches the next layer's
+  gather in forward, the previous one's in backward, and reduce-scatters asynchronously, each beside
+  a neighbour's compute, priced as the layer's own); TP collectives and the framework's fixed
   per-layer / per-micro-batch costs sit on the critical path;
 * its per-step gradient synchronisation is exposed only beyond the last backward it overlaps (but
   the share in the last gradient bucket, ``exposed_sync``, overlaps nothing), and its share of the
@@ -62,7 +63,8 @@ class LayerTerms:
 def layer_terms(cost: Any, cluster: Any) -> LayerTerms:
     """Reduce a cost model ``LayerCost`` to :class:`LayerTerms` with the cluster's overlap model."""
     compute = cost.fwd_s + cost.bwd_s
-    t_mb = cluster.overlap_time(compute, cost.zero3_gather_s) + cost.tp_comm_s + getattr(cost, "overhead_s", 0.0)
+    zero = cost.zero3_gather_s + getattr(cost, "reduce_scatter_s", 0.0)
+    t_mb = cluster.overlap_time(compute, zero) + cost.tp_comm_s + getattr(cost, "overhead_s", 0.0)
     exposed = getattr(cost, "exposed_sync_s", 0.0)
     regather = getattr(cost, "regather_s", 0.0)
     sync = (cluster.overlap_time(cost.bwd_s, cost.grad_sync_s - exposed) - cost.bwd_s + exposed
