@@ -135,6 +135,8 @@ def test_tiny_scaling_rules(tiny):
     assert z2.grad_sync_s == z3.grad_sync_s == 0
     assert z2.regather_s == pytest.approx(CLUSTER.collective_time("all_gather", 160 * 4, [0, 2]))
     assert z3.regather_s == dp.regather_s == 0
+    first = cm.layer_cost(0, Strategy(2, 2, "zero2"), 4)   # nothing before it to hide its re-gather
+    assert first.regather_s == 0 and first.exposed_sync_s == first.grad_sync_s > 0
     # symbolic form agrees with direct evaluation
     f = cm.lambdified(i, Strategy(2, 1))
     assert f["activation_bytes"](4) == pytest.approx(tp2.activation_bytes)

@@ -396,6 +396,11 @@ class CostModel:
             sync, reduce_scatter = 0.0, ct("reduce_scatter", full_grads, dpg)
             if s.sdp == "zero2":
                 regather = ct("all_gather", full_params, dpg)
+                if index == 0:
+                    # NOTE: the first layer's re-gather has no layer before it to hide behind
+                    # (prefetch starts from it): priced as exposed step sync
+                    sync = exposed = regather
+                    regather = 0.0
         gather = 2 * ct("all_gather", full_params, dpg) if s.sdp == "zero3" else 0.0
         act, recompute = self._activations(m, n, s)
         transient = 0.0
