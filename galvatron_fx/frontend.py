@@ -63,9 +63,17 @@ def input_names(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list, pytr
     """Flatten ``(args, kwargs)``; name each tensor leaf after the forward() argument it came from."""
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs)
-        arg_names = list(bound.arguments)
-        bound_values = list(bound.arguments.values())
+        sig = inspect.signature(model.forward)
+        bound = sig.bind(*args, **kwargs)
+        arg_names, bound_values = [], []
+        for name, value in bound.arguments.items():
+            if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                # NOTE: ``forward(*args, **kwargs)`` (peft's PeftModel): name leaves by keyword
+                arg_names += list(value)
+                bound_values += list(value.values())
+            else:
+                arg_names.append(name)
+                bound_values.append(value)
     except (TypeError, ValueError):
         arg_names, bound_values = [], []
     names: list[str] = []

@@ -44,6 +44,8 @@ def clean_module_path(raw: str, prefix: str = "") -> str:
     s = re.sub(r"\._modules\['([^']*)'\]", r".\1", s)
     s = re.sub(r"\['([^']*)'\]", r".\1", s)
     s = re.sub(r"\[(\d+)\]", r".\1", s)
+    # NOTE: a module reached through ``self.__dict__["_modules"]`` (peft's ``__getattr__`` forwarding)
+    s = re.sub(r"(^|\.)__dict__\._modules(?=\.)", "", s)
     s = s.strip(".")
     if prefix:
         if s == prefix:

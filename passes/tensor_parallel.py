@@ -73,6 +73,7 @@ from ..sharding import (  # noqa: F401 (unshard: re-exported, it used to live he
     shard_tensor,
     unshard,
 )
+from ..sharding.linear import ADAPTER_WHY
 from ..sharding.report import layer_report
 from .context import ContextPass
 from .split_layers import fetch_attr, fresh_copy
@@ -137,11 +138,13 @@ def apply_tensor_parallel(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[in
                      ", ".join(p.sharded_outputs))
     kinds = {r.index: r.kind for r in graph_info(gm).layers}
     for idx, p in plans.items():
-        if p.replicated_linears:
+        # NOTE: a low-rank adapter's A runs replicated by design (sharding/linear.py: adapter_down)
+        forced = [n for n in p.replicated_linears if not p.why_replicated.get(n, "").startswith(ADAPTER_WHY[:20])]
+        if forced:
             # NOTE: a block that cannot shard some projection is worth a warning (it costs memory and
             # time the cost model may not expect); replicated embedding / head parts are routine.
             (log.warning if kinds[idx] == "block" else log.info)(
-                "layer %s (tp=%d): %s run replicated in the TP group", p.name, p.tp, ", ".join(p.replicated_linears))
+                "layer %s (tp=%d): %s run replicated in the TP group", p.name, p.tp, ", ".join(forced))
     return gm
 
 

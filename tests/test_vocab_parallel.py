@@ -80,10 +80,12 @@ def test_weighted_cross_entropy_gathers_the_logits_first():
     res = analyze(gm, {post: (2, False)})[post]
     assert not res.vocab_losses and res.column   # the head still shards; its logits are all-gathered
     assert any(op[0] == "gather" for op in res.conversions.values())
-    # returned beside such a loss, the logits cannot leave sharded: the head runs replicated
+    # returned beside such a loss, the logits still leave as this rank's slice (an output beside the
+    # loss: eval_step(return_outputs=True) assembles it), the loss gathers its own copy
     gm = gfx.capture(HeadLM(weight=torch.rand(VOCAB)), head_inputs(), method="fx")
     res = analyze(gm, {post: (2, False)})[post]
-    assert not res.vocab_losses and not res.column and res.replicated_linears
+    assert not res.vocab_losses and res.column and not res.replicated_linears
+    assert len(res.sharded_outputs) == 1 and any(op[0] == "gather" for op in res.conversions.values())
 
 
 def test_tied_head_and_embedding_shard_alike():

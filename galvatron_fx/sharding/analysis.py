@@ -104,12 +104,22 @@ class LayerAnalyzer:
                     raise Demote(origins, f"its output leaves the layer at {node.name} as split pieces")
                 s = None
             if isinstance(s, Sharded) and s.kind == TP:
-                if not self.vocab_sharded_output(s, external):
+                if not (self.vocab_sharded_output(s, external) or self.extra_output(s, external)):
                     raise Demote(s.origins, f"its output leaves the layer sharded at {node.name}")
                 self.res.sharded_outputs.append(node.name)
             self.res.outputs[node.name] = s   # replicated or sequence-sharded; the pass converts
         self.res.states = {n.name: s for n, s in self.state.items()}
         return self.res
+
+    def extra_output(self, s: Sharded, external) -> bool:
+        """A value read only by the graph output of the whole model (not a pipeline stage's sends):
+        an output beside the loss, such as the KV cache transformers returns under torch.compile,
+        which training never materialises; it leaves as this rank's slice, marked, and
+        ``eval_step(return_outputs=True)`` assembles it. NOTE: without this, a cache output made
+        every attention projection run replicated."""
+        stage = getattr(graph_info(self.gm), "stage", None)
+        return (getattr(s, "plain", True) and (stage is None or stage.is_last)
+                and all(u.op == "output" for u in external))
 
     def vocab_sharded_output(self, s: Sharded, external) -> bool:
         """Logits beside a vocabulary-parallel loss of this layer may leave as a graph output still

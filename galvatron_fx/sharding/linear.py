@@ -90,7 +90,9 @@ def parallel_linear(an, node, lin: LinearOperands):
     if s is None or (s.kind == SEQ and s.dim != lin.x_in and s.dim not in lin.x_shared):
         blocks = an.blocks.get(node.name)
         out = Sharded(lin.y_out, TP, frozenset({node.name}), blocks=blocks)
-        if node.name not in an.demoted and _column_ok(an, node, out_w) and _addend_ok(an, node, lin, out):
+        adapter = adapter_down(node, lin)
+        if node.name not in an.demoted and not adapter and _column_ok(an, node, out_w) \
+                and _addend_ok(an, node, lin, out):
             an.conv(node, x, ("copy",) if s is None else ("all_gather_seq", s.dim))
             if lin.addend is not None:
                 _addend(an, node, lin.addend, out)
@@ -106,7 +108,7 @@ def parallel_linear(an, node, lin: LinearOperands):
                 an.res.regather[node.name] = (lin.y_out, tuple(size // an.tp for size in sizes),
                                               tuple(mode for _, mode in blocks))
             return out
-        an.replicated(node, _column_why(an, out_w))
+        an.replicated(node, ADAPTER_WHY.format(r=out_w) if adapter else _column_why(an, out_w))
         if s is None:
             return None
         if lin.addend is not None:
@@ -123,6 +125,45 @@ def parallel_linear(an, node, lin: LinearOperands):
         _copy_params(an, node, lin)          # weight applied per shard of another dim
         return s
     raise Unsupported
+
+
+ADAPTER_WHY = ("low-rank adapter A (rank {r}): runs replicated so that its B shards like the base layer "
+               "(no collective of its own)")
+_PASS_THROUGH = {"dropout", "mul", "to", "contiguous", "clone", "type_as", "float", "alias", "identity"}
+
+
+def _through(node, hops: int = 2):
+    """``node``, or the last of up to ``hops`` single-user pass-through ops after it (dropout, a
+    scaling ``mul``, a cast)."""
+    for _ in range(hops):
+        if len(node.users) != 1:
+            break
+        user = next(iter(node.users))
+        if op_name(user) not in _PASS_THROUGH:
+            break
+        node = user
+    return node
+
+
+def adapter_down(node, lin: LinearOperands) -> bool:
+    """Whether ``node`` is the down-projection ``A`` of a low-rank adapter (LoRA as peft writes it:
+    ``base(x) + B(A(dropout(x))) * scaling``): a linear to ``r <= in / 4`` features whose only user
+    (through pass-through ops) is a linear ``B`` from those ``r`` features, whose output is added to
+    something. Run replicated on a replicated input, it lets ``B`` shard like the base layer
+    (column-parallel, the sum sharded alike); a column-parallel ``A`` would make ``B`` row-parallel
+    and its output a whole-width all-reduce per adapter."""
+    w = shape_of(lin.weight)
+    r, n_in = w[lin.w_out], w[lin.w_in]
+    if r * 4 > n_in:
+        return False
+    end = _through(node)
+    if len(end.users) != 1:
+        return False
+    b = next(iter(end.users))
+    blin = linear_operands(b)
+    if blin is None or blin.x is not end or shape_of(blin.weight)[blin.w_in] != r:
+        return False
+    return any(op_name(u) == "add" for u in _through(b).users)
 
 
 def _addend_ok(an, node, lin, out) -> bool:

@@ -49,11 +49,20 @@ def reduce(an, node, ins, states):
     return s.moved(s.dim - (0 if keep else sum(1 for d in dims if d < s.dim)))
 
 
+def _empty_1d(node) -> bool:
+    v = tensor_val(node)
+    return v is not None and v.dim() == 1 and v.numel() == 0
+
+
 @register_rule("cat", "stack")
 def cat(an, node, ins, states):
-    """Values sharded alike, concatenated (or stacked: GPT-J's interleaved rotary) along another dim."""
+    """Values sharded alike, concatenated (or stacked: GPT-J's interleaved rotary) along another dim.
+    A 1-D empty operand (transformers' empty KV cache, ``cat([tensor([]), k])``) is skipped, as
+    ``torch.cat`` itself skips it."""
     nd = tensor_val(node).dim()
     dim = node_arg(node, 1, "dim", 0) % nd
+    if op_name(node) == "cat":
+        states = [s for i, s in zip(ins, states) if not _empty_1d(i) or s is not None]
     sh = [s for s in states if isinstance(s, Sharded)]
     if len({(s.dim, s.kind, s.outer, s.blocks) for s in sh}) != 1 or len(sh) != len(states):
         raise Unsupported
