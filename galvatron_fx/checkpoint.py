@@ -161,7 +161,8 @@ def load(dist_model, optimizer: torch.optim.Optimizer | None, path: str | os.Pat
     stage = _stage(dist_model)
     if optimizer is not None:
         mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        if not {id(s.flat_param) for s in stage.stores} <= mine:
+        theirs = {id(p) for p in stage.parameters()}
+        if not mine & theirs or not mine <= theirs:
             raise ConfigError("the optimizer does not hold this model's parameters; build it over "
                               "dist_model.parameters() before gfx.checkpoint.load")
     reader = dcp.FileSystemReader(path)
@@ -341,11 +342,13 @@ def _marker(dist_model, optimizer, step: int) -> dict:
 
 
 def _restore_hparams(optimizer: torch.optim.Optimizer, saved: list[dict]) -> None:
-    """Saved hyper-parameters (lr after a scheduler, betas, ...) into every param group: the model's
-    parameters are flat per layer, so all groups share one set (see ``DistributedModel.optimizer``)."""
+    """Saved hyper-parameters (lr after a scheduler, betas, ...) into the param groups: group ``i``
+    from saved group ``i`` when the counts match (groups built the same way), else the first saved
+    group into every group (a checkpoint of an earlier version, whose one group held everything)."""
     if not saved:
         return
-    for g in optimizer.param_groups:
-        for k, v in saved[0].items():
+    same = len(saved) == len(optimizer.param_groups)
+    for i, g in enumerate(optimizer.param_groups):
+        for k, v in saved[i if same else 0].items():
             if k in g:
                 g[k] = tuple(v) if isinstance(g[k], tuple) else v

@@ -48,7 +48,7 @@ field                       what it prices
 ``microbatch_overhead_s``   one micro-batch of one stage: slicing the inputs, the loss, starting
                             the autograd engine; with pipelining, the send / recv bookkeeping
 ``optimizer_s_per_byte``    the optimizer step, per byte of fp32 parameters a device updates
-``optimizer_overhead_s``    the optimizer step, per parameter tensor (one flat buffer per layer)
+``optimizer_overhead_s``    the optimizer step, per parameter tensor (one per trainable parameter)
 ``checkpoint_op_s``         one forward op of a checkpointed layer: ``torch.utils.checkpoint``'s
                             saved-tensor hooks and recomputation bookkeeping (re-running the op
                             is priced as a second forward)

@@ -463,8 +463,13 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
         latency = max(both - alone, bare) / 8
 
     # AdamW at two sizes of 4 tensors: slope = seconds per byte, intercept / 4 = per tensor
+    # NOTE: tensors of the class the user's optimizer steps (runtime/params.py: its
+    # __torch_function__ is part of the per-tensor cost)
+    from .runtime.params import ShardedParameter
+
     def adam_time(numel: int) -> float:
-        params = [torch.zeros(numel, device=device, requires_grad=True) for _ in range(4)]
+        params = [torch.Tensor._make_subclass(ShardedParameter, torch.zeros(numel, device=device), True)
+                  for _ in range(4)]
         for p in params:
             p.grad = torch.zeros_like(p)
         opt = torch.optim.AdamW(params, lr=1e-3)

@@ -16,7 +16,8 @@ its contract in its docstring)::
     resharding         batch / sequence slices between layers
     stage_inputs       (pp > 1) received values -> each layer's layout; global layer names
     codegen            the DistributedModel (train_step, full_state_dict, ...)
-    bind_parameters    (torch.compile backend) the user's nn.Parameters -> views of the buffers
+    bind_parameters    every original parameter -> a ShardedParameter view of this rank's part,
+                       under its name (torch.compile: the user's own Parameter objects)
 
 The rank layout (which ranks form a layer's TP and DP groups, which batch slice a rank holds) is
 documented in :mod:`galvatron_fx.runtime.groups`. ``dist_model.passes`` lists the passes that ran,
@@ -80,9 +81,7 @@ def parallelize_passes(ctx: ParallelContext, bind: dict | None = None) -> list[G
         # NOTE: after resharding, which leaves received values alone: they enter from the
         # boundary layout, not from a graph input's whole micro-batch.
         passes.append(StageInputsPass(ctx))
-    passes.append(CodegenPass(ctx))
-    if bind is not None:
-        passes.append(BindParametersPass(ctx, bind))
+    passes += [CodegenPass(ctx), BindParametersPass(ctx, bind)]
     return passes
 
 
@@ -103,8 +102,8 @@ def transform(gm: torch.fx.GraphModule, plan: Plan | None = None, loss_fn=None, 
         reduce_dtype: mixed-precision plans: the dtype gradients are reduced in over DP, ``"fp32"``
             (default) or the compute dtype's name (``"bf16"`` / ``"fp16"``: half the traffic).
             The plan's ``precision`` decides the rest (:mod:`galvatron_fx.runtime.precision`).
-        bind: ``fqn -> nn.Parameter`` of the user's model to re-point onto this rank's storage
-            (the torch.compile backend's parameter binding).
+        bind: ``fqn -> nn.Parameter`` of the user's model to turn into this rank's parameter views
+            (the torch.compile backend's parameter binding; :mod:`galvatron_fx.runtime.params`).
 
     Raises:
         ConfigError: torch.distributed not initialised, or a graph without layer records.
@@ -128,7 +127,7 @@ def transform(gm: torch.fx.GraphModule, plan: Plan | None = None, loss_fn=None, 
     _check_pipeline(gm, plan, world)
     ctx = ParallelContext(plan, dist.get_rank(), world, method=info.method, global_batch=graph_batch_size(gm),
                           bucket_bytes=bucket_bytes, loss_fn=loss_fn,
-                          precision=precision_policy(plan.precision, reduce_dtype))
+                          precision=precision_policy(plan.precision, reduce_dtype), param_fqns=_param_fqns(gm))
     # NOTE: dist.new_group is collective over the whole world: every rank creates every group any
     # rank needs (every stage's, and the p2p groups), in one sorted order, before a pass uses one.
     GROUPS.ensure(_rank_sets(plan, world))
@@ -139,8 +138,18 @@ def transform(gm: torch.fx.GraphModule, plan: Plan | None = None, loss_fn=None, 
         return model
     pipe = PipelineModel(model, plan, ctx.stage_info, input_names=[n.name for n in _placeholders(gm)],
                          rank=ctx.rank, stage_size=ctx.stage_size)
-    pipe.passes, pipe.bindings = model.passes, ctx.bindings
+    pipe.passes = model.passes
     return pipe
+
+
+def _param_fqns(gm: torch.fx.GraphModule) -> list[str]:
+    """The whole model's parameters (trainable and frozen), in graph order, each once."""
+    out: dict[str, None] = {}
+    for n in gm.graph.nodes:
+        p = getattr(n.meta.get(META_KEY), "param", None)
+        if n.op == "get_attr" and p is not None and p.is_param:
+            out.setdefault(p.fqn)
+    return list(out)
 
 
 def _placeholders(gm: torch.fx.GraphModule) -> list:

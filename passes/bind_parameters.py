@@ -1,23 +1,21 @@
-"""Parameter binding pass: the user's ``nn.Parameter`` objects -> views of this rank's storage.
+"""Parameter binding pass: every original parameter -> a :class:`~galvatron_fx.runtime.params.ShardedParameter`
+view of this rank's part in the flat buffers, under its original name.
 
-Takes the ``DistributedModel`` of :mod:`.codegen` and a ``fqn -> nn.Parameter`` map of the
-original model (the torch.compile backend's parameters, which an optimizer built from
-``model.parameters()`` holds); leaves the model unchanged and re-points each parameter with
-``param.data = view`` onto the distributed program's storage:
+Takes the ``DistributedModel`` of :mod:`.codegen` (its stores: every parameter of the stage, trainable
+and frozen, lives in one) and optionally ``fqn -> nn.Parameter`` of the user's model (the torch.compile
+backend's parameters, which an optimizer built from ``model.parameters()`` holds). Leaves the model
+with a :class:`~galvatron_fx.runtime.params.ParamRegistry` (``model.params``) whose entries
+``named_parameters()`` yields: new ``ShardedParameter`` objects, or, given the user's parameters,
+those very objects with their class changed in place and ``.data`` re-pointed at the views (see
+:mod:`galvatron_fx.runtime.params`). A user parameter this rank holds no part of (another pipeline
+stage's) becomes an empty tensor. ``optimizer.step()`` on these parameters updates the buffers in
+place; after each step's backward they hold their gradient views.
 
-* ``sdp="none"``: a view of the layer's flat buffer, the whole (TP-local) parameter, shape kept;
-* ZeRO-2/3: this rank's dim-0 slice of the parameter in its flat shard, 1-D (possibly empty);
-* a trainable parameter this rank holds no part of (another pipeline stage): an empty tensor.
-
-``optimizer.step()`` on the original parameters therefore updates the program's buffers in
-place. The bindings (:class:`Binding`, with :meth:`Binding.grad` for the matching gradient view)
-land in ``ctx.bindings`` and on the model as ``model.bindings``.
+Each parameter's ``slot`` is its position among the parameters of the *whole* model
+(``ctx.param_fqns``, every stage's), the index of the norm reduction (:mod:`galvatron_fx.runtime.grad_norm`).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.fx
@@ -25,49 +23,34 @@ from torch import nn
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..runtime.module import DistributedModel
+from ..runtime.params import ParamRegistry, ParamSpec, ShardedParameter
 from .base import check
 from .context import ContextPass, ParallelContext
 
 
-@dataclass
-class Binding:
-    """Where one original parameter lives on this rank."""
-
-    param: nn.Parameter
-    store: Any          # the FlatParams holding it, or None (this rank holds none of it)
-    lo: int = 0         # element range in store.flat_param
-    hi: int = 0
-    shape: tuple | None = None  # kept shape (sdp="none"), else 1-D
-
-    def view(self, flat: torch.Tensor) -> torch.Tensor:
-        part = flat[self.lo:self.hi]
-        return part.view(self.shape) if self.shape is not None else part
-
-    def grad(self) -> torch.Tensor | None:
-        """The view of this rank's gradient matching the bound parameter (None if there is none)."""
-        if self.store is None:
-            return None
-        g = self.store.flat_param.grad
-        return None if g is None else self.view(g)
-
-
-def bind_parameters(stores, params: dict[str, nn.Parameter]) -> dict[str, Binding]:
-    """Re-point each of ``params`` onto ``stores`` (see the module docstring); fqn -> Binding."""
-    bindings: dict[str, Binding] = {}
+def build_registry(ctx: ParallelContext, stores, user: dict[str, nn.Parameter] | None) -> ParamRegistry:
+    """The registry of ``stores`` (see the module docstring)."""
+    slots = {fqn: i for i, fqn in enumerate(ctx.param_fqns)}
+    device = stores[0].flat_param.device if stores else torch.device("cpu")
+    stage = tuple(range(ctx.base, ctx.base + ctx.stage_size))
+    registry = ParamRegistry(ctx.rank, max(len(slots), 1), ctx.plan.pp > 1, device, stage)
+    user = user or {}
     for store in stores:
         for i, (fqn, shape) in enumerate(zip(store.fqns, store.shapes)):
-            p = params.get(fqn)
-            if p is None:
-                continue
-            lo, hi = store.shard_span(i)
-            bindings[fqn] = Binding(p, store, lo, hi, tuple(shape) if store.mode == "none" else None)
-    for fqn, p in params.items():
-        if fqn not in bindings and p.requires_grad:
-            bindings[fqn] = Binding(p, None)  # e.g. a parameter of another pipeline stage
-    with torch.no_grad():
-        for b in bindings.values():
-            b.param.data = b.view(b.store.flat_param.data) if b.store is not None else b.param.data.new_empty(0)
-    return bindings
+            shard = ctx.tp_shards.get(fqn, (None, ()))[0]
+            global_shape = list(shape)
+            if shard is not None:
+                global_shape[shard.dim] = sum(shard.blocks)
+            if fqn not in slots:   # NOTE: a graph made without gfx.capture's records: slots of its own
+                slots[fqn] = len(slots)
+                registry.slots = len(slots)
+            spec = ParamSpec(fqn, store, i, shard, tuple(global_shape), slots[fqn], registry)
+            registry.add(spec, user.get(fqn))
+    for fqn, p in user.items():
+        if fqn not in registry.params and p.requires_grad:
+            with torch.no_grad():
+                p.data = p.data.new_empty(0)   # another pipeline stage's parameter
+    return registry
 
 
 class BindParametersPass(ContextPass):
@@ -75,7 +58,7 @@ class BindParametersPass(ContextPass):
 
     name = "bind_parameters"
 
-    def __init__(self, ctx: ParallelContext, params: dict[str, nn.Parameter]):
+    def __init__(self, ctx: ParallelContext, params: dict[str, nn.Parameter] | None = None):
         super().__init__(ctx)
         self.params = params
 
@@ -83,13 +66,14 @@ class BindParametersPass(ContextPass):
         check(isinstance(graph_module, DistributedModel), "bind_parameters needs the DistributedModel (run codegen first)")
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
-        self.ctx.bindings = bind_parameters(graph_module.stores, self.params)
-        graph_module.bindings = self.ctx.bindings
+        graph_module.params = build_registry(self.ctx, graph_module.stores, self.params)
         return PassResult(graph_module, False)
 
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:
-        for fqn, b in self.ctx.bindings.items():
-            if b.store is not None:
-                st = b.store.flat_param.untyped_storage().data_ptr()
-                check(b.param.untyped_storage().data_ptr() == st,
-                      f"parameter {fqn!r} must share its flat buffer's storage after binding")
+        registry = graph_module.params
+        held = {f for s in graph_module.stores for f in s.fqns}
+        check(set(registry.params) == held, "bind_parameters must expose every parameter of the stage once")
+        for fqn, p in registry.named():
+            check(isinstance(p, ShardedParameter), f"parameter {fqn!r} is not a ShardedParameter")
+            check(p.untyped_storage().data_ptr() == p._gfx.store.flat_param.untyped_storage().data_ptr(),
+                  f"parameter {fqn!r} must share its flat buffer's storage")

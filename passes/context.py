@@ -2,7 +2,8 @@
 
 :class:`ParallelContext` is created once per transform (see :mod:`galvatron_fx.parallelize`) and
 handed to every rewrite pass. Inputs (set before the first pass): the whole plan, this rank, the
-world size, the capture front end, the captured global batch, the DP bucket size and the loss.
+world size, the capture front end, the captured global batch, the DP bucket size, the loss and
+the names of the whole model's parameters.
 Products (set by the pass named beside each field) are read by the passes after it and by the
 code generator; nothing else carries state between passes.
 """
@@ -37,13 +38,13 @@ class ParallelContext:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     loss_fn: Any = None
     precision: Precision = field(default_factory=Precision)  # runtime/precision.py: the plan's policy
+    param_fqns: list = field(default_factory=list)  # every parameter of the whole model, graph order
     # products
     token_loss: Any = None                       # token_loss: TokenLoss (count graph, scale buffer)
     stage_info: StageInfo | None = None          # stage_split
     tp_shards: dict = field(default_factory=dict)  # tensor_parallel: fqn -> (ShardInfo, TP ranks)
     stores: list = field(default_factory=list)     # data_parallel: this rank's FlatParams, layer order
     output_layout: Layout | None = None          # resharding: layout of the graph output
-    bindings: dict = field(default_factory=dict)   # bind_parameters: fqn -> binding
 
     @property
     def stage_size(self) -> int:

@@ -1,18 +1,22 @@
-"""Data-parallel pass: each layer's parameters -> views of one flat buffer synchronised over DP.
+"""Data-parallel pass: each layer's parameters -> views of flat buffers synchronised over DP.
 
-:class:`DataParallelPass` takes SPLIT and leaves SPLIT: every layer submodule with trainable
-parameters is rewritten by :func:`flatten_layer_params` for its plan entry (``sdp`` mode, DP group
-of the rank layout in :mod:`galvatron_fx.runtime.groups`): all-reduced (``sdp="none"``),
-reduce-scattered with replicated parameters (``"zero2"``) or sharded and all-gathered around use
-(``"zero3"``); see :mod:`galvatron_fx.runtime.data_parallel`. The stores land in ``ctx.stores``.
+:class:`DataParallelPass` takes SPLIT and leaves SPLIT: every layer submodule with parameters is
+rewritten by :func:`flatten_layer_params` for its plan entry (``sdp`` mode, DP group of the rank
+layout in :mod:`galvatron_fx.runtime.groups`): its trainable parameters go into one buffer,
+all-reduced (``sdp="none"``), reduce-scattered with replicated parameters (``"zero2"``) or sharded
+and all-gathered around use (``"zero3"``); its frozen ones (``requires_grad=False``) into a second
+buffer, ``frozen_params``, with no gradient, no reduction and no optimizer state: sharded and
+gathered around use under ZeRO-3, whole otherwise (ZeRO-2 shards only gradients and optimizer
+states, which they have none of); see :mod:`galvatron_fx.runtime.data_parallel`. The stores land
+in ``ctx.stores`` (layer order; per layer trainable first).
 Layers with ``sdp="none"`` of one DP group share DDP-style gradient buckets
 (:class:`~galvatron_fx.runtime.data_parallel.GradBuckets`, ``ctx.bucket_bytes`` each); ZeRO-2 and
 ZeRO-3 layers are chained for prefetch (:func:`link_prefetch`).
 Under a mixed-precision policy (``ctx.precision``) each buffer holds fp32 masters and a
 low-precision working copy the layer reads (:mod:`galvatron_fx.runtime.precision`).
 
-One layer (:func:`flatten_layer_params`). Input: a layer GraphModule from :mod:`.split_layers` (trainable parameters are ``get_attr``
-nodes with their original FQN targets) and the layer's ``sdp`` mode and DP ranks.
+One buffer (:func:`flatten_layer_params`). Input: a layer GraphModule from :mod:`.split_layers` (parameters are ``get_attr``
+nodes with their original FQN targets), which of them to flatten, and the ``sdp`` mode and DP ranks.
 
 Output (in place): the layer holds a :class:`~galvatron_fx.runtime.data_parallel.FlatParams`
 submodule ``flat_params``; its graph starts with ``param_parts = dp_params(flat_params)`` /
@@ -21,8 +25,8 @@ gap: ``FlatParams.part_sizes``, each parameter's in its shape) and reads each pa
 ``param_parts[j]`` under the parameter's old node name; a ZeRO-3 layer ends with
 ``zero3_release(flat_params, outputs)`` (unless a view of its buffer is itself an output, a tied
 weight, which keeps the buffer gathered). The original parameter attributes are removed, so
-the layer's only parameter is ``flat_params.flat_param``. Returns the store, or ``None`` when the
-layer has no trainable parameter.
+the layer holds no ``nn.Parameter`` (``flat_param`` is a plain tensor; the user sees per-parameter
+views, :mod:`.bind_parameters`). Returns the store, or ``None`` when there is nothing to flatten.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from ..runtime.data_parallel import ENTRY, FlatParams, GradBuckets, zero3_releas
 from ..runtime.groups import Layout
 from .base import check
 from .context import ContextPass
-from .split_layers import is_trainable_param, layer_outputs, route_outputs
+from .split_layers import is_param_node, is_trainable_param, layer_outputs, route_outputs
 
 
 class DataParallelPass(ContextPass):
@@ -56,12 +60,17 @@ class DataParallelPass(ContextPass):
         buckets: dict[tuple, GradBuckets] = {}
         for i, lp in enumerate(ctx.stage_plan.layers):
             layer = getattr(graph_module, layer_module_name(i))
-            ranks = Layout(lp.tp, lp.dp, base=ctx.base).dp_ranks(ctx.rank)
-            store = flatten_layer_params(layer, lp.sdp, ranks, ctx.rank, ctx.bucket_bytes, ckpt=lp.ckpt,
-                                         compute_dtype=ctx.precision.compute_dtype,
-                                         reduce_dtype=ctx.precision.reduce_dtype)
-            if store is not None:
-                if store.mode == "none" and store.dp > 1:
+            lay = Layout(lp.tp, lp.dp, base=ctx.base)
+            for trainable, attr, mode in ((True, "flat_params", lp.sdp),
+                                          (False, "frozen_params", "zero3" if lp.sdp == "zero3" else "none")):
+                nodes = [n for n in layer.graph.nodes if is_param_node(n) and is_trainable_param(n) == trainable]
+                store = flatten_layer_params(layer, mode, lay.dp_ranks(ctx.rank), ctx.rank, ctx.bucket_bytes,
+                                             ckpt=lp.ckpt, compute_dtype=ctx.precision.compute_dtype,
+                                             reduce_dtype=ctx.precision.reduce_dtype, nodes=nodes, attr=attr)
+                if store is None:
+                    continue
+                store.layer, store.tp_ranks = i, lay.tp_ranks(ctx.rank)
+                if store.trainable and store.mode == "none" and store.dp > 1:
                     key = (store.dp_ranks, store.reduce_dtype)
                     store.buckets = buckets.setdefault(key, GradBuckets(store.dp_ranks, ctx.bucket_bytes))
                 ctx.stores.append(store)
@@ -71,8 +80,9 @@ class DataParallelPass(ContextPass):
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:
         for i in range(len(self.ctx.stage_plan.layers)):
             layer = getattr(graph_module, layer_module_name(i))
-            left = [n.target for n in layer.graph.nodes if is_trainable_param(n)]
-            check(not left, f"layer {i} still reads trainable parameters outside its flat buffer: {left}")
+            left = [n.target for n in layer.graph.nodes if is_param_node(n)]
+            check(not left, f"layer {i} still reads parameters outside its flat buffers: {left}")
+            check(not list(torch.nn.Module.parameters(layer)), f"layer {i} still holds nn.Parameters")
 
 
 def link_prefetch(stores: list[FlatParams]) -> None:
@@ -81,7 +91,9 @@ def link_prefetch(stores: list[FlatParams]) -> None:
     previous one's in backward)."""
     chain = [s for s in stores if s.mode == "zero3" or (s.mode == "zero2" and s.dp > 1)]
     for a, b in zip(chain, chain[1:]):
-        a.next_gather, b.prev_gather = b, a
+        # NOTE: plain attributes, not submodules: the chain is no part of the module tree
+        object.__setattr__(a, "next_gather", b)
+        object.__setattr__(b, "prev_gather", a)
 
 
 def _fetch_owner(root: torch.nn.Module, target: str):
@@ -94,26 +106,30 @@ def _fetch_owner(root: torch.nn.Module, target: str):
 
 def flatten_layer_params(layer: torch.fx.GraphModule, mode: str, dp_ranks, rank: int,
                          bucket_bytes: int, ckpt: bool = False, compute_dtype: torch.dtype | None = None,
-                         reduce_dtype: torch.dtype | None = None) -> FlatParams | None:
+                         reduce_dtype: torch.dtype | None = None, nodes=None,
+                         attr: str = "flat_params") -> FlatParams | None:
     graph = layer.graph
-    nodes = [n for n in graph.nodes if is_trainable_param(n)]
+    if nodes is None:
+        nodes = [n for n in graph.nodes if is_trainable_param(n)]
     if not nodes:
         return None
     tensors = {}
     for n in nodes:
         owner, name = _fetch_owner(layer, n.target)
         tensors[n.target] = getattr(owner, name)
-    store = FlatParams(tensors, mode, dp_ranks, rank, bucket_bytes, compute_dtype, reduce_dtype)
-    layer.add_submodule("flat_params", store)
+    trainable = is_trainable_param(nodes[0])
+    store = FlatParams(tensors, mode, dp_ranks, rank, bucket_bytes, compute_dtype, reduce_dtype, trainable=trainable)
+    layer.add_submodule(attr, store)
     first = next(n for n in graph.nodes if n.op != "placeholder")
     # NOTE: the entry call hands out the buffer's chunks itself, not a buffer the graph slices or
     # splits: a slice's backward writes a zero-filled gradient of the *whole* buffer (autograd adds
     # them up), a split's backward concatenates one; per micro-batch, both were the pipeline's
     # overhead over torch.distributed.pipelining
     with graph.inserting_before(first):
-        fp = graph.get_attr("flat_params")
+        fp = graph.get_attr(attr)
         parts = graph.call_function(ENTRY[mode], (fp,))
-        parts.name = "param_parts" if "param_parts" not in {n.name for n in graph.nodes} else parts.name
+        want = "param_parts" if trainable else "frozen_parts"
+        parts.name = want if want not in {n.name for n in graph.nodes} else parts.name
     views = set()
     for i, n in enumerate(nodes):
         with graph.inserting_before(n):

@@ -33,9 +33,9 @@ import torch.fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..errors import ConfigError
-from ..ir import carries_batch, layer_module_name
+from ..ir import META_KEY, carries_batch, layer_module_name
 from .context import ContextPass
-from .split_layers import is_trainable_param
+from .split_layers import is_param_node
 
 BAKED_SHAPE_METHODS = ("dynamo", "export")
 """Front ends whose graphs bake the captured batch into shape arguments."""
@@ -95,9 +95,11 @@ def _localize_layer(layer: torch.fx.GraphModule, B: int, b: int) -> int:
         v = n.meta.get("val")
         if n.op == "placeholder":
             batched[n] = isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == B
-            has_param[n] = not batched[n] and bool(getattr(v, "requires_grad", False))
+            # NOTE: a tied weight received from its owner layer keeps the owner's parameter record
+            from_param = getattr(n.meta.get(META_KEY), "param", None) is not None
+            has_param[n] = not batched[n] and (bool(getattr(v, "requires_grad", False)) or from_param)
         elif n.op == "get_attr":
-            batched[n], has_param[n] = False, is_trainable_param(n)
+            batched[n], has_param[n] = False, is_param_node(n)
         else:
             ins = n.all_input_nodes
             batched[n] = carries_batch(n) and any(batched.get(x, False) for x in ins)

@@ -10,11 +10,11 @@ Output: a new GraphModule whose graph has the same placeholders and output and, 
   after the producing node), its output the values later layers or the graph output read (bare
   when there is one, else a tuple unpacked in the top graph by ``getitem`` nodes named after the
   producing node);
-* a trainable parameter lives in exactly one submodule, its owner layer's (the layer of its first
-  user), as a ``get_attr`` whose target is its original fully qualified name (so
+* a parameter (trainable or frozen) lives in exactly one submodule, its owner layer's (the layer of
+  its first user), as a ``get_attr`` whose target is its original fully qualified name (so
   ``dist_model.layers_3.get_parameter("blocks.2.attn.q.weight")`` holds it); a later layer that
   shares it (tied weights) receives it as an input from the owner's output;
-* buffers, frozen parameters and constants are duplicated into every layer that reads them;
+* buffers and constants are duplicated into every layer that reads them;
 * every top-graph value node carries ``meta["val"]`` and ``meta["galvatron"]`` (a NodeInfo whose
   ``layer`` is the producing layer; ``None`` for graph inputs); each submodule's
   ``meta["galvatron"]`` is its :class:`~galvatron_fx.ir.LayerRecord`, and the top module's is the
@@ -73,15 +73,19 @@ def is_split(gm: torch.fx.GraphModule) -> bool:
     return bool(layer_calls(gm))
 
 
+def is_param_node(node: torch.fx.Node) -> bool:
+    """A get_attr node holding a parameter of the model (trainable or frozen)."""
+    p = getattr(node.meta.get(META_KEY), "param", None)
+    return node.op == "get_attr" and p is not None and p.is_param
+
+
 def is_trainable_param(node: torch.fx.Node) -> bool:
     """A get_attr node holding a parameter that receives gradients."""
-    info = node.meta.get(META_KEY)
-    p = getattr(info, "param", None)
-    return node.op == "get_attr" and p is not None and p.is_param and p.requires_grad
+    return is_param_node(node) and node.meta[META_KEY].param.requires_grad
 
 
 def _is_shared_constant(node: torch.fx.Node) -> bool:
-    return node.op == "get_attr" and not is_trainable_param(node)
+    return node.op == "get_attr" and not is_param_node(node)
 
 
 def fetch_attr(root: torch.nn.Module, target: str):

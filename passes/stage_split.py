@@ -19,11 +19,12 @@ split, checkpointing, data parallel, resharding) run on it unchanged:
   **sent** values: every value computed here or received that a later stage reads (a value
   crossing several stages is passed on by the stages in between; e.g. T5's encoder output is
   read by every decoder block);
-* a trainable parameter lives only in the stage of its layer (the layer of its first user); a
-  later stage that reads it (a tied weight: LM head tied to the embedding) *receives* a copy of it
-  (``torch.clone`` in the owner's layer) like an activation, and its gradient travels back the same
-  way, so the owner's gradient holds every use (:func:`cross_stage_params` lists such weights);
-* buffers, frozen parameters and constants are copied into every stage that reads them.
+* a parameter (trainable or frozen) lives only in the stage of its layer (the layer of its first
+  user); a later stage that reads it (a tied weight: LM head tied to the embedding) *receives* a
+  copy of it (``torch.clone`` in the owner's layer) like an activation, and a trainable one's
+  gradient travels back the same way, so the owner's gradient holds every use
+  (:func:`cross_stage_params` lists such weights);
+* buffers and constants are copied into every stage that reads them.
 
 ``stage_gm.meta["galvatron"].stage`` is the :class:`~galvatron_fx.ir.StageInfo` describing the cut (which local
 inputs, which values received / sent, whether each is batched or needs a gradient).
@@ -41,25 +42,27 @@ from torch.fx.passes.infra.pass_base import PassResult
 from ..errors import ConfigError
 from ..ir import META_KEY, CrossingValue, GraphInfo, NodeInfo, StageInfo, graph_batch_size
 from .base import GraphPass, check
-from .split_layers import fetch_attr, is_trainable_param
+from .split_layers import fetch_attr, is_param_node, is_trainable_param
 
 
-def _flags(gm: torch.fx.GraphModule) -> tuple[dict, dict]:
-    """node -> depends on a batched graph input; node -> depends on a trainable parameter."""
+def _flags(gm: torch.fx.GraphModule) -> tuple[dict, dict, dict]:
+    """node -> depends on a batched graph input; on a trainable parameter; on any parameter."""
     from_input: dict[torch.fx.Node, bool] = {}
     from_param: dict[torch.fx.Node, bool] = {}
+    from_any: dict[torch.fx.Node, bool] = {}
     for n in gm.graph.nodes:
         v = n.meta.get("val")
         if n.op == "placeholder":
             from_input[n] = isinstance(v, torch.Tensor) and v.dim() >= 1
-            from_param[n] = False
+            from_param[n] = from_any[n] = False
         elif n.op == "get_attr":
-            from_input[n], from_param[n] = False, is_trainable_param(n)
+            from_input[n], from_param[n], from_any[n] = False, is_trainable_param(n), is_param_node(n)
         else:
             ins = n.all_input_nodes
             from_input[n] = any(from_input[a] for a in ins)
             from_param[n] = any(from_param[a] for a in ins)
-    return from_input, from_param
+            from_any[n] = any(from_any[a] for a in ins)
+    return from_input, from_param, from_any
 
 
 class StageSplitPass(GraphPass):
@@ -111,13 +114,13 @@ class StageSplitPass(GraphPass):
         last_stage = len(self.stages) - 1
 
         def shared(n):
-            return n.op == "get_attr" and not is_trainable_param(n)
+            return n.op == "get_attr" and not is_param_node(n)
 
         def stage_of(n) -> int:
             return last_stage if n.op == "output" else stage_of_layer[n.meta[META_KEY].layer]
 
         computed = [n for n in nodes if n.op not in ("placeholder", "output") and not shared(n)]
-        from_input, from_param = _flags(gm)
+        from_input, from_param, from_any = _flags(gm)
         batch = graph_batch_size(gm)
 
         def crossing(n) -> CrossingValue:
@@ -128,7 +131,7 @@ class StageSplitPass(GraphPass):
             # NOTE: batch-shaped constants (HF's causal mask expanded to the batch, built from no
             # input) are batched too: the local-batch pass cuts them to the producer's slice like
             # the activations they meet (see passes/local_batch.py)
-            batched = bool((from_input[n] or not from_param[n]) and v.dim() >= 1 and batch is not None
+            batched = bool((from_input[n] or not from_any[n]) and v.dim() >= 1 and batch is not None
                            and v.shape[0] == batch)
             rg = bool(from_param[n] and v.is_floating_point())
             return CrossingValue(n.name, tuple(v.shape), v.dtype, batched, rg, n.meta[META_KEY].layer)
@@ -200,12 +203,12 @@ def stage_split(gm: torch.fx.GraphModule, stages, index: int) -> torch.fx.GraphM
 
 
 def cross_stage_params(gm: torch.fx.GraphModule, stages) -> dict[str, list[int]]:
-    """Trainable parameters read by layers of more than one stage (tied weights): target ->
+    """Parameters read by layers of more than one stage (tied weights): target ->
     the sorted global indices of the layers reading it (the first one owns it)."""
     stage_of = {i: s for s, (a, b) in enumerate(stages) for i in range(a, b + 1)}
     out = {}
     for n in gm.graph.nodes:
-        if is_trainable_param(n):
+        if is_param_node(n):
             layers = sorted({u.meta[META_KEY].layer for u in n.users if u.op != "output"}
                             | {n.meta[META_KEY].layer})
             if len({stage_of[i] for i in layers}) > 1:

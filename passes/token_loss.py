@@ -38,7 +38,7 @@ from ..runtime.module import TokenLoss
 from ..sharding.losses import bind_cross_entropy
 from .base import check
 from .context import ContextPass
-from .split_layers import fetch_attr, fresh_copy, is_split, is_trainable_param
+from .split_layers import fetch_attr, fresh_copy, is_param_node, is_split
 
 SCALE_NAME = "galvatron_token_scale"
 _SUM = 2   # at::Reduction (None = 0, Mean = 1)
@@ -70,13 +70,13 @@ def _loss_output(gm: torch.fx.GraphModule) -> tuple[torch.fx.Node, int | None]:
 
 def token_count_graph(gm: torch.fx.GraphModule, target: torch.fx.Node, ignore_index: int) -> torch.fx.GraphModule | None:
     """A GraphModule over all of ``gm``'s inputs returning ``(target != ignore_index).sum()``, made
-    of the graph's own nodes computing ``target``; ``None`` if they read a trainable parameter."""
+    of the graph's own nodes computing ``target``; ``None`` if they read a parameter."""
     needed, todo = set(), [target]
     while todo:
         n = todo.pop()
         if n in needed:
             continue
-        if is_trainable_param(n):
+        if is_param_node(n):
             return None
         needed.add(n)
         todo.extend(n.all_input_nodes)

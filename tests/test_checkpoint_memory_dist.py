@@ -51,7 +51,7 @@ def _measure(rank, world, path, spec):
     dm.train_step(*args)
     opt.step()
     states = dm.states_bytes(opt)
-    storages = [t.untyped_storage() for s in dm.stores for t in [s.flat_param, *opt.state[s.flat_param].values()]]
+    storages = [t.untyped_storage() for p in dm.parameters() for t in [p, *opt.state[p].values()]]
     spans = [(st.data_ptr(), st.data_ptr() + st.nbytes()) for st in storages]
     copies, largest = [0], [0]
     resolve = sharded_state.ChunkSavePlanner.resolve_data
@@ -74,8 +74,10 @@ def _measure(rank, world, path, spec):
     before = _rss("VmRSS")
     checkpoint.save(dm, opt, path, step=1)
     peak = _rss("VmHWM")
-    gathered = max(3 * 4 * sum(math.prod(sh) for sh in g.global_shapes.values())   # masters + 2 Adam states
-                   for g in sharded_state.geometries(dm))
+    layers: dict = {}   # masters + 2 Adam states of each layer's whole parameters
+    for p in dm.parameters():
+        layers[id(p.spec.store)] = layers.get(id(p.spec.store), 0) + 3 * 4 * math.prod(p.spec.global_shape)
+    gathered = max(layers.values())
     return dict(extra_rss=peak - before, copies=copies[0], largest_piece=largest[0], states=states["total"],
                 gathered_layer_bytes=gathered)
 

@@ -11,6 +11,7 @@ import galvatron_fx as gfx
 from galvatron_fx.cluster import Cluster
 from galvatron_fx.cost import CostModel, extract_layer, measure_layer, states_bytes
 from galvatron_fx.cost.measure import saved_bytes
+from galvatron_fx.cost.memory import StatesBytes
 from galvatron_fx.models.layers import MLP, Attention
 from galvatron_fx.solver.strategy import Strategy
 
@@ -84,10 +85,24 @@ def test_states_bytes_sgd():
 
 
 def test_states_bytes_follow_the_runtime_flat_buffer_padding():
-    # 7 elements over dp=4: the flat buffer is padded to 8, each rank's shard holds 2 (ZeRO-2: a copy)
-    for sdp, expect in (("none", (32, 32, 64)), ("zero2", (40, 8, 16)), ("zero3", (8, 8, 16))):
+    # 7 elements over dp=4: the flat buffer is padded to 8, each rank's shard holds 2 (ZeRO-2: a
+    # copy); the optimizer keeps one state per parameter, without padding: 7 elements under DP, the
+    # rows a rank holds under ZeRO (2, 2, 2, 1)
+    for sdp, expect in (("none", (32, 32, 56)), ("zero2", (40, 8, 16)), ("zero3", (8, 8, 16))):
         st = states_bytes(0, 7, Strategy(1, 4, sdp), itemsize=4)
         assert (st.params, st.grads, st.optimizer) == expect, sdp
+    assert states_bytes(0, 7, Strategy(1, 4, "zero3"), itemsize=4, dp_index=3).optimizer == 8
+
+
+def test_frozen_parameters_hold_their_weights_only():
+    # 8 trainable + 6 frozen elements over dp=2 (Adam): frozen weights whole under DP and ZeRO-2,
+    # sharded under ZeRO-3; no gradient, no optimizer state; mixed: bf16 copy + fp32 masters
+    kw = dict(itemsize=4, shapes=[(8,)], frozen_shapes=[(6,)])
+    assert states_bytes(0, 0, Strategy(1, 2), **kw) == StatesBytes(4 * (8 + 6), 4 * 8, 4 * 16)
+    assert states_bytes(0, 0, Strategy(1, 2, "zero2"), **kw) == StatesBytes(4 * (8 + 4 + 6), 4 * 4, 4 * 8)
+    assert states_bytes(0, 0, Strategy(1, 2, "zero3"), **kw) == StatesBytes(4 * (4 + 3), 4 * 4, 4 * 8)
+    mixed = states_bytes(0, 0, Strategy(1, 2), **dict(kw, itemsize=2), mixed_precision=True)
+    assert mixed == StatesBytes(2 * (8 + 6), 4 * 8, 4 * 16, masters=4 * (8 + 6))
 
 
 def test_tiny_scaling_rules(tiny):
@@ -220,8 +235,9 @@ def test_overhead_terms(tiny):
     z3 = cm.layer_cost(i, Strategy(1, 4, "zero3"), 4)
     first = cm.layer_cost(0, Strategy(1, 4), 4)
     assert dp.overhead_s == pytest.approx(1e-4) and first.overhead_s == pytest.approx(1.1e-3)
-    assert dp.optimizer_s == pytest.approx(296 * 4 * 1e-9 + 1e-5)          # whole buffer
-    assert z3.optimizer_s == pytest.approx(74 * 4 * 1e-9 + 1e-5)           # this rank's shard
+    # the user's optimizer steps one tensor per parameter (6: two norms' and two linears' weights and biases)
+    assert dp.optimizer_s == pytest.approx(296 * 4 * 1e-9 + 6 * 1e-5)      # whole layer
+    assert z3.optimizer_s == pytest.approx(74 * 4 * 1e-9 + 6 * 1e-5)       # this rank's shard
     # one call latency per collective, on top of the ring
     assert dp.grad_sync_s == pytest.approx(2 * 3 / 4 * 296 * 4 / 1e9 + 1e-4)
     bucketed = CostModel(gm, c, mode="analytic", bucket_bytes=296 * 4 * 2).layer_cost(i, Strategy(1, 4), 4)

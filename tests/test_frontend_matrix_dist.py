@@ -106,7 +106,9 @@ def _train(rank, world, model_name, method, labels):
         sd = dm.full_state_dict()
         diff = torch.cat([(sd[k] - p).flatten() for k, p in ref_params.items()])
         ref = torch.cat([p.flatten() for p in ref_params.values()])
-        out[label] = dict(losses=losses, passes=dm.passes, pp=plan.pp,
+        names = [k for k, _ in dm.named_parameters()]   # this stage's, under the original names
+        out[label] = dict(losses=losses, passes=dm.passes, pp=plan.pp, names=names,
+                          original=sorted(k for k, _ in model.named_parameters()),
                           strategies=sorted({lp.strategy.label for lp in plan.layers}),
                           loss_err=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
                           param_err=(diff.norm() / ref.norm()).item())
@@ -118,6 +120,9 @@ def check_matrix(model_name: str, method: str, world: int, labels: list[str]) ->
     for label in labels:
         rows = [r[label] for r in results]
         assert all(r["losses"] == rows[0]["losses"] for r in rows), (label, "loss differs between ranks")
+        for r in rows:
+            assert set(r["names"]) <= set(r["original"]) and len(set(r["names"])) == len(r["names"]), label
+        assert set().union(*(r["names"] for r in rows)) == set(rows[0]["original"]), label   # every stage's
         for r in rows:
             assert r["loss_err"] <= TOL and r["param_err"] <= TOL, (model_name, method, label, r)
         assert rows[0]["passes"][:2] == ["token_loss", "stage_split" if rows[0]["pp"] > 1 else "tensor_parallel"]

@@ -89,7 +89,8 @@ def _keyword_training(rank, world, kind, method, plans):
             losses.append(dm.train_step(**kwargs).item())
             opt.step()
         out[label] = dict(losses=losses, ref=ref_losses, param_err=_param_err(dm.full_state_dict(), ref_params),
-                          layers=len(gfx.layers(gm)))
+                          layers=len(gfx.layers(gm)),
+                          names_ok=set(dict(dm.named_parameters())) <= set(dict(model.named_parameters())))
     return out
 
 
@@ -97,7 +98,7 @@ def _check_training(results):
     for r in results:
         for label, row in r.items():
             errs = [abs(a - b) / abs(b) for a, b in zip(row["losses"], row["ref"])]
-            assert max(errs) <= TOL and row["param_err"] <= TOL, (label, row)
+            assert max(errs) <= TOL and row["param_err"] <= TOL and row["names_ok"], (label, row)
 
 
 @pytest.mark.dist

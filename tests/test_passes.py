@@ -49,7 +49,7 @@ def test_pass_lists_read_like_the_plan(tiny):
     gm = tiny[2]
     names = [p.pass_name() for p in parallelize_passes(_ctx(gm))]
     assert names == ["token_loss", "tensor_parallel", "split_layers", "local_batch", "checkpointing",
-                     "data_parallel", "resharding", "codegen"]
+                     "data_parallel", "resharding", "codegen", "bind_parameters"]
     names = [p.pass_name() for p in parallelize_passes(_ctx(gm, 2, pp=2, dp=1, micro_batches=2), bind={})]
     assert names == ["token_loss", "stage_split", "tensor_parallel", "split_layers", "local_batch",
                      "stage_outputs", "checkpointing", "data_parallel", "resharding", "stage_inputs", "codegen",

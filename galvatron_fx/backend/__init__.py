@@ -33,17 +33,19 @@ What one compile does (:func:`galvatron_backend`):
    :class:`PlanMismatchError` before the first step if any differs.
 3. *Program.* :func:`galvatron_fx.parallelize.transform` builds this rank's ``DistributedModel``.
 4. *Parameters.* The original ``nn.Parameter`` objects (those an optimizer built from
-   ``model.parameters()`` holds) are re-pointed with ``param.data = view`` onto the distributed
-   program's storage: a view of the layer's flat buffer (``sdp="none"``: the whole, TP-local
-   parameter, shape kept) or of this rank's flat shard (ZeRO-2/3: the 1-D part of the parameter that
-   lies in this rank's shard, possibly empty). ``optimizer.step()`` therefore updates the program's
-   buffers in place; ZeRO-2's all-gather of updated shards runs at the start of the next call.
-   Trainable parameters this rank holds no part of (other pipeline stages) become empty tensors.
+   ``model.parameters()`` holds) become :class:`~galvatron_fx.runtime.params.ShardedParameter` s
+   in place (same objects, class changed, ``.data`` re-pointed): a view of this rank's part in the
+   distributed program's buffers (``sdp="none"``: the whole TP-local parameter; ZeRO-2/3: its
+   held dim-0 rows, possibly none). ``optimizer.step()`` therefore updates the program's buffers
+   in place; ZeRO-2's all-gather of updated shards runs at the start of the next call; frozen
+   parameters stay frozen (no gradient, no optimizer state); ``torch.nn.utils.clip_grad_norm_(
+   model.parameters(), ...)`` returns the single-device norm. Parameters this rank holds no part
+   of (other pipeline stages) become empty tensors.
 5. *Calls.* A training call (grad enabled, the model in ``train()`` mode) runs ``train_step``
    (forward and backward over the plan's micro-batches) eagerly and returns the global-batch loss
-   through :class:`_RouteGrads`, whose backward hands each original parameter its slice of this
-   rank's gradient shard (times the incoming gradient), so ``loss.backward()`` fills ``param.grad``
-   through autograd's usual accumulation. Its other outputs (logits, caches) are ``None`` (warned
+   through :class:`_RouteGrads`, whose backward hands each original parameter its gradient view
+   (times the incoming gradient, added to a gradient it already holds), so ``loss.backward()``
+   fills ``param.grad`` as eager autograd would. Its other outputs (logits, caches) are ``None`` (warned
    once): they are not materialised across ranks. A call under ``torch.no_grad()`` or
    ``model.eval()`` runs ``eval_step`` (forward only) and returns the loss *and* the real outputs,
    assembled across ranks (every rank holds the global batch's outputs: that memory is the cost).

@@ -3,11 +3,11 @@ package docstring).
 
 Takes this rank's ``DistributedModel`` (from :func:`galvatron_fx.parallelize.transform`), the
 plan, the placeholder roles and dynamo's example inputs; gives :class:`_Runtime`, the callable the
-backend returns. Building it re-points every original ``nn.Parameter`` onto the distributed
-program's storage (the ``bind_parameters`` pass of :func:`~galvatron_fx.parallelize.transform`,
-``dm.bindings``); each call runs
-``train_step`` and returns the loss through :class:`_RouteGrads`, which routes this rank's gradient
-shards to ``param.grad``. Also gives :func:`_remove_guards` (dynamo's guards on the graph's
+backend returns. The ``bind_parameters`` pass of :func:`~galvatron_fx.parallelize.transform` has
+turned every original ``nn.Parameter`` into a :class:`~galvatron_fx.runtime.params.ShardedParameter`
+view of the distributed program's storage (``dm.params``); each call runs ``train_step`` and
+returns the loss through :class:`_RouteGrads`, whose backward hands each parameter its gradient
+view (times the incoming gradient). Also gives :func:`_remove_guards` (dynamo's guards on the graph's
 placeholders), and :func:`distributed_model` / :func:`full_state_dict` to reach the program behind
 a compiled model afterwards (via ``_RUNTIMES``).
 """
@@ -28,16 +28,20 @@ _RUNTIMES: dict[int, weakref.ref] = {}  # id(original Parameter) -> its _Runtime
 
 
 class _RouteGrads(torch.autograd.Function):
-    """``loss`` in forward; in backward each original parameter gets its precomputed gradient."""
+    """``loss`` in forward; in backward each original parameter gets its gradient view of this
+    rank's buffers, scaled by the incoming gradient (added to a gradient it holds already), set as
+    ``param.grad`` directly: autograd's own accumulation would store a plain copy, not the
+    :class:`~galvatron_fx.runtime.params.ShardedGrad` whose norm is the whole parameter's."""
 
     @staticmethod
-    def forward(ctx, loss, grads, *params):
-        ctx.grads = grads
+    def forward(ctx, loss, registry, *params):
+        ctx.registry, ctx.n = registry, len(params)
         return loss.detach().clone()
 
     @staticmethod
     def backward(ctx, g):
-        return (None, None, *[None if gr is None else gr * g for gr in ctx.grads])
+        ctx.registry.attach_grads(scale=g)
+        return (None, None, *[None] * ctx.n)
 
 
 class _Runtime:
@@ -54,11 +58,14 @@ class _Runtime:
         outs = list(outs) if self.tuple_out else [outs]
         self.out_meta = [_meta(o) for o in outs]
         self.loss_index = loss_index
-        self.bindings = dm.bindings   # by the bind_parameters pass (galvatron_fx/passes/bind_parameters.py)
-        self.param_pos = [i for i, r in enumerate(roles) if r.kind == "param" and r.name in self.bindings]
+        stage = getattr(dm, "stage", dm)
+        stage.grads_after_step = False   # _RouteGrads hands them out in loss.backward()
+        self.registry = stage.params     # by the bind_parameters pass (galvatron_fx/passes/bind_parameters.py)
+        self.param_pos = [i for i, r in enumerate(roles)
+                          if r.kind == "param" and r.name in self.registry.params and example_inputs[i].requires_grad]
         self.calls = 0
-        for b in self.bindings.values():
-            _RUNTIMES[id(b.param)] = weakref.ref(self)
+        for p in self.registry.params.values():
+            _RUNTIMES[id(p)] = weakref.ref(self)
 
     def __call__(self, *args):
         data = [args[i] for i in self.data_pos]
@@ -74,8 +81,7 @@ class _Runtime:
             return self._evaluate(data)
         loss = self.dm.train_step(*data)
         params = [args[i] for i in self.param_pos]
-        grads = tuple(self.bindings[self.roles[i].name].grad() for i in self.param_pos)
-        loss = _RouteGrads.apply(loss, grads, *params)
+        loss = _RouteGrads.apply(loss, self.registry, *params)
         if len(self.out_meta) > 1 and not self.warned:
             self.warned = True
             warnings.warn("galvatron backend: a training call returns the loss only; the model's other "
@@ -131,7 +137,7 @@ def distributed_model(model_or_param) -> Any:
     for p in params:
         ref = _RUNTIMES.get(id(p))
         rt = ref() if ref is not None else None
-        if rt is not None and any(b.param is p for b in rt.bindings.values()):
+        if rt is not None and any(q is p for q in rt.registry.params.values()):
             return rt.dm
     return None
 

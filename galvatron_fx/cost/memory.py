@@ -18,16 +18,26 @@ fp32 (``w = 4``, the parameters are their own masters)
 params         ``4 P``     ``4(P+S)``  ``4 S``     the buffer the layer reads (ZeRO-2: whole,
                                                    plus its shard, a copy; ``4 P`` at dp = 1)
 grads          ``4 P``     ``4 S``     ``4 S``
-optimizer      ``4 k P``   ``4 k S``   ``4 k S``
+optimizer      ``4 k N``   ``4 k H``   ``4 k H``
 -------------  ----------  ----------  ----------  -------------------------------------------
 bf16-mixed / fp16-mixed (working copy in 2 bytes, fp32 masters, fp32 gradients)
 -------------------------------------------------------------------------------------------------
 params         ``2 P``     ``2 P``     0           the low-precision working copy at rest
                                                    (ZeRO-3 gathers it per use: a transient)
-masters        ``4 P``     ``4 S``     ``4 S``     fp32, the Parameter the optimizer updates
+masters        ``4 P``     ``4 S``     ``4 S``     fp32, what the user's parameters view
 grads          ``4 P``     ``4 S``     ``4 S``     fp32 (accumulated and reduced in fp32)
-optimizer      ``4 k P``   ``4 k S``   ``4 k S``   fp32 moments
+optimizer      ``4 k N``   ``4 k H``   ``4 k H``   fp32 moments
 =============  ==========  ==========  ==========  ===========================================
+
+The optimizer keeps one state per user-facing parameter (:mod:`galvatron_fx.runtime.params`): ``N``
+is the layer's unpadded elements, ``H`` the elements a rank's shard holds without padding
+(:meth:`~galvatron_fx.runtime.zero_layout.ZeroLayout.held`; the first DP rank holds the most, and
+that rank is the one priced unless ``dp_index`` says otherwise).
+
+**Frozen parameters** (``requires_grad=False``) live in a buffer of their own (``P_f``/``S_f``):
+their weights only, no gradients, no optimizer states; whole under DP and ZeRO-2 (``4 P_f``;
+mixed: ``2 P_f`` working copy + ``4 P_f`` masters), sharded under ZeRO-3 (``4 S_f``; mixed: the
+fp32 masters ``4 S_f``).
 
 Adam per parameter, DP: 16 bytes in fp32, 18 mixed (the working copy on top of the fp32 states);
 ZeRO-3 mixed: ``16 / dp``. These are exactly the storages the runtime holds
@@ -75,18 +85,24 @@ def per_tp_elements(sharded: int, replicated: int, tp: int) -> int:
 
 
 def states_bytes(sharded: int, replicated: int, strategy: Strategy, *, itemsize: int,
-                 mixed_precision: bool = False, optimizer: str = "adam", shapes=None) -> StatesBytes:
+                 mixed_precision: bool = False, optimizer: str = "adam", shapes=None, frozen_shapes=(),
+                 dp_index: int = 0) -> StatesBytes:
     """Per-device bytes of parameters, gradients, optimizer states and masters (module docstring);
     ``itemsize``: the compute dtype's (4 for fp32, 2 for a mixed plan's working copy); ``shapes``:
-    the layer's TP-local parameter shapes at ``strategy.tp`` (exact padding), else ``None``."""
-    layout = zero_layout(shapes if shapes is not None
-                         else [(per_tp_elements(sharded, replicated, strategy.tp),)], strategy.dp)
+    the layer's trainable TP-local parameter shapes at ``strategy.tp`` (exact padding), else
+    ``None`` (``sharded`` / ``replicated`` elements as one parameter); ``frozen_shapes``: its frozen
+    ones; ``dp_index``: the rank of the DP group priced (0 holds the most)."""
+    if shapes is None:
+        shapes = [(per_tp_elements(sharded, replicated, strategy.tp),)] if sharded + replicated else []
+    layout = zero_layout(shapes, strategy.dp)
     padded, shard = layout.padded, layout.shard
     zero2_params = padded + (shard if strategy.dp > 1 else 0)   # fp32: the shard is a copy
-    held = {"none": (padded, padded, padded), "zero2": (zero2_params, shard, shard),
-            "zero3": (shard, shard, shard)}[strategy.sdp]  # elements of params, grads, optimizer
+    opt = layout.held(dp_index) if strategy.sdp != "none" else sum(r * w for r, w in zip(layout.rows, layout.row))
+    held = {"none": (padded, padded), "zero2": (zero2_params, shard), "zero3": (shard, shard)}[strategy.sdp]
     k = optimizer_states(optimizer)
+    fz = zero_layout(list(frozen_shapes), strategy.dp)
+    frozen = fz.shard if strategy.sdp == "zero3" else fz.padded   # elements of the frozen buffer
     if not mixed_precision:
-        return StatesBytes(held[0] * itemsize, held[1] * itemsize, k * held[2] * itemsize)
-    working = 0 if strategy.sdp == "zero3" else padded * itemsize
-    return StatesBytes(working, 4 * held[1], 4 * k * held[2], masters=4 * held[2])
+        return StatesBytes((held[0] + frozen) * itemsize, held[1] * itemsize, k * opt * itemsize)
+    working = 0 if strategy.sdp == "zero3" else (padded + fz.padded) * itemsize
+    return StatesBytes(working, 4 * held[1], 4 * k * opt, masters=4 * (held[1] + frozen))

@@ -197,6 +197,7 @@ class CostModel:
         self._tp: dict[tuple, object] = {}
         self._params: dict[tuple, LayerParams] = {}
         self._owned: list[dict[str, int]] | None = None
+        self._frozen: set[str] = set()   # fqns of frozen parameters (requires_grad=False at capture)
         self._shapes: list[dict[str, tuple[int, ...]]] = [{} for _ in info.layers]
         self._local_shapes: dict[tuple, list[tuple[int, ...]]] = {}
         for rec in self.layers:
@@ -219,7 +220,8 @@ class CostModel:
 
     # ------------------------------------------------------------------ inputs
     def _owned_params(self, index: int) -> dict[str, int]:
-        """fqn -> elements of the trainable parameters layer ``index`` owns (tied weights: the first user)."""
+        """fqn -> elements of the parameters (trainable and frozen) layer ``index`` owns (tied
+        weights: the first user)."""
         if self._owned is None:
             self._owned = [{} for _ in self.layers]
             for n in self.gm.graph.nodes:
@@ -228,7 +230,17 @@ class CostModel:
                         and info.param is not None and info.param.is_param:
                     self._owned[info.layer][info.param.fqn] = info.param.numel
                     self._shapes[info.layer][info.param.fqn] = tuple(info.param.shape)
+                    if not info.param.requires_grad:
+                        self._frozen.add(info.param.fqn)
         return self._owned[index]
+
+    def split_shapes(self, index: int, tp: int) -> tuple[list, list]:
+        """:meth:`layer_shapes` split into the trainable parameters' and the frozen ones' (the
+        runtime's two buffers per layer)."""
+        shapes = self.layer_shapes(index, tp)
+        fqns = list(self._owned_params(index))
+        train = [s for f, s in zip(fqns, shapes) if f not in self._frozen]
+        return train, [s for f, s in zip(fqns, shapes) if f in self._frozen]
 
     def layer_shapes(self, index: int, tp: int) -> list[tuple[int, ...]]:
         """TP-local shapes of the parameters layer ``index`` owns at degree ``tp``, as the runtime's
@@ -261,37 +273,43 @@ class CostModel:
             self._tp[key] = analyze_layer(self.gm, index, tp, sp)   # with the layers sharing its weights
         return self._tp[key]
 
-    def layer_params(self, index: int, tp: int) -> LayerParams:
-        """Owned parameter elements of layer ``index``, split by whether TP at degree ``tp`` shards
-        them, exactly as :mod:`galvatron_fx.passes.tensor_parallel` will (vocabularies that do not
-        divide, or linears feeding a norm, stay replicated)."""
-        if (index, tp) not in self._params:
-            self._params[(index, tp)] = self._layer_params(index, tp)
-        return self._params[(index, tp)]
+    def layer_params(self, index: int, tp: int, trainable_only: bool = False) -> LayerParams:
+        """Owned parameter elements of layer ``index`` (``trainable_only``: without the frozen
+        ones), split by whether TP at degree ``tp`` shards them, exactly as
+        :mod:`galvatron_fx.passes.tensor_parallel` will (vocabularies that do not divide, or
+        linears feeding a norm, stay replicated)."""
+        key = (index, tp, trainable_only)
+        if key not in self._params:
+            self._params[key] = self._layer_params(index, tp, trainable_only)
+        return self._params[key]
 
-    def _layer_params(self, index: int, tp: int) -> LayerParams:
+    def _layer_params(self, index: int, tp: int, trainable_only: bool) -> LayerParams:
         owned = self._owned_params(index)
+        keep = [not (trainable_only and fqn in self._frozen) for fqn in owned]
         analysis = self.tp_analysis(index, tp) if tp > 1 else None
         if analysis is None or isinstance(analysis, Exception):
-            return LayerParams(0, sum(owned.values()))
+            return LayerParams(0, sum(n for k, n in zip(keep, owned.values()) if k))
         # NOTE: the analysis is cached per signature: it may come from another layer of the same
         # structure, whose parameters correspond to these one to one, in graph order.
         rep_owned = self._owned_params(analysis.layer)
         rep_sharded = {shard.fqn for shard in analysis.param_shards.values()}
         flags = [fqn in rep_sharded for fqn in rep_owned]
-        sharded = sum(n for flag, n in zip(flags, owned.values()) if flag)
-        return LayerParams(sharded, sum(owned.values()) - sharded)
+        sharded = sum(n for flag, k, n in zip(flags, keep, owned.values()) if flag and k)
+        return LayerParams(sharded, sum(n for k, n in zip(keep, owned.values()) if k) - sharded)
 
     def measure(self, index: int) -> LayerMeasure:
         return self.measures[self.layers[index].signature]
 
     # ------------------------------------------------------------------ public figures
-    def states_bytes(self, index: int, strategy: Strategy) -> StatesBytes:
-        """Per-device parameter, gradient and optimizer-state bytes of layer ``index``."""
-        p = self.layer_params(index, strategy.tp)
+    def states_bytes(self, index: int, strategy: Strategy, dp_index: int = 0) -> StatesBytes:
+        """Per-device parameter, gradient and optimizer-state bytes of layer ``index`` (frozen
+        parameters: their weights only); ``dp_index``: which rank of the DP group (0, the default,
+        holds the most: ZeRO shards are cut ``ceil(rows / dp)`` rows per rank)."""
+        p = self.layer_params(index, strategy.tp, trainable_only=True)
+        train, frozen = self.split_shapes(index, strategy.tp)
         return states_bytes(p.sharded, p.replicated, strategy, itemsize=self.itemsize,
                             mixed_precision=self.mixed_precision, optimizer=self.optimizer,
-                            shapes=self.layer_shapes(index, strategy.tp))
+                            shapes=train, frozen_shapes=frozen, dp_index=dp_index)
 
     def boundary_bytes(self, index: int, micro_batch_size: float) -> float:
         """Bytes of the activations layer ``index`` hands to later layers for ``micro_batch_size``
@@ -375,13 +393,16 @@ class CostModel:
         n = micro_batch_size / s.dp
         fwd, bwd = self._compute_times(index, n, s)
         st = self.states_bytes(index, s)
-        p = self.layer_params(index, s.tp)
-        elems_tp = math.ceil(p.sharded / s.tp) + p.replicated
-        full_params, full_grads = elems_tp * self.itemsize, elems_tp * self.reduce_itemsize
+        p, t = self.layer_params(index, s.tp), self.layer_params(index, s.tp, trainable_only=True)
+        elems_tp = math.ceil(p.sharded / s.tp) + p.replicated           # every parameter (ZeRO-3 gathers)
+        train_tp = math.ceil(t.sharded / s.tp) + t.replicated           # trainable: gradients, updates
+        full_params, full_grads = elems_tp * self.itemsize, train_tp * self.reduce_itemsize
         dpg = dp_group(s)
         ct = self.cluster.collective_time
         exposed = regather = reduce_scatter = 0.0
-        if s.sdp == "none":
+        if not train_tp:
+            sync = 0.0   # a frozen layer reduces nothing
+        elif s.sdp == "none":
             # NOTE: the runtime packs DP gradients into buckets of bucket_bytes (one call each),
             # filled in reverse layer order; the last bucket's all-reduce starts once backward is
             # over, so its share of every layer's sync is exposed (all of it for a model smaller
@@ -395,7 +416,7 @@ class CostModel:
             # gradient outlives a pass), beside the backward of the layers before it
             sync, reduce_scatter = 0.0, ct("reduce_scatter", full_grads, dpg)
             if s.sdp == "zero2":
-                regather = ct("all_gather", full_params, dpg)
+                regather = ct("all_gather", train_tp * self.itemsize, dpg)   # frozen ones stay whole
                 if index == 0:
                     # NOTE: the first layer's re-gather has no layer before it to hide behind
                     # (prefetch starts from it): priced as exposed step sync
@@ -411,21 +432,21 @@ class CostModel:
             # reduce-scatter staging; the forward peak (three buffers) is never larger
             transient = 3 * full_params + max(full_params, full_grads)
         elif s.sdp == "zero2" and s.dp > 1:
-            transient = full_params + full_grads   # a pass's gradient and its reduce-scatter staging
-        elif s.dp > 1:
+            transient = train_tp * self.itemsize + full_grads   # a pass's gradient and its reduce-scatter staging
+        elif s.dp > 1 and train_tp:
             transient = min(self.bucket_bytes, full_grads)
         if s.ckpt:
             transient += recompute
         out = m.output_elems(n) * self.itemsize / (s.tp if s.sp else 1)
-        overhead, optimizer = self._overheads(index, elems_tp, s)
+        overhead, optimizer = self._overheads(index, train_tp, s)
         return LayerCost(fwd, bwd, self._tp_comm(m, n, s), sync, gather, st.params, st.grads, st.optimizer,
                          act, transient, out, st.masters, overhead, optimizer, exposed, regather, reduce_scatter)
 
     def _model_grad_bytes(self) -> float:
         """Bytes of the whole model's gradients as DP reduces them (no TP): what the buckets hold."""
         if not hasattr(self, "_grad_bytes"):
-            self._grad_bytes = sum(sum(self._owned_params(r.index).values()) for r in self.layers) \
-                * self.reduce_itemsize
+            self._grad_bytes = sum(n for r in self.layers for f, n in self._owned_params(r.index).items()
+                                   if f not in self._frozen) * self.reduce_itemsize
         return self._grad_bytes
 
     def _overheads(self, index: int, elems_tp: int, s: Strategy) -> tuple[float, float]:
@@ -439,7 +460,9 @@ class CostModel:
         if s.ckpt:
             overhead += ops * getattr(c, "checkpoint_op_s", 0.0)
         held = elems_tp if s.sdp == "none" else math.ceil(elems_tp / s.dp)
-        optimizer = (held * 4 * c.optimizer_s_per_byte + c.optimizer_overhead_s) if elems_tp else 0.0
+        # NOTE: the user's optimizer steps one tensor per trainable parameter (runtime/params.py)
+        tensors = sum(1 for f in self._owned_params(index) if f not in self._frozen)
+        optimizer = (held * 4 * c.optimizer_s_per_byte + tensors * c.optimizer_overhead_s) if elems_tp else 0.0
         if first and self.cluster.world_size > 1:
             optimizer += c.collective_latency_s
         return overhead, optimizer

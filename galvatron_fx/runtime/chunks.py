@@ -11,7 +11,7 @@ rank ``r`` holds chunk ``r`` of every block along ``ShardInfo.dim``; :func:`loca
 every element a rank holds is named by ``(fqn, global offsets, sizes)``: exactly the chunk
 metadata of ``torch.distributed.checkpoint``.
 
-Ownership (what a save writes, :class:`~.sharded_state.StoreGeometry`): every element of every
+Ownership (what a save writes, :meth:`~.params.ParamSpec.pieces`): every element of every
 parameter is written by exactly one rank:
 
 * each TP-local slice is split into the ``dp`` dim-0 slices a ZeRO shard would hold, whatever

@@ -84,11 +84,17 @@ class FlatParams(nn.Module):
 
     def __init__(self, tensors: dict[str, torch.Tensor], mode: str, dp_ranks: Ranks, rank: int,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, compute_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, trainable: bool = True):
         super().__init__()
         if mode not in SDP_MODES:
             raise ValueError(f"sdp mode must be one of {SDP_MODES}, got {mode!r}")
+        if not trainable and mode == "zero2":
+            raise ValueError("frozen parameters have no gradients or optimizer states to shard: use sdp "
+                             "'none' (ZeRO-2 keeps parameters whole) or 'zero3'")
         self.mode, self.dp_ranks, self.bucket_bytes = mode, tuple(dp_ranks), int(bucket_bytes)
+        self.trainable = bool(trainable)   # False: frozen parameters (no gradient, no reduction)
+        self.layer: int | None = None      # stage-local layer index (set by the data-parallel pass)
+        self.tp_ranks: Ranks = (rank,)     # the layer's TP group (set by the data-parallel pass)
         self.dp = len(self.dp_ranks)
         self.dp_index = self.dp_ranks.index(rank)
         self.fqns = list(tensors)
@@ -113,14 +119,17 @@ class FlatParams(nn.Module):
         with torch.no_grad():
             for t, off in zip(tensors.values(), self.offsets):
                 full[off:off + t.numel()].copy_(t.reshape(-1))
+        # NOTE: ``flat_param`` is storage, not an ``nn.Parameter``: the user's parameters are
+        # per-parameter views of it under their original names (runtime/params.py), and the module
+        # tree holds no Parameter of its own
         if mode == "none":
-            self.flat_param = nn.Parameter(full)
-            self.full = full.to(self.compute_dtype) if self.mixed else None
+            self.flat_param = full.requires_grad_(self.trainable)
+            self.full = full.detach().to(self.compute_dtype) if self.mixed else None
         elif mode == "zero2" and not self.mixed and self.dp == 1:
             self.full = full
-            self.flat_param = nn.Parameter(full)   # dp = 1: the shard is the whole buffer (shared storage)
+            self.flat_param = full.requires_grad_(self.trainable)   # dp = 1: the shard is the whole buffer
         else:
-            self.flat_param = nn.Parameter(self.layout.shard_of(full, self.dp_index))
+            self.flat_param = self.layout.shard_of(full, self.dp_index).requires_grad_(self.trainable)
             self.full = full.to(self.compute_dtype) if self.mixed else full
             if mode == "zero3":
                 _free(self.full)
@@ -131,6 +140,7 @@ class FlatParams(nn.Module):
         # prefetch (FSDP2's): the ZeRO-2/3 layers of this stage before / after this one in forward
         # order (DataParallelPass links them); a gather in forward starts the next one's, a
         # ZeRO-3 gather in backward the previous one's
+        # NOTE: plain attributes (link_prefetch sets them with object.__setattr__), not submodules
         self.prev_gather: FlatParams | None = None
         self.next_gather: FlatParams | None = None
         self._prefetch: tuple | None = None   # (work, staging, shard) of an async all-gather
@@ -158,9 +168,23 @@ class FlatParams(nn.Module):
         lo = self.layout.shard_offsets[i]
         return lo, lo + (b - a) * self.layout.row[i]
 
+    def local_shape(self, i: int) -> tuple[int, ...]:
+        """Shape of this rank's part of parameter ``i``: its (TP-local) shape under ``sdp="none"``,
+        else its held dim-0 rows (a 0-D or 1-D parameter: its held elements, 1-D)."""
+        shape = self.shapes[i]
+        if self.mode == "none":
+            return tuple(shape)
+        a, b = self.layout.held_rows(i, self.dp_index)
+        return (b - a, *shape[1:]) if len(shape) > 1 else (b - a,)
+
+    def local_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s part of ``flat`` (``flat_param`` or its gradient) in :meth:`local_shape`."""
+        lo, hi = self.shard_span(i)
+        return flat[lo:hi].view(self.local_shape(i))
+
     def extra_repr(self) -> str:
         return (f"mode={self.mode}, dp_ranks={self.dp_ranks}, params={len(self.fqns)}, "
-                f"numel={self.numel}, padded={self.padded}")
+                f"numel={self.numel}, padded={self.padded}{'' if self.trainable else ', frozen'}")
 
     # ------------------------------------------------------------------ buffer
     def working(self) -> torch.Tensor:
@@ -355,7 +379,10 @@ class FlatParams(nn.Module):
 
     def finish_grad_sync(self) -> None:
         """Wait for this layer's collectives and set ``flat_param.grad`` (sum of the results, in the
-        masters' dtype)."""
+        masters' dtype). Frozen parameters: only ZeRO-3's gathered buffer is dropped."""
+        if not self.trainable:
+            self.free_full()
+            return
         if self.buckets is not None:
             self.buckets.finish()   # the first store to finish hands every store of its buckets its part
         self._fold_reduce_scatter()

@@ -4,6 +4,12 @@
 runtime rewrites; ``forward(*graph_inputs)`` runs one micro-batch (every rank passes the *whole*
 micro-batch; the graph keeps this rank's slice) and returns this rank's output (the loss over its
 batch slice for zoo models).
+
+Its parameters are the original ones, under their original names: ``named_parameters()`` yields a
+:class:`~.params.ShardedParameter` per parameter of the stage (this rank's part of it, a view of the
+layer buffers; see :mod:`.params`), so the user's optimizer, param groups, frozen parameters and
+``torch.nn.utils.clip_grad_norm_`` work as on the original model. ``state_dict()`` holds the same
+objects (DCP saves and loads them in place); ``load_state_dict`` also takes whole tensors.
 """
 
 from __future__ import annotations
@@ -52,14 +58,62 @@ class DistributedModel(torch.fx.GraphModule):
         self.output_layout = output_layout
         self._stores = stores
         self._tp_shards = tp_shards
+        self.params = None   # ParamRegistry, set by the bind_parameters pass
+        # NOTE: False under torch.compile, whose backward hands out the gradients (scaled by the
+        # incoming gradient) instead of train_step
+        self.grads_after_step = True
         return self
 
     @property
     def stores(self) -> list[FlatParams]:
-        """This rank's per-layer :class:`~.data_parallel.FlatParams` (one per layer with trainable
-        parameters, in layer order): the public handle checkpoints, the backend's parameter
-        binding and benchmarks use."""
+        """This rank's flat buffers, :class:`~.data_parallel.FlatParams` (per layer: one for its
+        trainable parameters, one for its frozen ones, where it has them; in layer order): the
+        storage behind :meth:`named_parameters`, used by benchmarks and memory checks."""
         return self._stores
+
+    # -------------------------------------------------------------- parameters
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """``(original fqn, ShardedParameter)`` for every parameter of this rank's stage, trainable
+        and frozen, in the model's order (tied weights once, under their first name)."""
+        for fqn, p in self.params.named():
+            yield prefix + fqn, p
+
+    def parameters(self, recurse: bool = True):
+        for _fqn, p in self.named_parameters():
+            yield p
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: the total ``norm_type``-norm of
+        every gradient (every pipeline stage's), the same on every rank; clips this rank's
+        gradients by it and returns it (collective over the world: call it on every rank)."""
+        return self.params.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """fqn -> :class:`~.params.ShardedEntry` (the parameter's global shape, this rank's pieces
+        of it, viewing the parameter): a DCP sharded state dict, as FSDP2's DTensors are;
+        ``torch.distributed.checkpoint.load`` into it loads the model in place (then call
+        :meth:`load_state_dict` with it). Buffers (position ids, rotary tables) are rebuilt by the
+        graph and not included. :meth:`full_state_dict` gathers whole tensors."""
+        from .params import ShardedEntry
+
+        out = destination if destination is not None else {}
+        for fqn, p in self.params.named():
+            out[prefix + fqn] = ShardedEntry(p)
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load parameters by original name: whole tensors (a ``full_state_dict()``, a consolidated
+        checkpoint, the original model's ``state_dict()``; this rank keeps its part) or this
+        model's own :meth:`state_dict` after ``dcp.load`` filled it. Collective for ZeRO-2 (the
+        replicated buffers are re-gathered)."""
+        from torch.nn.modules.module import _IncompatibleKeys
+
+        missing, unexpected = self.params.load_whole(dict(state_dict), strict=strict)
+        for s in self._stores:
+            s.masters_changed()
+        self.sync_params()
+        return _IncompatibleKeys(missing, unexpected)
 
     # ---------------------------------------------------------------- training
     @property
@@ -80,6 +134,7 @@ class DistributedModel(torch.fx.GraphModule):
         loss, and the returned loss (a 0-dim tensor) is the same on every rank.
         """
         batches = self._micro_batches(args, kwargs, "train_step")
+        self.params.check_requires_grad()
         for s in self._stores:
             s.zero_grad_state()
         total = None
@@ -95,11 +150,13 @@ class DistributedModel(torch.fx.GraphModule):
     def finish_grad_sync(self) -> None:
         """End of a step's backward: wait for the DP reductions and fill the masters' ``.grad``;
         fp16: unscale them, or drop them on every rank after an inf/NaN on any rank (collective
-        over the world)."""
+        over the world); then hand each parameter its gradient view."""
         for s in self._stores:
             s.finish_grad_sync()
         if self.loss_scaler is not None:
-            self.loss_scaler.unscale_or_skip(self._stores)
+            self.loss_scaler.unscale_or_skip([s for s in self._stores if s.trainable])
+        if self.grads_after_step:
+            self.params.attach_grads()
 
     def _micro_batches(self, args, kwargs, where: str) -> list[tuple[list, list]]:
         """Match the inputs, prepare the step (the token count of a token loss) and cut the global batch: per micro-batch, the
@@ -169,13 +226,10 @@ class DistributedModel(torch.fx.GraphModule):
 
     # --------------------------------------------------------------- optimizer
     def optimizer(self, cls=torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:
-        """``cls(self.parameters(), **kwargs)`` over this rank's buffers/shards: a convenience; any
-        ``torch.optim`` optimizer the user builds over :meth:`parameters` works the same.
-
-        NOTE: parameters are flat per layer, so one hyper-parameter set applies to all of them
-        (elementwise optimizers such as AdamW/SGD then match unflattened training exactly).
-        """
-        return cls(self.parameters(), **kwargs)
+        """``cls`` over the trainable :meth:`parameters` (``**kwargs`` its hyper-parameters): a
+        convenience; any ``torch.optim`` optimizer the user builds over :meth:`parameters` or
+        param groups from :meth:`named_parameters` works the same."""
+        return cls([p for p in self.parameters() if p.requires_grad], **kwargs)
 
     def sync_params(self) -> None:
         """ZeRO-2: all-gather the shards an optimizer step (or a checkpoint load) changed into the

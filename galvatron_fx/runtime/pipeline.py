@@ -206,6 +206,8 @@ class PipelineModel(nn.Module):
         if self.stage.token_loss is not None and info.is_last:
             self.stage.token_loss.prepare(graph_inputs)
         self.stage.sync_params()   # ZeRO-2: the shards the user's optimizer updated -> whole buffers
+        if train:
+            self.stage.params.check_requires_grad()
         for s in self.stage.stores:
             s.zero_grad_state()
         runner = self._runner
@@ -305,6 +307,34 @@ class PipelineModel(nn.Module):
         schedule = cls(stage, n_microbatches=m, loss_fn=self._scaled_loss, scale_grads=False)
         self.__dict__["_built"] = (key, schedule)
         return schedule
+
+    # -------------------------------------------------------------- parameters
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """This stage's parameters under their original names (:meth:`DistributedModel.named_parameters`)."""
+        return self.stage.named_parameters(prefix)
+
+    def parameters(self, recurse: bool = True):
+        return self.stage.parameters()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """The whole model's gradient norm (every stage's; the same on every rank), this stage's
+        gradients clipped by it: torchtitan's pipeline ``clip_grad_norm_`` (collective over the world)."""
+        return self.stage.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """This stage's :meth:`DistributedModel.state_dict` (other stages hold the other entries)."""
+        return self.stage.state_dict(destination=destination, prefix=prefix)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """:meth:`DistributedModel.load_state_dict` for this stage's parameters (entries of other
+        stages are ignored; ``strict`` checks that this stage's are all there)."""
+        mine = {k: v for k, v in dict(state_dict).items() if k in self.stage.params.params}
+        if strict:
+            missing = [k for k in self.stage.params.params if k not in mine]
+            if missing:
+                raise ConfigError(f"load_state_dict: missing {missing[:5]} of pipeline stage {self.stage_index}")
+        return self.stage.load_state_dict(mine, strict=False)
 
     # --------------------------------------------------------------- optimizer
     def optimizer(self, cls=torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:

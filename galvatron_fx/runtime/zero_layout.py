@@ -48,6 +48,12 @@ class ZeroLayout:
         """Elements of parameter ``i`` in one rank's shard (padding rows included)."""
         return self.per_rank[i] * self.row[i]
 
+    def held(self, rank: int) -> int:
+        """Elements of the parameters (padding excluded) rank ``rank`` holds in its shard: the
+        size of its per-parameter optimizer states under ZeRO."""
+        return sum((b - a) * w for (a, b), w in ((self.held_rows(i, rank), self.row[i])
+                                                  for i in range(len(self.rows))))
+
     def held_rows(self, i: int, rank: int) -> tuple[int, int]:
         """Rows ``[lo, hi)`` of parameter ``i`` that rank ``rank`` holds (padding excluded; may be empty)."""
         lo = min(rank * self.per_rank[i], self.rows[i])

@@ -1,0 +1,113 @@
+"""The training loop users write around a model, for the loop tests (single device and distributed).
+
+One loop body (:func:`fit`) runs the eager reference and every distributed door alike: a new batch
+every step (labels from a collator: -100 on padding), a gradient clip, AdamW over param groups
+built by name, a cosine LR schedule; it records the loss and the clip's total norm of every step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+V, S, B = 64, 16, 12            # vocabulary, sequence, global batch (B differs from every model extent)
+LR, WD, CLIP = 1e-2, 0.5, 0.05  # CLIP small enough that every step clips
+
+
+def llama(lora: bool = False, freeze: tuple[str, ...] = ()):
+    """A tiny transformers Llama (seeded), optionally with peft LoRA on q/v (r = 4; everything else
+    frozen) or with the parameters whose names contain one of ``freeze`` frozen."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = tf.LlamaForCausalLM(cfg)
+    if lora:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                           lora_dropout=0.0, init_lora_weights=False))
+    for name, p in model.named_parameters():
+        if any(f in name for f in freeze):
+            p.requires_grad_(False)
+    return model
+
+
+def collate(steps: int, batch: int = B, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    """``steps`` batches of ``batch`` sequences of random lengths, right-padded to ``S`` with token 0,
+    labels = inputs with -100 on the padding (what a causal-LM collator gives)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(1, V, (batch, S), generator=g)
+        lengths = torch.randint(S // 2, S + 1, (batch,), generator=g)
+        pad = torch.arange(S)[None, :] >= lengths[:, None]
+        ids[pad] = 0
+        labels = ids.masked_fill(pad, -100)
+        out.append(dict(input_ids=ids, labels=labels))
+    return out
+
+
+def param_groups(named, wd: float = WD, frozen_lr_for: tuple[str, ...] = ()):
+    """AdamW param groups by name: biases and norms without weight decay (names in ``frozen_lr_for``
+    also with lr 0), the rest with ``wd``; trainable parameters only."""
+    decay, plain, still = [], [], []
+    for name, p in named:
+        if not p.requires_grad:
+            continue
+        if any(k in name for k in frozen_lr_for):
+            still.append(p)
+        elif name.endswith("bias") or "norm" in name or ".ln" in name:
+            plain.append(p)
+        else:
+            decay.append(p)
+    groups = [dict(params=decay, weight_decay=wd), dict(params=plain, weight_decay=0.0)]
+    if still:
+        groups.append(dict(params=still, weight_decay=0.0, lr=0.0))
+    return [g for g in groups if g["params"]]
+
+
+def optimizer(named, **kw):
+    """AdamW over :func:`param_groups` with a cosine schedule (warm-up free, to 10 % of ``LR``)."""
+    opt = torch.optim.AdamW(param_groups(named, **kw), lr=LR, eps=1e-6)
+    for g in opt.param_groups:
+        g.setdefault("initial_lr", g["lr"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 8)))
+    return opt, sched
+
+
+def fit(step, params, opt, sched, batches, clip=None) -> tuple[list[float], list[float]]:
+    """The loop: ``loss = step(batch)`` (forward and backward), ``norm = clip(params)`` (default
+    ``torch.nn.utils.clip_grad_norm_(params(), CLIP)``), optimizer and schedule steps. Returns the
+    losses and the total norms."""
+    clip = clip or (lambda: torch.nn.utils.clip_grad_norm_(list(params()), CLIP))
+    losses, norms = [], []
+    for batch in batches:
+        opt.zero_grad()
+        loss = step(batch)
+        norms.append(float(clip()))
+        opt.step()
+        sched.step()
+        losses.append(float(loss))
+    return losses, norms
+
+
+def eager(model, batches, clip: bool = True, **group_kw):
+    """The single-device reference: ``(losses, norms, final parameters)``."""
+    opt, sched = optimizer(model.named_parameters(), **group_kw)
+
+    def step(b):
+        loss = model(**b).loss
+        loss.backward()
+        return loss.item()
+
+    losses, norms = fit(step, model.parameters, opt, sched, batches,
+                        None if clip else (lambda: 0.0))
+    return losses, norms, {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def rel(a, b) -> float:
+    """Largest relative difference of two sequences of numbers."""
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
