@@ -14,7 +14,8 @@ CPU, foreach on CUDA; and with ``foreach=True`` / ``fused=True``) on the same el
 
 for the layers of gpt-tiny (hidden 128, 4 layers, the runtime benchmarks' model) and one 1B-class
 decoder layer (Llama-3.2-1B: hidden 2048, ffn 8192; 2 norms + 7 linears). Times are the medians of
-``--repeats`` steps after two warm-up steps; the summary holds ``views / flat`` and ``views / plain``.
+``--rounds`` interleaved rounds of ``--repeats`` steps each, after two warm-up steps; the summary
+holds ``views / flat`` and ``views / plain``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import parser, print_table, write_json  # noqa: E402
 
-from galvatron_fx.runtime.params import ShardedParameter  # noqa: E402
+from galvatron_fx.runtime.params import ShardedGrad, ShardedParameter  # noqa: E402
 
 
 def gpt_tiny_layers() -> list[list[tuple[int, ...]]]:
@@ -60,30 +61,42 @@ def _tensors(layers, how: str, device) -> list[torch.Tensor]:
             out.append(torch.nn.Parameter(view.clone()) if how == "plain"
                        else torch.Tensor._make_subclass(ShardedParameter, view, True))
     for p in out:
-        p.grad = torch.randn_like(p) * 1e-3
+        g = torch.randn(p.shape, device=device) * 1e-3
+        # NOTE: the runtime's gradients are ShardedGrad views (their own __torch_function__)
+        p.grad = torch.Tensor._make_subclass(ShardedGrad, g) if how == "views" else g
     return out
 
 
-def time_step(layers, how: str, device, repeats: int, **opt_kw) -> float:
-    params = _tensors(layers, how, device)
-    opt = torch.optim.AdamW(params, lr=1e-3, **opt_kw)
-    for _ in range(2):
-        opt.step()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+def time_steps(layers, device, repeats: int, rounds: int, **opt_kw) -> dict[str, float]:
+    """Median step seconds of each way, measured in ``rounds`` interleaved rounds of ``repeats``
+    steps (NOTE: interleaved, so that a noisy neighbour on a shared machine hits all three alike)."""
+    opts = {}
+    for how in HOWS:
+        params = _tensors(layers, how, device)
+        opts[how] = torch.optim.AdamW(params, lr=1e-3, **opt_kw)
+        for _ in range(2):
+            opts[how].step()
+    times: dict[str, list[float]] = {how: [] for how in HOWS}
+    for _ in range(rounds):
+        for how, opt in opts.items():
+            for _ in range(repeats):
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                opt.step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times[how].append(time.perf_counter() - t)
+    return {how: sorted(ts)[len(ts) // 2] for how, ts in times.items()}
+
+
+HOWS = ("flat", "plain", "views")
 
 
 def main() -> None:
     ap = parser(__doc__)
-    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -91,7 +104,7 @@ def main() -> None:
     for model, layers in (("gpt-tiny", gpt_tiny_layers()), ("llama-1b-layer", llama_1b_layer())):
         tensors = sum(len(s) for s in layers)
         for impl, kw in (("default", {}), ("foreach", dict(foreach=True)), ("fused", dict(fused=True))):
-            t = {how: time_step(layers, how, device, args.repeats, **kw) for how in ("flat", "plain", "views")}
+            t = time_steps(layers, device, args.repeats, args.rounds, **kw)
             results[f"{model}/{impl}"] = t
             rows.append([model, impl, tensors, t["flat"] * 1e3, t["plain"] * 1e3, t["views"] * 1e3,
                          t["views"] / t["flat"], t["views"] / t["plain"]])

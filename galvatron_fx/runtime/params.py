@@ -17,8 +17,9 @@ After a step's backward, ``p.grad`` is a :class:`ShardedGrad`: the same view of 
 So an optimizer over ``dist_model.parameters()`` (any ``torch.optim`` class: for-loop, foreach or
 fused) updates the buffers in place, param groups built from ``named_parameters()`` address single
 parameters, frozen ones never get a gradient or an optimizer state, and
-``torch.nn.utils.clip_grad_norm_`` / ``get_total_norm`` return the single-device norm: both classes
-route the norm functions to :mod:`.grad_norm`, which reduces over the ranks holding the pieces.
+``torch.nn.utils.clip_grad_norm_`` / ``get_total_norm`` return the single-device norm: the
+gradients route the norm functions to :mod:`.grad_norm`, which reduces over the ranks holding the
+pieces (a parameter's own ``p.norm()`` is its part's; ``p.full_tensor()`` is the whole).
 ``p.spec`` (:class:`ParamSpec`) says where the part sits; ``p.full_tensor()`` gathers the whole
 parameter (collective over its TP and DP groups); ``p.to_local()`` is the part as a plain tensor.
 ``dist_model.state_dict()`` holds a :class:`ShardedEntry` per parameter (its global shape, this
@@ -72,6 +73,11 @@ class ParamSpec:
     slot: int
     registry: ParamRegistry = field(repr=False)
 
+    def __post_init__(self):
+        # NOTE: cached, the gradient views are cut every step
+        self.span = self.store.shard_span(self.index)
+        self.local_shape = self.store.local_shape(self.index)
+
     @property
     def trainable(self) -> bool:
         return self.store.trainable
@@ -89,12 +95,16 @@ class ParamSpec:
 
     def local(self) -> torch.Tensor:
         """This rank's part of the parameter: a view of its flat buffer."""
-        return self.store.local_view(self.store.flat_param.data, self.index)
+        lo, hi = self.span
+        return self.store.flat_param.data[lo:hi].view(self.local_shape)
 
     def grad(self) -> torch.Tensor | None:
         """This rank's part of the gradient (a view of the buffer's), ``None`` when there is none."""
         g = self.store.flat_param.grad
-        return None if g is None else self.store.local_view(g, self.index)
+        if g is None:
+            return None
+        lo, hi = self.span
+        return g[lo:hi].view(self.local_shape)
 
     def pieces(self, owned: bool, max_numel: int | None = None) -> list[Piece]:
         """Boxes of the global parameter this rank's part holds (``owned``: only those it writes in a
@@ -121,18 +131,9 @@ class ParamSpec:
 
 
 class _Sharded:
-    """What both classes share: norms over ranks (:mod:`.grad_norm`), every other op on the local part."""
+    """What both classes share: the spec, the local part, the whole tensor."""
 
     _gfx: ParamSpec
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        handler = HANDLERS.get(func)
-        if handler is not None:
-            return handler(func, args, kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
 
     @property
     def spec(self) -> ParamSpec:
@@ -150,7 +151,15 @@ class _Sharded:
 
 
 class ShardedParameter(_Sharded, nn.Parameter):
-    """An original parameter on this rank (module docstring). Created from its :class:`ParamSpec`."""
+    """An original parameter on this rank (module docstring). Created from its :class:`ParamSpec`.
+
+    NOTE: no ``__torch_function__`` of its own (``nn.Parameter``'s disabled one, which torch skips
+    at C speed): the optimizer's per-parameter ops cost what they cost on a plain ``Parameter``
+    (a Python ``__torch_function__`` made AdamW's step 1.4x slower on gpt-tiny's 69 tensors). Its
+    gradient routes the norms; a parameter's own reductions (``p.norm()``) are its part's: use
+    :meth:`full_tensor` for the whole one's."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __new__(cls, spec: ParamSpec):
         t = torch.Tensor._make_subclass(cls, spec.local(), spec.trainable)
@@ -219,7 +228,17 @@ class ShardedEntry(torch.Tensor):
 
 
 class ShardedGrad(_Sharded, torch.Tensor):
-    """This rank's part of a parameter's gradient (module docstring)."""
+    """This rank's part of a parameter's gradient (module docstring): the norm functions
+    (:data:`~.grad_norm.HANDLERS`) give the whole gradient's norm, every other op runs on the part."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = HANDLERS.get(func)
+        if handler is not None:
+            return handler(func, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
 
     @staticmethod
     def wrap(t: torch.Tensor, spec: ParamSpec) -> ShardedGrad:
