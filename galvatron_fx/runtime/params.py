@@ -308,6 +308,7 @@ class ParamRegistry:
         self.rank, self.slots, self.pipelined, self.device = rank, slots, pipelined, device
         self.stage_ranks = tuple(stage_ranks)
         self.params: dict[str, ShardedParameter] = {}
+        self._trainable: list | None = None   # attach_grads' per-parameter spans, built on first use
 
     def stage_group(self) -> tuple[bool, Any]:
         """``(whether this rank's pipeline stage has other ranks, its process group)`` (``None``:
@@ -347,20 +348,23 @@ class ParamRegistry:
         """Give each trainable parameter its gradient view (``None`` when its buffer has none: a
         skipped fp16 step). ``scale``: multiply the gradients in place first and *add* to a
         gradient the parameter holds already (a ``loss.backward(g)`` under torch.compile)."""
-        for p in self.params.values():
-            spec = p._gfx
-            if not spec.trainable:
-                continue
-            g = spec.grad()
-            if g is None:
+        if self._trainable is None:
+            self._trainable = [(p, p._gfx, p._gfx.store, p._gfx.span[0], p._gfx.local_shape,
+                                torch.empty(p._gfx.local_shape, device="meta").stride())
+                               for p in self.params.values() if p._gfx.trainable]
+        wrap = ShardedGrad.wrap
+        for p, spec, store, lo, shape, stride in self._trainable:
+            flat = store.flat_param.grad
+            if flat is None:
                 p.grad = None
                 continue
+            g = flat.as_strided(shape, stride, flat.storage_offset() + lo)   # NOTE: cheaper than flat[lo:hi].view
             if scale is not None:
                 g.mul_(scale)
                 if p.grad is not None and p.grad.shape == g.shape:
                     p.grad.add_(g)
                     continue
-            p.grad = ShardedGrad.wrap(g, spec)
+            p.grad = wrap(g, spec)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> torch.Tensor:
