@@ -26,7 +26,7 @@ CASES = {
     # name: world, door, model, capture method, plan (Plan.uniform kwargs), clip, optimizer groups
     "zero2": dict(plan=dict(dp=2, sdp="zero2")),
     "zero3-export": dict(method="export", plan=dict(dp=2, sdp="zero3")),
-    "tp2-sp": dict(plan=dict(tp=2, dp=1, sp=True)),
+    "tp2-sp": dict(matrix=True, plan=dict(tp=2, dp=1, sp=True)),
     "zero3-compile": dict(door="compile", plan=dict(dp=2, sdp="zero3")),
     "tp2xdp2": dict(world=4, plan=dict(tp=2, dp=2)),
     "pp2xdp2": dict(world=4, clip="dm", plan=dict(pp=2, dp=2, micro_batches=2, sdp="zero2")),
@@ -35,8 +35,10 @@ CASES = {
     "frozen-tp2-compile": dict(door="compile", model="frozen", plan=dict(tp=2, dp=1)),
     "lora-tp2": dict(model="lora", plan=dict(tp=2, dp=1)),
     "lora-zero2-compile": dict(door="compile", model="lora", plan=dict(dp=2, sdp="zero2")),
+    "lora-pp2-zero3": dict(matrix=True, model="lora", clip="dm",
+                           plan=dict(pp=2, dp=1, micro_batches=2, sdp="zero3")),
     "groups-zero2": dict(groups=dict(frozen_lr_for=("norm",)), plan=dict(dp=2, sdp="zero2")),
-    "groups-tp2": dict(groups=dict(frozen_lr_for=("norm",)), plan=dict(tp=2, dp=1)),
+    "groups-tp2": dict(matrix=True, groups=dict(frozen_lr_for=("norm",)), plan=dict(tp=2, dp=1)),
     "bf16-zero2": dict(precision="bf16-mixed", plan=dict(dp=2, sdp="zero2")),
 }
 FROZEN = ("embed", "norm")
@@ -44,7 +46,7 @@ FROZEN = ("embed", "norm")
 
 def _case(name: str) -> dict:
     return dict(dict(world=2, door="transform", model="llama", method="dynamo", clip="torch", groups={},
-                     precision="fp32"), **CASES[name])
+                     precision="fp32", matrix=False), **CASES[name])
 
 
 def _model(kind: str):
@@ -181,7 +183,8 @@ def _check(name, results):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.matrix) if c.get("matrix") else n
+                                  for n, c in CASES.items()])   # CI time: --run-matrix runs every case
 def test_training_loop_matches_one_device(name):
     case = _case(name)
     _check(name, run_distributed(_run, case["world"], name, timeout=600))
