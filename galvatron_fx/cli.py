@@ -15,6 +15,7 @@ import time
 
 from . import models
 from .errors import ConfigError, GalvatronError
+from .models.hf_config import config_path
 
 
 def progress(msg: str) -> None:
@@ -22,9 +23,10 @@ def progress(msg: str) -> None:
     print(f"[galvatron-fx] {msg}", file=sys.stderr, flush=True)
 
 
-def parse_overrides(items: list[str] | None) -> dict:
-    """``["layers=2", "hidden=64", "depths=[2,2]"]`` -> ``{"layers": 2, "hidden": 64, "depths": [2, 2]}``."""
-    out = {}
+def parse_overrides(items: list[str] | None, seq_len: int | None = None) -> dict:
+    """``["layers=2", "hidden=64", "depths=[2,2]"]`` -> ``{"layers": 2, "hidden": 64, "depths": [2, 2]}``
+    (``seq_len``: the ``--seq-len`` option, the example inputs' sequence length)."""
+    out = {} if seq_len is None else {"seq_len": int(seq_len)}
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -41,7 +43,7 @@ def cmd_layers(args: argparse.Namespace) -> int:
     from . import layers
 
     t0 = time.perf_counter()
-    model, example_args = models.load(args.model, device=args.device, overrides=parse_overrides(args.set))
+    model, example_args = models.load(args.model, device=args.device, overrides=parse_overrides(args.set, args.seq_len))
     progress(f"capturing {args.model} with method={args.method} on {args.device}")
     gm = _capture(model, example_args, args.method)
     records = layers(gm)
@@ -96,9 +98,15 @@ def _print_tp_details(report, every: bool) -> None:
 
 
 def _capture_for_planning(args: argparse.Namespace):
-    model, example_args = models.load(args.model, device="meta", overrides=parse_overrides(args.set))
-    progress(f"capturing {args.model} on the meta device (method={args.method})")
-    return _capture(model, example_args, args.method)
+    overrides = parse_overrides(args.set, args.seq_len)
+    method = args.method
+    if config_path(args.model):
+        overrides.setdefault("batch", 2)   # NOTE: the plan's global batch is separate; meta costs nothing
+        method = method or "dynamo"        # NOTE: transformers models do not trace with fx
+    model, example_args = models.load(args.model, device="meta", overrides=overrides)
+    method = method or "fx"
+    progress(f"capturing {args.model} on the meta device (method={method})")
+    return _capture(model, example_args, method)
 
 
 def _capture(model, example, method: str):
@@ -185,9 +193,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Train MODEL under torchrun with the galvatron backend (or eagerly with --single-device)."""
+    """Train MODEL under torchrun with the galvatron backend (or eagerly with --single-device); a
+    transformers config with ``--data FILE`` trains on that text (:mod:`galvatron_fx.text_train`)."""
     from .train import print_log, train
 
+    if args.data is not None or config_path(args.model):
+        return _train_text(args)
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
     if args.global_batch_size is not None and args.global_batch_size < 1:
@@ -204,6 +215,33 @@ def cmd_train(args: argparse.Namespace) -> int:
             _write_json(args.json, log)
     from .distributed import shutdown
 
+    shutdown()
+    return 0
+
+
+def _train_text(args: argparse.Namespace) -> int:
+    from .distributed import shutdown
+    from .text_train import print_summary, train_text
+
+    if args.data is None:
+        raise ConfigError(f"{args.model} is a transformers config: give --data FILE (a text file to train on)")
+    if not config_path(args.model):
+        raise ConfigError(f"--data trains a transformers config.json (or a directory holding one), not {args.model!r}")
+    if args.single_device:
+        raise ConfigError("--single-device is for zoo / factory models; --data runs under torchrun")
+    if args.plan and not os.path.isfile(args.plan):
+        raise ConfigError(f"--plan {args.plan!r}: no such file")
+    overrides = parse_overrides(args.set)
+    log = train_text(args.model, args.data, seq_len=args.seq_len or 128, global_batch_size=args.global_batch_size or 8,
+                     steps=args.steps, lr=args.lr if args.lr_given else 3e-4, weight_decay=args.weight_decay,
+                     warmup=args.warmup, clip=args.clip, plan=args.plan, cluster=args.cluster,
+                     memory_budget=args.memory_budget, precision=args.precision, init=args.init,
+                     save_every=args.save_every, ckpt_dir=args.ckpt_dir, resume=args.resume,
+                     log_json=args.log_json, seed=args.seed, overrides=overrides, progress=progress)
+    if log["rank"] == 0:
+        print_summary(log)
+        if args.json:
+            _write_json(args.json, log)
     shutdown()
     return 0
 
@@ -236,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Capture MODEL (a zoo name or package.module:factory) and print its layers.")
     p.add_argument("model", metavar="MODEL")
     p.add_argument("--method", default="dynamo", choices=["dynamo", "export", "fx"], help="capture front end")
+    p.add_argument("--seq-len", type=int, metavar="N", help="sequence length of the example inputs")
     p.add_argument("--device", default="meta", choices=["meta", "cpu"],
                    help="build zoo models on meta (no weight memory; default) or cpu")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
@@ -262,7 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "--precision bf16-mixed / fp16-mixed")
     p.add_argument("--mixed-precision", action="store_true", help="legacy: with --dtype bf16|fp16")
     p.add_argument("--reserve", help="framework reserve per device (default 1GiB)")
-    p.add_argument("--method", default="fx", choices=["dynamo", "export", "fx"], help="capture front end")
+    p.add_argument("--method", choices=["dynamo", "export", "fx"],
+                   help="capture front end (default fx; dynamo for a transformers config)")
+    p.add_argument("--seq-len", type=int, metavar="N", help="sequence length of the example inputs")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override (repeatable)")
     p.add_argument("--baselines", action="store_true",
                    help="also estimate DP, ZeRO-3, TP, PP, 3D, DP+TP, DP+PP and Megatron-style (megatron)")
@@ -283,8 +324,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model with a plan (run under torchrun)",
                        description="Train MODEL on synthetic data with torch.compile(backend='galvatron') under "
-                                   "torchrun (gloo on CPU, NCCL on GPU), or eagerly with --single-device.")
+                                   "torchrun (gloo on CPU, NCCL on GPU), or eagerly with --single-device; or "
+                                   "train a transformers config.json on a text file: MODEL=CONFIG --data FILE.")
     p.add_argument("model", metavar="MODEL")
+    p.add_argument("--data", metavar="FILE", help="text file to train a config.json MODEL on (tokenizer.json "
+                   "beside the config, else bytes)")
+    p.add_argument("--seq-len", type=int, metavar="N", help="tokens per sample (--data; default 128)")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient clipping max norm (--data; default 1.0)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (--data; not on norms, biases)")
+    p.add_argument("--warmup", type=int, help="linear warm-up steps (--data; default steps/10, at most 100)")
+    p.add_argument("--init", metavar="DIR", help="start from from_pretrained(DIR) weights (--data)")
+    p.add_argument("--save-every", type=int, default=0, metavar="N", help="sharded checkpoint every N steps (--data)")
+    p.add_argument("--ckpt-dir", default="checkpoints", help="checkpoint directory (--data; default ./checkpoints)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir (--data)")
+    p.add_argument("--log-json", metavar="PATH", help="one JSON record per step: loss, grad_norm, lr, "
+                   "tokens_per_s, mfu (--data; rank 0)")
     p.add_argument("--plan", metavar="PATH", help="plan JSON to run (default: search one at the first step)")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
     p.add_argument("--memory-budget", help="per-device budget for the search, e.g. 16GiB")
@@ -295,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"],
                    help="training precision: fp32 masters and optimizer states, compute in bf16 / fp16 "
                         "(default: the plan's, else the cluster's)")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--lr", type=float, help="AdamW learning rate (default 1e-3; 3e-4 with --data)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override (repeatable)")
     p.add_argument("--json", metavar="PATH", help="write the training log (rank 0)")
@@ -315,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "train":
+        args.lr_given = args.lr is not None
+        args.lr = args.lr if args.lr is not None else 1e-3
     try:
         return args.func(args)
     except GalvatronError as exc:

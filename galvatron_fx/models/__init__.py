@@ -123,7 +123,16 @@ def param_count(model: nn.Module) -> int:
 
 
 def load(spec: str, device: str = "meta", overrides: dict | None = None):
-    """A ``MODEL`` argument (CLI, trainer) -> ``(model, example_args)``: a zoo name or ``package.module:factory``."""
+    """A ``MODEL`` argument (CLI, trainer) -> ``(model, example_args)``: a zoo name, a transformers
+    ``config.json`` (or a directory holding one; :mod:`.hf_config`: keyword example inputs, ``seq_len``
+    and ``batch`` overrides set their shape, others set config attributes) or
+    ``package.module:factory``."""
+    from .hf_config import config_path, from_config
+
+    if config_path(spec):
+        kw = dict(overrides or {})
+        return from_config(spec, device=device, seq_len=kw.pop("seq_len", None), batch=int(kw.pop("batch", 8)),
+                           **kw)
     if ":" in spec:
         module_name, _, attr = spec.partition(":")
         try:

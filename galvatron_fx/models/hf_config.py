@@ -1,0 +1,81 @@
+"""A transformers ``config.json`` as a ``MODEL``: what a transformers user has on disk.
+
+    model, inputs = from_config("llama-tiny/config.json", device="meta", seq_len=2048, batch=8)
+
+``from_config`` reads the config offline (``AutoConfig.from_pretrained`` on the file's directory),
+builds the model with ``AutoModelForCausalLM.from_config`` (``AutoModelForSeq2SeqLM`` for
+encoder-decoders, ``AutoModelForMaskedLM`` for encoder-only configs) on ``device`` (``meta``: no
+weight memory, for planning) and returns keyword example inputs ``input_ids`` / ``labels`` of
+``batch x seq_len`` tokens, as a training loop calls the model. The KV cache is turned off
+(``use_cache=False``): training never reads it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import ConfigError
+
+CONFIG_NAME = "config.json"
+DEFAULT_SEQ_LEN = 128
+
+
+def config_path(spec: str) -> str | None:
+    """The ``config.json`` a ``MODEL`` argument names (the file, or a directory holding one), else None."""
+    if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, CONFIG_NAME)):
+        return os.path.join(spec, CONFIG_NAME)
+    if spec.endswith(".json") and os.path.isfile(spec):
+        return spec
+    return None
+
+
+def load_config(path: str):
+    """The transformers config of ``path`` (a ``config.json`` or its directory), read offline."""
+    try:
+        import transformers
+    except ImportError:   # pragma: no cover - transformers is a test dependency
+        raise ConfigError("a config.json MODEL needs the transformers package: pip install transformers") from None
+    try:
+        return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        msg = str(exc).splitlines()[0]
+        raise ConfigError(f"{path}: not a transformers config this transformers version reads ({msg})") from None
+
+
+def model_class(config):
+    """The ``AutoModelFor...`` class that trains ``config`` with a loss from ``labels``."""
+    import transformers
+
+    if getattr(config, "is_encoder_decoder", False):
+        return transformers.AutoModelForSeq2SeqLM
+    archs = " ".join(getattr(config, "architectures", None) or [])
+    if "MaskedLM" in archs or (not archs and getattr(config, "model_type", "") in ("bert", "roberta", "distilbert")):
+        return transformers.AutoModelForMaskedLM
+    return transformers.AutoModelForCausalLM
+
+
+def from_config(spec: str, device: str = "meta", seq_len: int | None = None, batch: int = 8,
+                seed: int = 0, **overrides):
+    """``(model, {"input_ids", "labels"})`` for the config at ``spec`` (module docstring);
+    ``overrides`` set config attributes (``--set num_hidden_layers=2``)."""
+    path = config_path(spec) or spec
+    config = load_config(path)
+    for key, value in overrides.items():
+        if not hasattr(config, key):
+            raise ConfigError(f"{path}: the config has no attribute {key!r} to override")
+        setattr(config, key, value)
+    config.use_cache = False
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    seq = int(seq_len or min(DEFAULT_SEQ_LEN, limit or DEFAULT_SEQ_LEN))
+    if limit and seq > limit:
+        raise ConfigError(f"--seq-len {seq} exceeds the config's max_position_embeddings={limit}")
+    cls = model_class(config)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = cls.from_config(config)
+    vocab = int(config.vocab_size)
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+    return model, {"input_ids": ids, "labels": ids}
