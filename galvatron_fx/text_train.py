@@ -127,8 +127,8 @@ def train_text(config_spec: str, data: str, *, seq_len: int = 128, global_batch_
     from . import capture, checkpoint, transform
     from .distributed import init_distributed, pick_device, synchronize
     from .models.hf_config import config_path, from_config, load_config, model_class
-    from .planner import resolve_cluster
     from .plan import Plan
+    from .planner import resolve_cluster
 
     path = config_path(config_spec)
     if path is None:

@@ -110,7 +110,7 @@ def test_tokens_and_blocks(tmp_path, llama_dir, corpus):
         tokenize(str(corpus), str(llama_dir), 100)
     with pytest.raises(ConfigError, match="fewer than one global batch"):
         TextBlocks(ids[:100], 32, 12)
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers   # a tokenizer.json beside the config
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # a tokenizer.json beside the config
 
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
