@@ -132,8 +132,9 @@ def saved_activation_bytes(dm, plan, args) -> int:
         return t
 
     b = plan.micro_batch_size
+    index, size = dm.input_shard   # the graph takes this rank's slice of a micro-batch
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = dm(*[a[:b] for a in args])
+        loss = dm(*[a[:b][index * b // size:(index + 1) * b // size] for a in args])
     loss.backward()
     for s in dm.stores:
         s.zero_grad_state()

@@ -22,8 +22,8 @@ What one run does (every rank the same, collectives in the same order):
    into ``--ckpt-dir``; ``--resume`` loads the newest complete one (any plan) and continues at its
    step, the data position included.
 
-NOTE: every rank reads the whole global batch of each step (``train_step`` takes it and keeps its
-slice); the file is tokenised once per rank.
+Each rank hands ``train_step`` only its shard of every global batch (``dist_model.input_shard``,
+``DistributedSampler``'s rows); the file is tokenised once per rank.
 """
 
 from __future__ import annotations
@@ -180,8 +180,9 @@ def train_text(config_spec: str, data: str, *, seq_len: int = 128, global_batch_
     records = []
     log = open(log_json, "a" if resume else "w") if (log_json and rank == 0) else None
     tokens_per_step = global_batch_size * seq_len
+    index, size = dm.input_shard   # NOTE: each rank hands train_step only its shard of the batch
     for step in range(start, steps):
-        batch = {k: v.to(device) for k, v in blocks.batch_at(step).items()}
+        batch = {k: v[index::size].to(device) for k, v in blocks.batch_at(step).items()}
         t0 = time.perf_counter()
         loss = dm.train_step(**batch)
         norm = dm.clip_grad_norm_(clip)

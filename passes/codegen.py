@@ -35,7 +35,7 @@ class CodegenPass(ContextPass):
         model = DistributedModel(graph_module, graph_module.graph, class_name=name)
         model.meta[META_KEY] = graph_module.meta[META_KEY]
         model.setup(ctx.stage_plan, ctx.rank, ctx.loss_fn, ctx.output_layout, ctx.stores, ctx.tp_shards,
-                    ctx.token_loss, ctx.precision)
+                    ctx.token_loss, ctx.precision, ctx.input_layout)
         return PassResult(model, True)
 
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:

@@ -45,6 +45,7 @@ class ParallelContext:
     tp_shards: dict = field(default_factory=dict)  # tensor_parallel: fqn -> (ShardInfo, TP ranks)
     stores: list = field(default_factory=list)     # data_parallel: this rank's FlatParams, layer order
     output_layout: Layout | None = None          # resharding: layout of the graph output
+    input_layout: Layout | None = None           # resharding: layout the graph inputs arrive in
 
     @property
     def stage_size(self) -> int:

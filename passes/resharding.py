@@ -3,7 +3,11 @@
 Takes SPLIT, leaves SPLIT (the top graph gains calls of :mod:`galvatron_fx.runtime.reshard`
 between the layer calls):
 
-* graph inputs (the whole micro-batch on every rank) are cut to each reader's batch slice;
+* graph inputs arrive in the *input layout* (``ctx.input_layout``: ``tp = 1, dp = N`` over the
+  stage's ``N`` ranks, so rank ``j`` holds slice ``j`` of each micro-batch: what
+  ``DistributedSampler(num_replicas=N, rank=j)`` hands a data-parallel rank) and go through
+  :func:`~galvatron_fx.runtime.reshard.plan_batched` to each reader's layout (a TP group's ranks
+  all-gather their slices: token ids, small);
 * batched activations (computed from graph inputs; batch on dim 0, sequence on dim 1) go through
   :func:`~galvatron_fx.runtime.reshard.plan_batched` from the producer's layout to the reader's;
 * replicated values that need a gradient (tied weights) cross to another layout through
@@ -40,6 +44,7 @@ class ReshardingPass(ContextPass):
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         ctx, top = self.ctx, graph_module
         layouts, rank, graph = ctx.layouts(), ctx.rank, top.graph
+        ctx.input_layout = ctx.boundary_layout()
         received = {cv.name: cv for cv in (ctx.stage_info.received if ctx.stage_info else [])}
         batched: dict[torch.fx.Node, bool] = {}
         producer: dict[torch.fx.Node, int | None] = {}
@@ -59,7 +64,8 @@ class ReshardingPass(ContextPass):
                 if a.op == "placeholder" and a.name in received:
                     continue
                 if (a, i) not in cache:
-                    cache[(a, i)] = _reshard(graph, call, a, batched[a], producer[a], layouts, layouts[i], rank)
+                    cache[(a, i)] = _reshard(graph, call, a, batched[a], producer[a], layouts, layouts[i], rank,
+                                             ctx.input_layout)
                 args[j] = cache[(a, i)]
             call.args = tuple(args)
             flags = batched_outputs(getattr(top, layer_module_name(i)), [batched[a] for a in orig])
@@ -89,14 +95,13 @@ class ReshardingPass(ContextPass):
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:
         check(self.ctx.output_layout is not None and not self.ctx.output_layout.sp,
               "resharding must leave the graph output with its sequence gathered")
+        check(self.ctx.input_layout is not None and self.ctx.input_layout.tp == 1,
+              "resharding must record the input layout (tp = 1 over the stage)")
 
 
-def _reshard(graph, call, a, is_batched, src_layer, layouts, dst: Layout, rank: int):
-    if src_layer is None:  # a graph input: every rank holds the whole micro-batch
-        if not is_batched or dst.dp == 1:
-            return a
-        with graph.inserting_before(call):
-            return graph.call_function(reshard.slice_input, (a, dst.batch_index(rank), dst.dp))
+def _reshard(graph, call, a, is_batched, src_layer, layouts, dst: Layout, rank: int, inputs: Layout):
+    if src_layer is None:  # a graph input: this rank's slice in the input layout
+        return chain(graph, call, a, reshard.plan_batched(inputs, dst, rank)) if is_batched else a
     src = layouts[src_layer]
     if is_batched:
         return chain(graph, call, a, reshard.plan_batched(src, dst, rank))

@@ -57,7 +57,8 @@ def _measure(rank, world, model_name, overrides, labels=None, precision="fp32"):
         # the caller's input batch too (slices of it are views, not memory the program holds)
         seen: dict[int, int] = {}
         b = plan.micro_batch_size
-        inputs = [a[:b] for a in args]
+        index, size = dm.input_shard   # the graph takes this rank's slice of a micro-batch
+        inputs = [a[:b][index * b // size:(index + 1) * b // size] for a in args]
         caller = {a.untyped_storage().data_ptr() for a in inputs}
 
         def pack(t):

@@ -40,13 +40,21 @@ CASES = {
     "groups-zero2": dict(groups=dict(frozen_lr_for=("norm",)), plan=dict(dp=2, sdp="zero2")),
     "groups-tp2": dict(matrix=True, groups=dict(frozen_lr_for=("norm",)), plan=dict(tp=2, dp=1)),
     "bf16-zero2": dict(precision="bf16-mixed", plan=dict(dp=2, sdp="zero2")),
+    # per-rank data: every rank passes only its dm.input_shard rows (DistributedSampler's)
+    "shard-dp4": dict(world=4, shard=True, plan=dict(dp=4)),
+    "shard-zero3": dict(shard=True, plan=dict(dp=2, sdp="zero3")),
+    "shard-tp2": dict(shard=True, plan=dict(tp=2, dp=1)),
+    "shard-tp2xdp2": dict(world=4, shard=True, plan=dict(tp=2, dp=2)),
+    "shard-pp2": dict(shard=True, clip="dm", plan=dict(pp=2, dp=1, micro_batches=2)),
+    "shard-pp2xdp2": dict(world=4, shard=True, clip="dm", plan=dict(pp=2, dp=2, micro_batches=2, sdp="zero3")),
+    "shard-zero3-compile": dict(door="compile", shard=True, plan=dict(dp=2, sdp="zero3")),
 }
 FROZEN = ("embed", "norm")
 
 
 def _case(name: str) -> dict:
     return dict(dict(world=2, door="transform", model="llama", method="dynamo", clip="torch", groups={},
-                     precision="fp32", matrix=False), **CASES[name])
+                     precision="fp32", matrix=False, shard=False), **CASES[name])
 
 
 def _model(kind: str):
@@ -83,13 +91,25 @@ def _run(rank, world, name):
     loss_of = (lambda out: out) if gpt else (lambda out: out.loss)
     gm = gfx.capture(model, (), kwargs=batches[0], method=case["method"])
     plan = gfx.Plan.uniform(gm, world, global_batch_size=loops.B, precision=case["precision"], **case["plan"])
-    total_norms = []
+    total_norms, handed = [], []
+
+    def data(b, dm):
+        """The whole global batch, or (shard cases) this rank's DistributedSampler shard of it."""
+        if not case["shard"]:
+            return b
+        index, size = dm.input_shard
+        shard = {k: v[index::size].clone() for k, v in b.items()}
+        handed.append(sum(v.nbytes for v in shard.values()) / sum(v.nbytes for v in b.values()))
+        return shard
     if case["door"] == "compile":
         opt, sched = loops.optimizer(model.named_parameters(), **case["groups"])
         compiled = torch.compile(model, backend="galvatron", options={"plan": plan})
 
         def step(b):
-            loss = loss_of(compiled(**b))
+            if case["shard"] and distributed_model(model) is None:   # the first call compiles
+                loss = loss_of(compiled(**b))
+            else:
+                loss = loss_of(compiled(**data(b, distributed_model(model))))
             loss.backward()
             return loss.item()
 
@@ -108,9 +128,9 @@ def _run(rank, world, name):
                 return dm.clip_grad_norm_(loops.CLIP)
             return torch.nn.utils.clip_grad_norm_(list(params()), loops.CLIP)
 
-        losses, norms = loops.fit(lambda b: dm.train_step(**b).item(), params, opt, sched, batches, clip)
+        losses, norms = loops.fit(lambda b: dm.train_step(**data(b, dm)).item(), params, opt, sched, batches, clip)
     names = [k for k, _ in dm.named_parameters()]
-    out = dict(losses=losses, norms=norms, total_norms=total_norms, full=dm.full_state_dict(),
+    out = dict(losses=losses, norms=norms, total_norms=total_norms, full=dm.full_state_dict(), handed=handed,
                names_ok=set(names) <= original and len(names) == len(set(names)), trainable=[
                    k for k, p in dm.named_parameters() if p.requires_grad])
     if case["model"] == "frozen":
@@ -161,6 +181,9 @@ def _check(name, results):
             assert loops.rel(r["total_norms"], ref_norms) < tol, (name, rank, r["total_norms"], ref_norms)
         if "states" in r:
             assert r["states"] == r["predicted"], (name, rank, r["states"], r["predicted"])
+        if case["shard"] and case["door"] == "transform":   # host bytes handed to train_step: 1 / size
+            assert r["handed"] and all(abs(h - 1 / (case["world"] // case["plan"].get("pp", 1))) < 1e-9
+                                       for h in r["handed"]), (name, r["handed"])
         if "norm_vs_whole" in r:
             got, whole = r["norm_vs_whole"]
             assert abs(got - whole) <= 1e-5 * whole, (name, rank, got, whole)

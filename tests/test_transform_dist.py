@@ -104,7 +104,9 @@ def test_transform_world2(model_name, overrides):
     results = run_distributed(_run_cases, 2, model_name, overrides, CASES_2, timeout=90)
     _check(results)
     code = results[0]["hetero"]["code"]
-    assert "self.layers_0(" in code and "checkpoint_layer(" in code and "slice_input(" in code
+    # NOTE: graph inputs arrive as this rank's slice (runtime/inputs.py): no slicing in the graph
+    # for DP readers; a layer of another layout gathers or takes what it needs
+    assert "self.layers_0(" in code and "checkpoint_layer(" in code and "slice_input(" not in code
 
 
 @pytest.mark.dist

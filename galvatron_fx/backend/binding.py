@@ -69,12 +69,16 @@ class _Runtime:
 
     def __call__(self, *args):
         data = [args[i] for i in self.data_pos]
+        size = self.dm.input_shard[1]
         for t, (shape, dtype), i in zip(data, self.input_meta, self.data_pos):
-            if tuple(t.shape) != shape or t.dtype != dtype:
+            # NOTE: the whole global batch, or this rank's shard of it (dm.input_shard)
+            shard = shape[:1] and (shape[0] // size, *shape[1:])
+            if tuple(t.shape) not in (shape, shard) or t.dtype != dtype:
                 raise ConfigError(
                     f"galvatron: input {self.roles[i].name!r} is {tuple(t.shape)} {t.dtype}, but the model was "
-                    f"compiled for {shape} {dtype}; the distributed program is specialised to one global batch "
-                    "shape: keep it fixed (drop the last partial batch) or compile a fresh model")
+                    f"compiled for {shape} {dtype} (or this rank's shard, {shard}); the distributed program is "
+                    "specialised to one global batch shape: keep it fixed (drop the last partial batch) or "
+                    "compile a fresh model")
         self.calls += 1
         module = self.module() if self.module is not None else None
         if not torch.is_grad_enabled() or (module is not None and not module.training):

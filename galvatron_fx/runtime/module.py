@@ -24,8 +24,10 @@ from torch.utils._pytree import tree_map_only
 from ..errors import ConfigError
 from .data_parallel import FlatParams
 from .groups import Layout
+from .inputs import apply_steps, gather_rows, match_inputs, to_shards
+from .inputs import split as _split
 from .precision import DynamicLossScaler, Precision
-from .reshard import slice_input
+from .reshard import plan_batched
 
 
 @dataclass
@@ -39,7 +41,12 @@ class TokenLoss:
     scale: torch.Tensor
 
     @torch.no_grad()
-    def prepare(self, graph_inputs) -> None:
+    def prepare(self, graph_inputs, shard_ranks: tuple[int, ...] = ()) -> None:
+        """``graph_inputs``: the whole global batch, or (``shard_ranks``: the ranks whose shards
+        make it up) this rank's shard, whose rows the count reads are gathered first."""
+        if len(shard_ranks) > 1:
+            used = {i for i, n in enumerate(n for n in self.count.graph.nodes if n.op == "placeholder") if n.users}
+            graph_inputs = [gather_rows(t, shard_ranks) if i in used else t for i, t in enumerate(graph_inputs)]
         self.scale.copy_(1.0 / self.count(*graph_inputs).to(self.scale))
 
 
@@ -48,7 +55,8 @@ class DistributedModel(torch.fx.GraphModule):
 
     def setup(self, plan, rank: int, loss_fn, output_layout: Layout, stores: list[FlatParams],
               tp_shards: dict[str, tuple[object, tuple[int, ...]]],
-              token_loss: TokenLoss | None = None, precision: Precision | None = None) -> DistributedModel:
+              token_loss: TokenLoss | None = None, precision: Precision | None = None,
+              input_layout: Layout | None = None) -> DistributedModel:
         self.plan, self.rank, self.loss_fn = plan, rank, loss_fn
         self.token_loss = token_loss
         self.precision = precision or Precision()
@@ -56,6 +64,7 @@ class DistributedModel(torch.fx.GraphModule):
         # says whether the last train_step dropped its gradients after an overflow
         self.loss_scaler = DynamicLossScaler() if self.precision.loss_scaling else None
         self.output_layout = output_layout
+        self.input_layout = input_layout or Layout(1, plan.world_size)
         self._stores = stores
         self._tp_shards = tp_shards
         self.params = None   # ParamRegistry, set by the bind_parameters pass
@@ -117,6 +126,13 @@ class DistributedModel(torch.fx.GraphModule):
 
     # ---------------------------------------------------------------- training
     @property
+    def input_shard(self) -> tuple[int, int]:
+        """``(index, size)``: ``DistributedSampler(num_replicas=size, rank=index)`` gives this rank's
+        shard of a global batch, which :meth:`train_step` / :meth:`eval_step` accept instead of the
+        whole batch (:mod:`.inputs`; ``size``: the ranks of this rank's pipeline stage)."""
+        return self.input_layout.batch_index(self.rank), self.input_layout.dp
+
+    @property
     def input_names(self) -> list[str]:
         """The graph's inputs in order: the model's forward-argument names (``input_ids``, ...)."""
         return [n.name for n in self.graph.nodes if n.op == "placeholder"]
@@ -159,18 +175,23 @@ class DistributedModel(torch.fx.GraphModule):
             self.params.attach_grads()
 
     def _micro_batches(self, args, kwargs, where: str) -> list[tuple[list, list]]:
-        """Match the inputs, prepare the step (the token count of a token loss) and cut the global batch: per micro-batch, the
-        graph inputs (whole micro-batch) and this rank's slices of the ``loss_fn`` targets."""
+        """Match the inputs (the whole global batch or this rank's shard, :mod:`.inputs`), prepare
+        the step (the token count of a token loss) and cut the shard: per micro-batch, the graph
+        inputs (this rank's input-layout slice) and its slices of the ``loss_fn`` targets."""
         graph_inputs, targets = match_inputs(self.input_names, args, kwargs, where)
-        m, lay = self.plan.micro_batches, self.output_layout
+        m, index, size = self.plan.micro_batches, *self.input_shard
+        shards, sharded = to_shards(graph_inputs + targets, self.plan.global_batch_size, index, size, m, where)
         if self.token_loss is not None:
-            self.token_loss.prepare(graph_inputs)
+            if sharded:
+                self.token_loss.prepare(shards[:len(graph_inputs)], self.input_layout.dp_ranks(self.rank))
+            else:
+                self.token_loss.prepare(graph_inputs)
         # NOTE: no sync_params(): each ZeRO-2 layer re-gathers its shards when the forward first
         # reads it, prefetched by the layer before (overlapping its compute)
-        micro = [_split(t, m) for t in graph_inputs]
-        micro_t = [_split(t, m) for t in targets]
-        return [([mb[k] for mb in micro], [slice_input(t[k], lay.batch_index(self.rank), lay.dp) for t in micro_t])
-                for k in range(m)]
+        micro = [_split(t, m) for t in shards[:len(graph_inputs)]]
+        micro_t = [_split(t, m) for t in shards[len(graph_inputs):]]
+        to_output = plan_batched(self.input_layout, self.output_layout, self.rank)
+        return [([mb[k] for mb in micro], [apply_steps(to_output, t[k]) for t in micro_t]) for k in range(m)]
 
     @property
     def loss_scale(self) -> float:
@@ -284,30 +305,6 @@ class DistributedModel(torch.fx.GraphModule):
                 "total": params + masters + grads + opt}
 
 
-def match_inputs(names: list[str], args: tuple, kwargs: dict, where: str) -> tuple[list, list]:
-    """``(graph inputs in order, extra positional targets)`` from positional and keyword inputs,
-    keywords matched to the graph's input ``names`` (the model's forward-argument names)."""
-    n = len(names)
-    if not kwargs:
-        if len(args) < n:
-            raise ConfigError(f"{where} needs the graph's {n} inputs ({', '.join(names)}), got {len(args)}")
-        return list(args[:n]), list(args[n:])
-    unknown = sorted(set(kwargs) - set(names))
-    if unknown:
-        raise ConfigError(f"{where}: unexpected input(s) {unknown}; the model was captured with inputs "
-                          f"{names}: capture it with the same (keyword) inputs you train with")
-    values = list(args[:n]) + [None] * (n - min(len(args), n))
-    for key, value in kwargs.items():
-        i = names.index(key)
-        if i < len(args):
-            raise ConfigError(f"{where}: input {key!r} is given twice (positionally and by name)")
-        values[i] = value
-    missing = [names[i] for i, v in enumerate(values) if v is None]
-    if missing:
-        raise ConfigError(f"{where}: missing input(s) {missing}; the graph's inputs are {names}")
-    return values, list(args[n:])
-
-
 def _world_mean(local: torch.Tensor) -> torch.Tensor:
     """The world mean of each rank's local mean loss: every TP rank of an output DP group holds the
     same local mean, so this is the mean over DP groups, bit-identical on every rank."""
@@ -345,14 +342,6 @@ def gather_outputs(per_micro_batch: list, lay: Layout, rank: int):
             parts.append(t)
         out.append(None if parts is None else torch.cat(parts))
     return out[0] if single else tuple(out)
-
-
-def _split(t, m: int):
-    if not isinstance(t, torch.Tensor) or t.dim() == 0:
-        return [t] * m
-    if t.shape[0] % m:
-        raise ConfigError(f"batch of {t.shape[0]} samples is not divisible by micro_batches={m}")
-    return list(t.chunk(m, dim=0))
 
 
 def _unshard(t: torch.Tensor, info, ranks: tuple[int, ...]) -> torch.Tensor:

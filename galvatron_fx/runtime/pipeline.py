@@ -25,10 +25,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
-from ..ir import StageInfo, batch_size_of
+from ..ir import StageInfo
 from .groups import group
-from .module import DistributedModel, _split, gather_outputs, match_inputs
-from .reshard import slice_input
+from .inputs import apply_steps, match_inputs, to_shards
+from .inputs import split as _split
+from .module import DistributedModel, gather_outputs
+from .reshard import plan_batched
 
 
 def pass_on(x: torch.Tensor) -> torch.Tensor:
@@ -197,14 +199,19 @@ class PipelineModel(nn.Module):
     def _run(self, args, kwargs, where: str, *, train: bool, collect: bool = False):
         graph_inputs, targets = match_inputs(self.input_names, args, kwargs, where)
         m, info = self.plan.micro_batches, self.stage_info
-        local = [graph_inputs[i] for i in info.local_inputs]
-        batch = batch_size_of(graph_inputs)
-        if batch is None or batch % m or (batch // m) % self.stage_size:
-            raise ConfigError(f"the global batch of {batch} samples must split into micro_batches={m} "
-                              f"micro-batches divisible by the {self.stage_size} ranks of a stage")
+        batch, (index, size) = self.plan.global_batch_size, self.input_shard
+        given = [graph_inputs[i] for i in info.local_inputs]
+        shards, sharded = to_shards(given + targets, batch, index, size, m, where)
+        local, targets = shards[:len(given)], shards[len(given):]
         schedule = self._schedule(batch // m, local)
         if self.stage.token_loss is not None and info.is_last:
-            self.stage.token_loss.prepare(graph_inputs)
+            if sharded:
+                counted = list(graph_inputs)
+                for pos, t in zip(info.local_inputs, local):
+                    counted[pos] = t
+                self.stage.token_loss.prepare(counted, self.stage.input_layout.dp_ranks(self.rank))
+            else:
+                self.stage.token_loss.prepare(graph_inputs)
         self.stage.sync_params()   # ZeRO-2: the shards the user's optimizer updated -> whole buffers
         if train:
             self.stage.params.check_requires_grad()
@@ -226,7 +233,8 @@ class PipelineModel(nn.Module):
             for s in self.stage.stores:
                 s.free_full()
         self.schedule_stats = {k: stats[k] for k in ("order", "peak_in_flight", "peak_saved_bytes")}
-        device = next((p.device for p in self.stage.parameters()), None) or graph_inputs[0].device
+        device = next((p.device for p in self.stage.parameters()), None) or next(
+            (t.device for t in graph_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
         total = torch.zeros((), device=device)
         if info.is_last:
             lay = self.stage.output_layout
@@ -253,10 +261,16 @@ class PipelineModel(nn.Module):
         """The model's inputs in order (forward-argument names), as :attr:`DistributedModel.input_names`."""
         return self._input_names
 
+    @property
+    def input_shard(self) -> tuple[int, int]:
+        """``(index, size)`` of this rank's data shard within its stage (:attr:`DistributedModel.input_shard`;
+        a stage that reads no input may be given ``None`` for it)."""
+        return self.stage.input_shard
+
     def _loss(self, out, k: int) -> torch.Tensor:
         """Micro-batch ``k``'s loss over this rank's output slice (the last stage's runner output)."""
-        lay = self.stage.output_layout
-        targets = [slice_input(t[k], lay.batch_index(self.rank), lay.dp) for t in self._targets]
+        steps = plan_batched(self.stage.input_layout, self.stage.output_layout, self.rank)
+        targets = [apply_steps(steps, t[k]) for t in self._targets]
         loss = self.stage._loss(out, targets)
         self._losses.append(loss.detach())
         return loss
