@@ -89,6 +89,22 @@ def input_names(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list, pytr
     return leaves, spec, tensor_pos, names
 
 
+def baked_inputs(model: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """The non-tensor leaves of ``(args, kwargs)`` by forward-argument name (``return_loss=True``):
+    the graph bakes them in, so a later call may repeat them but not change them."""
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        bound = {}
+    flat = {}
+    for name, value in bound.items():
+        if isinstance(value, dict) and name not in kwargs:   # **kwargs
+            flat.update(value)
+        else:
+            flat[name] = value
+    return {k: v for k, v in flat.items() if isinstance(v, (bool, int, float, str, type(None)))}
+
+
 def _identifier(name: str) -> str:
     name = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
     return name if name and not name[0].isdigit() else f"in_{name}"
@@ -228,8 +244,9 @@ def capture(model: nn.Module, example_args=(), kwargs: dict | None = None, metho
         raise
     except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
         raise _capture_error(method, exc) from exc
-    return normalise(raw, model, inputs, names, sources, method=method, prefix=WRAPPED,
-                     group_layers=group_layers)
+    gm = normalise(raw, model, inputs, names, sources, method=method, prefix=WRAPPED, group_layers=group_layers)
+    gm.meta[META_KEY].baked_inputs = baked_inputs(model, tuple(example_args), dict(kwargs or {}))
+    return gm
 
 
 def layers(gm: torch.fx.GraphModule):

@@ -153,6 +153,7 @@ class GraphInfo:
     grouping: str = ""                            # "modules" | "cut-points" | "single"
     fingerprint: str = ""
     stage: StageInfo | None = None                # set on a pipeline stage's graph (passes/stage_split.py)
+    baked_inputs: dict = field(default_factory=dict)  # non-tensor inputs given at capture (return_loss=True)
 
     def layer_by_name(self, name: str) -> LayerRecord:
         for layer in self.layers:

@@ -166,6 +166,10 @@ class NormalizePass(GraphPass):
                     env[node] = constant_node(node.target, value)
             elif node.op == "call_module" and not node.users and node.target.startswith("_guards"):
                 continue  # export's input guard: no outputs, checks only shapes we already fixed
+            elif node.target in _METADATA_ASSERTS and not node.users:
+                # NOTE: export's dtype / device checks of intermediate values: true of the captured
+                # graph, false once a plan computes in bf16 (mixed precision) or on another device
+                continue
             elif node.op == "output":
                 graph.output(_flatten_output(node.args[0], env))
             else:
@@ -190,6 +194,9 @@ class NormalizePass(GraphPass):
             if node.op == "get_attr" and not node.target.startswith(CONSTANTS_PREFIX):
                 check(node.meta[META_KEY].param is not None,
                       f"get_attr {node.target} must hold a parameter or buffer of the model")
+
+
+_METADATA_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
 
 
 def _fetch_attr(gm: torch.fx.GraphModule, target: str):

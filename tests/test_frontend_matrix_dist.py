@@ -77,9 +77,10 @@ def _plan(gfx, gm, world, spec):
     if "search" in spec:  # a searched plan under a budget the uniform pipeline does not meet
         cluster = gfx.Cluster.preset(f"{world}xA100-80GB")
         uniform = gfx.Plan.uniform(gm, world, pp=2, dp=world // 2, micro_batches=2, global_batch_size=8)
-        full = max(gfx.estimate(gm, uniform, cluster, reserve_bytes=0)["memory_bytes_per_device"])
+        # NOTE: fp32: the reference is fp32 single-device training (A100 presets default to bf16-mixed)
+        full = max(gfx.estimate(gm, uniform, cluster, reserve_bytes=0, precision="fp32")["memory_bytes_per_device"])
         return gfx.search(gm, cluster, int(spec["budget_fraction"] * full), 8, constraints=spec["search"],
-                          reserve_bytes=0)
+                          reserve_bytes=0, precision="fp32")
     return gfx.Plan.uniform(gm, world, global_batch_size=8, **spec)
 
 

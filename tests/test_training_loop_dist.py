@@ -319,3 +319,50 @@ def test_compiled_tensor_parallel_shards_attention_despite_a_kv_cache_output():
     for r in run_distributed(_compiled_eval, 2):
         assert r["err"] < 1e-5, r
         assert r["k_local"][0] * 2 == r["k_global"][0], r   # k_proj column-parallel, not replicated
+
+
+def _clip_model():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.CLIPConfig(text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, max_position_embeddings=16, bos_token_id=0,
+                                         eos_token_id=1, pad_token_id=1),
+                        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=16, patch_size=8))
+    g = torch.Generator().manual_seed(1)
+    batches = [dict(input_ids=torch.randint(2, 64, (6, 8), generator=g), pixel_values=torch.randn(6, 3, 16, 16, generator=g),
+                    return_loss=True) for _ in range(3)]
+    return tf.CLIPModel(cfg), batches
+
+
+def _clip(rank, world):
+    import galvatron_fx as gfx
+
+    model, batches = _clip_model()
+    gm = gfx.capture(model, (), kwargs=batches[0], method="dynamo")
+    # NOTE: CLIP's contrastive loss pairs every sample with every other: a plan must not split the
+    # batch where the loss is computed (dp = 1 there); TP2 keeps it whole on every rank
+    dm = gfx.transform(gm, plan=gfx.Plan.uniform(gm, world, tp=2, dp=1, global_batch_size=6))
+    opt = torch.optim.AdamW(dm.parameters(), lr=1e-3)
+    losses = []
+    for b in batches:   # return_loss=True again at every step: what it was captured with
+        losses.append(dm.train_step(**b).item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+@pytest.mark.dist
+def test_clip_with_return_loss_at_every_step():
+    model, batches = _clip_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref = []
+    for b in batches:
+        loss = model(**b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+    for losses in run_distributed(_clip, 2):
+        assert loops.rel(losses, ref) < 1e-5, (losses, ref)

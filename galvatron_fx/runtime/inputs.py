@@ -19,10 +19,19 @@ import torch
 from ..errors import ConfigError
 
 
-def match_inputs(names: list[str], args: tuple, kwargs: dict, where: str) -> tuple[list, list]:
+def match_inputs(names: list[str], args: tuple, kwargs: dict, where: str,
+                 baked: dict | None = None) -> tuple[list, list]:
     """``(graph inputs in order, extra positional targets)`` from positional and keyword inputs,
     keywords matched to the graph's input ``names`` (the model's forward-argument names). A
-    pipeline stage may be given ``None`` for the inputs it does not read."""
+    pipeline stage may be given ``None`` for the inputs it does not read. ``baked``: the non-tensor
+    inputs given at capture (``return_loss=True``): the same value again is accepted, another one
+    raises."""
+    for key in [k for k in kwargs if k not in names and baked and k in baked]:
+        value = kwargs[key]
+        if value != baked[key]:
+            raise ConfigError(f"{where}: {key}={value!r}, but the model was captured with {key}={baked[key]!r}, "
+                              "which the graph bakes in; capture it again with the value you train with")
+        kwargs = {k: v for k, v in kwargs.items() if k != key}
     n = len(names)
     if not kwargs:
         if len(args) < n:

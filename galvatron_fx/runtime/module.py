@@ -22,6 +22,7 @@ import torch.fx
 from torch.utils._pytree import tree_map_only
 
 from ..errors import ConfigError
+from ..ir import META_KEY
 from .data_parallel import FlatParams
 from .groups import Layout
 from .inputs import apply_steps, gather_rows, match_inputs, to_shards
@@ -133,6 +134,12 @@ class DistributedModel(torch.fx.GraphModule):
         return self.input_layout.batch_index(self.rank), self.input_layout.dp
 
     @property
+    def baked_inputs(self) -> dict:
+        """Non-tensor inputs given at capture (``return_loss=True``), which calls may repeat."""
+        info = self.meta.get(META_KEY)
+        return getattr(info, "baked_inputs", None) or {}
+
+    @property
     def input_names(self) -> list[str]:
         """The graph's inputs in order: the model's forward-argument names (``input_ids``, ...)."""
         return [n.name for n in self.graph.nodes if n.op == "placeholder"]
@@ -178,7 +185,7 @@ class DistributedModel(torch.fx.GraphModule):
         """Match the inputs (the whole global batch or this rank's shard, :mod:`.inputs`), prepare
         the step (the token count of a token loss) and cut the shard: per micro-batch, the graph
         inputs (this rank's input-layout slice) and its slices of the ``loss_fn`` targets."""
-        graph_inputs, targets = match_inputs(self.input_names, args, kwargs, where)
+        graph_inputs, targets = match_inputs(self.input_names, args, kwargs, where, self.baked_inputs)
         m, index, size = self.plan.micro_batches, *self.input_shard
         shards, sharded = to_shards(graph_inputs + targets, self.plan.global_batch_size, index, size, m, where)
         if self.token_loss is not None:

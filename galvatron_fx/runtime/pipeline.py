@@ -197,7 +197,7 @@ class PipelineModel(nn.Module):
         return self._run(args, kwargs, "eval_step", train=False, collect=return_outputs)
 
     def _run(self, args, kwargs, where: str, *, train: bool, collect: bool = False):
-        graph_inputs, targets = match_inputs(self.input_names, args, kwargs, where)
+        graph_inputs, targets = match_inputs(self.input_names, args, kwargs, where, self.stage.baked_inputs)
         m, info = self.plan.micro_batches, self.stage_info
         batch, (index, size) = self.plan.global_batch_size, self.input_shard
         given = [graph_inputs[i] for i in info.local_inputs]
