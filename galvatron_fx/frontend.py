@@ -22,16 +22,22 @@ from __future__ import annotations
 import inspect
 import logging
 import traceback
+import warnings
+import weakref
 
 import torch
 import torch.fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from .batch_symbol import batch_positions
 from .errors import CaptureError, ConfigError
 from .ir import META_KEY, GraphInfo
 
 METHODS = ("dynamo", "export", "fx")
+SYMBOLIC_METHODS = ("dynamo", "export")
+"""Front ends that capture the batch as a symbol (:mod:`galvatron_fx.batch_symbol`); fx graphs
+read sizes at run time anyway."""
 WRAPPED = "inner"  # attribute under which the flattening wrapper holds the user's model
 
 
@@ -130,7 +136,7 @@ class _NoLeafTracer(torch.fx.Tracer):
         return False
 
 
-def _trace_fx(wrapper: nn.Module, inputs: list[torch.Tensor]):
+def _trace_fx(wrapper: nn.Module, inputs: list[torch.Tensor], batched: list[int]):
     graph = _NoLeafTracer().trace(wrapper)
     return torch.fx.GraphModule(wrapper, graph), {}
 
@@ -139,8 +145,10 @@ class _Captured(Exception):
     """Raised by the capturing backend so dynamo does not run the graph it just handed us."""
 
 
-def _trace_dynamo(wrapper: nn.Module, inputs: list[torch.Tensor]):
+def _trace_dynamo(wrapper: nn.Module, inputs: list[torch.Tensor], batched: list[int]):
     box: dict = {}
+    for i in batched:   # NOTE: on aliases made by capture(): the user's tensors stay unmarked
+        torch._dynamo.mark_dynamic(inputs[i], 0)
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
         box["gm"], box["inputs"] = gm, list(example_inputs)
@@ -150,12 +158,15 @@ def _trace_dynamo(wrapper: nn.Module, inputs: list[torch.Tensor]):
 
         return stop
 
-    compiled = torch.compile(wrapper, backend=backend, fullgraph=True, dynamic=False)
+    compiled = torch.compile(wrapper, backend=backend, fullgraph=True, dynamic=None if batched else False)
     # NOTE: logging calls inside a model (e.g. transformers' warning_once) would otherwise break
     # the graph under fullgraph=True; during capture they are dropped, as torch.export does.
     quiet = set(torch._dynamo.config.ignore_logging_functions) | _logger_methods()
     try:
-        with torch._dynamo.config.patch(ignore_logging_functions=quiet):
+        # NOTE: only the marked batch dims are symbolic: module attributes (eps, head counts) stay
+        # constants, and no dim turns dynamic because an earlier capture saw another size
+        with torch._dynamo.config.patch(ignore_logging_functions=quiet, specialize_float=True, specialize_int=True,
+                                        automatic_dynamic_shapes=False):
             compiled(*inputs)
     except _Captured:
         pass
@@ -171,8 +182,10 @@ def _logger_methods() -> set:
     return {v for k, v in vars(logging.Logger).items() if callable(v) and not k.startswith("_")}
 
 
-def _trace_export(wrapper: nn.Module, inputs: list[torch.Tensor]):
-    ep = torch.export.export(wrapper, tuple(inputs), strict=False)
+def _trace_export(wrapper: nn.Module, inputs: list[torch.Tensor], batched: list[int]):
+    # NOTE: AUTO: a model that specialises its batch exports static (capture notes it) instead of failing
+    shapes = tuple({0: torch.export.Dim.AUTO} if i in batched else None for i in range(len(inputs))) if batched else None
+    ep = torch.export.export(wrapper, tuple(inputs), dynamic_shapes=shapes, strict=False)
     return ep.module(), {}
 
 
@@ -190,10 +203,22 @@ def _user_frame(exc: BaseException) -> str:
     return ""
 
 
+def _static_note(method: str, reason: str) -> str:
+    """Warn (one line) that the batch stays baked in, and why; returns the reason."""
+    warnings.warn(f"capture(method={method!r}): the batch stays baked in ({reason}); plans that split the batch "
+                  "rescale its shape constants (passes/local_batch.py) and every call takes the captured batch; "
+                  "another capture method may keep it symbolic", stacklevel=3)
+    return reason
+
+
+def _first_line(exc: BaseException) -> str:
+    msg = str(exc).strip().splitlines()
+    return next((line.strip() for line in msg if line.strip()), type(exc).__name__)
+
+
 def _capture_error(method: str, exc: BaseException) -> CaptureError:
     others = [m for m in METHODS if m != method]
-    msg = str(exc).strip().splitlines()
-    first = next((line for line in msg if line.strip()), type(exc).__name__)
+    first = _first_line(exc)
     where = _user_frame(exc)
     return CaptureError(
         f"capture(method={method!r}) failed: {type(exc).__name__}: {first}"
@@ -224,12 +249,14 @@ def normalise(raw_gm: torch.fx.GraphModule, model: nn.Module, inputs: list[torch
 
 
 def capture(model: nn.Module, example_args=(), kwargs: dict | None = None, method: str = "dynamo",
-            *, group_layers: bool = True) -> torch.fx.GraphModule:
+            *, group_layers: bool = True, symbolic_batch: bool = True) -> torch.fx.GraphModule:
     """Capture ``model`` called on ``example_args``/``kwargs`` as an annotated GraphModule.
 
     Works on real, fake-free CPU/GPU models and on models built on the meta device (nothing is
     allocated: shapes come from fake tensors). See the module docstring for the normalised form.
     Raises :class:`CaptureError` naming the method, the failing line and an alternative method.
+    ``symbolic_batch`` (dynamo, export): keep dim 0 of the batched inputs a symbol
+    (:mod:`galvatron_fx.batch_symbol`; ``False``: bake the example's batch in, as before).
     """
     if method not in METHODS:
         raise ConfigError(f"unknown capture method {method!r}; choose one of {', '.join(METHODS)}")
@@ -237,15 +264,31 @@ def capture(model: nn.Module, example_args=(), kwargs: dict | None = None, metho
         raise ConfigError(f"capture() needs an nn.Module, got {type(model).__name__}")
     if not isinstance(example_args, (tuple, list)):
         example_args = (example_args,)
-    wrapper, inputs, names = _make_wrapper(model, tuple(example_args), dict(kwargs or {}))
-    try:
-        raw, sources = _FRONTENDS[method](wrapper, inputs)
-    except CaptureError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
-        raise _capture_error(method, exc) from exc
+    args, kwargs = tuple(example_args), dict(kwargs or {})
+    wrapper, inputs, names = _make_wrapper(model, args, kwargs)
+    batched = batch_positions(inputs) if method in SYMBOLIC_METHODS and symbolic_batch else []
+    reason = ""
+    if batched:
+        # NOTE: fresh tensor objects (views) carry the dynamic marks, not the user's tensors
+        inputs = [t.view_as(t) if i in batched else t for i, t in enumerate(inputs)]
+        try:
+            raw, sources = _FRONTENDS[method](wrapper, inputs, batched)
+        except Exception as exc:  # noqa: BLE001 - the model specialises on its batch: capture it static
+            reason = _static_note(method, _first_line(exc))
+            wrapper, inputs, names = _make_wrapper(model, args, kwargs)
+    if not batched or reason:
+        try:
+            raw, sources = _FRONTENDS[method](wrapper, inputs, [])
+        except CaptureError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
+            raise _capture_error(method, exc) from exc
     gm = normalise(raw, model, inputs, names, sources, method=method, prefix=WRAPPED, group_layers=group_layers)
+    if batched and not reason and not gm.meta[META_KEY].symbolic_batch:
+        reason = _static_note(method, f"the model's code makes the batch a constant ({int(inputs[batched[0]].shape[0])})")
+    gm.meta[META_KEY].static_batch_reason = reason
     gm.meta[META_KEY].baked_inputs = baked_inputs(model, tuple(example_args), dict(kwargs or {}))
+    gm.meta[META_KEY].model_ref = weakref.ref(model)
     return gm
 
 

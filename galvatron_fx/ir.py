@@ -79,6 +79,10 @@ class NodeInfo:
     param: ParamInfo | None = None  # set on get_attr nodes of parameters and buffers
     input_index: int | None = None  # set on placeholders: position among the graph inputs
     shard: ShardInfo | None = None  # set on get_attr nodes of tensor-parallel parameter shards
+    # symbolic batch (galvatron_fx/batch_symbol.py): a tensor's dims that are ``k x batch`` as
+    # ``((dim, k), ...)``; a size (int) value that is ``k x batch``: ``k``
+    batch_dims: tuple = ()
+    batch_factor: int | None = None
 
 
 @dataclass
@@ -101,6 +105,7 @@ class LayerRecord:
     inputs: list[str] = field(default_factory=list)     # activation nodes from other layers
     consumes_from: list[int] = field(default_factory=list)
     graph_inputs: list[str] = field(default_factory=list)  # placeholders read by this layer
+    batch_coupled: list[str] = field(default_factory=list)  # ops mixing samples (batch_symbol.coupling)
 
     def __repr__(self) -> str:
         return (f"LayerRecord({self.index}, {self.name!r}, kind={self.kind!r}, "
@@ -154,6 +159,9 @@ class GraphInfo:
     fingerprint: str = ""
     stage: StageInfo | None = None                # set on a pipeline stage's graph (passes/stage_split.py)
     baked_inputs: dict = field(default_factory=dict)  # non-tensor inputs given at capture (return_loss=True)
+    model_ref: object = None                      # weakref to the captured model (meta-device initialisation)
+    symbolic_batch: bool = False                  # batch-dependent shapes are computed from the inputs
+    static_batch_reason: str = ""                 # why the batch is baked in instead (capture's note)
 
     def layer_by_name(self, name: str) -> LayerRecord:
         for layer in self.layers:

@@ -15,6 +15,7 @@ its contract in its docstring)::
     mixed_precision    (bf16/fp16-mixed plans) layers under autocast on low-precision inputs
     resharding         batch / sequence slices between layers
     stage_inputs       (pp > 1) received values -> each layer's layout; global layer names
+    meta_device        (a graph captured on the meta device) ops create tensors on this device
     codegen            the DistributedModel (train_step, full_state_dict, ...)
     bind_parameters    every original parameter -> a ShardedParameter view of this rank's part,
                        under its name (torch.compile: the user's own Parameter objects)
@@ -39,6 +40,7 @@ from .passes.codegen import CodegenPass
 from .passes.context import ParallelContext
 from .passes.data_parallel import DataParallelPass
 from .passes.local_batch import LocalBatchPass
+from .passes.meta_device import MetaDevicePass
 from .passes.mixed_precision import MixedPrecisionPass
 from .passes.resharding import ReshardingPass
 from .passes.split_layers import SplitLayersPass
@@ -81,7 +83,8 @@ def parallelize_passes(ctx: ParallelContext, bind: dict | None = None) -> list[G
         # NOTE: after resharding, which leaves received values alone: they enter from the
         # boundary layout, not from a graph input's whole micro-batch.
         passes.append(StageInputsPass(ctx))
-    passes += [CodegenPass(ctx), BindParametersPass(ctx, bind)]
+    # NOTE: last rewrite: the passes before propagate fake tensors with meta-device parameters
+    passes += [MetaDevicePass(ctx), CodegenPass(ctx), BindParametersPass(ctx, bind)]
     return passes
 
 
@@ -125,7 +128,9 @@ def transform(gm: torch.fx.GraphModule, plan: Plan | None = None, loss_fn=None, 
     world = dist.get_world_size()
     plan.validate_for(world_size=world, fingerprint=info.fingerprint, layer_names=[rec.name for rec in info.layers])
     _check_pipeline(gm, plan, world)
+    _check_batch_coupling(gm, plan)
     ctx = ParallelContext(plan, dist.get_rank(), world, method=info.method, global_batch=graph_batch_size(gm),
+                          symbolic_batch=info.symbolic_batch,
                           bucket_bytes=bucket_bytes, loss_fn=loss_fn,
                           precision=precision_policy(plan.precision, reduce_dtype), param_fqns=_param_fqns(gm))
     # NOTE: dist.new_group is collective over the whole world: every rank creates every group any
@@ -170,6 +175,19 @@ def _check_pipeline(gm: torch.fx.GraphModule, plan: Plan, world: int) -> None:
             raise ConfigError(
                 f"parameter {fqn!r} is tied across pipeline stages (read by layers {layers}); a tied weight "
                 "crosses stages whole, so the layers reading it need tp=1 (or put them in one stage)")
+
+
+def _check_batch_coupling(gm: torch.fx.GraphModule, plan: Plan) -> None:
+    """Refuse a plan that splits the batch where the model mixes its samples (in-batch similarity
+    matrices, batch norm in training mode): each share would compute something else than the
+    whole batch does (:func:`galvatron_fx.batch_symbol.coupling`)."""
+    for rec, lp in zip(gm.meta[META_KEY].layers, plan.layers):
+        if rec.batch_coupled and (lp.dp > 1 or plan.micro_batches > 1):
+            split = " x ".join(x for x in (f"dp={lp.dp}" if lp.dp > 1 else "",
+                                           f"micro_batches={plan.micro_batches}" if plan.micro_batches > 1 else "") if x)
+            raise ConfigError(f"layer {rec.name!r} mixes the samples of a batch: {rec.batch_coupled[0]}; the plan splits "
+                              f"its batch ({split}), which would change the result; give that layer the whole batch "
+                              "(dp=1: tp or pp over its devices, micro_batches=1) or let gfx.search choose (it does)")
 
 
 def _rank_sets(plan: Plan, world: int) -> set:

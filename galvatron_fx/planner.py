@@ -197,7 +197,7 @@ def _engine(gm, cluster, world_size, budget, global_batch_size, constraints, cos
     tied = [i for i, r in enumerate(reads) if any(r & other for j, other in enumerate(reads) if j != i)]
     return Engine(cm, cluster, sigs, world_size, budget, opt, allowed_tp=tp_admissible(cm), useful_tp=tp_useful(cm),
                   allowed_sp=sp_admissible(cm),
-                  tied_layers=tied,
+                  tied_layers=tied, batch_coupled=[i for i, rec in enumerate(cm.layers) if rec.batch_coupled],
                   progress=stderr_progress if progress is True else (progress or None),
                   layer_names=[rec.name for rec in cm.layers])
 

@@ -9,8 +9,10 @@ What one run does (every rank the same, collectives in the same order):
    its UTF-8 bytes (the config's vocabulary must hold 256 ids); cut into blocks of ``seq_len``
    tokens (causal LMs: ``labels = input_ids``, the model shifts them). Step ``k`` takes blocks
    ``[k B, (k + 1) B)`` of the shuffled block order (a seeded permutation per epoch).
-2. *Model*: ``AutoModelFor...from_config`` (seeded: every rank builds the same weights), or
-   ``--init DIR``: ``from_pretrained(DIR)``; ``use_cache`` off.
+2. *Model*: ``AutoModelFor...from_config`` on the meta device (no process holds the whole model),
+   captured there; after ``gfx.transform`` each rank initialises only its parts
+   (``dist_model.init_weights(seed)``: the same weights under every plan) or, with ``--init DIR``,
+   reads only its pieces of ``DIR``'s safetensors (``dist_model.load_pretrained``); ``use_cache`` off.
 3. *Plan*: ``--plan PATH``, else rank 0 searches one (``--cluster``, default the profiled live world;
    ``--memory-budget``) for the captured model (dynamo, keyword inputs) and every rank runs it.
 4. *Loop*: ``gfx.transform``; AdamW over param groups by name (no weight decay on biases and norms),
@@ -126,7 +128,7 @@ def train_text(config_spec: str, data: str, *, seq_len: int = 128, global_batch_
     ``{"records": [...], "summary": {...}}`` (rank 0's; every rank computes the same figures)."""
     from . import capture, checkpoint, transform
     from .distributed import init_distributed, pick_device, synchronize
-    from .models.hf_config import config_path, from_config, load_config, model_class
+    from .models.hf_config import config_path, from_config, load_config
     from .plan import Plan
     from .planner import resolve_cluster
 
@@ -148,14 +150,10 @@ def train_text(config_spec: str, data: str, *, seq_len: int = 128, global_batch_
     say = progress if (progress and rank == 0) else (lambda _msg: None)
     say(f"{data}: {tokens.numel():,} tokens ({kind}), {blocks.blocks.shape[0]} blocks of {seq_len}, "
         f"{blocks.per_epoch} steps per epoch")
-    if init:
-        model = model_class(config).from_pretrained(init, local_files_only=True)
-        model.config.use_cache = False
-    else:
-        model, _ = from_config(path, device="cpu", seq_len=seq_len, batch=1, seed=seed, **(overrides or {}))
-    model = model.to(device)
+    # NOTE: built and captured on the meta device; each rank materialises only its parts below
+    model, _ = from_config(path, device="meta", seq_len=seq_len, batch=1, seed=seed, **(overrides or {}))
     n_params = sum(p.numel() for p in model.parameters())
-    example = {k: v.to(device) for k, v in blocks.batch_at(0).items()}
+    example = {k: v.to("meta") for k, v in blocks.batch_at(0).items()}
     gm = capture(model, (), kwargs=example, method="dynamo")
     if plan is not None:
         the_plan = Plan.load(plan)
@@ -165,7 +163,11 @@ def train_text(config_spec: str, data: str, *, seq_len: int = 128, global_batch_
                                      "precision": precision}.items() if v is not None}
         dm = transform(gm, global_batch_size=global_batch_size, **options)
         the_plan = dm.plan if hasattr(dm, "plan") else None
-    del model   # NOTE: the distributed program holds copies of this rank's parts
+    if init:
+        dm.load_pretrained(init, model=model)
+    else:
+        dm.init_weights(seed=seed, model=model)
+    del model
     opt = torch.optim.AdamW(param_groups(dm.named_parameters(), weight_decay), lr=lr, eps=1e-8)
     sched = schedule(opt, steps, warmup if warmup is not None else max(1, min(100, steps // 10)))
     start = 0

@@ -36,6 +36,7 @@ class CodegenPass(ContextPass):
         model.meta[META_KEY] = graph_module.meta[META_KEY]
         model.setup(ctx.stage_plan, ctx.rank, ctx.loss_fn, ctx.output_layout, ctx.stores, ctx.tp_shards,
                     ctx.token_loss, ctx.precision, ctx.input_layout)
+        model.symbolic_batch = ctx.symbolic_batch
         return PassResult(model, True)
 
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:

@@ -35,6 +35,7 @@ class ParallelContext:
     world_size: int
     method: str = "fx"                  # capture front end: "fx" | "dynamo" | "export" | "graph"
     global_batch: int | None = None     # dim 0 of the captured graph inputs, in samples
+    symbolic_batch: bool = False        # the graph computes its batch sizes (galvatron_fx/batch_symbol.py)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     loss_fn: Any = None
     precision: Precision = field(default_factory=Precision)  # runtime/precision.py: the plan's policy

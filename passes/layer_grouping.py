@@ -34,8 +34,10 @@ import torch
 import torch.fx
 from torch.fx.passes.infra.pass_base import PassResult
 
+from ..batch_symbol import coupling
 from ..ir import META_KEY, GraphInfo, LayerRecord, NodeInfo, short_hash, tensor_meta
 from .base import GraphPass, check
+from .layer_sizes import localize_sizes
 
 _STRUCTURAL_OPS = ("placeholder", "get_attr", "output")
 
@@ -66,6 +68,9 @@ class LayerGroupingPass(GraphPass):
             warnings.warn("galvatron_fx found no repeated layers in this graph; it is one layer, so only "
                           "whole-model strategies (DP, ZeRO, checkpointing) apply", stacklevel=2)
 
+        if info.symbolic_batch:
+            localize_sizes(gm, segments)
+            gm.recompile()
         info.layers = _records(gm, segments)
         info.grouping = grouping
         info.fingerprint = _fingerprint(gm, info.layers)
@@ -331,7 +336,8 @@ def _records(gm: torch.fx.GraphModule, segments: list[tuple[str, str, list]]) ->
         records.append(LayerRecord(
             index=idx, name=name, kind=kind, signature=_signature(attrs + nodes),
             nodes=[n.name for n in attrs + nodes], params=params, inputs=inputs,
-            consumes_from=sorted(producers), graph_inputs=graph_inputs))
+            consumes_from=sorted(producers), graph_inputs=graph_inputs,
+            batch_coupled=[c for n in nodes if (c := coupling(n))]))
     for node, idx in layer_of.items():
         node.meta[META_KEY].layer = idx
     return records

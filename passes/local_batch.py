@@ -1,6 +1,8 @@
 """Local batch pass: shape constants written for the captured global batch -> this rank's batch.
 
-Graphs from dynamo and export (static shapes) bake the captured batch ``B`` into shape arguments
+The fallback for graphs captured with a static batch (``GraphInfo.static_batch_reason`` says why;
+see :mod:`galvatron_fx.batch_symbol`): a graph with a symbolic batch computes its sizes and is left
+as it is, like an fx graph. Graphs from dynamo and export with static shapes bake the captured batch ``B`` into shape arguments
 (``x.view(4, 8, 96)``, ``aten.expand(mask, [4, 1, 8, 8])``, ``x.view(32, 32)`` for ``B * S``);
 fx graphs compute them from ``x.size(0)`` and need nothing. A layer that runs on ``b`` samples
 (``b = B / (micro_batches * dp)``) must use ``b``.
@@ -52,7 +54,7 @@ class LocalBatchPass(ContextPass):
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         ctx, plan = self.ctx, self.ctx.stage_plan
         batch = ctx.global_batch
-        if not batch or ctx.method not in BAKED_SHAPE_METHODS:
+        if not batch or ctx.method not in BAKED_SHAPE_METHODS or ctx.symbolic_batch:
             return PassResult(graph_module, False)
         local = [batch // (plan.micro_batches * lp.dp) for lp in plan.layers]
         if any(b != batch for b in local):

@@ -14,11 +14,13 @@ Output (a new GraphModule), whatever the front end:
   innermost module path, and for parameters a :class:`ParamInfo`;
 * ``node.meta["val"]`` holds fake tensors from a FakeTensorProp run (no real memory is touched,
   so models on the meta device work);
-* ``gm.meta["galvatron"]`` is a :class:`GraphInfo` (layers still empty; see layer_grouping).
+* ``gm.meta["galvatron"]`` is a :class:`GraphInfo` (layers still empty; see layer_grouping);
+* dropout calls follow the step (:mod:`galvatron_fx.runtime.dropout`: off in ``eval_step``).
 """
 
 from __future__ import annotations
 
+import operator
 import re
 
 import torch
@@ -28,8 +30,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.infra.pass_base import PassResult
 
+from ..batch_symbol import annotate, batch_symbols, factor
 from ..errors import CaptureError
 from ..ir import META_KEY, GraphInfo, NodeInfo, ParamInfo
+from ..runtime.dropout import dropout, scaled_dot_product_attention
 from .base import GraphPass, check
 
 CONSTANTS_PREFIX = "_constants"
@@ -123,6 +127,8 @@ class NormalizePass(GraphPass):
         for i, ph in enumerate(new_inputs):
             ph.meta[META_KEY] = NodeInfo(input_index=i)
         attr_nodes: dict[str, torch.fx.Node] = {}
+        raw_vals: dict[torch.fx.Node, object] = {}   # new node -> the front end's (symbolic) value
+        sizes = _InputSizes()
 
         def param_node(key: int, meta: dict) -> torch.fx.Node:
             info = known[key]
@@ -143,7 +149,11 @@ class NormalizePass(GraphPass):
             return attr_nodes[target]
 
         for node in raw.graph.nodes:
-            if node.op == "placeholder":
+            if node.op not in ("placeholder", "get_attr"):
+                sizes.resolve(graph, env)
+            if node.op == "placeholder" and isinstance(_raw_val(node), torch.SymInt):
+                sizes.pending.append(node)   # dynamo's size input: read from the tensor that has it
+            elif node.op == "placeholder":
                 t = self.sources.get(node.name)
                 if t is None:  # fx / export: placeholders are the wrapper's inputs, in order
                     idx = sum(1 for n in env if n.op == "placeholder")
@@ -155,6 +165,8 @@ class NormalizePass(GraphPass):
                 else:
                     raise CaptureError(f"graph input {node.name!r} is neither a model parameter/buffer "
                                        "nor an example input; capture with method='export' or 'fx'")
+                if env[node].op == "placeholder":
+                    sizes.inputs.append((node, env[node]))
             elif node.op == "get_attr":
                 value = _fetch_attr(raw, node.target)
                 fqn = clean_module_path(node.target, self.prefix)
@@ -166,6 +178,8 @@ class NormalizePass(GraphPass):
                     env[node] = constant_node(node.target, value)
             elif node.op == "call_module" and not node.users and node.target.startswith("_guards"):
                 continue  # export's input guard: no outputs, checks only shapes we already fixed
+            elif node.target in _SHAPE_ASSERTS and not node.users:
+                continue  # the symbolic batch's range checks: true of every batch a plan runs
             elif node.target in _METADATA_ASSERTS and not node.users:
                 # NOTE: export's dtype / device checks of intermediate values: true of the captured
                 # graph, false once a plan computes in bf16 (mixed precision) or on another device
@@ -174,7 +188,13 @@ class NormalizePass(GraphPass):
                 graph.output(_flatten_output(node.args[0], env))
             else:
                 env[node] = graph.node_copy(node, lambda n: env[n])
+                raw_vals[env[node]] = _raw_val(node)
+                if node.target in _DROPOUTS:
+                    _follow_the_step(env[node])
+                elif node.target in _ATTENTIONS and _attention_dropout(env[node]):
+                    env[node].target = scaled_dot_product_attention
 
+        _unpack_sizes(graph, raw_vals)
         for node in graph.nodes:
             if "nn_module_stack" in node.meta:
                 node.meta["nn_module_stack"] = clean_module_stack(node.meta["nn_module_stack"], self.prefix)
@@ -183,10 +203,13 @@ class NormalizePass(GraphPass):
                 info = node.meta[META_KEY] = NodeInfo()
             stack = node.meta.get("nn_module_stack") or {}
             info.module_path = next(reversed(stack)) if stack else ""
+            if node in raw_vals:
+                annotate(info, raw_vals[node], sizes.symbols)
 
         gm = torch.fx.GraphModule(root, graph, class_name="GalvatronGraph")
-        _propagate_fake(gm, self.inputs)
-        gm.meta[META_KEY] = GraphInfo(method=self.method, input_names=list(self.input_names))
+        _propagate_fake(gm, self.inputs)   # NOTE: concrete shapes at the captured batch
+        gm.meta[META_KEY] = GraphInfo(method=self.method, input_names=list(self.input_names),
+                                      symbolic_batch=bool(sizes.symbols))
         return PassResult(gm, True)
 
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:
@@ -197,6 +220,108 @@ class NormalizePass(GraphPass):
 
 
 _METADATA_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
+_SHAPE_ASSERTS = {torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default,
+                  torch.ops.aten.sym_constrain_range.default}
+
+
+def _is_size_tuple(val) -> bool:
+    return isinstance(val, (tuple, list)) and bool(val) and all(
+        isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool) for x in val)
+
+
+def _substitute(node: torch.fx.Node, value) -> None:
+    """Every use of ``node`` reads ``value`` (a constant) instead."""
+    for user in list(node.users):
+        user.args = torch.fx.node.map_arg(user.args, lambda a: value if a is node else a)
+        user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a: value if a is node else a)
+
+
+def _unpack_sizes(graph: torch.fx.Graph, raw_vals: dict) -> None:
+    """Sizes a symbolic-batch graph computes as tuples (dynamo's ``x.size()``) become per-element
+    arguments: the static elements integer constants, as a static capture has them (rules that
+    rewrite a size, e.g. TP's head split, find them), the symbolic ones ``getitem`` nodes."""
+    for n in list(graph.nodes):
+        val = raw_vals.get(n)
+        if n.op not in ("call_function", "call_method") or not _is_size_tuple(val):
+            continue
+        if not any(isinstance(x, torch.SymInt) for x in val):
+            _substitute(n, tuple(int(x) for x in val))
+            graph.erase_node(n)
+            continue
+        for user in list(n.users):
+            if user.target is operator.getitem and user.args[0] is n:
+                i = user.args[1]
+                if isinstance(i, int) and not isinstance(val[i], torch.SymInt):
+                    _substitute(user, int(val[i]))
+                    graph.erase_node(user)
+                continue   # NOTE: a slice is a size tuple of its own, unpacked in its turn
+            elements = []
+            with graph.inserting_before(user):
+                for i, x in enumerate(val):
+                    if isinstance(x, torch.SymInt):
+                        item = graph.call_function(operator.getitem, (n, i))
+                        item.meta.update({k: v for k, v in user.meta.items() if k == "nn_module_stack"})
+                        raw_vals[item] = x
+                        elements.append(item)
+                    else:
+                        elements.append(int(x))
+            new = type(val)(elements) if isinstance(val, list) else tuple(elements)
+            user.args = torch.fx.node.map_arg(user.args, lambda a: new if a is n else a)
+            user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a: new if a is n else a)
+        if not n.users:
+            graph.erase_node(n)
+
+
+_DROPOUTS = {torch.nn.functional.dropout, torch.dropout, torch.ops.aten.dropout.default}
+
+
+_ATTENTIONS = {torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
+
+
+def _attention_dropout(node: torch.fx.Node) -> bool:
+    p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    return not (isinstance(p, (int, float)) and p == 0)
+
+
+def _follow_the_step(node: torch.fx.Node) -> None:
+    """A dropout call -> :func:`galvatron_fx.runtime.dropout.dropout` (off in ``eval_step``)."""
+    args, kw = list(node.args), dict(node.kwargs)
+    p = args[1] if len(args) > 1 else kw.get("p", 0.5)
+    train = args[2] if len(args) > 2 else kw.get("training", kw.get("train", True))
+    node.target, node.args, node.kwargs = dropout, (args[0], p, train), {}
+
+
+def _raw_val(node: torch.fx.Node):
+    """A front end's value of ``node``: export's ``val``, dynamo's ``example_value``."""
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+class _InputSizes:
+    """The symbolic batch of the raw graph: its symbols (dim 0 of the batched inputs), and
+    dynamo's size placeholders (``s0``), each rewritten to ``sym_size(input, dim)`` of an input
+    tensor that has it, so the graph's only inputs are tensors."""
+
+    def __init__(self):
+        self.inputs: list[tuple[torch.fx.Node, torch.fx.Node]] = []   # (raw placeholder, new placeholder)
+        self.pending: list[torch.fx.Node] = []
+        self.symbols: set = set()
+        self.done = False
+
+    def resolve(self, graph: torch.fx.Graph, env: dict) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.symbols = batch_symbols(_raw_val(raw) for raw, _new in self.inputs)
+        for sym in self.pending:
+            expr = _raw_val(sym).node.expr
+            found = next(((new, d) for raw, new in self.inputs if isinstance(_raw_val(raw), torch.Tensor)
+                          for d, size in enumerate(_raw_val(raw).shape)
+                          if isinstance(size, torch.SymInt) and size.node.expr == expr), None)
+            if found is None:
+                raise CaptureError(f"the captured graph takes a size input {sym.name!r} that no input tensor "
+                                   "has; capture with method='export'")
+            env[sym] = graph.call_function(torch.ops.aten.sym_size.int, found)
+            env[sym].meta[META_KEY] = NodeInfo(batch_factor=factor(_raw_val(sym), self.symbols))
 
 
 def _fetch_attr(gm: torch.fx.GraphModule, target: str):

@@ -258,7 +258,7 @@ class _Rewriter:
                 node.args = torch.fx.node.map_arg(node.args, sub)
                 node.kwargs = torch.fx.node.map_arg(node.kwargs, sub)
             if node.name in plan.shape_args:
-                _set_size(node, *plan.shape_args[node.name])
+                _set_size(node, *_divided_size(self.graph, node, *plan.shape_args[node.name]))
             if node.name in plan.split_sizes:
                 _set_split_sizes(node, plan.split_sizes[node.name][1])
             for path, value in plan.const_args.get(node.name, {}).items():
@@ -399,6 +399,19 @@ class _Rewriter:
 
 def _local_rows(w: torch.fx.Node) -> int:
     return int(w.meta["val"].shape[0]) // w.meta[META_KEY].shard.tp
+
+
+def _divided_size(graph, node, slot, old, new):
+    """``(slot, old, new)`` for :func:`_set_size`; ``new = ("floordiv", k)``: a size the graph
+    computes (``old`` its node's name), divided by ``k`` in a node inserted before ``node``."""
+    if not isinstance(new, tuple):
+        return slot, old, new
+    size = next(n for n in node.all_input_nodes if n.name == old)
+    with graph.inserting_before(node):
+        out = graph.call_function(operator.floordiv, (size, new[1]))
+    out.meta["val"] = size.meta["val"] // new[1]
+    out.meta[META_KEY] = NodeInfo(module_path=node_info(node).module_path, layer=node_info(node).layer)
+    return slot, size, out
 
 
 def _set_size(node, slot, old, new):

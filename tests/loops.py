@@ -108,6 +108,30 @@ def eager(model, batches, clip: bool = True, **group_kw):
     return losses, norms, {k: p.detach().clone() for k, p in model.named_parameters()}
 
 
+def plain_losses(model, batches, lr: float) -> list[float]:
+    """The plainest loop on one device: AdamW over ``model.parameters()``, ``model(**b).loss``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    out = []
+    for b in batches:
+        loss = model(**b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def step_losses(dm, batches, lr: float) -> list[float]:
+    """The same plain loop on a distributed model (``dm.train_step``, AdamW over ``dm.parameters()``)."""
+    opt = torch.optim.AdamW(dm.parameters(), lr=lr)
+    out = []
+    for b in batches:
+        out.append(dm.train_step(**b).item())
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
 def rel(a, b) -> float:
     """Largest relative difference of two sequences of numbers."""
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))

@@ -49,11 +49,11 @@ def test_pass_lists_read_like_the_plan(tiny):
     gm = tiny[2]
     names = [p.pass_name() for p in parallelize_passes(_ctx(gm))]
     assert names == ["token_loss", "tensor_parallel", "split_layers", "local_batch", "checkpointing",
-                     "data_parallel", "resharding", "codegen", "bind_parameters"]
+                     "data_parallel", "resharding", "meta_device", "codegen", "bind_parameters"]
     names = [p.pass_name() for p in parallelize_passes(_ctx(gm, 2, pp=2, dp=1, micro_batches=2), bind={})]
     assert names == ["token_loss", "stage_split", "tensor_parallel", "split_layers", "local_batch",
-                     "stage_outputs", "checkpointing", "data_parallel", "resharding", "stage_inputs", "codegen",
-                     "bind_parameters"]
+                     "stage_outputs", "checkpointing", "data_parallel", "resharding", "stage_inputs", "meta_device",
+                     "codegen", "bind_parameters"]
 
 
 def test_tensor_parallel_contract(tiny):
@@ -84,12 +84,16 @@ def test_local_batch_rewrites_baked_batch():
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     ids = torch.randint(0, 64, (4, 8))
-    gm = gfx.capture(transformers.LlamaForCausalLM(cfg), (), kwargs=dict(input_ids=ids, labels=ids))
+    model = transformers.LlamaForCausalLM(cfg)
+    gm = gfx.capture(model, (), kwargs=dict(input_ids=ids, labels=ids), symbolic_batch=False)
     ctx = _ctx(gm, micro_batches=2)
     with pytest.raises(ContractError, match="split top graph"):
         LocalBatchPass(ctx).requires(gm)
     p = LocalBatchPass(ctx)
     assert p(_split(gm, ctx)).modified and p.rewritten > 0         # dynamo baked B=4 into views
+    symbolic = gfx.capture(model, (), kwargs=dict(input_ids=ids, labels=ids))   # sizes computed: nothing to do
+    ctx_sym = ParallelContext(ctx.plan, 0, 1, method="dynamo", global_batch=4, symbolic_batch=True)
+    assert LocalBatchPass(ctx_sym)(_split(symbolic, ctx_sym)).modified is False
     ctx_fx = ParallelContext(ctx.plan, 0, 1, method="fx", global_batch=4)
     assert LocalBatchPass(ctx_fx)(_split(gm, ctx_fx)).modified is False   # fx: x.size(0), nothing baked
 
@@ -244,7 +248,8 @@ def test_local_batch_warns_when_the_batch_equals_a_sequence_length():
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     ids = torch.randint(0, 64, (4, 4))                                   # batch 4 == sequence 4
-    gm = gfx.capture(transformers.LlamaForCausalLM(cfg), (), kwargs=dict(input_ids=ids, labels=ids))
+    gm = gfx.capture(transformers.LlamaForCausalLM(cfg), (), kwargs=dict(input_ids=ids, labels=ids),
+                     symbolic_batch=False)   # NOTE: the static fallback (a symbolic batch needs no guess)
     ctx = _ctx(gm, micro_batches=2)
     with pytest.warns(UserWarning, match="also a length of its inputs"):
         LocalBatchPass(ctx)(_split(gm, ctx))

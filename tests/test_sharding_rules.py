@@ -486,11 +486,13 @@ NEW_OPS = {
     "selections": ["index"],
     "reductions": ["stack"],
     "pointwise": ["autograd_function_apply"],
+    "views": ["sym_size"],   # a symbolic batch's size reads
 }
 # ops whose rule also sees non-tensor values (tuples of a split, sizes) or that are sources
 NON_TENSOR_OPS = {"linear", "addmm", "embedding", "matmul", "bmm", "getitem", "split", "chunk",
                   "split_with_sizes", "unbind", "assert_tensor_metadata", "getattr", "size", "dim",
-                  "baddbmm", "einsum", "grouped_mm_fallback", "grouped_mm", "_grouped_mm", "autograd_function_apply"}
+                  "baddbmm", "einsum", "grouped_mm_fallback", "grouped_mm", "_grouped_mm", "autograd_function_apply",
+                  "sym_size"}
 
 
 def test_registry_maps_every_op_of_the_old_dispatch():

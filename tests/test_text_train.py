@@ -68,13 +68,41 @@ def test_train_a_config_on_a_text_file(tmp_path, llama_dir, corpus):
     assert records[-1]["loss"] <= 0.9 * records[0]["loss"], (records[0], records[-1])   # >= 10 % lower
     assert records[0]["lr"] < records[5]["lr"]                                              # warm-up
     assert sorted(os.path.basename(p) for p in glob.glob(str(ckpt / "step-*"))) == ["step-20", "step-40"]
+    # built on the meta device, each rank initialised its parts: the first loss is one device's
+    assert abs(records[0]["loss"] - _first_loss(llama_dir, corpus)) < 1e-5 * records[0]["loss"]
+
+
+def _first_loss(llama_dir, corpus, pretrained=None):
+    """One device, seed 0: the loss of the trainer's first batch (``initialize_weights`` as
+    ``dist_model.init_weights(seed=0)`` replays it, or the ``from_pretrained`` weights)."""
+    import transformers as tf
+
+    from galvatron_fx.text_train import TextBlocks, tokenize
+
+    if pretrained:
+        model = tf.LlamaForCausalLM.from_pretrained(pretrained)
+    else:
+        model = tf.LlamaForCausalLM(tf.LlamaConfig.from_pretrained(llama_dir))
+        for t in [*model.modules(), *model.parameters()]:
+            t.__dict__.pop("_is_hf_initialized", None)
+        torch.manual_seed(0)
+        model.initialize_weights()
+    ids, _kind = tokenize(str(corpus), str(llama_dir), 256)
+    with torch.no_grad():
+        return model(**TextBlocks(ids, 32, 12, seed=0).batch_at(0)).loss.item()
 
 
 @pytest.mark.dist
 @pytest.mark.matrix   # CI time: a second torchrun launch
-def test_resume_continues_at_the_saved_step(tmp_path, llama_dir, corpus):
+def test_init_from_pretrained_then_resume_at_the_saved_step(tmp_path, llama_dir, corpus):
+    import transformers as tf
+
     log, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt"
-    _train(llama_dir, corpus, log, ckpt, "--steps", "4", "--save-every", "2")
+    torch.manual_seed(5)
+    tf.LlamaForCausalLM(tf.LlamaConfig.from_pretrained(llama_dir)).save_pretrained(tmp_path / "pre")
+    _out, first = _train(llama_dir, corpus, log, ckpt, "--steps", "4", "--save-every", "2",
+                         "--init", str(tmp_path / "pre"))   # each rank reads only its pieces
+    assert abs(first[0]["loss"] - _first_loss(llama_dir, corpus, tmp_path / "pre")) < 1e-5 * first[0]["loss"]
     out, records = _train(llama_dir, corpus, log, ckpt, "--steps", "6", "--resume")
     assert "resumed from" in out.stderr and "at step 4" in out.stderr
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]

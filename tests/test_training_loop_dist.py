@@ -74,7 +74,11 @@ def _gpt_batches(steps):
 
 
 def _batches(case):
-    return _gpt_batches(STEPS) if case["model"] == "gpt" else loops.collate(STEPS)
+    if case["model"] == "gpt":
+        return _gpt_batches(STEPS)
+    # per-rank data through gfx.transform: a last, smaller batch (drop_last=False) ends the run
+    last = loops.collate(1, batch=8, seed=5) if case["shard"] and case["door"] == "transform" else []
+    return loops.collate(STEPS) + last
 
 
 def _run(rank, world, name):
@@ -356,13 +360,90 @@ def _clip(rank, world):
 @pytest.mark.dist
 def test_clip_with_return_loss_at_every_step():
     model, batches = _clip_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref = []
-    for b in batches:
-        loss = model(**b).loss
+    ref = loops.plain_losses(model, batches, lr=1e-3)
+    for losses in run_distributed(_clip, 2):
+        assert loops.rel(losses, ref) < 1e-5, (losses, ref)
+
+
+# --------------------------------------------------------------------------- meta-device models
+def _meta_llama():
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=loops.V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False)
+    with torch.device("meta"):
+        return tf.LlamaForCausalLM(cfg), cfg
+
+
+def _meta_run(rank, world, spec, pretrained):
+    import galvatron_fx as gfx
+
+    meta, _cfg = _meta_llama()
+    batches = loops.collate(3)
+    gm = gfx.capture(meta, (), kwargs={k: v.to("meta") for k, v in batches[0].items()}, method="dynamo")
+    dm = gfx.transform(gm, plan=gfx.Plan.uniform(gm, world, global_batch_size=loops.B, **spec))
+    out = {}
+    try:
+        dm.train_step(**batches[0])
+    except gfx.errors.ConfigError as exc:
+        out["before"] = str(exc)
+    dm.init_weights(seed=7)
+    out["init"] = dm.full_state_dict()
+    out["losses"] = loops.step_losses(dm, batches, lr=1e-2)
+    dm.load_pretrained(pretrained)   # only this rank's bytes of each tensor
+    out["eval"] = dm.eval_step(**batches[0]).item()
+    out["meta_params"] = all(p.device.type == "meta" for p in meta.parameters())   # no whole copy kept
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("spec", [dict(dp=2, sdp="zero3"), dict(tp=2, dp=1)], ids=["zero3", "tp2"])
+def test_meta_device_model_initialises_and_loads_only_its_parts(tmp_path, spec):
+    import transformers as tf
+
+    _meta, cfg = _meta_llama()
+    torch.manual_seed(3)
+    tf.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "pretrained")
+    ref = tf.LlamaForCausalLM(cfg)     # one device: the same seed, the same initialiser
+    for t in [*ref.modules(), *ref.parameters()]:
+        t.__dict__.pop("_is_hf_initialized", None)
+    torch.manual_seed(7)
+    ref.initialize_weights()
+    init = {k: p.detach().clone() for k, p in ref.named_parameters()}
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    losses = []
+    for b in loops.collate(3):
+        loss = ref(**b).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
-        ref.append(loss.item())
-    for losses in run_distributed(_clip, 2):
+        losses.append(loss.item())
+    pre = tf.LlamaForCausalLM.from_pretrained(tmp_path / "pretrained")
+    with torch.no_grad():
+        want_eval = pre(**loops.collate(1)[0]).loss.item()
+    for r in run_distributed(_meta_run, 2, spec, str(tmp_path / "pretrained")):
+        assert "init_weights()" in r["before"] and r["meta_params"]
+        assert all(torch.equal(r["init"][k], v) for k, v in init.items())   # the same full weights
+        assert loops.rel(r["losses"], losses) < 1e-4, (r["losses"], losses)
+        assert abs(r["eval"] - want_eval) <= 1e-5 * abs(want_eval), (r["eval"], want_eval)
+
+
+def _aliased_labels(rank, world):
+    model = loops.llama()
+    compiled = torch.compile(model, backend="galvatron", options={"cluster": "2xA100-80GB", "precision": "fp32"})
+    out = []
+    for i, b in enumerate(loops.collate(3)):
+        ids = b["input_ids"]
+        loss = compiled(input_ids=ids, labels=ids if i % 2 == 0 else ids.clone()).loss   # the same tensor, then not
+        loss.backward()
+        out.append(loss.item())
+    return out
+
+
+@pytest.mark.dist
+def test_compiled_labels_may_be_the_input_ids_tensor_in_one_call_and_not_the_next():
+    model = loops.llama()
+    with torch.no_grad():
+        ref = [model(input_ids=b["input_ids"], labels=b["input_ids"]).loss.item() for b in loops.collate(3)]
+    for losses in run_distributed(_aliased_labels, 2):
         assert loops.rel(losses, ref) < 1e-5, (losses, ref)

@@ -57,9 +57,9 @@ so the backend removes the guards whose source is a parameter, buffer or input o
 (global state) and ``training``-flag guards, which the runtime reads at each call; it checks the
 inputs' shapes and dtypes itself and raises :class:`ConfigError` on a change (the distributed graphs
 are specialised to one global batch shape: use ``dynamic=False``, drop the last partial batch).
-Other guards (config flags, other module attributes, Python branches) stay. NOTE: the program is
-captured once, in training mode: dropout layers keep training behaviour under ``model.eval()``
-(models trained with dropout should evaluate with ``p = 0`` or eagerly).
+Other guards (config flags, other module attributes, Python branches) stay. The program is
+captured once, in training mode; its dropout follows the call (:mod:`galvatron_fx.runtime.dropout`):
+on in a training call, off under ``model.eval()`` or ``torch.no_grad()`` (which run ``eval_step``).
 
 Graph breaks: with ``fullgraph=True`` dynamo's own error names the line that broke. Without it,
 the first partial graph has no scalar loss and the backend raises :class:`ConfigError` naming the

@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..distributed import pick_device
 from .groups import Ranks, all_gather_single, group, reduce_scatter_single
 from .zero_layout import buffer_parts, zero_layout
 
@@ -115,10 +116,15 @@ class FlatParams(nn.Module):
         # a working copy in ``compute_dtype``; gradients are reduced in ``reduce_dtype``
         self.compute_dtype = compute_dtype if compute_dtype not in (None, first.dtype) else None
         self.reduce_dtype = reduce_dtype or first.dtype
-        full = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
-        with torch.no_grad():
-            for t, off in zip(tensors.values(), self.offsets):
-                full[off:off + t.numel()].copy_(t.reshape(-1))
+        # NOTE: a model built on the meta device gets real, zeroed buffers on this process's device
+        # and no values: runtime/materialize.py fills this rank's parts (init_weights, loads)
+        self.initialized = first.device.type != "meta"
+        device = first.device if self.initialized else pick_device()
+        full = torch.zeros(self.padded, dtype=first.dtype, device=device)
+        if self.initialized:
+            with torch.no_grad():
+                for t, off in zip(tensors.values(), self.offsets):
+                    full[off:off + t.numel()].copy_(t.reshape(-1))
         # NOTE: ``flat_param`` is storage, not an ``nn.Parameter``: the user's parameters are
         # per-parameter views of it under their original names (runtime/params.py), and the module
         # tree holds no Parameter of its own

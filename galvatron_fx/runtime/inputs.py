@@ -63,6 +63,35 @@ def split(t, m: int):
     return list(t.chunk(m, dim=0))
 
 
+def call_batch(values: list, planned: int, size: int, m: int, *, symbolic: bool, shards_before: bool,
+               where: str) -> tuple[int | None, bool | None]:
+    """``(global batch, given as shards?)`` of one call from the rows of its inputs: the planned
+    global batch whole or as this rank's shard (``planned / size`` rows); any other number of rows
+    is taken in the form of the previous call (``shards_before``; whole at first) and needs a graph
+    with a symbolic batch and a global batch divisible by ``m x size``. ``(None, None)`` when no
+    input has a batch dim (a pipeline stage given ``None``)."""
+    rows = {int(t.shape[0]) for t in values if isinstance(t, torch.Tensor) and t.dim() >= 1}
+    if not rows:
+        return None, None
+    if len(rows) > 1:
+        raise ConfigError(f"{where}: inputs of {sorted(rows)} samples; every input must have the same number "
+                          "of samples (dim 0)")
+    r = rows.pop()
+    if r == planned or (size > 1 and r * size == planned):
+        return planned, r != planned
+    batch = r * size if shards_before else r
+    if not symbolic:
+        raise ConfigError(f"{where}: inputs of {r} samples, but the graph bakes in its captured global batch of "
+                          f"{planned} (whole, or {planned // size} per rank as dist_model.input_shard); a model "
+                          "captured with a symbolic batch (capture's default) takes any multiple of "
+                          f"{m * size}")
+    if batch % (m * size):
+        raise ConfigError(f"{where}: a global batch of {batch} samples does not split into micro_batches={m} x "
+                          f"{size} input shards; give a multiple of {m * size} samples"
+                          + (f" ({m} per rank as dist_model.input_shard)" if shards_before else ""))
+    return batch, shards_before
+
+
 def to_shards(values: list, batch: int, index: int, size: int, m: int, where: str) -> tuple[list, bool]:
     """``values`` (graph inputs and targets: whole global batches of ``batch`` samples, or this
     rank's shards of ``batch / size``) as shards of the input layout (module docstring); returns

@@ -24,8 +24,9 @@ from torch.utils._pytree import tree_map_only
 from ..errors import ConfigError
 from ..ir import META_KEY
 from .data_parallel import FlatParams
+from .dropout import evaluating
 from .groups import Layout
-from .inputs import apply_steps, gather_rows, match_inputs, to_shards
+from .inputs import apply_steps, call_batch, gather_rows, match_inputs, to_shards
 from .inputs import split as _split
 from .precision import DynamicLossScaler, Precision
 from .reshard import plan_batched
@@ -53,6 +54,9 @@ class TokenLoss:
 
 class DistributedModel(torch.fx.GraphModule):
     """This rank's part of a model under a plan (pp = 1). See :meth:`train_step`."""
+
+    symbolic_batch = False   # the graph computes its batch sizes: any multiple of dp x m runs (codegen sets it)
+    shards_before = False    # the last call passed this rank's shard (a call of another size does too)
 
     def setup(self, plan, rank: int, loss_fn, output_layout: Layout, stores: list[FlatParams],
               tp_shards: dict[str, tuple[object, tuple[int, ...]]],
@@ -92,6 +96,34 @@ class DistributedModel(torch.fx.GraphModule):
         for _fqn, p in self.named_parameters():
             yield p
 
+    # ----------------------------------------------------- meta-device models
+    def captured_model(self):
+        """The model this program was captured from (``None`` when it is gone)."""
+        ref = getattr(self.meta.get(META_KEY), "model_ref", None)
+        return ref() if ref is not None else None
+
+    def init_weights(self, fn=None, seed: int | None = None, model=None) -> None:
+        """Initialise this rank's parts only (:func:`.materialize.init_weights`): the model's own
+        initialiser, one module at a time on the CPU, the random stream as one device's
+        ``torch.manual_seed(seed); model.initialize_weights()`` (``reset_parameters`` / ``fn(module)``
+        for other models). For a graph captured on the meta device; collective for ZeRO-2."""
+        from .materialize import init_weights
+
+        init_weights(self, self._model_or(model), fn=fn, seed=seed)
+
+    def load_pretrained(self, directory: str, model=None) -> None:
+        """Read only this rank's pieces from a ``save_pretrained`` directory's safetensors
+        (:func:`.materialize.load_pretrained`)."""
+        from .materialize import load_pretrained
+
+        load_pretrained(self, self._model_or(model), directory)
+
+    def _model_or(self, model):
+        model = model if model is not None else self.captured_model()
+        if model is None:
+            raise ConfigError("the captured model is gone: pass it, dist_model.init_weights(model=...)")
+        return model
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model: the total ``norm_type``-norm of
@@ -121,6 +153,7 @@ class DistributedModel(torch.fx.GraphModule):
 
         missing, unexpected = self.params.load_whole(dict(state_dict), strict=strict)
         for s in self._stores:
+            s.initialized = True   # a meta-device model: loaded (strict=False leaves the rest to you)
             s.masters_changed()
         self.sync_params()
         return _IncompatibleKeys(missing, unexpected)
@@ -156,6 +189,7 @@ class DistributedModel(torch.fx.GraphModule):
         buffers or this rank's shards) holds in ``.grad`` the gradient of the global-batch mean
         loss, and the returned loss (a 0-dim tensor) is the same on every rank.
         """
+        self.check_ready()
         batches = self._micro_batches(args, kwargs, "train_step")
         self.params.check_requires_grad()
         for s in self._stores:
@@ -169,6 +203,14 @@ class DistributedModel(torch.fx.GraphModule):
             total = loss.detach() if total is None else total + loss.detach()
         self.finish_grad_sync()
         return self.global_loss(total)
+
+    def check_ready(self) -> None:
+        """Raise naming the fix when a meta-device model has no values yet (:mod:`.materialize`)."""
+        if not getattr(self, "_ready", False):
+            from .materialize import check_materialized
+
+            check_materialized(self)
+            self._ready = True
 
     def finish_grad_sync(self) -> None:
         """End of a step's backward: wait for the DP reductions and fill the masters' ``.grad``;
@@ -187,7 +229,8 @@ class DistributedModel(torch.fx.GraphModule):
         inputs (this rank's input-layout slice) and its slices of the ``loss_fn`` targets."""
         graph_inputs, targets = match_inputs(self.input_names, args, kwargs, where, self.baked_inputs)
         m, index, size = self.plan.micro_batches, *self.input_shard
-        shards, sharded = to_shards(graph_inputs + targets, self.plan.global_batch_size, index, size, m, where)
+        batch = self.call_batch(graph_inputs + targets, where) or self.plan.global_batch_size
+        shards, sharded = to_shards(graph_inputs + targets, batch, index, size, m, where)
         if self.token_loss is not None:
             if sharded:
                 self.token_loss.prepare(shards[:len(graph_inputs)], self.input_layout.dp_ranks(self.rank))
@@ -199,6 +242,14 @@ class DistributedModel(torch.fx.GraphModule):
         micro_t = [_split(t, m) for t in shards[len(graph_inputs):]]
         to_output = plan_batched(self.input_layout, self.output_layout, self.rank)
         return [([mb[k] for mb in micro], [apply_steps(to_output, t[k]) for t in micro_t]) for k in range(m)]
+
+    def call_batch(self, values: list, where: str) -> int | None:
+        """This call's global batch (:func:`.inputs.call_batch`; remembers whether it came as shards)."""
+        batch, sharded = call_batch(values, self.plan.global_batch_size, self.input_shard[1], self.plan.micro_batches,
+                                    symbolic=self.symbolic_batch, shards_before=self.shards_before, where=where)
+        if sharded is not None:
+            self.shards_before = sharded
+        return batch
 
     @property
     def loss_scale(self) -> float:
@@ -227,8 +278,10 @@ class DistributedModel(torch.fx.GraphModule):
         all-gathered over the output's DP group and micro-batches concatenated, on every rank:
         the memory of the whole global batch's outputs, e.g. ``batch x seq x vocab`` logits)."""
         total, outs = None, []
+        self.check_ready()
         for inputs, targets in self._micro_batches(args, kwargs, "eval_step"):
-            out = self(*inputs)
+            with evaluating():   # dropout off, as under model.eval()
+                out = self(*inputs)
             loss = self._loss(out, targets)
             total = loss if total is None else total + loss
             if return_outputs:

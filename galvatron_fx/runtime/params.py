@@ -390,20 +390,27 @@ class ParamRegistry:
         if strict and (missing or unexpected):
             raise ConfigError(f"load_state_dict: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
                               f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
-        with torch.no_grad():
-            for fqn, p in self.params.items():
-                value = state.get(fqn)
-                if value is None or value is p or getattr(value, "_param", None) is p:
-                    continue   # absent, or loaded in place (dcp.load into the state_dict() entries)
-                spec = p._gfx
-                if isinstance(value, (_Sharded, ShardedEntry)):
-                    value = value.full_tensor()
-                if tuple(value.shape) != tuple(spec.global_shape):
-                    raise ConfigError(f"load_state_dict: {fqn!r} has shape {tuple(value.shape)}, the model's "
-                                      f"is {tuple(spec.global_shape)}")
-                part = p.to_local()
-                for pc in spec.pieces(owned=False):
-                    box = tuple(slice(o, o + n) for o, n in zip(pc.global_offsets, pc.sizes))
-                    ParamSpec.view(part, pc).copy_(value[box])
+        for fqn, p in self.params.items():
+            value = state.get(fqn)
+            if value is None or value is p or getattr(value, "_param", None) is p:
+                continue   # absent, or loaded in place (dcp.load into the state_dict() entries)
+            if isinstance(value, (_Sharded, ShardedEntry)):
+                value = value.full_tensor()
+            self.load_one(fqn, value)
         return missing, unexpected
+
+    @torch.no_grad()
+    def load_one(self, fqn: str, value) -> None:
+        """Copy this rank's part of parameter ``fqn`` from ``value``: its whole tensor, or anything
+        indexable by a tuple of slices into it (a safetensors slice reads only those bytes)."""
+        p = self.params[fqn]
+        spec = p._gfx
+        shape = tuple(value.shape) if hasattr(value, "shape") else tuple(value.get_shape())
+        if shape != tuple(spec.global_shape):
+            raise ConfigError(f"load_state_dict: {fqn!r} has shape {shape}, the model's is {tuple(spec.global_shape)}")
+        part = p.to_local()
+        for pc in spec.pieces(owned=False):
+            box = tuple(slice(o, o + n) for o, n in zip(pc.global_offsets, pc.sizes))
+            src = value[box] if box else value[...]
+            ParamSpec.view(part, pc).copy_(torch.as_tensor(src).to(part.dtype))
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..ir import StageInfo
+from .dropout import evaluating
 from .groups import group
 from .inputs import apply_steps, match_inputs, to_shards
 from .inputs import split as _split
@@ -144,6 +145,7 @@ class PipelineModel(nn.Module):
         self.__dict__["_runner"] = _StageRunner(stage, first=info.index == 0,
                                                 loss_of=self._loss if info.is_last else None)
         self.__dict__["_built"] = None
+        self.__dict__["_schedules"] = {}   # (micro-batch rows, local input shapes) -> schedule
         self.schedule_stats: dict = {}
 
     @property
@@ -194,13 +196,15 @@ class PipelineModel(nn.Module):
         on every rank and, with ``return_outputs=True``, ``(loss, outputs)``: the graph's outputs
         assembled over the last stage's DP group and the micro-batches, then sent from the last
         stage to every rank (memory: the global batch's outputs on every rank)."""
-        return self._run(args, kwargs, "eval_step", train=False, collect=return_outputs)
+        with evaluating():   # dropout off, as under model.eval()
+            return self._run(args, kwargs, "eval_step", train=False, collect=return_outputs)
 
     def _run(self, args, kwargs, where: str, *, train: bool, collect: bool = False):
+        self.stage.check_ready()
         graph_inputs, targets = match_inputs(self.input_names, args, kwargs, where, self.stage.baked_inputs)
         m, info = self.plan.micro_batches, self.stage_info
-        batch, (index, size) = self.plan.global_batch_size, self.input_shard
-        given = [graph_inputs[i] for i in info.local_inputs]
+        (index, size), given = self.input_shard, [graph_inputs[i] for i in info.local_inputs]
+        batch = self._agreed_batch(self.stage.call_batch(given + targets, where))
         shards, sharded = to_shards(given + targets, batch, index, size, m, where)
         local, targets = shards[:len(given)], shards[len(given):]
         schedule = self._schedule(batch // m, local)
@@ -256,6 +260,24 @@ class PipelineModel(nn.Module):
         dist.broadcast_object_list(box, src=pipe[-1], group=group(pipe))
         return total, box[0]
 
+    def _agreed_batch(self, seen: int | None) -> int:
+        """The global batch of this call on every stage: a stage that reads no input does not see
+        it, so under a symbolic batch the stages exchange what they saw (one small all-gather)."""
+        planned = self.plan.global_batch_size
+        if not self.stage.symbolic_batch:
+            return seen or planned
+        n = self.stage_size
+        pipe = tuple(self.rank % n + s * n for s in range(self.num_stages))
+        device = next((p.device for p in self.stage.parameters()), torch.device("cpu"))
+        mine = torch.tensor([seen or 0], dtype=torch.int64, device=device)
+        every = [torch.empty_like(mine) for _ in pipe]
+        dist.all_gather(every, mine, group=group(pipe))
+        sizes = {int(x) for x in every if x}
+        if len(sizes) > 1:
+            raise ConfigError(f"the pipeline stages were given different global batches {sorted(sizes)}; give "
+                              "every rank the same step's inputs")
+        return sizes.pop() if sizes else planned
+
     @property
     def input_names(self) -> list[str]:
         """The model's inputs in order (forward-argument names), as :attr:`DistributedModel.input_names`."""
@@ -283,6 +305,10 @@ class PipelineModel(nn.Module):
     def _schedule(self, micro_batch: int, local: list[torch.Tensor]):
         key = (micro_batch, tuple(tuple(t.shape) for t in local))
         if self._built is not None and self._built[0] == key:
+            return self._built[1]
+        if key in self._schedules:   # NOTE: another batch size seen before (a last, smaller batch; eval)
+            self.__dict__["_built"] = (key, self._schedules[key])
+            self._built[1]._stage.track_memory = self.track_memory
             return self._built[1]
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
@@ -320,6 +346,7 @@ class PipelineModel(nn.Module):
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.plan.schedule]
         schedule = cls(stage, n_microbatches=m, loss_fn=self._scaled_loss, scale_grads=False)
         self.__dict__["_built"] = (key, schedule)
+        self._schedules[key] = schedule
         return schedule
 
     # -------------------------------------------------------------- parameters
@@ -349,6 +376,14 @@ class PipelineModel(nn.Module):
             if missing:
                 raise ConfigError(f"load_state_dict: missing {missing[:5]} of pipeline stage {self.stage_index}")
         return self.stage.load_state_dict(mine, strict=False)
+
+    def init_weights(self, fn=None, seed: int | None = None, model=None) -> None:
+        """:meth:`DistributedModel.init_weights` (every stage initialises in the same order)."""
+        self.stage.init_weights(fn=fn, seed=seed, model=model)
+
+    def load_pretrained(self, directory: str, model=None) -> None:
+        """:meth:`DistributedModel.load_pretrained` for this stage's parameters."""
+        self.stage.load_pretrained(directory, model=model)
 
     # --------------------------------------------------------------- optimizer
     def optimizer(self, cls=torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:

@@ -217,6 +217,7 @@ def load_state(stage, optimizer: torch.optim.Optimizer | None, metadata, path: s
         for p, st in installs:
             optimizer.state[p] = st
         for s in stage.stores:
+            s.initialized = True
             s.masters_changed()
         stage.sync_params()   # ZeRO-2: every replica's whole buffer from the loaded shards
 

@@ -36,6 +36,14 @@ def view(an, node, ins, states):
                 local = new.local_size(old, an.tp)
                 if local != old:
                     an.res.shape_args[node.name] = (slot, old, local)
+            elif _computed(old) == out_shape[d]:
+                # NOTE: a size the graph computes (``batch x heads`` of a symbolic batch, Bloom): divided
+                # at run time by what the shards divide it by (whole for every batch: heads % tp == 0)
+                local = new.local_size(out_shape[d], an.tp)
+                if local != out_shape[d]:
+                    if out_shape[d] % local:
+                        raise Unsupported
+                    an.res.shape_args[node.name] = (slot, old.name, ("floordiv", out_shape[d] // local))
             elif not (isinstance(old, int) and old == -1):
                 raise Unsupported
     elif name in ("view_as", "reshape_as"):
@@ -132,7 +140,7 @@ def repeat_interleave(an, node, ins, states):
     return s  # GQA: repeating local kv heads gives exactly the local query heads' kv
 
 
-@register_rule("assert_tensor_metadata", "getattr", "size", "dim", tensor_output=False)
+@register_rule("assert_tensor_metadata", "getattr", "size", "sym_size", "dim", tensor_output=False)
 def metadata(an, node, ins, states):
     """Reading sizes / dtype of a sharded value: nothing to shard (a tensor result cannot run on shards)."""
     if tensor_val(node) is None:
@@ -220,6 +228,12 @@ def _blocks_divide(blocks, size: int, factor: int, tp: int) -> bool:
         if units % total or (units // total) % factor or mode == "tp" and (units // total // factor) % tp:
             return False
     return True
+
+
+def _computed(arg) -> int | None:
+    """The value of a size argument computed by the graph (a node with an int ``val``), else None."""
+    val = getattr(arg, "meta", {}).get("val") if hasattr(arg, "op") else None
+    return val if isinstance(val, int) and not isinstance(val, bool) else None
 
 
 def _size_args(node, name):

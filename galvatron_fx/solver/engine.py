@@ -125,6 +125,7 @@ class Engine:
                  useful_tp: Callable[[int, int], bool] | None = None,
                  allowed_sp: Callable[[int, int], bool] | None = None,
                  tied_layers: Iterable[int] = (),
+                 batch_coupled: Iterable[int] = (),
                  progress: Callable[[str], None] | None = None,
                  layer_names: list[str] | None = None):
         self.costs, self.cluster = costs, cluster
@@ -136,6 +137,8 @@ class Engine:
         self.useful_tp = functools.lru_cache(maxsize=None)(useful_tp or (lambda layer, tp: True))
         self.allowed_sp = functools.lru_cache(maxsize=None)(allowed_sp or (lambda layer, tp: True))
         self.tied_layers = frozenset(tied_layers)
+        # NOTE: layers mixing the samples of a batch run on the whole batch: dp = 1, one micro-batch
+        self.batch_coupled = frozenset(batch_coupled)
         self.tables = CachedCosts(costs, cluster, signatures)
         self.progress = progress or (lambda msg: None)
         self.names = layer_names or [f"layer {i}" for i in range(self.L)]
@@ -231,23 +234,27 @@ class Engine:
                 r = self.tables.rows(i, space, b)
                 # NOTE: (m + p - 1) * t_mb + sync is layer_step_time's arithmetic, element by element
                 by_sig[sig] = np.stack([(m + p - 1) * r[0] + r[1], r[2], r[3], r[4]])
-            ok = self._admissible(i, tps, sps)
+            only = np.array([s.dp == 1 and m == 1 for s in space]) if i in self.batch_coupled else None
+            ok = self._admissible(i, tps, sps, only)
             if p > 1 and i in self.tied_layers:
                 ok = ok & whole
             out[:, i, :] = np.where(ok[None, :], by_sig[sig], np.inf)
         return out[0], out[1], out[2], out[3]
 
-    def _admissible(self, layer: int, tps: np.ndarray, sps: np.ndarray) -> np.ndarray:
+    def _admissible(self, layer: int, tps: np.ndarray, sps: np.ndarray, only: np.ndarray | None = None) -> np.ndarray:
         """Whether layer ``layer`` is offered each (TP degree, SP) of ``tps`` / ``sps``: the TP pass
         accepts it (``allowed_tp``, ``allowed_sp``) and it shards something there (``useful_tp``).
         A degree that shards nothing only repeats the layer on every TP rank; it is offered only
         where nothing else is (a tp constraint) or every layer must share one strategy
-        (``uniform_only``)."""
-        key = (layer, tps.tobytes(), sps.tobytes())
+        (``uniform_only``). ``only``: the strategies the layer may take at all (a layer mixing the
+        samples of a batch: dp = 1), applied first."""
+        key = (layer, tps.tobytes(), sps.tobytes(), None if only is None else only.tobytes())
         hit = self._adm.get(key)
         if hit is None:
             hit = np.array([bool(self.allowed_tp(layer, int(tp))) and (not sp or bool(self.allowed_sp(layer, int(tp))))
                             for tp, sp in zip(tps, sps)])
+            if only is not None:
+                hit = hit & only
             if not self.opt.uniform_only:
                 useful = hit & np.array([tp == 1 or bool(self.useful_tp(layer, int(tp))) for tp in tps])
                 hit = useful if useful.any() else hit
@@ -278,6 +285,9 @@ class Engine:
             why = (f"layer {self.names[i]!r} admits none of the strategies on {self.N // p} devices "
                    f"(TP degrees {tps}")
             why += ", and a weight tied across stages needs tp=1)" if p > 1 and i in self.tied_layers else ")"
+            if i in self.batch_coupled:
+                why += (f"; it mixes the samples of a batch, so it needs them all: dp=1 (a TP degree of {self.N // p}"
+                        f" it admits) and one micro-batch (here {m})")
             self._exclude(why)
             return None
         gid, layouts = layout_groups(space)
