@@ -28,8 +28,6 @@ keeps the batch outermost (``[B, S, H] -> [B*S, H]``). Returns the number of rew
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.fx
 from torch.fx.passes.infra.pass_base import PassResult
@@ -58,22 +56,22 @@ class LocalBatchPass(ContextPass):
             return PassResult(graph_module, False)
         local = [batch // (plan.micro_batches * lp.dp) for lp in plan.layers]
         if any(b != batch for b in local):
-            _warn_if_ambiguous(graph_module, batch)
+            _refuse_if_ambiguous(graph_module, batch)
         self.rewritten = localize_batch(graph_module, batch, local)
         return PassResult(graph_module, self.rewritten > 0)
 
 
-def _warn_if_ambiguous(top: torch.fx.GraphModule, batch: int) -> None:
-    """Warn when the captured batch also appears as another extent of a graph input (a sequence
+def _refuse_if_ambiguous(top: torch.fx.GraphModule, batch: int) -> None:
+    """Refuse when the captured batch also appears as another extent of a graph input (a sequence
     length): a baked constant built from that extent (``arange(S)``) cannot be told from one of the
-    batch, and might be rescaled too."""
+    batch, and rescaling the wrong one trains something else or fails inside torch."""
     extents = {int(d) for n in top.graph.nodes if n.op == "placeholder"
                for d in (getattr(n.meta.get("val"), "shape", ()) or ())[1:]}
     if batch in extents:
-        warnings.warn(f"the graph was captured with a global batch of {batch}, which is also a length of its "
-                      "inputs (e.g. the sequence); the local-batch pass cannot tell constants of the two apart "
-                      "and may rescale the wrong one: capture with a global batch that differs from the "
-                      "inputs' other dimensions", stacklevel=3)
+        raise ConfigError(f"this graph bakes in its global batch of {batch}, which is also a length of its inputs "
+                          "(e.g. the sequence), so a plan that splits the batch cannot tell their shape constants "
+                          "apart; capture it with gfx.capture (dynamo or export keep the batch symbolic) and "
+                          "gfx.transform, or use a global batch that differs from the inputs' other dimensions")
 
 
 def localize_batch(top: torch.fx.GraphModule, global_batch: int, local_batches: list[int]) -> int:

@@ -243,7 +243,7 @@ def copy_graph(gm):
     return fresh_copy(gm)
 
 
-def test_local_batch_warns_when_the_batch_equals_a_sequence_length():
+def test_local_batch_refuses_when_a_baked_batch_equals_a_sequence_length():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
@@ -251,7 +251,7 @@ def test_local_batch_warns_when_the_batch_equals_a_sequence_length():
     gm = gfx.capture(transformers.LlamaForCausalLM(cfg), (), kwargs=dict(input_ids=ids, labels=ids),
                      symbolic_batch=False)   # NOTE: the static fallback (a symbolic batch needs no guess)
     ctx = _ctx(gm, micro_batches=2)
-    with pytest.warns(UserWarning, match="also a length of its inputs"):
+    with pytest.raises(ConfigError, match="also a length of its inputs"):
         LocalBatchPass(ctx)(_split(gm, ctx))
 
 

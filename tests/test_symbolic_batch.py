@@ -182,3 +182,25 @@ def test_a_contrastive_loss_keeps_the_whole_batch():
         assert "mixes the samples of a batch" in r["refused"] and "dp=2" in r["refused"]
         assert r["post"][:2] == (1, 1) and r["post"][2] == 2   # the head whole; the towers still DP
         assert loops.rel(r["losses"], ref) < 1e-5, (r["losses"], ref)
+
+
+def _compiled_static(rank, world):
+    import galvatron_fx as gfx
+
+    model, batch = _llama(), _batches()[0]
+    gm = gfx.capture(model, (), kwargs=batch, method="dynamo")
+    plan = gfx.Plan.uniform(gm, world, dp=2, sdp="zero3", global_batch_size=B, precision="fp32")
+    compiled = torch.compile(model, backend="galvatron", options={"plan": plan})
+    try:
+        compiled(**batch)
+    except Exception as exc:  # noqa: BLE001 - dynamo wraps the backend's ConfigError
+        return str(exc)
+    return "ran"
+
+
+@pytest.mark.dist
+def test_the_compile_door_refuses_a_static_batch_it_cannot_tell_from_the_sequence():
+    # NOTE: torch.compile hands the backend dynamo's static graph (its batch is not symbolic yet):
+    # one clear error naming the fix instead of a shape error inside torch
+    for msg in run_distributed(_compiled_static, 2):
+        assert "ConfigError" in msg and "also a length of its inputs" in msg and "gfx.capture" in msg, msg
