@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from .ir import META_KEY
+
 
 def batch_positions(inputs: list) -> list[int]:
     """Positions of the tensor inputs whose dim 0 is the batch: the first input's dim 0, when it is
@@ -63,8 +65,6 @@ def coupling(node) -> str | None:
     (a ``[B, B]`` similarity matrix: in-batch negatives, CLIP's logits), or batch norm in training
     mode (statistics over the batch). Split over ranks or micro-batches such a node computes
     something else than on the whole batch."""
-    from .ir import META_KEY
-
     info = node.meta.get(META_KEY)
     dims = sorted({d for d, _k in getattr(info, "batch_dims", ())})
     val = node.meta.get("val")

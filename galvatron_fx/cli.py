@@ -209,18 +209,22 @@ def cmd_train(args: argparse.Namespace) -> int:
                 global_batch_size=args.global_batch_size, cluster=args.cluster, reserve=args.reserve,
                 single_device=args.single_device, lr=args.lr, seed=args.seed,
                 overrides=parse_overrides(args.set), progress=progress, precision=args.precision)
-    if log["rank"] == 0:
-        print_log(log)
-        if args.json:
-            _write_json(args.json, log)
+    return _report(log, args, print_log)
+
+
+def _report(log: dict, args: argparse.Namespace, show) -> int:
+    """Rank 0 shows a training log (and writes ``--json``); every rank leaves the process group."""
     from .distributed import shutdown
 
+    if log["rank"] == 0:
+        show(log)
+        if args.json:
+            _write_json(args.json, log)
     shutdown()
     return 0
 
 
 def _train_text(args: argparse.Namespace) -> int:
-    from .distributed import shutdown
     from .text_train import print_summary, train_text
 
     if args.data is None:
@@ -238,12 +242,7 @@ def _train_text(args: argparse.Namespace) -> int:
                      memory_budget=args.memory_budget, precision=args.precision, init=args.init,
                      save_every=args.save_every, ckpt_dir=args.ckpt_dir, resume=args.resume,
                      log_json=args.log_json, seed=args.seed, overrides=overrides, progress=progress)
-    if log["rank"] == 0:
-        print_summary(log)
-        if args.json:
-            _write_json(args.json, log)
-    shutdown()
-    return 0
+    return _report(log, args, print_summary)
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:

@@ -144,7 +144,6 @@ class PipelineModel(nn.Module):
         self._input_names = list(input_names)
         self.__dict__["_runner"] = _StageRunner(stage, first=info.index == 0,
                                                 loss_of=self._loss if info.is_last else None)
-        self.__dict__["_built"] = None
         self.__dict__["_schedules"] = {}   # (micro-batch rows, local input shapes) -> schedule
         self.schedule_stats: dict = {}
 
@@ -166,8 +165,8 @@ class PipelineModel(nn.Module):
     @track_memory.setter
     def track_memory(self, on: bool) -> None:
         self.__dict__["_track_memory"] = bool(on)
-        if self._built is not None:
-            self._built[1]._stage.track_memory = bool(on)
+        for schedule in self._schedules.values():
+            schedule._stage.track_memory = bool(on)
 
     def extra_repr(self) -> str:
         return (f"stage_index={self.stage_index}, num_stages={self.num_stages}, layers "
@@ -304,12 +303,8 @@ class PipelineModel(nn.Module):
 
     def _schedule(self, micro_batch: int, local: list[torch.Tensor]):
         key = (micro_batch, tuple(tuple(t.shape) for t in local))
-        if self._built is not None and self._built[0] == key:
-            return self._built[1]
-        if key in self._schedules:   # NOTE: another batch size seen before (a last, smaller batch; eval)
-            self.__dict__["_built"] = (key, self._schedules[key])
-            self._built[1]._stage.track_memory = self.track_memory
-            return self._built[1]
+        if key in self._schedules:   # NOTE: one per batch size seen (a last, smaller batch; eval)
+            return self._schedules[key]
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
         info, n = self.stage_info, self.stage_size
@@ -345,7 +340,6 @@ class PipelineModel(nn.Module):
         stage.param_storages = param_storages
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.plan.schedule]
         schedule = cls(stage, n_microbatches=m, loss_fn=self._scaled_loss, scale_grads=False)
-        self.__dict__["_built"] = (key, schedule)
         self._schedules[key] = schedule
         return schedule
 
