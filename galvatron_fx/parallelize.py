@@ -51,7 +51,7 @@ from .passes.token_loss import TokenLossPass
 from .plan import Plan
 from .runtime import reshard
 from .runtime.data_parallel import DEFAULT_BUCKET_BYTES
-from .runtime.groups import GROUPS, Layout
+from .runtime.groups import GROUPS, Layout, batch_layout
 from .runtime.module import DistributedModel
 from .runtime.pipeline import PipelineModel
 from .runtime.precision import precision_policy
@@ -128,14 +128,15 @@ def transform(gm: torch.fx.GraphModule, plan: Plan | None = None, loss_fn=None, 
     world = dist.get_world_size()
     plan.validate_for(world_size=world, fingerprint=info.fingerprint, layer_names=[rec.name for rec in info.layers])
     _check_pipeline(gm, plan, world)
-    _check_batch_coupling(gm, plan)
+    whole_batch = _check_batch_coupling(gm, plan)
     ctx = ParallelContext(plan, dist.get_rank(), world, method=info.method, global_batch=graph_batch_size(gm),
                           symbolic_batch=info.symbolic_batch,
                           bucket_bytes=bucket_bytes, loss_fn=loss_fn,
-                          precision=precision_policy(plan.precision, reduce_dtype), param_fqns=_param_fqns(gm))
+                          precision=precision_policy(plan.precision, reduce_dtype), param_fqns=_param_fqns(gm),
+                          whole_batch=whole_batch)
     # NOTE: dist.new_group is collective over the whole world: every rank creates every group any
     # rank needs (every stage's, and the p2p groups), in one sorted order, before a pass uses one.
-    GROUPS.ensure(_rank_sets(plan, world))
+    GROUPS.ensure(_rank_sets(plan, world, whole_batch))
     manager = PassManager(parallelize_passes(ctx, bind))
     model = manager(gm).graph_module
     model.passes = list(manager.ran)
@@ -177,20 +178,27 @@ def _check_pipeline(gm: torch.fx.GraphModule, plan: Plan, world: int) -> None:
                 "crosses stages whole, so the layers reading it need tp=1 (or put them in one stage)")
 
 
-def _check_batch_coupling(gm: torch.fx.GraphModule, plan: Plan) -> None:
-    """Refuse a plan that splits the batch where the model mixes its samples (in-batch similarity
-    matrices, batch norm in training mode): each share would compute something else than the
-    whole batch does (:func:`galvatron_fx.batch_symbol.coupling`)."""
-    for rec, lp in zip(gm.meta[META_KEY].layers, plan.layers):
-        if rec.batch_coupled and (lp.dp > 1 or plan.micro_batches > 1):
-            split = " x ".join(x for x in (f"dp={lp.dp}" if lp.dp > 1 else "",
-                                           f"micro_batches={plan.micro_batches}" if plan.micro_batches > 1 else "") if x)
-            raise ConfigError(f"layer {rec.name!r} mixes the samples of a batch: {rec.batch_coupled[0]}; the plan splits "
-                              f"its batch ({split}), which would change the result; give that layer the whole batch "
-                              "(dp=1: tp or pp over its devices, micro_batches=1) or let gfx.search choose (it does)")
+def _check_batch_coupling(gm: torch.fx.GraphModule, plan: Plan) -> frozenset:
+    """The layers that mix the samples of a batch (in-batch similarity matrices, batch norm in
+    training mode: :func:`galvatron_fx.batch_symbol.coupling`) and run split over DP ranks: they
+    compute on the all-gathered batch (:func:`~galvatron_fx.runtime.groups.batch_layout`), exact
+    with gradients. Refuses micro-batches there: each would compute something else than the whole
+    batch does, and no gather across micro-batches can undo it."""
+    whole = []
+    for i, (rec, lp) in enumerate(zip(gm.meta[META_KEY].layers, plan.layers)):
+        if not rec.batch_coupled:
+            continue
+        if plan.micro_batches > 1:
+            raise ConfigError(f"layer {rec.name!r} mixes the samples of a batch: {rec.batch_coupled[0]}; the plan cuts "
+                              f"the batch into micro_batches={plan.micro_batches}, which would change the result; use "
+                              "micro_batches=1 (DP ranks are fine: the layer all-gathers the batch) or let gfx.search "
+                              "choose (it does)")
+        if lp.dp > 1:
+            whole.append(i)
+    return frozenset(whole)
 
 
-def _rank_sets(plan: Plan, world: int) -> set:
+def _rank_sets(plan: Plan, world: int, whole_batch: frozenset = frozenset()) -> set:
     """Every rank set any rank's program communicates over (TP, DP, resharding and p2p groups)."""
     n = world // plan.pp
     sets: set = set()
@@ -198,6 +206,8 @@ def _rank_sets(plan: Plan, world: int) -> set:
         sets |= {tuple(j + s * n for s in range(plan.pp)) for j in range(n)}
     for s, (first, last) in enumerate(plan.stages):
         lays = [Layout(lp.tp, lp.dp, lp.sp, s * n) for lp in plan.layers[first:last + 1]]
+        lays += [batch_layout(lp.tp, lp.dp, lp.sp, s * n, whole_batch=True)
+                 for i, lp in enumerate(plan.layers[first:last + 1], first) if i in whole_batch]
         if plan.pp > 1:
             lays.append(Layout(1, n, False, s * n))
         sets |= reshard.rank_sets(lays, world)

@@ -20,7 +20,7 @@ import torch.fx
 from ..ir import StageInfo
 from ..plan import Plan
 from ..runtime.data_parallel import DEFAULT_BUCKET_BYTES
-from ..runtime.groups import Layout
+from ..runtime.groups import Layout, batch_layout
 from ..runtime.precision import Precision
 from .base import GraphPass, check
 from .split_layers import is_split
@@ -40,6 +40,7 @@ class ParallelContext:
     loss_fn: Any = None
     precision: Precision = field(default_factory=Precision)  # runtime/precision.py: the plan's policy
     param_fqns: list = field(default_factory=list)  # every parameter of the whole model, graph order
+    whole_batch: frozenset = frozenset()  # (global) layers mixing the samples of a batch (batch_symbol.coupling)
     # products
     token_loss: Any = None                       # token_loss: TokenLoss (count graph, scale buffer)
     stage_info: StageInfo | None = None          # stage_split
@@ -79,7 +80,19 @@ class ParallelContext:
                                    estimate=est)
 
     def layouts(self) -> list[Layout]:
-        """Layout of every layer of this rank's stage (stage-local layer order)."""
+        """Where every layer of this rank's stage holds its batched values (stage-local layer order;
+        :func:`~galvatron_fx.runtime.groups.batch_layout`: a layer mixing the samples of a batch
+        holds all of them)."""
+        return [batch_layout(lp.tp, lp.dp, lp.sp, self.base, whole_batch=self.holds_whole_batch(i))
+                for i, lp in enumerate(self.stage_plan.layers)]
+
+    def holds_whole_batch(self, i: int) -> bool:
+        """Whether stage-local layer ``i`` mixes the samples of a batch over DP ranks (``whole_batch``)."""
+        first = self.plan.stages[self.stage][0] if self.plan.pp > 1 else 0
+        return first + i in self.whole_batch
+
+    def tp_layouts(self) -> list[Layout]:
+        """Every layer's ``tp x dp`` layout as planned: its TP groups (stage-local layer order)."""
         return [Layout(lp.tp, lp.dp, lp.sp, self.base) for lp in self.stage_plan.layers]
 
     def boundary_layout(self) -> Layout:

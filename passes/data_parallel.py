@@ -8,7 +8,9 @@ and all-gathered around use (``"zero3"``); its frozen ones (``requires_grad=Fals
 buffer, ``frozen_params``, with no gradient, no reduction and no optimizer state: sharded and
 gathered around use under ZeRO-3, whole otherwise (ZeRO-2 shards only gradients and optimizer
 states, which they have none of); see :mod:`galvatron_fx.runtime.data_parallel`. The stores land
-in ``ctx.stores`` (layer order; per layer trainable first).
+in ``ctx.stores`` (layer order; per layer trainable first). A layer that mixes the samples of a
+batch computes on the whole batch on every DP rank (``ctx.whole_batch``): its store scales the
+gradients by ``1 / dp`` before they are summed over the group.
 Layers with ``sdp="none"`` of one DP group share DDP-style gradient buckets
 (:class:`~galvatron_fx.runtime.data_parallel.GradBuckets`, ``ctx.bucket_bytes`` each); ZeRO-2 and
 ZeRO-3 layers are chained for prefetch (:func:`link_prefetch`).
@@ -70,6 +72,8 @@ class DataParallelPass(ContextPass):
                 if store is None:
                     continue
                 store.layer, store.tp_ranks = i, lay.tp_ranks(ctx.rank)
+                if ctx.holds_whole_batch(i):   # every DP rank computes the whole batch's gradient
+                    store.grad_scale = 1.0 / lp.dp
                 if store.trainable and store.mode == "none" and store.dp > 1:
                     key = (store.dp_ranks, store.reduce_dtype)
                     store.buckets = buckets.setdefault(key, GradBuckets(store.dp_ranks, ctx.bucket_bytes))

@@ -57,8 +57,30 @@ class LocalBatchPass(ContextPass):
         local = [batch // (plan.micro_batches * lp.dp) for lp in plan.layers]
         if any(b != batch for b in local):
             _refuse_if_ambiguous(graph_module, batch)
+            _refuse_if_mixing(graph_module, batch, local)
         self.rewritten = localize_batch(graph_module, batch, local)
         return PassResult(graph_module, self.rewritten > 0)
+
+
+def _refuse_if_mixing(top: torch.fx.GraphModule, batch: int, local: list[int]) -> None:
+    """Refuse when a layer computes a ``[B, B]`` value (``B`` the captured batch: CLIP's similarity
+    logits, in-batch negatives): with a static batch the coupling cannot be told for
+    sure (:func:`galvatron_fx.batch_symbol.coupling` needs the symbol), and splitting such a value's
+    batch trains something else. Conservative: no input has another extent equal to ``B`` here
+    (:func:`_refuse_if_ambiguous` ran first)."""
+    for i, b in enumerate(local):
+        layer = getattr(top, layer_module_name(i), None)
+        if b == batch or layer is None:
+            continue
+        for n in layer.graph.nodes:
+            val = n.meta.get("val")
+            # NOTE: 2-D only: a [B, heads, S, S] attention score with heads == B mixes nothing
+            if n.op == "call_function" and isinstance(val, torch.Tensor) and list(val.shape) == [batch, batch]:
+                raise ConfigError(f"{n.name} gives a {list(val.shape)} value: the captured batch of {batch} on both dims, "
+                                  "so it may mix the samples of a batch (a similarity matrix), and this graph's batch is "
+                                  "static, so a plan that splits the batch cannot keep it exact; capture with "
+                                  "gfx.capture(method='dynamo') (a symbolic batch: such layers then all-gather it) or "
+                                  "use a plan with dp=1 and micro_batches=1 there")
 
 
 def _refuse_if_ambiguous(top: torch.fx.GraphModule, batch: int) -> None:
@@ -70,7 +92,7 @@ def _refuse_if_ambiguous(top: torch.fx.GraphModule, batch: int) -> None:
     if batch in extents:
         raise ConfigError(f"this graph bakes in its global batch of {batch}, which is also a length of its inputs "
                           "(e.g. the sequence), so a plan that splits the batch cannot tell their shape constants "
-                          "apart; capture it with gfx.capture (dynamo or export keep the batch symbolic) and "
+                          "apart; capture it with gfx.capture (dynamo or export keep the batch symbolic by default) and "
                           "gfx.transform, or use a global batch that differs from the inputs' other dimensions")
 
 

@@ -502,7 +502,7 @@ class TensorParallelPass(ContextPass):
         layer_tp = {i: (lp.tp, lp.sp) for i, lp in enumerate(ctx.stage_plan.layers) if lp.tp > 1}
         if not layer_tp:
             return PassResult(graph_module, False)
-        layouts, rank = ctx.layouts(), ctx.rank
+        layouts, rank = ctx.tp_layouts(), ctx.rank
         # NOTE: a loss_fn computes the loss from the outputs, so it gets whole logits
         gm = apply_tensor_parallel(fresh_copy(graph_module), layer_tp,
                                    tp_rank_of=lambda i: layouts[i].tp_index(rank),

@@ -41,7 +41,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _graph(blocks: int, tied: bool):
+def _graph(blocks, tied: bool):
+    if blocks == "clip":   # HF CLIP: its last layer mixes the samples of a batch ([B, B] logits)
+        pytest.importorskip("transformers")
+        from tests.test_symbolic_batch import _clip, _clip_batches
+
+        return gfx.capture(_clip(), (), kwargs=_clip_batches(1)[0], method="dynamo")
     model, args = gfx.models.build("gpt-tiny", device="meta", layers=blocks, hidden=64, heads=4, seq_len=32,
                                    vocab=128, batch=8, tie_embeddings=tied)
     return gfx.capture(model, args, method="fx")
@@ -75,6 +80,7 @@ def enumerate_space(gm, cluster, gbs: int, precision: str):
 
     def admits(i, s):
         return tp_ok(i, s.tp) and (not s.sp or sp_ok(i, s.tp))
+    coupled = {i for i, r in enumerate(cm.layers) if r.batch_coupled}   # whole batch: one micro-batch
     reads = [set(r.params) for r in cm.layers]
     tied = {i for i, r in enumerate(reads) if any(r & o for j, o in enumerate(reads) if j != i)}
     out, spaces = {}, {}
@@ -97,7 +103,7 @@ def enumerate_space(gm, cluster, gbs: int, precision: str):
             offered = [[admits(i, s) and useful(i, s.tp) for s in space] for i in range(L)]
             offered = [row if any(row) else [admits(i, s) for s in space] for i, row in enumerate(offered)]
             ok = [[offered[i][k] and (p == 1 or i not in tied or (s.tp == 1 and not (s.sdp == "zero3" and s.ckpt)))
-                   for k, s in enumerate(space)] for i in range(L)]
+                   and (m == 1 or i not in coupled) for k, s in enumerate(space)] for i in range(L)]
             allowed = [np.flatnonzero(row) for row in ok]
             if any(len(a) == 0 for a in allowed):
                 continue
@@ -182,6 +188,7 @@ SETUPS = [  # blocks, tied embeddings, cluster, global batch, precision (None: t
     (2, False, "2x4xA100-40GB", 8, None),
     (2, True, "2x4xA100-40GB", 16, "fp32"),
     (3, False, "4xA100-80GB", 4, "fp32"),
+    ("clip", False, "4xA100-80GB", 8, "fp32"),
 ]
 MATRIX = [  # NOTE: the slowest setups (CI time): 3 tied blocks on 4 devices took ~50 s alone
     (3, True, "4xA100-80GB", 8, None),

@@ -12,6 +12,8 @@ groups with lr 0.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -396,6 +398,32 @@ def _meta_run(rank, world, spec, pretrained):
     return out
 
 
+def _meta_compiled(rank, world, spec, pretrained):
+    import galvatron_fx as gfx
+
+    batches = loops.collate(3)
+    meta, _cfg = _meta_llama()
+    gm = gfx.capture(meta, (), kwargs={k: v.to("meta") for k, v in batches[0].items()}, method="dynamo")
+    plan = gfx.Plan.uniform(gm, world, global_batch_size=loops.B, **spec)
+    out = {}
+    for init in ("weights", pretrained):
+        model, _cfg = _meta_llama()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)     # over the meta parameters, as usual
+        compiled = torch.compile(model, backend="galvatron", options={"plan": plan, "init": init})
+        torch.manual_seed(7)
+        losses = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # "a training call returns the loss only"
+            for b in batches:
+                loss = compiled(**b).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        out[init == "weights" and "losses" or "pretrained_first"] = losses
+    return out
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("spec", [dict(dp=2, sdp="zero3"), dict(tp=2, dp=1)], ids=["zero3", "tp2"])
 def test_meta_device_model_initialises_and_loads_only_its_parts(tmp_path, spec):
@@ -421,6 +449,11 @@ def test_meta_device_model_initialises_and_loads_only_its_parts(tmp_path, spec):
     pre = tf.LlamaForCausalLM.from_pretrained(tmp_path / "pretrained")
     with torch.no_grad():
         want_eval = pre(**loops.collate(1)[0]).loss.item()
+    if spec.get("sdp") == "zero3":   # the torch.compile door: options={"init": "weights" | DIR}
+        first = tf.LlamaForCausalLM.from_pretrained(tmp_path / "pretrained")(**loops.collate(1)[0]).loss.item()
+        for r in run_distributed(_meta_compiled, 2, spec, str(tmp_path / "pretrained")):
+            assert loops.rel(r["losses"], losses) < 1e-4, (r["losses"], losses)
+            assert abs(r["pretrained_first"][0] - first) <= 1e-5 * first, (r["pretrained_first"], first)
     for r in run_distributed(_meta_run, 2, spec, str(tmp_path / "pretrained")):
         assert "init_weights()" in r["before"] and r["meta_params"]
         assert all(torch.equal(r["init"][k], v) for k, v in init.items())   # the same full weights

@@ -6,7 +6,7 @@ Registered through the ``torch_dynamo_backends`` entry point (setup.cfg), so no 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)     # built before compiling, as usual
     compiled = torch.compile(model, backend="galvatron", fullgraph=True, dynamic=False,
                              options={"memory_budget": "16GiB"})
-    for input_ids, labels in data:                           # the SAME global batch on every rank
+    for input_ids, labels in data:                           # the global batch (or this rank's shard)
         loss = compiled(input_ids, labels=labels).loss       # == single-device eager loss
         loss.backward()                                      # this rank's shards -> param.grad
         opt.step(); opt.zero_grad()
@@ -15,19 +15,28 @@ Options (``options={...}``, all optional): ``memory_budget`` (bytes or "16GiB"; 
 memory), ``cluster`` (preset name, cluster JSON path or :class:`Cluster`; default
 ``Cluster.preset("local")``, which profiles the live world), ``plan`` (a plan JSON path or
 :class:`Plan`: used as is, no search), ``global_batch_size`` (default: dim 0 of the first input;
-the model must be called with that batch), ``reserve`` (framework reserve per device for the
+the first call must carry that batch; later calls any batch the plan splits), ``reserve`` (framework reserve per device for the
 search, bytes or string), ``constraints`` (dict for :func:`galvatron_fx.search`), ``precision``
 (``"fp32"`` / ``"bf16-mixed"`` / ``"fp16-mixed"``: what the search prices and the program runs;
 default the plan's, else the cluster's; see :mod:`galvatron_fx.runtime.precision`),
 ``reduce_dtype`` (mixed precision: gradients reduced in ``"fp32"``, the default, or ``"bf16"`` /
-``"fp16"``).
+``"fp16"``), ``init`` (a model built on the meta device: ``"weights"`` initialises this rank's parts
+with the model's own initialiser, as ``dist_model.init_weights()``; a directory loads them from its
+``save_pretrained`` safetensors, as ``dist_model.load_pretrained(DIR)``; see
+:mod:`galvatron_fx.runtime.materialize`), ``measure`` (``K``: every rank times the ``K`` best plans by
+estimate and the baselines on the live world and runs the fastest: :mod:`galvatron_fx.selection`).
 
 What one compile does (:func:`galvatron_backend`):
 
-1. *Graph.* Dynamo hands the backend its graph with parameters and buffers as placeholders. Their
-   sources (``L['self']._modules['h']._modules['0']..._parameters['weight']``) give the fully
-   qualified names; the graph is normalised and grouped exactly like ``gfx.capture(method="dynamo")``
-   (so plans made by ``galvatron-fx plan`` match), with the scalar loss moved to output 0.
+1. *Graph.* Dynamo hands the backend its graph with parameters and buffers as placeholders, its
+   batch specialised to the call's. The backend captures the traced module again from the call's
+   own arguments, as ``gfx.capture(model, args, kwargs, method="dynamo")`` does, with a symbolic
+   batch (:func:`.graph.recaptured`; plans made by ``galvatron-fx plan`` match), and maps dynamo's
+   placeholders and outputs onto it (tensor identity, node names). Where that is not possible it
+   normalises dynamo's own graph: the placeholders' sources
+   (``L['self']._modules['h']._modules['0']..._parameters['weight']``) give the fully qualified
+   names, grouped exactly like ``gfx.capture(method="dynamo")``. Either way the scalar loss is
+   output 0.
 2. *Plan.* ``options["plan"]`` is loaded on every rank, else rank 0 searches and broadcasts the plan.
    Either way every rank all-gathers a digest of (plan, model fingerprint) and **all** ranks raise
    :class:`PlanMismatchError` before the first step if any differs.
@@ -55,8 +64,9 @@ would re-trace after step 4 changes parameter shapes (and the re-trace would fai
 so the backend removes the guards whose source is a parameter, buffer or input of the graph
 (``TracingContext`` guards, as dynamo itself does for synthetic locals), and the grad-mode
 (global state) and ``training``-flag guards, which the runtime reads at each call; it checks the
-inputs' shapes and dtypes itself and raises :class:`ConfigError` on a change (the distributed graphs
-are specialised to one global batch shape: use ``dynamic=False``, drop the last partial batch).
+inputs' shapes and dtypes itself: any batch the plan can split (a smaller last batch, this rank's
+shard) runs, and a change of another dim raises :class:`ConfigError` (so does any change when the
+program kept dynamo's static graph).
 Other guards (config flags, other module attributes, Python branches) stay. The program is
 captured once, in training mode; its dropout follows the call (:mod:`galvatron_fx.runtime.dropout`):
 on in a training call, off under ``model.eval()`` or ``torch.no_grad()`` (which run ``eval_step``).
@@ -95,7 +105,16 @@ import torch.fx
 from ..errors import ConfigError
 from .agreement import _agreed_plan
 from .binding import _remove_guards, _Runtime, distributed_model, full_state_dict
-from .graph import _batch_size, _classify_placeholders, _loss_output, _normalised_graph, traced_modules
+from .graph import (
+    Recaptured,
+    _batch_size,
+    _classify_placeholders,
+    _loss_output,
+    _normalised_graph,
+    _outputs,
+    recaptured,
+    traced_modules,
+)
 from .options import BackendOptions, stats
 
 __all__ = ["BackendOptions", "distributed_model", "full_state_dict", "galvatron_backend", "stats"]
@@ -114,9 +133,15 @@ def galvatron_backend(gm: torch.fx.GraphModule, example_inputs: list, options: d
         return gm.forward
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     loss_index = _loss_output(gm, out_node)
-    graph = _normalised_graph(gm, example_inputs, roles, loss_index)
-    data = [example_inputs[i] for i, r in enumerate(roles) if r.kind == "input"]
-    batch = _batch_size(data)
+    again = recaptured(example_inputs, roles, out_node, loss_index)
+    if again is None:   # dynamo's own graph, its batch static
+        graph = _normalised_graph(gm, example_inputs, roles, loss_index)
+        modules = traced_modules()
+        again = Recaptured(graph, modules[0] if modules else None, [i for i, r in enumerate(roles) if r.kind == "input"],
+                           [0 if k == loss_index else k + (k < loss_index) for k in range(len(_outputs(gm.graph)))],
+                           isinstance(out_node.args[0], (tuple, list)))
+    graph = again.graph
+    batch = _batch_size([example_inputs[i] for i in again.data_pos])
     if opts.global_batch_size is not None and opts.global_batch_size != batch:
         raise ConfigError(f"option global_batch_size={opts.global_batch_size} but the model was called with "
                           f"a batch of {batch}: call it with the whole global batch on every rank")
@@ -125,9 +150,12 @@ def galvatron_backend(gm: torch.fx.GraphModule, example_inputs: list, options: d
 
     params = {r.name: v for v, r in zip(example_inputs, roles) if r.kind == "param"}
     dm = transform(graph, plan=plan, bind=params, reduce_dtype=opts.reduce_dtype)
-    modules = traced_modules()
-    runtime = _Runtime(dm, plan, roles, example_inputs, out_node, loss_index,
-                       module=modules[0] if modules else None)
+    if opts.init is not None:   # a meta-device model: this rank's parts only (runtime/materialize.py)
+        if opts.init == "weights":
+            dm.init_weights(model=again.module)
+        else:
+            dm.load_pretrained(opts.init, model=again.module)
+    runtime = _Runtime(dm, roles, example_inputs, again)
     _remove_guards(gm, roles)
     return runtime
 

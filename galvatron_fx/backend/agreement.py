@@ -32,6 +32,8 @@ def _search(graph, opts: BackendOptions, batch: int, cluster):
     cost = {}
     if opts.reserve is not None:
         cost["reserve_bytes"] = opts.reserve
+    if opts.measure:
+        cost["measure"] = opts.measure   # collective: every rank times the candidates
     return search(graph, cluster, opts.memory_budget, batch, constraints=opts.constraints,
                   world_size=dist.get_world_size(), precision=opts.precision, **cost)
 
@@ -52,7 +54,10 @@ def _agreed_plan(graph, opts: BackendOptions, batch: int):
             plan = dataclasses.replace(plan, precision=opts.precision)
     else:
         cluster = resolve_cluster(opts.cluster)  # None: profiles the live world (collective on every rank)
-        plan = broadcast_plan(lambda: _search(graph, opts, batch, cluster))
+        if opts.measure:
+            plan = _search(graph, opts, batch, cluster)
+        else:
+            plan = broadcast_plan(lambda: _search(graph, opts, batch, cluster))
     digest = hashlib.sha256(json.dumps([plan.to_dict(), info.fingerprint], sort_keys=True,
                                        default=str).encode()).hexdigest()[:16]
     digests: list = [None] * dist.get_world_size()

@@ -22,7 +22,8 @@ import torch
 import torch.fx
 
 from ..errors import ConfigError
-from .graph import _Role
+from ..ir import META_KEY
+from .graph import Recaptured, _Role
 
 _RUNTIMES: dict[int, weakref.ref] = {}  # id(original Parameter) -> its _Runtime
 
@@ -47,17 +48,16 @@ class _RouteGrads(torch.autograd.Function):
 class _Runtime:
     """The callable the backend returns (see the package docstring, steps 4 and 5)."""
 
-    def __init__(self, dm, plan, roles, example_inputs, out_node, loss_index: int, module=None):
-        self.dm, self.plan, self.roles = dm, plan, roles
+    def __init__(self, dm, roles, example_inputs, graph: Recaptured):
+        self.dm, self.plan, self.roles = dm, dm.plan, roles
+        module = graph.module
         self.module = weakref.ref(module) if module is not None else None   # for its .training flag
-        self.warned = False
-        self.data_pos = [i for i, r in enumerate(roles) if r.kind == "input"]
+        self.warned = set()
+        self.data_pos = graph.data_pos     # the distributed program's inputs, as dynamo's placeholders
+        self.out_pos = graph.out_pos       # dynamo's outputs, as the program's (None: not an output of it)
+        self.symbolic = graph.graph.meta[META_KEY].symbolic_batch
         self.input_meta = [(tuple(example_inputs[i].shape), example_inputs[i].dtype) for i in self.data_pos]
-        outs = out_node.args[0]
-        self.tuple_out = isinstance(outs, (tuple, list))
-        outs = list(outs) if self.tuple_out else [outs]
-        self.out_meta = [_meta(o) for o in outs]
-        self.loss_index = loss_index
+        self.tuple_out = graph.tuple_out
         stage = getattr(dm, "stage", dm)
         stage.grads_after_step = False   # _RouteGrads hands them out in loss.backward()
         self.registry = stage.params     # by the bind_parameters pass (galvatron_fx/passes/bind_parameters.py)
@@ -71,14 +71,19 @@ class _Runtime:
         data = [args[i] for i in self.data_pos]
         size = self.dm.input_shard[1]
         for t, (shape, dtype), i in zip(data, self.input_meta, self.data_pos):
-            # NOTE: the whole global batch, or this rank's shard of it (dm.input_shard)
+            # NOTE: the whole global batch, or this rank's shard of it (dm.input_shard); any number
+            # of samples when the batch is symbolic (train_step names the sizes it can split)
             shard = shape[:1] and (shape[0] // size, *shape[1:])
-            if tuple(t.shape) not in (shape, shard) or t.dtype != dtype:
+            ok = tuple(t.shape[1:]) == shape[1:] if self.symbolic and shape else tuple(t.shape) in (shape, shard)
+            if not ok or t.dtype != dtype:
                 raise ConfigError(
                     f"galvatron: input {self.roles[i].name!r} is {tuple(t.shape)} {t.dtype}, but the model was "
-                    f"compiled for {shape} {dtype} (or this rank's shard, {shard}); the distributed program is "
-                    "specialised to one global batch shape: keep it fixed (drop the last partial batch) or "
-                    "compile a fresh model")
+                    + (f"compiled for [batch, {', '.join(map(str, shape[1:]))}] {dtype}; the distributed program is "
+                       "specialised to these other dims: keep them fixed (pad) or compile a fresh model"
+                       if self.symbolic and shape else
+                       f"compiled for {shape} {dtype} (or this rank's shard, {shard}); the distributed program "
+                       "is specialised to one global batch shape (dynamo's graph, kept because the model could "
+                       "not be captured with a symbolic batch): keep it fixed or compile a fresh model"))
         self.calls += 1
         module = self.module() if self.module is not None else None
         if not torch.is_grad_enabled() or (module is not None and not module.training):
@@ -86,25 +91,27 @@ class _Runtime:
         loss = self.dm.train_step(*data)
         params = [args[i] for i in self.param_pos]
         loss = _RouteGrads.apply(loss, self.registry, *params)
-        if len(self.out_meta) > 1 and not self.warned:
-            self.warned = True
-            warnings.warn("galvatron backend: a training call returns the loss only; the model's other "
-                          "outputs (logits, ...) are None (they are not materialised across ranks). Call "
-                          "the model under torch.no_grad() or model.eval() to get them", stacklevel=2)
-        outs = [loss if k == self.loss_index else None for k in range(len(self.out_meta))]
+        if len(self.out_pos) > 1:
+            self._warn_once("train", "a training call returns the loss only; the model's other outputs (logits, ...) "
+                            "are None (they are not materialised across ranks). Call the model under "
+                            "torch.no_grad() or model.eval() to get them")
+        outs = [loss if k == 0 else None for k in self.out_pos]
         return tuple(outs) if self.tuple_out else outs[0]
 
     def _evaluate(self, data):
         """Forward only: the loss and the real outputs, assembled across ranks (``eval_step``)."""
         loss, outs = self.dm.eval_step(*data, return_outputs=True)
-        others = iter(outs[1:] if isinstance(outs, tuple) else [None] * (len(self.out_meta) - 1))
-        result = [loss if k == self.loss_index else next(others) for k in range(len(self.out_meta))]
+        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        if None in self.out_pos:
+            self._warn_once("eval", f"{self.out_pos.count(None)} output(s) of torch.compile's graph (e.g. a KV cache "
+                            "object's tensors) are not outputs of the distributed program and are None")
+        result = [loss if k == 0 else None if k is None else outs[k] for k in self.out_pos]
         return tuple(result) if self.tuple_out else result[0]
 
-
-def _meta(node) -> tuple | None:
-    val = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
-    return (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else None
+    def _warn_once(self, key: str, msg: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            warnings.warn(f"galvatron backend: {msg}", stacklevel=3)
 
 
 def _remove_guards(gm: torch.fx.GraphModule, roles: list[_Role]) -> None:

@@ -5,11 +5,21 @@ all as placeholders); gives each placeholder's role and name (:func:`_classify_p
 index of the scalar loss output (:func:`_loss_output`), the graph in ``gfx.capture(method="dynamo")``'s
 normalised, layer-grouped form with the loss moved to output 0 (:func:`_normalised_graph`), and the
 global batch size of the inputs (:func:`_batch_size`).
+
+Dynamo hands the backend a graph specialised to the call's batch (``dynamic=False``, or a first
+call). :func:`recaptured` therefore captures the traced module again, from the call's own
+arguments, exactly as ``gfx.capture(model, args, kwargs, method="dynamo")`` does: with a symbolic
+batch (:mod:`galvatron_fx.batch_symbol`), so the program runs on shards, micro-batches and
+batches of any size, and the plan is the one ``galvatron-fx plan`` makes. Where that is not
+possible (the traced frame is not a module's forward; an input of the capture is not a graph
+input of dynamo's graph; the model specialises its batch) the backend keeps dynamo's static graph.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +28,7 @@ import torch.fx
 import torch.nn as nn
 
 from ..errors import ConfigError
-from ..ir import batch_size_of
+from ..ir import META_KEY, batch_size_of
 
 
 @dataclass
@@ -37,19 +47,127 @@ def _source_name(node: torch.fx.Node) -> str:
     return name() if callable(name) else str(name)
 
 
-def traced_modules() -> list[nn.Module]:
-    """The modules among the locals of the frame dynamo is tracing (``self`` of ``forward``)."""
+def _root_frame():
+    """The frame dynamo is tracing (its code and initial locals), or None outside a trace."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
-        tx = InstructionTranslator.current_tx()
-        local_vars = dict(getattr(tx, "f_locals", {}) or {})
+        return InstructionTranslator.current_tx()
     except Exception:  # noqa: BLE001 - private API; callers fall back to dynamo's sources
-        return []
+        return None
+
+
+def traced_modules() -> list[nn.Module]:
+    """The modules among the locals of the frame dynamo is tracing (``self`` of ``forward``)."""
+    tx = _root_frame()
+    local_vars = dict(getattr(tx, "f_locals", {}) or {})
     # NOTE: a decorated forward (``wrapper(*args, **kwargs)``) holds the module in ``args``
     found = [v for v in local_vars.values() if isinstance(v, nn.Module)]
     found += [x for v in local_vars.values() if isinstance(v, (tuple, list)) for x in v if isinstance(x, nn.Module)]
     return found
+
+
+def frame_call() -> tuple[nn.Module, tuple, dict] | None:
+    """``(module, args, kwargs)`` of the call dynamo is tracing: the arguments of its root frame
+    (a module's ``forward``, or a decorator's ``wrapper(self, *args, **kwargs)`` around it), read
+    from the frame's initial locals; None when its first argument is not a module."""
+    tx = _root_frame()
+    code, local_vars = getattr(tx, "f_code", None), dict(getattr(tx, "f_locals", {}) or {})
+    if code is None:
+        return None
+    names, n_pos, n_kw = code.co_varnames, code.co_argcount, code.co_kwonlyargcount
+    try:
+        positional = [local_vars[v] for v in names[:n_pos]]
+        k = n_pos + n_kw
+        if code.co_flags & inspect.CO_VARARGS:
+            positional += list(local_vars[names[k]])
+            k += 1
+        kwargs = {v: local_vars[v] for v in names[n_pos:n_pos + n_kw]}
+        if code.co_flags & inspect.CO_VARKEYWORDS:
+            kwargs.update(local_vars[names[k]])
+    except (KeyError, TypeError):
+        return None
+    if not positional or not isinstance(positional[0], nn.Module):
+        return None
+    return positional[0], tuple(positional[1:]), kwargs
+
+
+@dataclass
+class Recaptured:
+    """The module's graph captured with a symbolic batch, and how dynamo's graph maps onto it."""
+
+    graph: torch.fx.GraphModule
+    module: nn.Module
+    data_pos: list[int]           # per graph input: its placeholder index in dynamo's graph
+    out_pos: list[int | None]     # per output of dynamo's graph: its index in ``graph``'s outputs
+    tuple_out: bool = True        # dynamo's graph returns a tuple (else one bare value)
+
+
+def recaptured(example_inputs, roles: list[_Role], out_node: torch.fx.Node, loss_index: int) -> Recaptured | None:
+    """The traced module captured again with a symbolic batch (module docstring), or None."""
+    from ..frontend import capture, input_names
+
+    call = frame_call()
+    if call is None:
+        return None
+    module, args, kwargs = call
+    leaves, _spec, tensor_pos, _names = input_names(module, args, kwargs)
+    where = {id(v): i for i, (v, r) in enumerate(zip(example_inputs, roles)) if r.kind == "input"}
+    if any(id(leaves[p]) not in where for p in tensor_pos):
+        return None   # a tensor argument dynamo's graph does not take (unused, or read as a constant)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # a static fallback keeps dynamo's own graph instead
+        try:
+            graph = capture(module, args, kwargs, method="dynamo")
+        except Exception:  # noqa: BLE001 - dynamo's own graph traced: keep it
+            return None
+    if not graph.meta[META_KEY].symbolic_batch:
+        return None
+    outs = _outputs(graph.graph)
+    inner = {o.name: (k, _value_meta(o)) for k, o in enumerate(outs) if isinstance(o, torch.fx.Node)}
+    # NOTE: the same code traced twice names its nodes alike; the values must agree too
+    out_pos = [k if (k := inner.get(getattr(o, "name", None), (None, None))[0]) is not None
+               and inner[o.name][1] == _value_meta(o) else None for o in _outputs(out_node.graph)]
+    if out_pos[loss_index] is None:   # the loss: the capture's first scalar (its output may be renamed)
+        out_pos[loss_index] = next((k for k, o in enumerate(outs) if _is_loss(o)), None)
+    if out_pos[loss_index] is None:
+        return None
+    _loss_to_front(graph, out_pos[loss_index])
+    front = out_pos[loss_index]
+    out_pos = [None if k is None else 0 if k == front else k + (k < front) for k in out_pos]
+    return Recaptured(graph, module, [where[id(leaves[p])] for p in tensor_pos], out_pos,
+                      isinstance(out_node.args[0], (tuple, list)))
+
+
+def _is_loss(node) -> bool:
+    meta = _value_meta(node)
+    return meta is not None and meta[0] == () and meta[1].is_floating_point
+
+
+def _outputs(graph: torch.fx.Graph) -> list:
+    outs = next(n for n in graph.nodes if n.op == "output").args[0]
+    return list(outs) if isinstance(outs, (tuple, list)) else [outs]
+
+
+def _value_meta(node) -> tuple | None:
+    """(shape, dtype) of a node's example value, sizes as ints (the symbolic batch at its hint)."""
+    val = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    return tuple(optimization_hint(s, fallback=-1) for s in val.shape), val.dtype
+
+
+def _loss_to_front(gm: torch.fx.GraphModule, index: int) -> None:
+    """Move output ``index`` (the loss) to output 0, in place (train_step reads output 0)."""
+    if index == 0:
+        return
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = list(out.args[0])
+    outs.insert(0, outs.pop(index))
+    out.args = (tuple(outs),)
+    gm.recompile()
 
 
 def _traced_names() -> dict[int, str]:

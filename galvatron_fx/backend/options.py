@@ -28,6 +28,8 @@ class BackendOptions:
     constraints: dict | None = None
     precision: str | None = None      # "fp32" | "bf16-mixed" | "fp16-mixed"; default the plan's / cluster's
     reduce_dtype: str | None = None   # mixed precision: "fp32" (default) or the compute dtype
+    init: str | None = None           # a meta-device model: "weights" (its own initialiser) or a from_pretrained DIR
+    measure: int = 0                  # time the K best plans and the baselines on the live world (galvatron_fx/selection.py)
 
     @classmethod
     def parse(cls, options: dict | None) -> BackendOptions:

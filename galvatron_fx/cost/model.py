@@ -51,6 +51,7 @@ Scaling rules (per device, per micro-batch unless noted), from the fake-tensor m
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import asdict, dataclass
@@ -390,7 +391,10 @@ class CostModel:
     def layer_cost(self, index: int, strategy: Strategy, micro_batch_size: float) -> LayerCost:
         """Costs of layer ``index`` under ``strategy`` for a micro-batch of ``micro_batch_size`` samples."""
         s, m = strategy, self.measure(index)
-        n = micro_batch_size / s.dp
+        whole = s.dp > 1 and bool(self.layers[index].batch_coupled)
+        # NOTE: a layer mixing the samples of a batch computes on the whole micro-batch, replicated
+        # over its DP group (galvatron_fx/batch_symbol.py): activations and FLOPs of all its samples
+        n = micro_batch_size if whole else micro_batch_size / s.dp
         fwd, bwd = self._compute_times(index, n, s)
         st = self.states_bytes(index, s)
         p, t = self.layer_params(index, s.tp), self.layer_params(index, s.tp, trainable_only=True)
@@ -439,8 +443,17 @@ class CostModel:
             transient += recompute
         out = m.output_elems(n) * self.itemsize / (s.tp if s.sp else 1)
         overhead, optimizer = self._overheads(index, train_tp, s)
-        return LayerCost(fwd, bwd, self._tp_comm(m, n, s), sync, gather, st.params, st.grads, st.optimizer,
+        tp_comm = self._tp_comm(m, n, s) + (self._whole_batch_gathers(m, n, s) if whole else 0.0)
+        return LayerCost(fwd, bwd, tp_comm, sync, gather, st.params, st.grads, st.optimizer,
                          act, transient, out, st.masters, overhead, optimizer, exposed, regather, reduce_scatter)
+
+    def _whole_batch_gathers(self, m: LayerMeasure, n: float, s: Strategy) -> float:
+        """Seconds per micro-batch of ``n`` samples for a batch-coupled layer under ``s`` (dp > 1)
+        to all-gather its inputs over its DP group (forward) and its outputs' gradients (backward:
+        the layers after it hold slices)."""
+        whole = Strategy(s.tp * s.dp, 1)
+        nbytes = (m.input_elems(n) + m.output_elems(n)) * self.itemsize
+        return self._gather_time(nbytes, dataclasses.replace(s, sp=False), whole)
 
     def _model_grad_bytes(self) -> float:
         """Bytes of the whole model's gradients as DP reduces them (no TP): what the buckets hold."""

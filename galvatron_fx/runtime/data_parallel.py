@@ -156,6 +156,7 @@ class FlatParams(nn.Module):
         self._pending: list = []
         self.stale = False   # the optimizer may have updated the masters since the working copy was made
         self.last_micro_batch = True
+        self.grad_scale = 1.0   # 1 / dp for a layer whose every DP rank computes the whole batch
         # sdp="none", dp > 1: the DDP-style buckets shared with the other layers of this DP group
         # (GradBuckets); None: one all-reduce per layer (split in bucket_bytes pieces)
         self.buckets: GradBuckets | None = None
@@ -319,6 +320,8 @@ class FlatParams(nn.Module):
         and ZeRO-3 copy them into a reduce-scatter staging buffer every pass and accumulate shards,
         so no whole-buffer gradient outlives the pass (NOTE: accumulating whole-buffer gradients
         over micro-batches would hold ``P - S`` elements per layer the memory model does not)."""
+        if self.grad_scale != 1.0:   # a layer computing the whole batch on every DP rank (passes/data_parallel.py)
+            grads = tuple(None if g is None else g * self.grad_scale for g in grads)
         if self.mode in ("zero2", "zero3"):
             if self.mode == "zero3":
                 self.free_full()   # the layer's backward is done with its parameters

@@ -68,6 +68,15 @@ class Layout:
         return self.local(rank) % self.tp
 
 
+def batch_layout(tp: int, dp: int, sp: bool = False, base: int = 0, *, whole_batch: bool = False) -> Layout:
+    """Where a layer's batched values live: ``Layout(tp, dp, sp, base)``, or for a layer that mixes
+    the samples of a batch (``whole_batch``: :func:`galvatron_fx.batch_symbol.coupling`) every
+    sample on every rank of its ``tp * dp`` (``Layout(tp * dp, 1)``): it computes on the gathered
+    batch, replicated over its DP group, its parameters still sharded and reduced over that group
+    (each rank's gradient is the whole batch's: the store divides it by ``dp``)."""
+    return Layout(tp * dp, 1, sp, base) if whole_batch and dp > 1 else Layout(tp, dp, sp, base)
+
+
 class ProcessGroups:
     """One process group per distinct rank set, created collectively and cached.
 

@@ -17,6 +17,10 @@ refuses them until one of these fills them:
   safetensors (one file or an index of shards), each rank reading only the bytes of its pieces.
 * ``dist_model.load_state_dict(whole tensors)`` and ``gfx.checkpoint.load`` (sharded DCP) too.
 
+Under ``torch.compile(backend="galvatron")`` the option ``init`` runs the first two after the
+compile (``"weights"``, or a directory); the model's own parameters, bound to the program's
+buffers, get their values in place.
+
 Buffers (rotary frequencies, position ids) are small and whole: meta buffers of the model are
 materialised on the CPU (transformers' initialiser computes rotary ones), copied into the program,
 and any buffer still on the meta device afterwards is named in one error.
@@ -52,6 +56,9 @@ class _OneModuleAtATime:
 
     def __init__(self, model: nn.Module, registry):
         self.registry = registry
+        # NOTE: under torch.compile the model's own parameters are the registry's (bound in place:
+        # galvatron_fx/backend/binding.py), views of buffers with no values yet, not meta tensors
+        self.bound = {id(p) for p in registry.params.values()}
         self.names: dict[int, list[str]] = {}
         for fqn, p in model.named_parameters(remove_duplicate=False):
             self.names.setdefault(id(p), []).append(fqn)
@@ -66,11 +73,12 @@ class _OneModuleAtATime:
         opened = []
         for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
             for name, t in list(table.items()):
-                if t is None or t.device.type != "meta":
+                if t is None or (t.device.type != "meta" and id(t) not in self.bound):
                     continue
                 real = self.real.get(id(t))
                 if real is None:
-                    real = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                    shape = t._gfx.global_shape if id(t) in self.bound else t.shape
+                    real = torch.empty(tuple(shape), dtype=t.dtype, device="cpu")
                     if kind == "param":
                         real = nn.Parameter(real, requires_grad=t.requires_grad)
                     self.real[id(t)] = real
@@ -215,7 +223,8 @@ def check_materialized(stage) -> None:
     if not all(getattr(s, "initialized", True) for s in stage.stores):
         raise ConfigError("the model was captured on the meta device and its parameters have no values yet: call "
                           "dist_model.init_weights(), dist_model.load_pretrained(DIR), load_state_dict(...) or "
-                          "gfx.checkpoint.load(...) first")
+                          "gfx.checkpoint.load(...) first (torch.compile: options={'init': 'weights'} or "
+                          "{'init': DIR})")
     left = [f"{layer_name}.{name}" for layer_name, layer in stage.named_children()
             for name, buf in layer.named_buffers() if buf.device.type == "meta"]
     if left:

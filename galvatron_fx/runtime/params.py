@@ -178,6 +178,17 @@ class ShardedParameter(_Sharded, nn.Parameter):
         return nn.Parameter(self.to_local().clone(memory_format=torch.preserve_format), self.requires_grad)
 
 
+def _swap_contents(param: nn.Parameter, new: torch.Tensor) -> None:
+    """Give ``param`` (the user's, same Python object) the contents and class of ``new``:
+    :func:`torch.utils.swap_tensors` without its refusal of weak references (dynamo keeps some to
+    the parameters it traced; its guards on them are removed, galvatron_fx/backend/binding.py)."""
+    for name in ("__class__", "__dict__"):
+        old = getattr(param, name)
+        setattr(param, name, getattr(new, name))
+        setattr(new, name, old)
+    torch._C._swap_tensor_impl(param, new)
+
+
 class ShardedEntry(torch.Tensor):
     """A ``state_dict()`` entry: parameter ``p`` as a tensor of its *global* shape that holds this
     rank's pieces of it (what DTensor is in FSDP2's state dicts). It implements DCP's checkpointable
@@ -323,6 +334,8 @@ class ParamRegistry:
         """Expose ``spec``: a new :class:`ShardedParameter`, or ``param`` (the user's) turned into one."""
         if param is None:
             param = ShardedParameter(spec)
+        elif param.device != spec.local().device:   # a meta-device model: ``.data`` cannot change device
+            _swap_contents(param, ShardedParameter(spec))
         else:
             with torch.no_grad():
                 param.data = spec.local()

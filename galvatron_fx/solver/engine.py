@@ -137,7 +137,8 @@ class Engine:
         self.useful_tp = functools.lru_cache(maxsize=None)(useful_tp or (lambda layer, tp: True))
         self.allowed_sp = functools.lru_cache(maxsize=None)(allowed_sp or (lambda layer, tp: True))
         self.tied_layers = frozenset(tied_layers)
-        # NOTE: layers mixing the samples of a batch run on the whole batch: dp = 1, one micro-batch
+        # NOTE: layers mixing the samples of a batch run on the whole batch: one micro-batch (under
+        # dp > 1 replicated over the DP group, priced by the cost model)
         self.batch_coupled = frozenset(batch_coupled)
         self.tables = CachedCosts(costs, cluster, signatures)
         self.progress = progress or (lambda msg: None)
@@ -234,7 +235,7 @@ class Engine:
                 r = self.tables.rows(i, space, b)
                 # NOTE: (m + p - 1) * t_mb + sync is layer_step_time's arithmetic, element by element
                 by_sig[sig] = np.stack([(m + p - 1) * r[0] + r[1], r[2], r[3], r[4]])
-            only = np.array([s.dp == 1 and m == 1 for s in space]) if i in self.batch_coupled else None
+            only = np.full(len(space), m == 1) if i in self.batch_coupled else None
             ok = self._admissible(i, tps, sps, only)
             if p > 1 and i in self.tied_layers:
                 ok = ok & whole
@@ -247,7 +248,7 @@ class Engine:
         A degree that shards nothing only repeats the layer on every TP rank; it is offered only
         where nothing else is (a tp constraint) or every layer must share one strategy
         (``uniform_only``). ``only``: the strategies the layer may take at all (a layer mixing the
-        samples of a batch: dp = 1), applied first."""
+        samples of a batch: none under micro-batches), applied first."""
         key = (layer, tps.tobytes(), sps.tobytes(), None if only is None else only.tobytes())
         hit = self._adm.get(key)
         if hit is None:
@@ -285,9 +286,8 @@ class Engine:
             why = (f"layer {self.names[i]!r} admits none of the strategies on {self.N // p} devices "
                    f"(TP degrees {tps}")
             why += ", and a weight tied across stages needs tp=1)" if p > 1 and i in self.tied_layers else ")"
-            if i in self.batch_coupled:
-                why += (f"; it mixes the samples of a batch, so it needs them all: dp=1 (a TP degree of {self.N // p}"
-                        f" it admits) and one micro-batch (here {m})")
+            if i in self.batch_coupled and m > 1:
+                why += f"; it mixes the samples of a batch, so it needs them all: one micro-batch (here {m})"
             self._exclude(why)
             return None
         gid, layouts = layout_groups(space)
