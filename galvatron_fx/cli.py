@@ -205,10 +205,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--global-batch-size must be >= 1, got {args.global_batch_size}")
     if args.plan and not os.path.isfile(args.plan):
         raise ConfigError(f"--plan {args.plan!r}: no such file")
+    if args.measure < 0:
+        raise ConfigError(f"--measure must be >= 0, got {args.measure}")
     log = train(args.model, steps=args.steps, plan=args.plan, memory_budget=args.memory_budget,
                 global_batch_size=args.global_batch_size, cluster=args.cluster, reserve=args.reserve,
                 single_device=args.single_device, lr=args.lr, seed=args.seed,
-                overrides=parse_overrides(args.set), progress=progress, precision=args.precision)
+                overrides=parse_overrides(args.set), progress=progress, precision=args.precision,
+                measure=0 if args.plan else args.measure)
     return _report(log, args, print_log)
 
 
@@ -339,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-json", metavar="PATH", help="one JSON record per step: loss, grad_norm, lr, "
                    "tokens_per_s, mfu (--data; rank 0)")
     p.add_argument("--plan", metavar="PATH", help="plan JSON to run (default: search one at the first step)")
+    p.add_argument("--measure", type=int, default=4, metavar="K",
+                   help="without --plan: time the K best plans by estimate and the baselines on the live world "
+                        "for a few steps each and train the fastest (default 4; 0: the estimate's best)")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
     p.add_argument("--memory-budget", help="per-device budget for the search, e.g. 16GiB")
     p.add_argument("--global-batch-size", type=int, help="samples per step (zoo models: sets batch)")

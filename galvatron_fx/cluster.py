@@ -251,6 +251,7 @@ class Cluster:
     optimizer_s_per_byte: float = 0.0
     optimizer_overhead_s: float = 0.0
     checkpoint_op_s: float = 0.0
+    profile_spread: dict[str, float] = field(default_factory=dict)  # profiled: figure -> (max - min) / min over rounds
 
     def __post_init__(self) -> None:
         self.nodes = _count("nodes", self.nodes)

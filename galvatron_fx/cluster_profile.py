@@ -4,7 +4,9 @@
 rank of ``group``. It measures, in this order:
 
 0. the fixed costs of :data:`galvatron_fx.cluster.OVERHEAD_FIELDS` (:func:`measure_overheads`), on
-   every rank at once (so that ranks sharing a host contend as in training): a chain of tiny ops
+   every rank at once (so that ranks sharing a host contend as in training), in rounds until two
+   agree within 10 % (at most 5; each figure the minimum of its round medians, the spread over the
+   rounds recorded as the cluster's ``profile_spread``: :func:`stable_figures`): a chain of tiny ops
    forward and backward (per-op launch), a one-element all-reduce between stretches of compute
    (per-collective latency, rank skew included), a
    layer's autograd entry / exit Functions and parameter views (per layer), a micro-batch's slicing,
@@ -285,10 +287,11 @@ def profile(
         )
         say = _Reporter(progress)
         flops = _measure_compute(device, sides, repeats, say)
+        overheads, spread = _stable_overheads(device, None, repeats, say)
         return dict(
             memory_bytes=_device_memory(device, 1), peak_flops=flops, efficiency=1.0,
             intra_bandwidth=_UNMEASURED_BANDWIDTH, intra_latency=_UNMEASURED_LATENCY,
-            overlap_slowdown=1.0, name=f"local-1x{device.type}", **measure_overheads(device, None, repeats, say),
+            overlap_slowdown=1.0, name=f"local-1x{device.type}", profile_spread=spread, **overheads,
         )
 
     pg = group if group is not None else dist.group.WORLD
@@ -300,7 +303,7 @@ def profile(
     per_node = _layout(pg, world)
     nodes = world // per_node
 
-    overheads = measure_overheads(device, pg, repeats, say)
+    overheads, spread = _stable_overheads(device, pg, repeats, say)
     call = overheads["collective_latency_s"]
     fits: dict[str, dict[str, dict[str, float]]] = {kind: {} for kind in COLLECTIVES}
     group_sizes = [2**i for i in range(1, world.bit_length()) if 2**i <= world]
@@ -340,7 +343,8 @@ def profile(
 
     box = [None]
     if me_local == 0:
-        box[0] = {**_assemble(fits, inter_p2p, per_node, nodes, flops, overlap, device), **overheads}
+        box[0] = {**_assemble(fits, inter_p2p, per_node, nodes, flops, overlap, device), **overheads,
+                  "profile_spread": spread}
         say(f"done in {time.perf_counter() - say.start:.1f}s")
     dist.broadcast_object_list(box, src=ranks[0], group=pg)
     return box[0]
@@ -366,6 +370,27 @@ class _LayerEntry(torch.autograd.Function):
         return grad
 
 
+def stable_figures(measure_round: Callable[[], dict[str, float]], tol: float = 0.10, max_rounds: int = 5
+                   ) -> tuple[dict[str, float], dict[str, float]]:
+    """Repeat ``measure_round()`` (figures, each a median of its runs) until the last two rounds agree
+    within ``tol`` (relative) on every figure, or ``max_rounds``; returns each figure's minimum over
+    the rounds (the min of medians: interference only ever adds time) and its spread over the rounds,
+    ``(max - min) / min``, with ``"rounds"``. Deterministic in the figures, so ranks that measure the
+    same (all-reduced) figures stop together."""
+    rounds: list[dict[str, float]] = []
+    while len(rounds) < max(max_rounds, 2):
+        rounds.append(measure_round())
+        if len(rounds) >= 2 and all(_close(rounds[-1][k], rounds[-2][k], tol) for k in rounds[-1]):
+            break
+    best = {k: min(r[k] for r in rounds) for k in rounds[0]}
+    spread = {k: (max(r[k] for r in rounds) - best[k]) / best[k] if best[k] > 0 else 0.0 for k in best}
+    return best, {**spread, "rounds": float(len(rounds))}
+
+
+def _close(a: float, b: float, tol: float) -> bool:
+    return abs(a - b) <= tol * max(min(abs(a), abs(b)), 1e-30)
+
+
 def _median_time(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup``, device synchronised."""
     times = []
@@ -377,6 +402,16 @@ def _median_time(fn: Callable[[], object], device: torch.device, repeats: int, w
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _stable_overheads(device, pg, repeats: int, say) -> tuple[dict[str, float], dict[str, float]]:
+    """:func:`measure_overheads` in rounds until two agree within 10 % (:func:`stable_figures`)."""
+    best, spread = stable_figures(lambda: measure_overheads(device, pg, repeats))
+    if say is not None:
+        say(f"{'overheads':>14}: {int(spread['rounds'])} rounds, largest spread "
+            f"{max(v for k, v in spread.items() if k != 'rounds') * 100:.0f} %")
+        _say_overheads(best, say)
+    return best, spread
 
 
 def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Callable[[str], None] | None = None,
@@ -490,12 +525,16 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
         dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=pg)
         out = dict(zip(out, vals.tolist()))
     if say is not None:
-        say(f"{'overheads':>14}: op {out['op_launch_s'] * 1e6:.1f} + {out['op_launch_bwd_s'] * 1e6:.1f} us, "
-            f"collective {out['collective_latency_s'] * 1e6:.1f} us, layer {out['layer_overhead_s'] * 1e6:.1f} us, "
-            f"micro-batch {out['microbatch_overhead_s'] * 1e6:.1f} us, optimizer "
-            f"{out['optimizer_s_per_byte'] * 1e12:.1f} ps/byte + {out['optimizer_overhead_s'] * 1e6:.1f} us/tensor, "
-            f"checkpointing {out['checkpoint_op_s'] * 1e6:.1f} us/op")
+        _say_overheads(out, say)
     return out
+
+
+def _say_overheads(out: dict[str, float], say) -> None:
+    say(f"{'overheads':>14}: op {out['op_launch_s'] * 1e6:.1f} + {out['op_launch_bwd_s'] * 1e6:.1f} us, "
+        f"collective {out['collective_latency_s'] * 1e6:.1f} us, layer {out['layer_overhead_s'] * 1e6:.1f} us, "
+        f"micro-batch {out['microbatch_overhead_s'] * 1e6:.1f} us, optimizer "
+        f"{out['optimizer_s_per_byte'] * 1e12:.1f} ps/byte + {out['optimizer_overhead_s'] * 1e6:.1f} us/tensor, "
+        f"checkpointing {out['checkpoint_op_s'] * 1e6:.1f} us/op")
 
 
 def _measure_overlap(device, pg, nbytes, world, side, repeats, warmup, say) -> float:

@@ -205,7 +205,7 @@ def _engine(gm, cluster, world_size, budget, global_batch_size, constraints, cos
 def search(model, cluster=None, memory_budget=None, global_batch_size: int | None = None, *,
            example_inputs=None, constraints: dict | None = None, world_size: int | None = None,
            method: str = "dynamo", progress: bool | Callable[[str], None] = False, precision: str | None = None,
-           **cost_options) -> Plan:
+           measure: int = 0, measure_options: dict | None = None, **cost_options) -> Plan:
     """Search the best plan for ``model`` (a captured graph, or an ``nn.Module`` with
     ``example_inputs``, meta-device models welcome) on ``cluster`` under ``memory_budget`` bytes per
     device (default: the device memory). ``global_batch_size=None`` chooses it for throughput.
@@ -217,9 +217,21 @@ def search(model, cluster=None, memory_budget=None, global_batch_size: int | Non
     the whole space under the cost model (:mod:`galvatron_fx.solver.engine` states the space and the
     argument). Raises :class:`InfeasibleError` naming the least memory any plan needs when nothing
     fits, or the restriction that excluded every plan.
+
+    ``measure=K`` (collective: every rank calls it under torch.distributed) times the ``K`` best
+    distinct plans by estimate and the best plan of every baseline family on the live world and
+    returns the fastest measured (:mod:`galvatron_fx.selection`; ``measure_options``: its budget);
+    ``plan.extra["measured"]`` records every candidate's estimated and measured step.
     """
     cluster = resolve_cluster(cluster)
     gm = _as_graph(model, example_inputs, method)
+    if measure:
+        from .selection import measured_search
+
+        def search_fn(extra: dict) -> Plan:
+            return search(gm, cluster, memory_budget, global_batch_size, constraints={**(constraints or {}), **extra},
+                          world_size=world_size, progress=progress, precision=precision, **cost_options)
+        return measured_search(gm, search_fn, int(measure), cluster, constraints, measure_options)
     world = int(world_size or cluster.world_size)
     budget = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else cluster.device_memory
     if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
@@ -306,19 +318,24 @@ def baselines(gm: torch.fx.GraphModule, cluster=None, memory_budget=None, global
     world = int(world_size or cluster.world_size)
     out: dict[str, Any] = {}
     for name in names or list(BASELINES):
-        cons = {**BASELINES[name], **(constraints or {})}
-        if name == "tp":
-            cons["tp"] = min(world, getattr(cluster, "devices_per_node", world))
-        if name == "pp":
-            n_layers = len(gm.meta[META_KEY].layers)
-            pp = max(d for d in range(1, world + 1) if world % d == 0 and d <= n_layers)
-            cons["pp"] = pp
+        cons = {**baseline_constraints(name, gm, cluster, world), **(constraints or {})}
         try:
             out[name] = search(gm, cluster, memory_budget, global_batch_size, constraints=cons,
                                world_size=world, **cost_options).estimate
         except InfeasibleError:
             out[name] = "oom"
     return out
+
+
+def baseline_constraints(name: str, gm: torch.fx.GraphModule, cluster: Cluster, world: int) -> dict:
+    """The search constraints of baseline ``name`` for ``gm`` on ``world`` devices of ``cluster``."""
+    cons = dict(BASELINES[name])
+    if name == "tp":
+        cons["tp"] = min(world, getattr(cluster, "devices_per_node", world))
+    if name == "pp":
+        n_layers = len(gm.meta[META_KEY].layers)
+        cons["pp"] = max(d for d in range(1, world + 1) if world % d == 0 and d <= n_layers)
+    return cons
 
 
 def speedups(plan: Plan, base: dict[str, Any]) -> dict[str, float | None]:
@@ -354,9 +371,12 @@ def broadcast_plan(make_plan: Callable[[], Plan]) -> Plan:
 def search_on_rank0(gm: torch.fx.GraphModule, cluster=None, memory_budget=None,
                     global_batch_size: int | None = None, **kwargs) -> Plan:
     """:func:`search` for the live world on rank 0, the plan broadcast to every rank (collective).
-    ``cluster=None`` profiles the live world (collective on every rank too)."""
+    ``cluster=None`` profiles the live world (collective on every rank too). With ``measure=K`` every
+    rank searches along (the candidates come from rank 0) and times the candidates."""
     import torch.distributed as dist
 
     cluster = resolve_cluster(cluster)
+    if kwargs.get("measure"):
+        return search(gm, cluster, memory_budget, global_batch_size, world_size=dist.get_world_size(), **kwargs)
     return broadcast_plan(lambda: search(gm, cluster, memory_budget, global_batch_size,
                                          world_size=dist.get_world_size(), **kwargs))

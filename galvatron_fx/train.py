@@ -6,7 +6,8 @@ fullgraph=True, dynamic=False, options=...)`` and trains ``--steps`` steps on sy
 model's example inputs re-sampled per step from a seeded generator (the same global batch on every
 rank). Logs per step: loss, step time (seconds), samples/s, and per rank the measured state bytes
 (parameters + gradients + optimizer states of the DistributedModel) and peak memory (CUDA
-``max_memory_allocated`` or the process's peak RSS, bytes). ``--single-device`` trains the same
+``max_memory_allocated`` or the process's peak RSS, bytes); the log holds the plan run (``plan``;
+with ``measure=K`` its ``extra["measured"]`` lists the candidates timed before step 1). ``--single-device`` trains the same
 model eagerly in one process (the reference). ``--json`` writes the log (rank 0).
 """
 
@@ -73,7 +74,7 @@ def _peak_bytes(device: torch.device) -> int:
 def train(model_spec: str, *, steps: int = 10, plan: str | None = None, memory_budget=None,
           global_batch_size: int | None = None, cluster=None, reserve=None, single_device: bool = False,
           lr: float = 1e-3, seed: int = 0, overrides: dict | None = None, progress=None,
-          precision: str | None = None) -> dict:
+          precision: str | None = None, measure: int = 0) -> dict:
     """Train and return the log ``{"mode", "world_size", "steps": [...], "summary": {...}}``.
 
     ``precision`` (``"fp32"`` / ``"bf16-mixed"`` / ``"fp16-mixed"``; default the plan's, else the
@@ -102,7 +103,8 @@ def train(model_spec: str, *, steps: int = 10, plan: str | None = None, memory_b
     step_fn = model
     if not single_device:
         options = {k: v for k, v in {"plan": plan, "memory_budget": memory_budget, "cluster": cluster,
-                                     "reserve": reserve, "precision": precision}.items() if v is not None}
+                                     "reserve": reserve, "precision": precision,
+                                     "measure": measure or None}.items() if v is not None}
         step_fn = torch.compile(model, backend="galvatron", fullgraph=True, dynamic=False, options=options)
     batch = next(int(t.shape[0]) for t in example if isinstance(t, torch.Tensor) and t.dim() >= 1)
     rows = []
@@ -126,8 +128,14 @@ def train(model_spec: str, *, steps: int = 10, plan: str | None = None, memory_b
     summary = {"samples_per_s": sum(r["samples_per_s"] for r in timed) / len(timed),
                "step_time_s": sum(r["step_time_s"] for r in timed) / len(timed),
                "first_step_s": rows[0]["step_time_s"] if rows else 0.0, "global_batch_size": batch}
-    return {"model": model_spec, "mode": "single-device" if single_device else "galvatron",
-            "world_size": world, "rank": rank, "steps": rows, "memory": memory, "summary": summary}
+    log = {"model": model_spec, "mode": "single-device" if single_device else "galvatron",
+           "world_size": world, "rank": rank, "steps": rows, "memory": memory, "summary": summary}
+    if not single_device:
+        from .backend import distributed_model
+
+        dm = distributed_model(model)
+        log["plan"] = dm.plan.to_dict() if dm is not None else None   # the plan run (measured candidates in extra)
+    return log
 
 
 def _reference_autocast(device: torch.device, precision: str | None):
@@ -163,3 +171,10 @@ def print_log(log: dict, out=sys.stdout) -> None:
     for m in log["memory"]:
         st = "-" if m["states_bytes"] is None else f"{m['states_bytes'] / 2**20:.2f} MiB"
         print(f"  rank {m['rank']}: states {st}, peak {m['peak_bytes'] / 2**20:.1f} MiB", file=out)
+    extra = log.get("plan") or {}   # Plan.to_dict: the extra keys at the top level
+    if extra.get("measured"):
+        print(f"  measured before step 1 ({extra['measure']['seconds']:.1f} s), chose {extra['chosen']!r}:", file=out)
+        for r in extra["measured"]:
+            got = "-" if r["measured_step_s"] is None else f"{r['measured_step_s'] * 1e3:.1f} ms"
+            print(f"    {r['name']:<18} est. {r['estimated_step_s'] * 1e3:7.1f} ms  measured {got:>9}  {r['label']}",
+                  file=out)

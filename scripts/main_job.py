@@ -1,11 +1,14 @@
 """README main job: profile the local 2-rank CPU cluster, plan gpt-tiny under a budget pure DP does
-not fit (0.7 x DP's estimated memory), train 20 steps with that plan on 2 gloo ranks and on one
-device (a learnable synthetic task: the loss falls), print the losses side by side, and the
-searched plan's measured samples/s and step time beside its estimate and beside the best baseline
-that fits (trained too). Measured figures are medians over steps 2..N; when the searched plan and
-the baseline come within 10 % of each other, both run twice more, alternating, and the medians of
-the 3 runs count (``--once``: never; the test suite's setting, which checks training, not speed).
-Run from the repository root: ``python scripts/main_job.py [DIR] [--once]``."""
+not fit (0.7 x DP's estimated memory) and train it 20 steps on 2 gloo ranks, and on one device (a
+learnable synthetic task: the loss falls); print the losses side by side, and the searched plan's
+measured samples/s and step time beside its estimate and beside the best baseline that fits
+(trained too). The searched plan is what ``galvatron-fx train --measure 4`` chooses: the search's
+4 best plans by estimate and the baselines timed for a few steps on the live ranks, the fastest
+trained (galvatron_fx/selection.py; its candidates and the seconds it took are printed). Measured
+figures are medians over steps 2..N; when the searched plan and the baseline come within 10 % of
+each other, both run twice more (with the chosen plan's JSON), alternating, and the medians of the
+3 runs count (``--once``: never; the test suite's setting, which checks training, not speed). Run
+from the repository root: ``python scripts/main_job.py [DIR] [--once]``."""
 
 from __future__ import annotations
 
@@ -44,11 +47,6 @@ def main(out: str = "main_job", *flags: str) -> None:
     gm = gfx.capture(model, args, method="dynamo")
     dp = gfx.baselines(gm, cluster, None, BATCH, names=["dp"], reserve_bytes=0)["dp"]
     budget = int(0.7 * max(dp["memory_bytes_per_device"]))
-    # NOTE: planned in-process on a CPU-built model captured by dynamo (the graph the backend sees);
-    # `galvatron-fx plan` builds on the meta device, where dynamo capture of gpt-tiny fails today.
-    plan = gfx.search(gm, cluster, budget, BATCH, reserve_bytes=0)
-    plan.save(p("plan.json"))
-    print(plan.explain())
     base = gfx.baselines(gm, cluster, budget, BATCH, reserve_bytes=0)
     for name, est in base.items():
         print(f"  baseline {name:<6} " + ("oom" if est == "oom" else f"{est['throughput_samples_s']:.2f} samples/s (est.)"))
@@ -56,7 +54,7 @@ def main(out: str = "main_job", *flags: str) -> None:
     best = max(fits, key=lambda k: fits[k]["throughput_samples_s"]) if fits else None
     if best:
         gfx.search(gm, cluster, budget, BATCH, constraints=BASELINES[best], reserve_bytes=0).save(p("baseline.json"))
-    plans = {"searched": gfx.Plan.load(p("plan.json"))}
+    plans = {"searched": None}
     if best:
         plans[f"baseline {best}"] = gfx.Plan.load(p("baseline.json"))
     files = {"searched": "plan.json", f"baseline {best}": "baseline.json"}
@@ -64,15 +62,30 @@ def main(out: str = "main_job", *flags: str) -> None:
 
     def train(name: str, k: int) -> None:
         log = p(f"{files[name]}.{k}.log")
-        run(TORCHRUN + CLI + ["train", *MODEL, "--steps", str(STEPS), "--global-batch-size", str(BATCH),
-                              "--plan", p(files[name]), "--json", log])
+        how = ["--plan", p(files[name])]
+        if plans[name] is None:   # the first run of the searched plan: search and measure on the ranks
+            how = ["--cluster", p("cluster.json"), "--memory-budget", str(budget), "--reserve", "0", "--measure", "4"]
+        run(TORCHRUN + CLI + ["train", *MODEL, "--steps", str(STEPS), "--global-batch-size", str(BATCH), *how,
+                              "--json", log])
         with open(log) as fh:
             data = json.load(fh)
+        if plans[name] is None:
+            plans[name] = gfx.Plan.from_dict(data["plan"])
+            plans[name].save(p(files[name]))
         logs.setdefault(name, data)
         runs[name].append(statistics.median(r["step_time_s"] for r in data["steps"][1:]))
 
     for name in plans:
         train(name, 0)
+    searched = plans["searched"]
+    print(searched.explain())
+    measure = searched.extra.get("measure", {})
+    print(f"\nmeasured selection ({measure.get('timed')} of {measure.get('candidates')} candidates timed, "
+          f"{measure.get('seconds', 0.0):.1f} s = {100 * measure.get('seconds', 0.0) / sum(r['step_time_s'] for r in logs['searched']['steps']):.0f} % "
+          f"of the {STEPS}-step run), chose {searched.extra.get('chosen')!r}:")
+    for r in searched.extra.get("measured", []):
+        got = "-" if r["measured_step_s"] is None else f"{r['measured_step_s'] * 1e3:.1f}"
+        print(f"  {r['name']:<18} est. {r['estimated_step_s'] * 1e3:6.1f} ms  measured {got:>6} ms  {r['label']}")
     if len(plans) == 2:
         a, b = (statistics.median(v) for v in runs.values())
         if abs(a / b - 1) < 0.1 and "--once" not in flags:  # close: medians of 3 runs, alternating

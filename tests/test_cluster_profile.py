@@ -9,7 +9,7 @@ import torch
 
 from galvatron_fx import distributed as gdist
 from galvatron_fx.cluster import COLLECTIVES, Cluster
-from galvatron_fx.cluster_profile import fit_link
+from galvatron_fx.cluster_profile import fit_link, stable_figures
 from galvatron_fx.errors import ConfigError
 from tests.dist_utils import DistributedTestError, run_distributed
 
@@ -38,6 +38,25 @@ def test_fit_link_survives_noise():
     assert fit["bandwidth"] > 0 and fit["latency"] > 0
     with pytest.raises(ValueError):
         fit_link("all_reduce", 2, [1e3], [1e-3])
+
+
+def test_stable_figures_repeat_until_two_rounds_agree():
+    # synthetic rounds: interference inflates the first two (+60 %, +25 %), then the figures settle
+    # within 3 %: two agreeing rounds stop it; each figure is its minimum; the spread is recorded
+    rounds = iter([{"op": 1.6e-6, "call": 50e-6}, {"op": 1.25e-6, "call": 40e-6}, {"op": 1.02e-6, "call": 31e-6},
+                   {"op": 1.0e-6, "call": 30e-6}, {"op": 9.0e-6, "call": 1.0}])
+    best, spread = stable_figures(lambda: next(rounds), tol=0.10)
+    assert best == {"op": 1.0e-6, "call": 30e-6}
+    assert spread["rounds"] == 4 and spread["op"] == pytest.approx(0.6) and spread["call"] == pytest.approx(2 / 3)
+    # never agreeing: at most max_rounds; two back-to-back stable profiles of noisy rounds agree within 10 %
+    noisy = iter([{"x": 1.0 + 0.5 * (k % 2)} for k in range(10)])
+    best, spread = stable_figures(lambda: next(noisy), tol=0.10, max_rounds=5)
+    assert spread["rounds"] == 5 and best["x"] == 1.0
+    import random
+
+    rng = random.Random(0)
+    runs = [stable_figures(lambda: {"x": 1e-5 * (1 + 0.3 * rng.random() ** 4)})[0]["x"] for _ in range(2)]
+    assert abs(runs[0] - runs[1]) <= 0.10 * min(runs)
 
 
 def test_device_and_backend_from_environment(monkeypatch):

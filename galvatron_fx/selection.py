@@ -1,0 +1,217 @@
+"""Measured final selection: the plan a user gets is the fastest of a few, timed on the live world.
+
+``gfx.search(..., measure=K)`` (collective: every rank calls it under torch.distributed):
+
+1. *Candidates* (rank 0, :func:`candidates`, broadcast): the searched best plan; the best plan of
+   every other pipeline degree and the best uniform plan; of these the ``K`` best distinct plans by
+   estimate; plus the best plan of every baseline family that fits (:data:`planner.BASELINES`, the
+   ones ``galvatron-fx plan --baselines`` prints), duplicates dropped.
+2. *Measurement* (every rank, :func:`measure_plans`): one candidate at a time (one program in memory
+   at a time), ``gfx.transform`` builds it, then ``warmup`` + ``steps`` training steps
+   (``train_step`` and an AdamW step) run on a synthetic batch in the graph inputs' shapes (integer
+   inputs 1, floats N(0, 1)). A candidate's time is the median over its timed steps of the slowest
+   rank's step. A second round, in reverse order, times again the candidates within ``close``
+   (10 %) of the fastest; each counts with the median of its rounds. No new candidate starts after
+   ``seconds``.
+3. The fastest measured candidate is returned, with ``plan.extra["measured"]``: per candidate its
+   name, label, estimated and measured step (seconds) and rounds, and ``plan.extra["measure"]``:
+   the budget used (candidates, steps, seconds).
+
+Budget: ``(warmup + steps)`` steps per candidate and round, plus one transform each. The number of
+candidates is at most ``K`` plus the baseline families (8), and usually fewer (baselines coincide
+on small worlds); the time grows with the model's step time, not with the search space.
+Meta-device models have no values to time: the search warns and returns the estimate's best.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import statistics
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConfigError, GalvatronError, InfeasibleError
+from .ir import META_KEY, graph_batch_size
+from .plan import Plan
+
+DEFAULTS = {"warmup": 1, "steps": 3, "close": 0.10, "seconds": 120.0}
+"""Measurement options (``measure_options={...}``): warm-up and timed steps per candidate and round,
+the relative gap under which a candidate is timed again, and the time after which no new candidate
+starts (seconds)."""
+
+
+def label(plan: Plan) -> str:
+    """A short description: ``pp2 m2 1f1b | tp1, tp2 zero3 ckpt``."""
+    kinds = sorted({f"tp{lp.tp}·dp{lp.dp}" + (f" {lp.sdp}" if lp.sdp != "none" else "") + (" ckpt" if lp.ckpt else "")
+                    + (" sp" if lp.sp else "") for lp in plan.layers})
+    return f"pp{plan.pp} m{plan.micro_batches} {plan.schedule} | " + ", ".join(kinds)
+
+
+def _key(plan: Plan) -> tuple:
+    return (plan.pp, plan.micro_batches, plan.schedule if plan.pp > 1 else "", tuple(map(tuple, plan.stages)),
+            tuple((lp.tp, lp.dp, lp.sdp, lp.sp, lp.ckpt) for lp in plan.layers))
+
+
+def candidates(search, best: Plan, k: int, gm: torch.fx.GraphModule, cluster, world: int,
+               constraints: dict | None) -> list[tuple[str, Plan]]:
+    """``(name, plan)`` to measure (module docstring, step 1). ``search(constraints)`` runs the
+    planner's search with the user's constraints updated by ``constraints``; ``best`` is its result
+    unconstrained."""
+    from .planner import BASELINES, baseline_constraints
+
+    n_layers = len(gm.meta[META_KEY].layers)
+    pool = [("searched", best)]
+    variants = [({"pp": p}, f"best pp{p}") for p in range(1, world + 1)
+                if world % p == 0 and p <= n_layers and p != best.pp]
+    variants.append(({"uniform": True}, "best uniform"))
+    for extra, name in variants:
+        try:
+            pool.append((name, search(extra)))
+        except InfeasibleError:
+            pass
+    pool.sort(key=lambda np_: -np_[1].estimate["throughput_samples_s"])
+    out, seen = [], set()
+    for name, plan in pool:
+        if _key(plan) not in seen and len(out) < max(k, 1):
+            seen.add(_key(plan))
+            out.append((name, plan))
+    for name in BASELINES:
+        try:
+            plan = search({**baseline_constraints(name, gm, cluster, world), **(constraints or {})})
+        except (InfeasibleError, ConfigError):
+            continue
+        if _key(plan) not in seen:
+            seen.add(_key(plan))
+            out.append((f"baseline {name}", plan))
+    return out
+
+
+def synthetic_inputs(gm: torch.fx.GraphModule, batch: int, device: torch.device) -> list[torch.Tensor]:
+    """The graph's inputs in their captured shapes (dim 0 of batched inputs ``batch`` when the
+    graph's batch is symbolic): integers 1 (valid token ids, masks that attend), floats N(0, 1)."""
+    info = gm.meta[META_KEY]
+    captured = graph_batch_size(gm)
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        val = n.meta.get("val")
+        shape = list(val.shape)
+        if info.symbolic_batch and shape and (captured is None or shape[0] == captured):
+            shape[0] = batch
+        if val.is_floating_point():
+            out.append(torch.randn(shape, dtype=val.dtype, device=device))
+        else:
+            out.append(torch.ones(shape, dtype=val.dtype, device=device))
+    return out
+
+
+def _time_steps(dm, inputs, warmup: int, steps: int, device) -> float:
+    """Median seconds of ``steps`` training steps (after ``warmup``) of the slowest rank."""
+    from .distributed import synchronize
+
+    opt = torch.optim.AdamW([p for p in dm.parameters() if p.requires_grad], lr=1e-6)
+    times = []
+    for i in range(warmup + steps):
+        synchronize(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        dm.train_step(*inputs)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest)
+
+
+def measure_plans(gm: torch.fx.GraphModule, cands: list[tuple[str, Plan]], options: dict | None = None
+                  ) -> tuple[Plan, list[dict]]:
+    """Time every candidate on the live world (module docstring, step 2; collective); returns the
+    fastest measured plan and one record per candidate."""
+    from .distributed import pick_device
+    from .parallelize import transform
+
+    opts = {**DEFAULTS, **(options or {})}
+    unknown = sorted(set(opts) - set(DEFAULTS))
+    if unknown:
+        raise ConfigError(f"unknown measure option(s) {unknown}; known: {', '.join(DEFAULTS)}")
+    device = pick_device()
+    runs: dict[int, list[float]] = {i: [] for i in range(len(cands))}
+    start = time.perf_counter()
+
+    def run(i: int) -> None:
+        plan = cands[i][1]
+        dm = transform(gm, plan=plan)
+        inputs = synthetic_inputs(gm, plan.global_batch_size, device)
+        runs[i].append(_time_steps(dm, inputs, int(opts["warmup"]), int(opts["steps"]), device))
+        del dm
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    for i in range(len(cands)):
+        if i and _elapsed(start) > opts["seconds"]:
+            break
+        run(i)
+    timed = {i: statistics.median(v) for i, v in runs.items() if v}
+    fastest = min(timed.values())
+    for i in sorted(timed, reverse=True):
+        if timed[i] <= fastest * (1 + opts["close"]) and len(timed) > 1:
+            run(i)
+    records = []
+    for i, (name, plan) in enumerate(cands):
+        est = plan.estimate.get("step_time_s")
+        step = statistics.median(runs[i]) if runs[i] else None
+        records.append({"name": name, "label": label(plan), "estimated_step_s": est, "measured_step_s": step,
+                        "rounds": len(runs[i])})
+    win = min((i for i in range(len(cands)) if runs[i]), key=lambda i: statistics.median(runs[i]))
+    plan = dataclasses.replace(cands[win][1])
+    plan.extra = {**cands[win][1].extra, "measured": records, "chosen": cands[win][0],
+                  "measure": {"candidates": len(cands), "timed": sum(1 for v in runs.values() if v),
+                              "steps_per_round": int(opts["warmup"]) + int(opts["steps"]),
+                              "seconds": round(_elapsed(start), 3)}}
+    return plan, records
+
+
+def _elapsed(start: float) -> float:
+    """Seconds since ``start``, agreed on every rank (rank 0's), so every rank stops alike."""
+    t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.broadcast(t, src=0)
+    return float(t)
+
+
+def measured_search(gm: torch.fx.GraphModule, search_fn, k: int, cluster, constraints: dict | None,
+                    options: dict | None = None) -> Plan:
+    """``search_fn(extra_constraints)`` on rank 0 for the candidates, broadcast, then measured on
+    every rank (collective); see the module docstring."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("search(measure=K) times candidate plans on the live world: run it under torchrun "
+                          "(torch.distributed initialised) on every rank, or use measure=0")
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            best = search_fn({})
+            box[0] = ("ok", [(n, p.to_dict()) for n, p in
+                             candidates(search_fn, best, k, gm, cluster, dist.get_world_size(), constraints)])
+        except GalvatronError as exc:
+            box[0] = ("error", f"{type(exc).__name__}: {exc}")
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status != "ok":
+        raise ConfigError(f"the plan search on rank 0 failed: {value}")
+    cands = [(n, Plan.from_dict(d)) for n, d in value]
+    if any(p.is_meta for p in gm.parameters()):
+        warnings.warn("search(measure=K): the model is on the meta device, so no plan can be timed; returning "
+                      "the cost model's best", stacklevel=3)
+        return cands[0][1]
+    plan, _records = measure_plans(gm, cands, options)
+    return plan
+
