@@ -353,19 +353,25 @@ def broadcast_plan(make_plan: Callable[[], Plan]) -> Plan:
     """``make_plan()`` on rank 0 of the live torch.distributed world, its plan broadcast to every
     rank (collective: call it on all ranks). A :class:`GalvatronError` on rank 0 is raised on every
     rank as :class:`ConfigError` naming it."""
+    return Plan.from_dict(on_rank0(lambda: make_plan().to_dict()))
+
+
+def on_rank0(make: Callable[[], Any]) -> Any:
+    """``make()`` on rank 0, its (picklable) result broadcast to every rank (collective). A
+    :class:`GalvatronError` on rank 0 is raised on every rank as :class:`ConfigError` naming it."""
     import torch.distributed as dist
 
     box: list = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = ("ok", make_plan().to_dict())
+            box[0] = ("ok", make())
         except GalvatronError as exc:
             box[0] = ("error", f"{type(exc).__name__}: {exc}")
     dist.broadcast_object_list(box, src=0)
     status, value = box[0]
     if status != "ok":
         raise ConfigError(f"the plan search on rank 0 failed: {value}")
-    return Plan.from_dict(value)
+    return value
 
 
 def search_on_rank0(gm: torch.fx.GraphModule, cluster=None, memory_budget=None,

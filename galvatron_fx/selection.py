@@ -30,12 +30,11 @@ import gc
 import statistics
 import time
 import warnings
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError, GalvatronError, InfeasibleError
+from .errors import ConfigError, InfeasibleError
 from .ir import META_KEY, graph_batch_size
 from .plan import Plan
 
@@ -195,18 +194,10 @@ def measured_search(gm: torch.fx.GraphModule, search_fn, k: int, cluster, constr
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("search(measure=K) times candidate plans on the live world: run it under torchrun "
                           "(torch.distributed initialised) on every rank, or use measure=0")
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            best = search_fn({})
-            box[0] = ("ok", [(n, p.to_dict()) for n, p in
-                             candidates(search_fn, best, k, gm, cluster, dist.get_world_size(), constraints)])
-        except GalvatronError as exc:
-            box[0] = ("error", f"{type(exc).__name__}: {exc}")
-    dist.broadcast_object_list(box, src=0)
-    status, value = box[0]
-    if status != "ok":
-        raise ConfigError(f"the plan search on rank 0 failed: {value}")
+    from .planner import on_rank0
+
+    value = on_rank0(lambda: [(n, p.to_dict()) for n, p in candidates(search_fn, search_fn({}), k, gm, cluster,
+                                                                      dist.get_world_size(), constraints)])
     cands = [(n, Plan.from_dict(d)) for n, d in value]
     if any(p.is_meta for p in gm.parameters()):
         warnings.warn("search(measure=K): the model is on the meta device, so no plan can be timed; returning "

@@ -108,9 +108,10 @@ def eager(model, batches, clip: bool = True, **group_kw):
     return losses, norms, {k: p.detach().clone() for k, p in model.named_parameters()}
 
 
-def plain_losses(model, batches, lr: float) -> list[float]:
-    """The plainest loop on one device: AdamW over ``model.parameters()``, ``model(**b).loss``."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+def plain_losses(model, batches, lr: float, opt=None) -> list[float]:
+    """The plainest loop: AdamW over ``model.parameters()`` (or ``opt``), ``model(**b).loss`` (one
+    device, or a model compiled with the galvatron backend)."""
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=lr)
     out = []
     for b in batches:
         loss = model(**b).loss

@@ -411,16 +411,9 @@ def _meta_compiled(rank, world, spec, pretrained):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)     # over the meta parameters, as usual
         compiled = torch.compile(model, backend="galvatron", options={"plan": plan, "init": init})
         torch.manual_seed(7)
-        losses = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # "a training call returns the loss only"
-            for b in batches:
-                loss = compiled(**b).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-        out[init == "weights" and "losses" or "pretrained_first"] = losses
+            out[init == "weights" and "losses" or "pretrained_first"] = loops.plain_losses(compiled, batches, 0, opt)
     return out
 
 
