@@ -120,7 +120,9 @@ class CrossingValue:
     the captured batch when ``batched``). ``batched``: computed from a graph input and carrying
     the batch on dim 0 (activations, masks); else replicated (a tied weight, T5's position bias).
     ``requires_grad``: floating point and computed from a trainable parameter. ``producer_layer``:
-    global index of the layer computing it.
+    global index of the layer computing it. ``rows``: dim-0 rows per sample of a batched value (1;
+    ``heads`` for Bloom's ALiBi ``[batch * heads, 1, S]``: ``NodeInfo.batch_dims`` of a symbolic
+    batch), sample-major, so a contiguous slice of dim 0 is a slice of the batch.
     """
 
     name: str
@@ -129,6 +131,7 @@ class CrossingValue:
     batched: bool
     requires_grad: bool
     producer_layer: int
+    rows: int = 1
 
 
 @dataclass

@@ -131,10 +131,12 @@ class StageSplitPass(GraphPass):
             # NOTE: batch-shaped constants (HF's causal mask expanded to the batch, built from no
             # input) are batched too: the local-batch pass cuts them to the producer's slice like
             # the activations they meet (see passes/local_batch.py)
+            # NOTE: a symbolic batch may sit on dim 0 times k (Bloom's ALiBi: [batch * heads, 1, S])
+            rows = dict(getattr(n.meta[META_KEY], "batch_dims", ())).get(0, 1)
             batched = bool((from_input[n] or not from_any[n]) and v.dim() >= 1 and batch is not None
-                           and v.shape[0] == batch)
+                           and v.shape[0] == batch * rows)
             rg = bool(from_param[n] and v.is_floating_point())
-            return CrossingValue(n.name, tuple(v.shape), v.dtype, batched, rg, n.meta[META_KEY].layer)
+            return CrossingValue(n.name, tuple(v.shape), v.dtype, batched, rg, n.meta[META_KEY].layer, rows)
 
         def needed_after(n, s) -> bool:   # some user of n runs in a stage later than s
             return any(stage_of(u) > s for u in n.users)

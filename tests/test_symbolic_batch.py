@@ -134,6 +134,37 @@ def test_batch_equal_to_sequence_and_head_dim_trains_like_one_device(name):
             assert torch.allclose(r["full"][k], v, rtol=1e-4, atol=1e-6), k
 
 
+# --------------------------------------------------------------------------- batch x heads rows
+def _bloom():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    return tf.BloomForCausalLM(tf.BloomConfig(vocab_size=loops.V, hidden_size=32, n_layer=2, n_head=4,
+                                              hidden_dropout=0.0, attention_dropout=0.0))
+
+
+def _bloom_run(rank, world):
+    import galvatron_fx as gfx
+
+    batches = loops.collate(3, batch=8)
+    gm = gfx.capture(_bloom(), (), kwargs=batches[0], method="dynamo")
+    out = {}
+    for name, kw in (("zero3", dict(dp=2, sdp="zero3")), ("pp2", dict(pp=2, dp=1, micro_batches=2))):
+        dm = gfx.transform(gm, plan=gfx.Plan.uniform(gm, world, global_batch_size=8, precision="fp32", **kw))
+        out[name] = loops.step_losses(dm, batches, lr=1e-2)
+    return out
+
+
+@pytest.mark.dist
+def test_alibi_rows_of_batch_times_heads_split_with_the_batch():
+    # NOTE: Bloom's ALiBi is [batch * heads, 1, S], computed in the first layer and read by every block:
+    # a DP shard or a micro-batch of it (also across a pipeline boundary) is a slice of its rows
+    ref = loops.plain_losses(_bloom(), loops.collate(3, batch=8), lr=1e-2)
+    for r in run_distributed(_bloom_run, 2):
+        for name in ("zero3", "pp2"):
+            assert loops.rel(r[name], ref) < 1e-5, (name, r[name], ref)
+
+
 # --------------------------------------------------------------------------- samples mixed in a batch
 def _clip():
     import transformers as tf

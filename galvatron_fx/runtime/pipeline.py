@@ -311,7 +311,7 @@ class PipelineModel(nn.Module):
         m = self.plan.micro_batches
 
         def meta(cv):
-            shape = (micro_batch // n, *cv.shape[1:]) if cv.batched else cv.shape
+            shape = (micro_batch // n * cv.rows, *cv.shape[1:]) if cv.batched else cv.shape
             return torch.empty(shape, dtype=cv.dtype, device="meta").requires_grad_(cv.requires_grad)
 
         if info.index == 0:
