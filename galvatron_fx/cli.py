@@ -243,6 +243,7 @@ def _train_text(args: argparse.Namespace) -> int:
                      steps=args.steps, lr=args.lr if args.lr_given else 3e-4, weight_decay=args.weight_decay,
                      warmup=args.warmup, clip=args.clip, plan=args.plan, cluster=args.cluster,
                      memory_budget=args.memory_budget, precision=args.precision, init=args.init,
+                     measure=0 if args.plan else args.measure,
                      save_every=args.save_every, ckpt_dir=args.ckpt_dir, resume=args.resume,
                      log_json=args.log_json, seed=args.seed, overrides=overrides, progress=progress)
     return _report(log, args, print_summary)

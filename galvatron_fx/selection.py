@@ -20,7 +20,8 @@
 Budget: ``(warmup + steps)`` steps per candidate and round, plus one transform each. The number of
 candidates is at most ``K`` plus the baseline families (8), and usually fewer (baselines coincide
 on small worlds); the time grows with the model's step time, not with the search space.
-Meta-device models have no values to time: the search warns and returns the estimate's best.
+A meta-device model is timed with this rank's parts of each candidate randomly initialised
+(``dist_model.init_weights``): only shapes matter to the time.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import dataclasses
 import gc
 import statistics
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -143,12 +143,15 @@ def measure_plans(gm: torch.fx.GraphModule, cands: list[tuple[str, Plan]], optio
     if unknown:
         raise ConfigError(f"unknown measure option(s) {unknown}; known: {', '.join(DEFAULTS)}")
     device = pick_device()
+    on_meta = any(p.is_meta for p in gm.parameters())
     runs: dict[int, list[float]] = {i: [] for i in range(len(cands))}
     start = time.perf_counter()
 
     def run(i: int) -> None:
         plan = cands[i][1]
         dm = transform(gm, plan=plan)
+        if on_meta:   # no values to time with: this rank's parts, randomly initialised
+            dm.init_weights(seed=0)
         inputs = synthetic_inputs(gm, plan.global_batch_size, device)
         runs[i].append(_time_steps(dm, inputs, int(opts["warmup"]), int(opts["steps"]), device))
         del dm
@@ -199,10 +202,6 @@ def measured_search(gm: torch.fx.GraphModule, search_fn, k: int, cluster, constr
     value = on_rank0(lambda: [(n, p.to_dict()) for n, p in candidates(search_fn, search_fn({}), k, gm, cluster,
                                                                       dist.get_world_size(), constraints)])
     cands = [(n, Plan.from_dict(d)) for n, d in value]
-    if any(p.is_meta for p in gm.parameters()):
-        warnings.warn("search(measure=K): the model is on the meta device, so no plan can be timed; returning "
-                      "the cost model's best", stacklevel=3)
-        return cands[0][1]
     plan, _records = measure_plans(gm, cands, options)
     return plan
 

@@ -14,7 +14,9 @@ What one run does (every rank the same, collectives in the same order):
    (``dist_model.init_weights(seed)``: the same weights under every plan) or, with ``--init DIR``,
    reads only its pieces of ``DIR``'s safetensors (``dist_model.load_pretrained``); ``use_cache`` off.
 3. *Plan*: ``--plan PATH``, else rank 0 searches one (``--cluster``, default the profiled live world;
-   ``--memory-budget``) for the captured model (dynamo, keyword inputs) and every rank runs it.
+   ``--memory-budget``) for the captured model (dynamo, keyword inputs) and every rank runs it; with
+   ``--measure K`` (the default, 4) the K best plans and the baselines are timed on the ranks first
+   and the fastest runs (:mod:`galvatron_fx.selection`).
 4. *Loop*: ``gfx.transform``; AdamW over param groups by name (no weight decay on biases and norms),
    linear warm-up then cosine decay to 10 % of ``--lr``; per step ``dist_model.train_step(**batch)``,
    ``dist_model.clip_grad_norm_(--clip)`` (every plan, pipelines included), optimizer and schedule
@@ -121,6 +123,7 @@ def flops_per_token(config, params: int, seq_len: int) -> float:
 def train_text(config_spec: str, data: str, *, seq_len: int = 128, global_batch_size: int = 8, steps: int = 100,
                lr: float = 3e-4, weight_decay: float = 0.1, warmup: int | None = None, clip: float = 1.0,
                plan: str | None = None, cluster=None, memory_budget=None, precision: str | None = None,
+               measure: int = 0,
                init: str | None = None, save_every: int = 0, ckpt_dir: str = "checkpoints",
                resume: bool = False, log_json: str | None = None, seed: int = 0, overrides: dict | None = None,
                progress=None) -> dict:
@@ -160,7 +163,7 @@ def train_text(config_spec: str, data: str, *, seq_len: int = 128, global_batch_
         dm = transform(gm, plan=the_plan)
     else:
         options = {k: v for k, v in {"cluster": cluster, "memory_budget": memory_budget,
-                                     "precision": precision}.items() if v is not None}
+                                     "precision": precision, "measure": measure or None}.items() if v is not None}
         dm = transform(gm, global_batch_size=global_batch_size, **options)
         the_plan = dm.plan if hasattr(dm, "plan") else None
     if init:
@@ -214,7 +217,8 @@ def train_text(config_spec: str, data: str, *, seq_len: int = 128, global_batch_
                "last_loss": records[-1]["loss"] if records else None,
                "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / max(1, len(timed)),
                "steps": len(records), "tokens": tokens_per_step * len(records), "tokenizer": kind,
-               "plan": sorted({lp.strategy.label for lp in dm.plan.layers}) if hasattr(dm, "plan") else None}
+               "plan": sorted({lp.strategy.label for lp in dm.plan.layers}) if hasattr(dm, "plan") else None,
+               "measured": getattr(dm, "plan", None) and dm.plan.extra.get("measured")}
     return {"records": records, "summary": summary, "rank": rank}
 
 
@@ -239,3 +243,7 @@ def print_summary(log: dict, out=sys.stdout) -> None:
     s = log["summary"]
     print(f"trained {s['steps']} steps ({s['tokens']:,} tokens, {s['tokenizer']}): loss {s['first_loss']:.4f} -> "
           f"{s['last_loss']:.4f}, {s['tokens_per_s']:,.0f} tokens/s; plan {s['plan']}", file=out)
+    for r in s.get("measured") or []:   # the measured final selection's candidates (--measure K)
+        got = "-" if r["measured_step_s"] is None else f"{r['measured_step_s'] * 1e3:.1f} ms"
+        print(f"  timed {r['name']:<18} est. {r['estimated_step_s'] * 1e3:7.1f} ms  measured {got:>9}  {r['label']}",
+              file=out)
