@@ -5,8 +5,9 @@ rank of ``group``. It measures, in this order:
 
 0. the fixed costs of :data:`galvatron_fx.cluster.OVERHEAD_FIELDS` (:func:`measure_overheads`), on
    every rank at once (so that ranks sharing a host contend as in training), in rounds until two
-   agree within 10 % (at most 5; each figure the minimum of its round medians, the spread over the
-   rounds recorded as the cluster's ``profile_spread``: :func:`stable_figures`): a chain of tiny ops
+   agree within 10 % (at most 8; each figure the minimum of its round medians, the spread over the
+   rounds recorded as the cluster's ``profile_spread``: :func:`stable_figures`; the collective and
+   point-to-point timings of steps 2 and 3 likewise, at most 5 rounds): a chain of tiny ops
    forward and backward (per-op launch), a one-element all-reduce between stretches of compute
    (per-collective latency, rank skew included), a
    layer's autograd entry / exit Functions and parameter views (per layer), a micro-batch's slicing,
@@ -175,6 +176,16 @@ def _ping_pong(nbytes: int, me: int, a: int, b: int, device: torch.device, repea
     return statistics.median(times)
 
 
+def _agreed(figures: dict[str, float], me: int, a: int, b: int, device: torch.device) -> dict[str, float]:
+    """Rank ``a``'s ``figures`` on both ranks of a ping-pong pair (so both stop after the same round)."""
+    vals = torch.tensor(list(figures.values()), dtype=torch.float64, device=device)
+    if me == a:
+        dist.send(vals, b)
+    else:
+        dist.recv(vals, a)
+    return dict(zip(figures, vals.tolist()))
+
+
 def _matmul_flops(dtype: str, side: int, device: torch.device, repeats: int) -> float:
     """Measured FLOP/s of a ``side``×``side`` matmul in ``dtype`` (median of ``repeats``)."""
     a = torch.randn(side, side, device=device).to(TORCH_DTYPES[dtype])
@@ -317,7 +328,10 @@ def profile(
         if me in members:
             timer = _Timer(device, sub, repeats, warmup)
             for kind in COLLECTIVES:
-                times = [timer(_collective_op(kind, s, n, device, sub)) for s in sizes]
+                ops = {str(s): _collective_op(kind, s, n, device, sub) for s in sizes}
+                best, spread_k = stable_figures(lambda: {s: timer(op) for s, op in ops.items()})
+                spread[f"{kind}_{n}"] = max(v for k, v in spread_k.items() if k != "rounds")
+                times = [best[str(s)] for s in sizes]
                 fit = fit_link(kind, n, sizes, times, call)
                 fits[kind][str(n)] = fit
                 say(f"{kind:>14} n={n}: {fit['bandwidth'] / 1e9:8.3f} GB/s, {fit['latency'] * 1e6:8.1f} us")
@@ -330,7 +344,10 @@ def profile(
         pairs.append((ranks[0], ranks[per_node], "inter"))
     for a, b, where in pairs:
         if me in (a, b):
-            times = [_ping_pong(s, me, a, b, device, repeats, warmup) for s in sizes]
+            best, spread_k = stable_figures(lambda: _agreed(
+                {str(s): _ping_pong(s, me, a, b, device, repeats, warmup) for s in sizes}, me, a, b, device))
+            spread[f"p2p_{where}"] = max(v for k, v in spread_k.items() if k != "rounds")
+            times = [best[str(s)] for s in sizes]
             fit = fit_link(P2P, 2, sizes, times, call)
             if where == "intra" or per_node == 1:
                 fits[P2P]["2"] = fit
@@ -406,7 +423,7 @@ def _median_time(fn: Callable[[], object], device: torch.device, repeats: int, w
 
 def _stable_overheads(device, pg, repeats: int, say) -> tuple[dict[str, float], dict[str, float]]:
     """:func:`measure_overheads` in rounds until two agree within 10 % (:func:`stable_figures`)."""
-    best, spread = stable_figures(lambda: measure_overheads(device, pg, repeats))
+    best, spread = stable_figures(lambda: measure_overheads(device, pg, repeats), max_rounds=8)
     if say is not None:
         say(f"{'overheads':>14}: {int(spread['rounds'])} rounds, largest spread "
             f"{max(v for k, v in spread.items() if k != 'rounds') * 100:.0f} %")
@@ -481,7 +498,7 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
     latency = 0.0
     if pg is not None and dist.get_world_size(pg) > 1:
         # NOTE: a blocking collective between stretches of compute (what TP and resharding do) also
-        # waits for the slowest rank to get there; timed as (compute + one-element all-reduce) x 8
+        # waits for the slowest rank to get there; timed as (compute + one-element all-reduce) x 24
         # minus the compute alone, per call
         one = torch.zeros(1, device=device)
         side = 256 if device.type == "cpu" else 2048
@@ -492,10 +509,10 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
                 torch.mm(a, a)
 
         timer = _Timer(device, pg, repeats, 2)
-        alone = timer(lambda: [work() for _ in range(8)])
-        both = timer(lambda: [(work(), dist.all_reduce(one, group=pg)) for _ in range(8)])
-        bare = timer(lambda: [dist.all_reduce(one, group=pg) for _ in range(8)])
-        latency = max(both - alone, bare) / 8
+        alone = timer(lambda: [work() for _ in range(24)])
+        both = timer(lambda: [(work(), dist.all_reduce(one, group=pg)) for _ in range(24)])
+        bare = timer(lambda: [dist.all_reduce(one, group=pg) for _ in range(24)])
+        latency = max(both - alone, bare) / 24
 
     # AdamW at two sizes of 4 tensors: slope = seconds per byte, intercept / 4 = per tensor
     # NOTE: tensors of the class the user's optimizer steps (runtime/params.py: its
