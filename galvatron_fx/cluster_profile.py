@@ -5,9 +5,9 @@ rank of ``group``. It measures, in this order:
 
 0. the fixed costs of :data:`galvatron_fx.cluster.OVERHEAD_FIELDS` (:func:`measure_overheads`), on
    every rank at once (so that ranks sharing a host contend as in training), in rounds until two
-   agree within 10 % (at most 8; each figure the minimum of its round medians, the spread over the
-   rounds recorded as the cluster's ``profile_spread``: :func:`stable_figures`; the collective and
-   point-to-point timings of steps 2 and 3 likewise, at most 5 rounds): a chain of tiny ops
+   agree within 10 % (4 to 8 rounds; each figure the minimum of its round medians, the spread over
+   the rounds recorded as the cluster's ``profile_spread``: :func:`stable_figures`; the collective and
+   point-to-point timings of steps 2 and 3 likewise, 2 to 5 rounds, their median): a chain of tiny ops
    forward and backward (per-op launch), a one-element all-reduce between stretches of compute
    (per-collective latency, rank skew included), a
    layer's autograd entry / exit Functions and parameter views (per layer), a micro-batch's slicing,
@@ -329,7 +329,8 @@ def profile(
             timer = _Timer(device, sub, repeats, warmup)
             for kind in COLLECTIVES:
                 ops = {str(s): _collective_op(kind, s, n, device, sub) for s in sizes}
-                best, spread_k = stable_figures(lambda: {s: timer(op) for s, op in ops.items()})
+                best, spread_k = stable_figures(lambda: {s: timer(op) for s, op in ops.items()},
+                                                pick=statistics.median)
                 spread[f"{kind}_{n}"] = max(v for k, v in spread_k.items() if k != "rounds")
                 times = [best[str(s)] for s in sizes]
                 fit = fit_link(kind, n, sizes, times, call)
@@ -345,7 +346,8 @@ def profile(
     for a, b, where in pairs:
         if me in (a, b):
             best, spread_k = stable_figures(lambda: _agreed(
-                {str(s): _ping_pong(s, me, a, b, device, repeats, warmup) for s in sizes}, me, a, b, device))
+                {str(s): _ping_pong(s, me, a, b, device, repeats, warmup) for s in sizes}, me, a, b, device),
+                pick=statistics.median)
             spread[f"p2p_{where}"] = max(v for k, v in spread_k.items() if k != "rounds")
             times = [best[str(s)] for s in sizes]
             fit = fit_link(P2P, 2, sizes, times, call)
@@ -387,20 +389,24 @@ class _LayerEntry(torch.autograd.Function):
         return grad
 
 
-def stable_figures(measure_round: Callable[[], dict[str, float]], tol: float = 0.10, max_rounds: int = 5
-                   ) -> tuple[dict[str, float], dict[str, float]]:
-    """Repeat ``measure_round()`` (figures, each a median of its runs) until the last two rounds agree
-    within ``tol`` (relative) on every figure, or ``max_rounds``; returns each figure's minimum over
-    the rounds (the min of medians: interference only ever adds time) and its spread over the rounds,
+def stable_figures(measure_round: Callable[[], dict[str, float]], tol: float = 0.10, max_rounds: int = 5,
+                   min_rounds: int = 2, pick=min) -> tuple[dict[str, float], dict[str, float]]:
+    """Repeat ``measure_round()`` (figures, each a median of its runs), at least ``min_rounds`` times,
+    until the last two rounds agree within ``tol`` (relative) on every figure, or ``max_rounds``;
+    returns each figure's ``pick`` over the rounds (default the minimum, the min of medians:
+    interference only ever adds time, so the quietest round is the reproducible one; the link
+    timings use the median, which fits steps under contention better) and its spread,
     ``(max - min) / min``, with ``"rounds"``. Deterministic in the figures, so ranks that measure the
     same (all-reduced) figures stop together."""
     rounds: list[dict[str, float]] = []
-    while len(rounds) < max(max_rounds, 2):
+    agreed = False
+    while len(rounds) < max(max_rounds, min_rounds, 2) and not agreed:
         rounds.append(measure_round())
-        if len(rounds) >= 2 and all(_close(rounds[-1][k], rounds[-2][k], tol) for k in rounds[-1]):
-            break
-    best = {k: min(r[k] for r in rounds) for k in rounds[0]}
-    spread = {k: (max(r[k] for r in rounds) - best[k]) / best[k] if best[k] > 0 else 0.0 for k in best}
+        agreed = len(rounds) >= max(min_rounds, 2) and all(_close(rounds[-1][k], rounds[-2][k], tol)
+                                                           for k in rounds[-1])
+    best = {k: pick([r[k] for r in rounds]) for k in rounds[0]}
+    low = {k: min(r[k] for r in rounds) for k in rounds[0]}
+    spread = {k: (max(r[k] for r in rounds) - low[k]) / low[k] if low[k] > 0 else 0.0 for k in best}
     return best, {**spread, "rounds": float(len(rounds))}
 
 
@@ -423,7 +429,7 @@ def _median_time(fn: Callable[[], object], device: torch.device, repeats: int, w
 
 def _stable_overheads(device, pg, repeats: int, say) -> tuple[dict[str, float], dict[str, float]]:
     """:func:`measure_overheads` in rounds until two agree within 10 % (:func:`stable_figures`)."""
-    best, spread = stable_figures(lambda: measure_overheads(device, pg, repeats), max_rounds=8)
+    best, spread = stable_figures(lambda: measure_overheads(device, pg, repeats), max_rounds=8, min_rounds=4)
     if say is not None:
         say(f"{'overheads':>14}: {int(spread['rounds'])} rounds, largest spread "
             f"{max(v for k, v in spread.items() if k != 'rounds') * 100:.0f} %")
@@ -498,7 +504,7 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
     latency = 0.0
     if pg is not None and dist.get_world_size(pg) > 1:
         # NOTE: a blocking collective between stretches of compute (what TP and resharding do) also
-        # waits for the slowest rank to get there; timed as (compute + one-element all-reduce) x 24
+        # waits for the slowest rank to get there; timed as (compute + one-element all-reduce) x 8
         # minus the compute alone, per call
         one = torch.zeros(1, device=device)
         side = 256 if device.type == "cpu" else 2048
@@ -509,10 +515,10 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
                 torch.mm(a, a)
 
         timer = _Timer(device, pg, repeats, 2)
-        alone = timer(lambda: [work() for _ in range(24)])
-        both = timer(lambda: [(work(), dist.all_reduce(one, group=pg)) for _ in range(24)])
-        bare = timer(lambda: [dist.all_reduce(one, group=pg) for _ in range(24)])
-        latency = max(both - alone, bare) / 24
+        alone = timer(lambda: [work() for _ in range(8)])
+        both = timer(lambda: [(work(), dist.all_reduce(one, group=pg)) for _ in range(8)])
+        bare = timer(lambda: [dist.all_reduce(one, group=pg) for _ in range(8)])
+        latency = max(both - alone, bare) / 8
 
     # AdamW at two sizes of 4 tensors: slope = seconds per byte, intercept / 4 = per tensor
     # NOTE: tensors of the class the user's optimizer steps (runtime/params.py: its

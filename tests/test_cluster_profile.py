@@ -48,15 +48,24 @@ def test_stable_figures_repeat_until_two_rounds_agree():
     best, spread = stable_figures(lambda: next(rounds), tol=0.10)
     assert best == {"op": 1.0e-6, "call": 30e-6}
     assert spread["rounds"] == 4 and spread["op"] == pytest.approx(0.6) and spread["call"] == pytest.approx(2 / 3)
-    # never agreeing: at most max_rounds; two back-to-back stable profiles of noisy rounds agree within 10 %
-    noisy = iter([{"x": 1.0 + 0.5 * (k % 2)} for k in range(10)])
+    noisy = iter([{"x": 1.0 + 0.5 * (k % 2)} for k in range(10)])   # never agreeing: at most max_rounds
     best, spread = stable_figures(lambda: next(noisy), tol=0.10, max_rounds=5)
     assert spread["rounds"] == 5 and best["x"] == 1.0
+
+
+def test_back_to_back_profiles_agree_within_ten_percent_under_interference():
+    # a noise model harsher than this machine's: 30 % of rounds inflated by 20-60 %, the rest within
+    # +-2 %; the profile's rule (4 to 8 rounds, min of medians): >= 95 % of 200 back-to-back pairs agree
     import random
 
     rng = random.Random(0)
-    runs = [stable_figures(lambda: {"x": 1e-5 * (1 + 0.3 * rng.random() ** 4)})[0]["x"] for _ in range(2)]
-    assert abs(runs[0] - runs[1]) <= 0.10 * min(runs)
+
+    def round_():
+        quiet = rng.random() < 0.7
+        return {"x": 1e-5 * ((1 + 0.02 * (2 * rng.random() - 1)) if quiet else 1.2 + 0.4 * rng.random())}
+
+    pairs = [[stable_figures(round_, max_rounds=8, min_rounds=4)[0]["x"] for _ in range(2)] for _ in range(200)]
+    assert sum(abs(a - b) <= 0.10 * min(a, b) for a, b in pairs) >= 190
 
 
 def test_device_and_backend_from_environment(monkeypatch):
