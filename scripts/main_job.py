@@ -113,6 +113,17 @@ def main(out: str = "main_job", *flags: str) -> None:
         ratio = statistics.median(runs[f"baseline {best}"]) / statistics.median(runs["searched"])
         print(f"  searched / baseline {best} measured throughput: {ratio:.3f}")
     print(f"  {'single device':<20} {single['summary']['samples_per_s']:10.2f}")
+    step = statistics.median(runs["searched"])
+    summary = {"searched_samples_s": BATCH / step, "searched_step_s": step,
+               "searched_estimated_step_s": searched.estimate["step_time_s"],
+               "estimate_error": searched.estimate["step_time_s"] / step - 1,
+               "measure_seconds": measure.get("seconds"), "measure_candidates": measure.get("timed"),
+               "loss_first": first, "loss_last": last, "chosen": searched.extra.get("chosen")}
+    if len(plans) == 2:
+        summary["searched_over_baseline"] = ratio
+        summary["baseline"] = best
+    with open(p("summary.json"), "w") as fh:   # benchmarks/readme_figures.py reads it
+        json.dump({"summary": summary}, fh, indent=2, sort_keys=True)
 
 
 if __name__ == "__main__":
