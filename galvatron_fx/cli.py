@@ -97,13 +97,15 @@ def _print_tp_details(report, every: bool) -> None:
             print(f"    replicated  {fqn}: {why}")
 
 
-def _capture_for_planning(args: argparse.Namespace):
+def _capture_for_planning(args: argparse.Namespace, keep: list | None = None):
     overrides = parse_overrides(args.set, args.seq_len)
     method = args.method
     if config_path(args.model):
         overrides.setdefault("batch", 2)   # NOTE: the plan's global batch is separate; meta costs nothing
         method = method or "dynamo"        # NOTE: transformers models do not trace with fx
     model, example_args = models.load(args.model, device="meta", overrides=overrides)
+    if keep is not None:
+        keep.append(model)   # the captured graph holds it weakly; measuring initialises from it
     method = method or "fx"
     progress(f"capturing {args.model} on the meta device (method={method})")
     return _capture(model, example_args, method)
@@ -126,15 +128,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     cluster = resolve_cluster(args.cluster)
     budget = parse_bytes(args.memory_budget) if args.memory_budget else cluster.device_memory
-    gm = _capture_for_planning(args)
+    keep: list = []
+    gm = _capture_for_planning(args, keep)
     cost = {"precision": resolve_precision(cluster, args.precision, args.dtype,
                                            True if args.mixed_precision else None)}
     if args.reserve is not None:
         cost["reserve_bytes"] = args.reserve
+    if args.measure:   # under torchrun: every rank times the candidates (galvatron_fx/selection.py)
+        from .distributed import init_distributed, shutdown
+
+        _rank, world = init_distributed()
+        cost.update(measure=args.measure, world_size=world)
     t0 = time.perf_counter()
     plan = search(gm, cluster, budget, args.global_batch_size, progress=progress, **cost)
+    if args.measure:
+        rank = _rank
+        shutdown()
+        if rank != 0:
+            return 0
     progress(f"search took {time.perf_counter() - t0:.2f}s")
     print(plan.explain())
+    for r in plan.extra.get("measured", []):
+        print(f"  timed {r['name']:<18} est. {r['estimated_step_s'] * 1e3:8.2f} ms  measured "
+              f"{r['measured_step_s'] * 1e3 if r['measured_step_s'] is not None else float('nan'):8.2f} ms  {r['label']}")
     data = plan.to_dict()
     if args.baselines:
         progress("estimating baselines")
@@ -310,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override (repeatable)")
     p.add_argument("--baselines", action="store_true",
                    help="also estimate DP, ZeRO-3, TP, PP, 3D, DP+TP, DP+PP and Megatron-style (megatron)")
+    p.add_argument("--measure", type=int, default=0, metavar="K",
+                   help="under torchrun: time the K best plans and the baselines on the live ranks (the model's "
+                        "parts randomly initialised) and keep the fastest (default 0: the estimate's best)")
     p.add_argument("--json", metavar="PATH", help="write the plan JSON (with baselines) to PATH")
     p.add_argument("--plot", metavar="PATH", help="draw the plan (PNG/SVG/PDF; needs matplotlib)")
     p.set_defaults(func=cmd_plan)

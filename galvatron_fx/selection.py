@@ -92,7 +92,8 @@ def candidates(search, best: Plan, k: int, gm: torch.fx.GraphModule, cluster, wo
 
 def synthetic_inputs(gm: torch.fx.GraphModule, batch: int, device: torch.device) -> list[torch.Tensor]:
     """The graph's inputs in their captured shapes (dim 0 of batched inputs ``batch`` when the
-    graph's batch is symbolic): integers 1 (valid token ids, masks that attend), floats N(0, 1)."""
+    graph's batch is symbolic, or an fx graph's): integers 1 (valid token ids, masks that attend),
+    floats N(0, 1)."""
     info = gm.meta[META_KEY]
     captured = graph_batch_size(gm)
     out = []
@@ -101,7 +102,8 @@ def synthetic_inputs(gm: torch.fx.GraphModule, batch: int, device: torch.device)
             continue
         val = n.meta.get("val")
         shape = list(val.shape)
-        if info.symbolic_batch and shape and (captured is None or shape[0] == captured):
+        # NOTE: fx graphs read their sizes at run time: they take any batch too
+        if (info.symbolic_batch or info.method == "fx") and shape and (captured is None or shape[0] == captured):
             shape[0] = batch
         if val.is_floating_point():
             out.append(torch.randn(shape, dtype=val.dtype, device=device))

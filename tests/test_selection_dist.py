@@ -49,3 +49,26 @@ def test_measure_needs_the_live_world():
     gm = gfx.capture(model, args, method="fx")
     with pytest.raises(gfx.errors.ConfigError, match="under torchrun"):
         gfx.search(gm, "2xA100-80GB", global_batch_size=8, measure=2)
+
+
+@pytest.mark.dist
+def test_plan_command_measures_under_torchrun(tmp_path):
+    # the model is built on the meta device: each candidate's parts are randomly initialised to be timed
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.dist_utils import free_port
+
+    out = tmp_path / "plan.json"
+    env = {**os.environ, "GALVATRON_DEVICE": "cpu", "GALVATRON_BACKEND": "gloo", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           f"--master-port={free_port()}", "-m", "galvatron_fx.cli", "plan", "gpt-tiny", "--cluster",
+                           "2xA100-80GB", "--global-batch-size", "8", "--precision", "fp32", "--measure", "2",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    timed = [r for r in data["measured"] if r["measured_step_s"] is not None]
+    assert len(timed) >= 2 and data["chosen"] == min(timed, key=lambda r: r["measured_step_s"])["name"]
+    assert proc.stdout.count("timed ") == len(data["measured"])   # printed once (rank 0)
