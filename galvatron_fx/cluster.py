@@ -96,6 +96,11 @@ DEFAULT_OVERLAP_SLOWDOWN = 1.3
 OVERHEAD_FIELDS = ("op_launch_s", "op_launch_bwd_s", "collective_latency_s", "layer_overhead_s",
                    "microbatch_overhead_s", "optimizer_s_per_byte", "optimizer_overhead_s", "checkpoint_op_s")
 """The fixed-cost fields of a :class:`Cluster` (module docstring), seconds (per byte for the optimizer)."""
+CALIBRATION_FIELDS = ("step_overhead_s", "pipeline_step_s")
+"""Per-step seconds fitted to measured steps by the measured final selection
+(:mod:`galvatron_fx.selection`): what every step costs beyond the model's terms, and what a
+pipelined step costs beyond that (the stages' batch agreement, the loss sent to every rank). 0 for
+presets and fresh profiles."""
 # NOTE: GPU defaults. A CUDA kernel launch from PyTorch's eager dispatcher costs ~5-10 us, the backward
 # node about as much again; an NCCL call ~10-30 us beyond its ring steps (the presets' ``α`` prices
 # those); a galvatron layer adds two autograd Functions and its parameter views; checkpointing adds
@@ -252,6 +257,8 @@ class Cluster:
     optimizer_overhead_s: float = 0.0
     checkpoint_op_s: float = 0.0
     profile_spread: dict[str, float] = field(default_factory=dict)  # profiled: figure -> (max - min) / min over rounds
+    step_overhead_s: float = 0.0   # fitted by measured selection (CALIBRATION_FIELDS)
+    pipeline_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.nodes = _count("nodes", self.nodes)
@@ -282,7 +289,7 @@ class Cluster:
         if not isinstance(self.name, str):
             raise ConfigError(f"cluster field 'name' must be a string, got {self.name!r}")
         self.fits = self._check_fits(self.fits)
-        for name in OVERHEAD_FIELDS:
+        for name in OVERHEAD_FIELDS + CALIBRATION_FIELDS:
             setattr(self, name, _positive(name, getattr(self, name), allow_zero=True))
 
     @staticmethod

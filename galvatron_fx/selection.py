@@ -15,7 +15,12 @@
    ``seconds``.
 3. The fastest measured candidate is returned, with ``plan.extra["measured"]``: per candidate its
    name, label, estimated and measured step (seconds) and rounds, and ``plan.extra["measure"]``:
-   the budget used (candidates, steps, seconds).
+   the budget used (candidates, steps, seconds), the cluster's per-step constants refitted to the
+   measurements (``fit``: :func:`fit_step_constants`) and the chosen plan's step estimated with
+   them (``calibrated_step_s``). The fit is reported, not applied: from a few short runs it is too
+   noisy to steer the next search (the main job, 2026-12-02: a step constant of 26 ms fitted on a
+   busy machine put the chosen plan's estimate 107 % over its 20-step measurement); a cluster JSON
+   may carry such constants (``step_overhead_s``, ``pipeline_step_s``), which the search prices.
 
 Budget: ``(warmup + steps)`` steps per candidate and round, plus one transform each. The number of
 candidates is at most ``K`` plus the baseline families (8), and usually fewer (baselines coincide
@@ -204,6 +209,33 @@ def measured_search(gm: torch.fx.GraphModule, search_fn, k: int, cluster, constr
     value = on_rank0(lambda: [(n, p.to_dict()) for n, p in candidates(search_fn, search_fn({}), k, gm, cluster,
                                                                       dist.get_world_size(), constraints)])
     cands = [(n, Plan.from_dict(d)) for n, d in value]
-    plan, _records = measure_plans(gm, cands, options)
+    plan, records = measure_plans(gm, cands, options)
+    fit = fit_step_constants(records, [p for _n, p in cands], cluster)
+    plan.extra["measure"]["fit"] = fit
+    step = plan.estimate["step_time_s"]
+    plan.extra["measure"]["calibrated_step_s"] = step + _delta(fit, cluster, plan.pp)
     return plan
+
+
+def fit_step_constants(records: list[dict], plans: list[Plan], cluster) -> dict[str, float]:
+    """The cluster's per-step constants (:data:`galvatron_fx.cluster.CALIBRATION_FIELDS`) refitted to
+    the measured candidates: the median residual (measured - estimated step) of the unpipelined
+    ones moves ``step_overhead_s``, the pipelined ones' median residual beyond that moves
+    ``pipeline_step_s`` (each kept >= 0)."""
+    flat, piped = [], []
+    for r, plan in zip(records, plans):
+        if r["measured_step_s"] is not None:
+            (piped if plan.pp > 1 else flat).append(r["measured_step_s"] - r["estimated_step_s"])
+    base = float(getattr(cluster, "step_overhead_s", 0.0))
+    pipe = float(getattr(cluster, "pipeline_step_s", 0.0))
+    d0 = statistics.median(flat) if flat else (statistics.median(piped) if piped else 0.0)
+    d1 = statistics.median(piped) - d0 if flat and piped else 0.0
+    return {"step_overhead_s": max(base + d0, 0.0), "pipeline_step_s": max(pipe + d1, 0.0)}
+
+
+def _delta(fit: dict, cluster, pp: int) -> float:
+    """Seconds the fit adds to a ``pp``-stage plan's estimated step."""
+    old = float(getattr(cluster, "step_overhead_s", 0.0)) + (float(getattr(cluster, "pipeline_step_s", 0.0))
+                                                              if pp > 1 else 0.0)
+    return fit["step_overhead_s"] + (fit["pipeline_step_s"] if pp > 1 else 0.0) - old
 

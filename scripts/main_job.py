@@ -86,6 +86,11 @@ def main(out: str = "main_job", *flags: str) -> None:
     for r in searched.extra.get("measured", []):
         got = "-" if r["measured_step_s"] is None else f"{r['measured_step_s'] * 1e3:.1f}"
         print(f"  {r['name']:<18} est. {r['estimated_step_s'] * 1e3:6.1f} ms  measured {got:>6} ms  {r['label']}")
+    fit = measure.get("fit", {})
+    if fit:
+        print("  per-step constants fitted to them (reported, not applied): "
+              + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in fit.items())
+              + f"; the chosen plan's step estimated with them {measure['calibrated_step_s'] * 1e3:.1f} ms")
     if len(plans) == 2:
         a, b = (statistics.median(v) for v in runs.values())
         if abs(a / b - 1) < 0.1 and "--once" not in flags:  # close: medians of 3 runs, alternating
@@ -117,6 +122,8 @@ def main(out: str = "main_job", *flags: str) -> None:
     summary = {"searched_samples_s": BATCH / step, "searched_step_s": step,
                "searched_estimated_step_s": searched.estimate["step_time_s"],
                "estimate_error": searched.estimate["step_time_s"] / step - 1,
+               "calibrated_estimate_error": (measure["calibrated_step_s"] / step - 1
+                                             if measure.get("calibrated_step_s") else None),
                "measure_seconds": measure.get("seconds"), "measure_candidates": measure.get("timed"),
                "loss_first": first, "loss_last": last, "chosen": searched.extra.get("chosen")}
     if len(plans) == 2:

@@ -30,7 +30,7 @@ import pytest
 import galvatron_fx as gfx
 from galvatron_fx.plan import LayerPlan, Plan
 from galvatron_fx.planner import cost_model_for, sp_admissible, tp_admissible, tp_useful
-from galvatron_fx.solver.objective import layer_step_time, layer_terms, p2p_time_per_microbatch
+from galvatron_fx.solver.objective import layer_step_time, layer_terms, p2p_time_per_microbatch, step_constant
 from galvatron_fx.solver.pipeline import in_flight_microbatches
 from galvatron_fx.solver.strategy import strategy_space
 
@@ -144,7 +144,7 @@ def enumerate_space(gm, cluster, gbs: int, precision: str):
     return out, spaces, L
 
 
-def best_plan(space_fronts, L: int, gbs: int, budget: float):
+def best_plan(space_fronts, L: int, gbs: int, budget: float, cluster=None):
     """``(throughput, (p, m, schedule), stages, per-stage sequences)`` of the enumerated best plan."""
     best = (0.0, None, None, None)
     for (p, m, sched), fronts in space_fronts.items():
@@ -154,7 +154,7 @@ def best_plan(space_fronts, L: int, gbs: int, budget: float):
             picks = [fronts[(i, j, k)].best(budget) for k, (i, j) in enumerate(stages)]
             if any(seq is None for _, seq in picks):
                 continue
-            thr = gbs / max(t for t, _ in picks)
+            thr = gbs / (max(t for t, _ in picks) + (step_constant(cluster, p) if cluster is not None else 0.0))
             if thr > best[0]:
                 best = (thr, (p, m, sched), stages, [seq for _, seq in picks])
     return best
@@ -200,9 +200,11 @@ MATRIX = [  # NOTE: the slowest setups (CI time): 3 tied blocks on 4 devices too
 FACTORS = (1.02, 1.1, 1.5, 3.0)
 
 
-def _check_setup(blocks, tied, preset, gbs, precision):
+def _check_setup(blocks, tied, preset, gbs, precision, calibration=None):
     gm = _graph(blocks, tied)
     cluster = gfx.Cluster.preset(preset)
+    for k, v in (calibration or {}).items():   # per-step constants fitted by measured selection
+        setattr(cluster, k, v)
     precision = precision or gfx.cluster.default_precision(cluster)
     fronts, spaces, L = enumerate_space(gm, cluster, gbs, precision)
     least = least_memory(fronts, L)
@@ -212,7 +214,7 @@ def _check_setup(blocks, tied, preset, gbs, precision):
     assert abs(err.value.min_memory_bytes - least) <= 2, (err.value.min_memory_bytes, least)
     checked = 0
     for budget in [int(least * f) for f in FACTORS] + [cluster.device_memory]:
-        thr, config, stages, seqs = best_plan(fronts, L, gbs, budget)
+        thr, config, stages, seqs = best_plan(fronts, L, gbs, budget, cluster)
         ref = _as_plan(gm, cluster, gbs, precision, config, stages, seqs, spaces)
         ref_est = gfx.estimate(gm, ref, cluster, reserve_bytes=0)
         assert ref_est["throughput_samples_s"] == pytest.approx(thr, rel=1e-9)  # the scoring is the estimate's
@@ -229,6 +231,12 @@ def _check_setup(blocks, tied, preset, gbs, precision):
 @pytest.mark.parametrize("blocks, tied, preset, gbs, precision", SETUPS)
 def test_search_equals_the_enumerated_best(blocks, tied, preset, gbs, precision):
     assert _check_setup(blocks, tied, preset, gbs, precision) == len(FACTORS) + 2
+
+
+@pytest.mark.parametrize("calibration", [dict(step_overhead_s=2e-3, pipeline_step_s=4e-3),
+                                         dict(step_overhead_s=0.0, pipeline_step_s=5e-5)])
+def test_search_equals_the_enumerated_best_with_calibrated_step_constants(calibration):
+    assert _check_setup(2, False, "4xA100-80GB", 8, "fp32", calibration) == len(FACTORS) + 2
 
 
 @pytest.mark.matrix

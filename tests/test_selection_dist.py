@@ -72,3 +72,17 @@ def test_plan_command_measures_under_torchrun(tmp_path):
     timed = [r for r in data["measured"] if r["measured_step_s"] is not None]
     assert len(timed) >= 2 and data["chosen"] == min(timed, key=lambda r: r["measured_step_s"])["name"]
     assert proc.stdout.count("timed ") == len(data["measured"])   # printed once (rank 0)
+
+
+def test_step_constants_fitted_to_the_measurements():
+    from types import SimpleNamespace
+
+    from galvatron_fx.selection import fit_step_constants
+
+    plans = [SimpleNamespace(pp=1), SimpleNamespace(pp=1), SimpleNamespace(pp=2), SimpleNamespace(pp=2)]
+    records = [{"estimated_step_s": e, "measured_step_s": m} for e, m in
+               [(0.010, 0.012), (0.011, 0.013), (0.008, 0.015), (0.009, 0.016)]]
+    fit = fit_step_constants(records, plans, SimpleNamespace(step_overhead_s=0.001, pipeline_step_s=0.0))
+    assert fit["step_overhead_s"] == pytest.approx(0.003) and fit["pipeline_step_s"] == pytest.approx(0.005)
+    fast = [{"estimated_step_s": 0.01, "measured_step_s": 0.005}] * 2   # over-estimated: kept at 0, not negative
+    assert fit_step_constants(fast, plans[:2], SimpleNamespace())["step_overhead_s"] == 0.0

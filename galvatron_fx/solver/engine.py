@@ -51,7 +51,7 @@ import numpy as np
 
 from ..errors import ConfigError, InfeasibleError
 from ..units import format_bytes
-from .objective import CostSource, estimate_plan
+from .objective import CostSource, estimate_plan, step_constant
 from .pipeline import even_split, partition_min_max
 from .stage import ExactStage, solve_stage_exact
 from .strategy import Strategy, strategy_space
@@ -293,7 +293,7 @@ class Engine:
         gid, layouts = layout_groups(space)
         c = ConfigTables(p, m, sched, gbs, space, t, states, act, trans, gid, layouts, self.sig_ids,
                          self.tables, self.cluster, self.N)
-        c.bound = self._step_bound(c)
+        c.bound = self._step_bound(c) + step_constant(self.cluster, c.p)
         return c
 
     def _step_bound(self, c: ConfigTables) -> float:
@@ -488,7 +488,8 @@ class Engine:
                     self.progress(f"search: configuration {n + 1}/{len(order)} (pp={c.p}, m={c.m}, gbs={c.gbs})")
                 tried += 1
                 thr = best.estimate["throughput_samples_s"] if best else 0.0
-                consider(self.solve(c, c.gbs / thr if thr > 0 else math.inf))
+                # NOTE: solve bounds the slowest stage; the step adds the configuration's constant
+                consider(self.solve(c, c.gbs / thr - step_constant(self.cluster, c.p) if thr > 0 else math.inf))
         if best is None:
             raise self.infeasible(tabled)
         best.configs_tried = tried

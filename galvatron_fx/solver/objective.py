@@ -96,6 +96,12 @@ def p2p_time_per_microbatch(costs: CostSource, cluster: Any, last_layer: int, st
     return 2 * cluster.p2p_time(nbytes, src, dst) + getattr(cluster, "microbatch_overhead_s", 0.0)
 
 
+def step_constant(cluster: Any, pp: int) -> float:
+    """Seconds every step of a ``pp``-stage plan costs beyond its stages' terms: the cluster's
+    fitted ``step_overhead_s``, plus ``pipeline_step_s`` when pipelined (0 unless calibrated)."""
+    return getattr(cluster, "step_overhead_s", 0.0) + (getattr(cluster, "pipeline_step_s", 0.0) if pp > 1 else 0.0)
+
+
 def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy], stages: list[tuple[int, int]],
                   micro_batches: int, global_batch_size: int, schedule: str, world_size: int,
                   reserve_bytes: float = 0.0) -> dict:
@@ -134,7 +140,7 @@ def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy]
         acts.append(ac)
         transient.append(tr)
         mem.append(st + ac + tr + reserve_bytes)
-    step = max(stage_time)
+    step = max(stage_time) + step_constant(cluster, pp)
     return {
         "step_time_s": step,
         "throughput_samples_s": global_batch_size / step if step > 0 else float("inf"),
