@@ -10,7 +10,9 @@
    at a time), ``gfx.transform`` builds it, then ``warmup`` + ``steps`` training steps
    (``train_step`` and an AdamW step) run on a synthetic batch in the graph inputs' shapes (integer
    inputs 1, floats N(0, 1)). A candidate's time is the median over its timed steps of the slowest
-   rank's step. A second round, in reverse order, times again the candidates within ``close``
+   rank's step. A candidate that fails to build or run on any rank (a plan that does not build, out
+   of memory before its first collective) is skipped on every rank and its error recorded; one that
+   fails inside a collective on one rank only still stops the run. A second round, in reverse order, times again the candidates within ``close``
    (10 %) of the fastest; each counts with the median of its rounds. No new candidate starts after
    ``seconds``.
 3. The fastest measured candidate is returned, with ``plan.extra["measured"]``: per candidate its
@@ -39,7 +41,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError, InfeasibleError
+from .errors import ConfigError, GalvatronError, InfeasibleError
 from .ir import META_KEY, graph_batch_size
 from .plan import Plan
 
@@ -152,25 +154,40 @@ def measure_plans(gm: torch.fx.GraphModule, cands: list[tuple[str, Plan]], optio
     device = pick_device()
     on_meta = any(p.is_meta for p in gm.parameters())
     runs: dict[int, list[float]] = {i: [] for i in range(len(cands))}
+    failed: dict[int, str] = {}
     start = time.perf_counter()
 
     def run(i: int) -> None:
-        plan = cands[i][1]
-        dm = transform(gm, plan=plan)
-        if on_meta:   # no values to time with: this rank's parts, randomly initialised
-            dm.init_weights(seed=0)
-        inputs = synthetic_inputs(gm, plan.global_batch_size, device)
-        runs[i].append(_time_steps(dm, inputs, int(opts["warmup"]), int(opts["steps"]), device))
+        plan, dm, error = cands[i][1], None, ""
+        try:
+            dm = transform(gm, plan=plan)
+            if on_meta:   # no values to time with: this rank's parts, randomly initialised
+                dm.init_weights(seed=0)
+            inputs = synthetic_inputs(gm, plan.global_batch_size, device)
+            step = _time_steps(dm, inputs, int(opts["warmup"]), int(opts["steps"]), device)
+        except (GalvatronError, RuntimeError) as exc:   # out of memory included (torch.OutOfMemoryError)
+            error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
         del dm
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        # NOTE: every rank skips a candidate that failed on any (an error raised alike on every rank:
+        # a plan that does not build, memory that does not suffice before the first collective)
+        ok = torch.tensor([0.0 if error else 1.0], dtype=torch.float64)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if float(ok) < 1.0:
+            failed[i] = error or "failed on another rank"
+        else:
+            runs[i].append(step)
 
     for i in range(len(cands)):
         if i and _elapsed(start) > opts["seconds"]:
             break
         run(i)
     timed = {i: statistics.median(v) for i, v in runs.items() if v}
+    if not timed:
+        raise ConfigError("search(measure=K): no candidate plan ran on the live world: "
+                          + "; ".join(f"{cands[i][0]}: {e}" for i, e in failed.items()))
     fastest = min(timed.values())
     for i in sorted(timed, reverse=True):
         if timed[i] <= fastest * (1 + opts["close"]) and len(timed) > 1:
@@ -180,7 +197,7 @@ def measure_plans(gm: torch.fx.GraphModule, cands: list[tuple[str, Plan]], optio
         est = plan.estimate.get("step_time_s")
         step = statistics.median(runs[i]) if runs[i] else None
         records.append({"name": name, "label": label(plan), "estimated_step_s": est, "measured_step_s": step,
-                        "rounds": len(runs[i])})
+                        "rounds": len(runs[i]), **({"error": failed[i]} if i in failed and not runs[i] else {})})
     win = min((i for i in range(len(cands)) if runs[i]), key=lambda i: statistics.median(runs[i]))
     plan = dataclasses.replace(cands[win][1])
     plan.extra = {**cands[win][1].extra, "measured": records, "chosen": cands[win][0],

@@ -86,3 +86,25 @@ def test_step_constants_fitted_to_the_measurements():
     assert fit["step_overhead_s"] == pytest.approx(0.003) and fit["pipeline_step_s"] == pytest.approx(0.005)
     fast = [{"estimated_step_s": 0.01, "measured_step_s": 0.005}] * 2   # over-estimated: kept at 0, not negative
     assert fit_step_constants(fast, plans[:2], SimpleNamespace())["step_overhead_s"] == 0.0
+
+
+def _with_a_failing_candidate(rank, world):
+    import dataclasses
+
+    import galvatron_fx as gfx
+    from galvatron_fx.selection import measure_plans
+
+    model, args = gfx.models.build("gpt-tiny", device="cpu", layers=2, batch=8)
+    gm = gfx.capture(model, args, method="dynamo")
+    good = gfx.Plan.uniform(gm, world, global_batch_size=8, precision="fp32")
+    bad = dataclasses.replace(good, model_fingerprint="another model")   # transform refuses it on every rank
+    plan, records = measure_plans(gm, [("bad", bad), ("good", good)], {"warmup": 0, "steps": 1})
+    return dict(chosen=plan.extra["chosen"], records=records)
+
+
+@pytest.mark.dist
+def test_a_candidate_that_fails_is_skipped_on_every_rank():
+    for r in run_distributed(_with_a_failing_candidate, 2):
+        bad, good = r["records"]
+        assert r["chosen"] == "good" and good["measured_step_s"] > 0
+        assert bad["measured_step_s"] is None and "PlanMismatchError" in bad["error"], bad
