@@ -124,10 +124,10 @@ def _time_steps(dm, inputs, warmup: int, steps: int, device) -> float:
     from .distributed import synchronize
 
     opt = torch.optim.AdamW([p for p in dm.parameters() if p.requires_grad], lr=1e-6)
-    times = []
+    times, tick = [], torch.zeros(1, device=device)
     for i in range(warmup + steps):
         synchronize(device)
-        dist.barrier()
+        dist.all_reduce(tick)   # NOTE: a barrier that needs no device guess (NCCL's barrier does)
         t0 = time.perf_counter()
         dm.train_step(*inputs)
         opt.step()
@@ -135,7 +135,8 @@ def _time_steps(dm, inputs, warmup: int, steps: int, device) -> float:
         synchronize(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    # NOTE: on the compute device: NCCL reduces device tensors only
+    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return float(slowest)
 
@@ -173,7 +174,7 @@ def measure_plans(gm: torch.fx.GraphModule, cands: list[tuple[str, Plan]], optio
             torch.cuda.empty_cache()
         # NOTE: every rank skips a candidate that failed on any (an error raised alike on every rank:
         # a plan that does not build, memory that does not suffice before the first collective)
-        ok = torch.tensor([0.0 if error else 1.0], dtype=torch.float64)
+        ok = torch.tensor([0.0 if error else 1.0], dtype=torch.float64, device=device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if float(ok) < 1.0:
             failed[i] = error or "failed on another rank"
@@ -181,7 +182,7 @@ def measure_plans(gm: torch.fx.GraphModule, cands: list[tuple[str, Plan]], optio
             runs[i].append(step)
 
     for i in range(len(cands)):
-        if i and _elapsed(start) > opts["seconds"]:
+        if i and _elapsed(start, device) > opts["seconds"]:
             break
         run(i)
     timed = {i: statistics.median(v) for i, v in runs.items() if v}
@@ -203,13 +204,13 @@ def measure_plans(gm: torch.fx.GraphModule, cands: list[tuple[str, Plan]], optio
     plan.extra = {**cands[win][1].extra, "measured": records, "chosen": cands[win][0],
                   "measure": {"candidates": len(cands), "timed": sum(1 for v in runs.values() if v),
                               "steps_per_round": int(opts["warmup"]) + int(opts["steps"]),
-                              "seconds": round(_elapsed(start), 3)}}
+                              "seconds": round(_elapsed(start, device), 3)}}
     return plan, records
 
 
-def _elapsed(start: float) -> float:
+def _elapsed(start: float, device: torch.device) -> float:
     """Seconds since ``start``, agreed on every rank (rank 0's), so every rank stops alike."""
-    t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    t = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
     dist.broadcast(t, src=0)
     return float(t)
 
