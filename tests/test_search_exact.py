@@ -154,7 +154,7 @@ def best_plan(space_fronts, L: int, gbs: int, budget: float, cluster=None):
             picks = [fronts[(i, j, k)].best(budget) for k, (i, j) in enumerate(stages)]
             if any(seq is None for _, seq in picks):
                 continue
-            thr = gbs / (max(t for t, _ in picks) + (step_constant(cluster, p) if cluster is not None else 0.0))
+            thr = gbs / (max(t for t, _ in picks) + (step_constant(cluster, p, cluster.world_size) if cluster else 0.0))
             if thr > best[0]:
                 best = (thr, (p, m, sched), stages, [seq for _, seq in picks])
     return best

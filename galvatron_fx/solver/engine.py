@@ -293,7 +293,7 @@ class Engine:
         gid, layouts = layout_groups(space)
         c = ConfigTables(p, m, sched, gbs, space, t, states, act, trans, gid, layouts, self.sig_ids,
                          self.tables, self.cluster, self.N)
-        c.bound = self._step_bound(c) + step_constant(self.cluster, c.p)
+        c.bound = self._step_bound(c) + step_constant(self.cluster, c.p, self.N)
         return c
 
     def _step_bound(self, c: ConfigTables) -> float:
@@ -489,7 +489,7 @@ class Engine:
                 tried += 1
                 thr = best.estimate["throughput_samples_s"] if best else 0.0
                 # NOTE: solve bounds the slowest stage; the step adds the configuration's constant
-                consider(self.solve(c, c.gbs / thr - step_constant(self.cluster, c.p) if thr > 0 else math.inf))
+                consider(self.solve(c, c.gbs / thr - step_constant(self.cluster, c.p, self.N) if thr > 0 else math.inf))
         if best is None:
             raise self.infeasible(tabled)
         best.configs_tried = tried

@@ -96,10 +96,17 @@ def p2p_time_per_microbatch(costs: CostSource, cluster: Any, last_layer: int, st
     return 2 * cluster.p2p_time(nbytes, src, dst) + getattr(cluster, "microbatch_overhead_s", 0.0)
 
 
-def step_constant(cluster: Any, pp: int) -> float:
-    """Seconds every step of a ``pp``-stage plan costs beyond its stages' terms: the cluster's
-    fitted ``step_overhead_s``, plus ``pipeline_step_s`` when pipelined (0 unless calibrated)."""
-    return getattr(cluster, "step_overhead_s", 0.0) + (getattr(cluster, "pipeline_step_s", 0.0) if pp > 1 else 0.0)
+def step_constant(cluster: Any, pp: int, world_size: int) -> float:
+    """Seconds every step of a ``pp``-stage plan on ``world_size`` devices costs beyond its stages'
+    terms: the runtime's per-step collectives (the loss all-reduced over the world; a pipeline's
+    stages agreeing on the batch by one small all-gather, galvatron_fx/runtime/pipeline.py) and
+    the cluster's ``step_overhead_s`` (+ ``pipeline_step_s`` when pipelined; 0 unless set)."""
+    ct = getattr(cluster, "collective_time", None)
+    sync = ct("all_reduce", 4, world_size) if ct is not None else 0.0
+    if pp > 1 and ct is not None:
+        sync += ct("all_gather", 8 * pp, list(range(0, world_size, world_size // pp)))
+        sync += getattr(cluster, "pipeline_step_s", 0.0)
+    return sync + getattr(cluster, "step_overhead_s", 0.0)
 
 
 def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy], stages: list[tuple[int, int]],
@@ -140,7 +147,7 @@ def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy]
         acts.append(ac)
         transient.append(tr)
         mem.append(st + ac + tr + reserve_bytes)
-    step = max(stage_time) + step_constant(cluster, pp)
+    step = max(stage_time) + step_constant(cluster, pp, world_size)
     return {
         "step_time_s": step,
         "throughput_samples_s": global_batch_size / step if step > 0 else float("inf"),
