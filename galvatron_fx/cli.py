@@ -124,6 +124,7 @@ def _capture(model, example, method: str):
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search a plan for MODEL on a cluster under a memory budget; optionally print baselines."""
     from .planner import baselines, resolve_cluster, resolve_precision, search, speedups
+    from .selection import measured_lines
     from .units import parse_bytes
 
     cluster = resolve_cluster(args.cluster)
@@ -134,23 +135,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                            True if args.mixed_precision else None)}
     if args.reserve is not None:
         cost["reserve_bytes"] = args.reserve
+    rank = 0
     if args.measure:   # under torchrun: every rank times the candidates (galvatron_fx/selection.py)
         from .distributed import init_distributed, shutdown
 
-        _rank, world = init_distributed()
+        rank, world = init_distributed()
         cost.update(measure=args.measure, world_size=world)
     t0 = time.perf_counter()
     plan = search(gm, cluster, budget, args.global_batch_size, progress=progress, **cost)
     if args.measure:
-        rank = _rank
         shutdown()
-        if rank != 0:
-            return 0
+    if rank != 0:
+        return 0
     progress(f"search took {time.perf_counter() - t0:.2f}s")
     print(plan.explain())
-    for r in plan.extra.get("measured", []):
-        print(f"  timed {r['name']:<18} est. {r['estimated_step_s'] * 1e3:8.2f} ms  measured "
-              f"{r['measured_step_s'] * 1e3 if r['measured_step_s'] is not None else float('nan'):8.2f} ms  {r['label']}")
+    for line in measured_lines(plan.extra.get("measured", [])):
+        print(f"  {line}")
     data = plan.to_dict()
     if args.baselines:
         progress("estimating baselines")

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from .errors import ConfigError, GalvatronError, InfeasibleError
 from .ir import META_KEY, graph_batch_size
 from .plan import Plan
+from .solver.objective import step_constant
 
 DEFAULTS = {"warmup": 1, "steps": 3, "close": 0.10, "seconds": 120.0}
 """Measurement options (``measure_options={...}``): warm-up and timed steps per candidate and round,
@@ -56,6 +57,15 @@ def label(plan: Plan) -> str:
     kinds = sorted({f"tp{lp.tp}·dp{lp.dp}" + (f" {lp.sdp}" if lp.sdp != "none" else "") + (" ckpt" if lp.ckpt else "")
                     + (" sp" if lp.sp else "") for lp in plan.layers})
     return f"pp{plan.pp} m{plan.micro_batches} {plan.schedule} | " + ", ".join(kinds)
+
+
+def measured_lines(records: list[dict]) -> list[str]:
+    """One line per candidate of ``plan.extra["measured"]``: its name, estimated and measured step
+    (ms; ``-`` where there is none) and label; what the command line and the main job print."""
+    def ms(s):
+        return "-" if s is None else f"{s * 1e3:.1f} ms"
+    return [f"timed {r['name']:<18} est. {ms(r['estimated_step_s']):>9}  measured {ms(r['measured_step_s']):>9}  "
+            f"{r['label']}" for r in records]
 
 
 def _key(plan: Plan) -> tuple:
@@ -230,8 +240,11 @@ def measured_search(gm: torch.fx.GraphModule, search_fn, k: int, cluster, constr
     plan, records = measure_plans(gm, cands, options)
     fit = fit_step_constants(records, [p for _n, p in cands], cluster)
     plan.extra["measure"]["fit"] = fit
-    step = plan.estimate["step_time_s"]
-    plan.extra["measure"]["calibrated_step_s"] = step + _delta(fit, cluster, plan.pp)
+    # NOTE: the estimate with the fitted constants in place of the cluster's (objective.step_constant)
+    world = dist.get_world_size()
+    fitted = dataclasses.replace(cluster, **fit)
+    plan.extra["measure"]["calibrated_step_s"] = (plan.estimate["step_time_s"] + step_constant(fitted, plan.pp, world)
+                                                  - step_constant(cluster, plan.pp, world))
     return plan
 
 
@@ -249,11 +262,4 @@ def fit_step_constants(records: list[dict], plans: list[Plan], cluster) -> dict[
     d0 = statistics.median(flat) if flat else (statistics.median(piped) if piped else 0.0)
     d1 = statistics.median(piped) - d0 if flat and piped else 0.0
     return {"step_overhead_s": max(base + d0, 0.0), "pipeline_step_s": max(pipe + d1, 0.0)}
-
-
-def _delta(fit: dict, cluster, pp: int) -> float:
-    """Seconds the fit adds to a ``pp``-stage plan's estimated step."""
-    old = float(getattr(cluster, "step_overhead_s", 0.0)) + (float(getattr(cluster, "pipeline_step_s", 0.0))
-                                                              if pp > 1 else 0.0)
-    return fit["step_overhead_s"] + (fit["pipeline_step_s"] if pp > 1 else 0.0) - old
 

@@ -243,7 +243,7 @@ def print_summary(log: dict, out=sys.stdout) -> None:
     s = log["summary"]
     print(f"trained {s['steps']} steps ({s['tokens']:,} tokens, {s['tokenizer']}): loss {s['first_loss']:.4f} -> "
           f"{s['last_loss']:.4f}, {s['tokens_per_s']:,.0f} tokens/s; plan {s['plan']}", file=out)
-    for r in s.get("measured") or []:   # the measured final selection's candidates (--measure K)
-        got = "-" if r["measured_step_s"] is None else f"{r['measured_step_s'] * 1e3:.1f} ms"
-        print(f"  timed {r['name']:<18} est. {r['estimated_step_s'] * 1e3:7.1f} ms  measured {got:>9}  {r['label']}",
-              file=out)
+    from .selection import measured_lines
+
+    for line in measured_lines(s.get("measured") or []):   # the measured final selection's candidates
+        print(f"  {line}", file=out)

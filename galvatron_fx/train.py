@@ -174,7 +174,7 @@ def print_log(log: dict, out=sys.stdout) -> None:
     extra = log.get("plan") or {}   # Plan.to_dict: the extra keys at the top level
     if extra.get("measured"):
         print(f"  measured before step 1 ({extra['measure']['seconds']:.1f} s), chose {extra['chosen']!r}:", file=out)
-        for r in extra["measured"]:
-            got = "-" if r["measured_step_s"] is None else f"{r['measured_step_s'] * 1e3:.1f} ms"
-            print(f"    {r['name']:<18} est. {r['estimated_step_s'] * 1e3:7.1f} ms  measured {got:>9}  {r['label']}",
-                  file=out)
+        from .selection import measured_lines
+
+        for line in measured_lines(extra["measured"]):
+            print(f"    {line}", file=out)

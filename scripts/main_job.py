@@ -29,15 +29,10 @@ def run(cmd):
     subprocess.run(cmd, check=True, env=ENV)
 
 
-def _label(plan) -> str:
-    kinds = sorted({f"tp{lp.tp}" + (f" {lp.sdp}" if lp.sdp != "none" else "") + (" ckpt" if lp.ckpt else "")
-                    + (" sp" if lp.sp else "") for lp in plan.layers})
-    return f"pp{plan.pp} m{plan.micro_batches} | " + ", ".join(kinds)
-
-
 def main(out: str = "main_job", *flags: str) -> None:
     import galvatron_fx as gfx
     from galvatron_fx.planner import BASELINES
+    from galvatron_fx.selection import label, measured_lines
 
     os.makedirs(out, exist_ok=True)
     p = lambda name: os.path.join(out, name)  # noqa: E731
@@ -83,9 +78,8 @@ def main(out: str = "main_job", *flags: str) -> None:
     print(f"\nmeasured selection ({measure.get('timed')} of {measure.get('candidates')} candidates timed, "
           f"{measure.get('seconds', 0.0):.1f} s = {100 * measure.get('seconds', 0.0) / sum(r['step_time_s'] for r in logs['searched']['steps']):.0f} % "
           f"of the {STEPS}-step run), chose {searched.extra.get('chosen')!r}:")
-    for r in searched.extra.get("measured", []):
-        got = "-" if r["measured_step_s"] is None else f"{r['measured_step_s'] * 1e3:.1f}"
-        print(f"  {r['name']:<18} est. {r['estimated_step_s'] * 1e3:6.1f} ms  measured {got:>6} ms  {r['label']}")
+    for line in measured_lines(searched.extra.get("measured", [])):
+        print(f"  {line}")
     fit = measure.get("fit", {})
     if fit:
         print("  per-step constants fitted to them (reported, not applied): "
@@ -113,7 +107,7 @@ def main(out: str = "main_job", *flags: str) -> None:
     for name, plan in plans.items():
         est, step = plan.estimate, statistics.median(runs[name])
         print(f"  {name:<20} {BATCH / step:10.2f} {est['throughput_samples_s']:10.2f} "
-              f"{step * 1e3:14.1f} {est['step_time_s'] * 1e3:13.1f}  {_label(plan)}")
+              f"{step * 1e3:14.1f} {est['step_time_s'] * 1e3:13.1f}  {label(plan)}")
     if len(plans) == 2:
         ratio = statistics.median(runs[f"baseline {best}"]) / statistics.median(runs["searched"])
         print(f"  searched / baseline {best} measured throughput: {ratio:.3f}")

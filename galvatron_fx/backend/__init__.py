@@ -105,16 +105,7 @@ import torch.fx
 from ..errors import ConfigError
 from .agreement import _agreed_plan
 from .binding import _remove_guards, _Runtime, distributed_model, full_state_dict
-from .graph import (
-    Recaptured,
-    _batch_size,
-    _classify_placeholders,
-    _loss_output,
-    _normalised_graph,
-    _outputs,
-    recaptured,
-    traced_modules,
-)
+from .graph import _batch_size, _classify_placeholders, _loss_output, dynamo_graph, recaptured
 from .options import BackendOptions, stats
 
 __all__ = ["BackendOptions", "distributed_model", "full_state_dict", "galvatron_backend", "stats"]
@@ -133,13 +124,8 @@ def galvatron_backend(gm: torch.fx.GraphModule, example_inputs: list, options: d
         return gm.forward
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     loss_index = _loss_output(gm, out_node)
-    again = recaptured(example_inputs, roles, out_node, loss_index)
-    if again is None:   # dynamo's own graph, its batch static
-        graph = _normalised_graph(gm, example_inputs, roles, loss_index)
-        modules = traced_modules()
-        again = Recaptured(graph, modules[0] if modules else None, [i for i, r in enumerate(roles) if r.kind == "input"],
-                           [0 if k == loss_index else k + (k < loss_index) for k in range(len(_outputs(gm.graph)))],
-                           isinstance(out_node.args[0], (tuple, list)))
+    again = (recaptured(example_inputs, roles, out_node, loss_index)
+             or dynamo_graph(gm, example_inputs, roles, out_node, loss_index))   # its batch static
     graph = again.graph
     batch = _batch_size([example_inputs[i] for i in again.data_pos])
     if opts.global_batch_size is not None and opts.global_batch_size != batch:

@@ -133,10 +133,25 @@ def recaptured(example_inputs, roles: list[_Role], out_node: torch.fx.Node, loss
     if out_pos[loss_index] is None:
         return None
     _loss_to_front(graph, out_pos[loss_index])
-    front = out_pos[loss_index]
-    out_pos = [None if k is None else 0 if k == front else k + (k < front) for k in out_pos]
-    return Recaptured(graph, module, [where[id(leaves[p])] for p in tensor_pos], out_pos,
+    moved = _loss_first_positions(len(outs), out_pos[loss_index])
+    return Recaptured(graph, module, [where[id(leaves[p])] for p in tensor_pos],
+                      [None if k is None else moved[k] for k in out_pos], isinstance(out_node.args[0], (tuple, list)))
+
+
+def dynamo_graph(gm: torch.fx.GraphModule, example_inputs, roles: list[_Role], out_node: torch.fx.Node,
+                 loss_index: int) -> Recaptured:
+    """Dynamo's own graph, normalised (:func:`_normalised_graph`; its batch static): the fallback
+    where :func:`recaptured` is not possible."""
+    modules = traced_modules()
+    return Recaptured(_normalised_graph(gm, example_inputs, roles, loss_index), modules[0] if modules else None,
+                      [i for i, r in enumerate(roles) if r.kind == "input"],
+                      _loss_first_positions(len(_outputs(out_node.graph)), loss_index),
                       isinstance(out_node.args[0], (tuple, list)))
+
+
+def _loss_first_positions(n: int, front: int) -> list[int]:
+    """Where each of ``n`` outputs lands when output ``front`` (the loss) moves to 0."""
+    return [0 if k == front else k + (k < front) for k in range(n)]
 
 
 def _is_loss(node) -> bool:
