@@ -52,6 +52,10 @@ field                       what it prices
 ``checkpoint_op_s``         one forward op of a checkpointed layer: ``torch.utils.checkpoint``'s
                             saved-tensor hooks and recomputation bookkeeping (re-running the op
                             is priced as a second forward)
+``copy_s_per_byte``         the runtime's copies around a layer, per byte written: a pass's
+                            gradients flattened into one buffer (DP) or into the reduce-scatter
+                            staging (ZeRO), DP's gradient buckets, ZeRO's gathered parameters
+                            copied out of the all-gather staging
 ==========================  ===================================================================
 
 :mod:`galvatron_fx.cost.model` and :mod:`galvatron_fx.solver.objective` say where each enters a
@@ -94,8 +98,10 @@ DEFAULT_EFFICIENCY = 0.5
 # default; Cluster.profile() measures the real one.
 DEFAULT_OVERLAP_SLOWDOWN = 1.3
 OVERHEAD_FIELDS = ("op_launch_s", "op_launch_bwd_s", "collective_latency_s", "layer_overhead_s",
-                   "microbatch_overhead_s", "optimizer_s_per_byte", "optimizer_overhead_s", "checkpoint_op_s")
-"""The fixed-cost fields of a :class:`Cluster` (module docstring), seconds (per byte for the optimizer)."""
+                   "microbatch_overhead_s", "optimizer_s_per_byte", "optimizer_overhead_s", "checkpoint_op_s",
+                   "copy_s_per_byte")
+"""The fixed-cost fields of a :class:`Cluster` (module docstring), seconds (per byte for the optimizer
+and the runtime's copies)."""
 CALIBRATION_FIELDS = ("step_overhead_s", "pipeline_step_s")
 """Per-step seconds fitted to measured steps by the measured final selection
 (:mod:`galvatron_fx.selection`): what every step costs beyond the model's terms, and what a
@@ -106,10 +112,11 @@ presets and fresh profiles."""
 # those); a galvatron layer adds two autograd Functions and its parameter views; checkpointing adds
 # two Python saved-tensor hooks per saved tensor (a few us per op, host-side like a launch); a fused / foreach
 # Adam step streams ~7 fp32 words per parameter (read p, g, m, v; write p, m, v) at HBM speed,
-# ~3.5e-12 s per parameter byte at 2 TB/s.
+# ~3.5e-12 s per parameter byte at 2 TB/s; a device-memory copy reads and writes each byte, ~1e-12 s
+# per byte written at 2 TB/s.
 GPU_OVERHEADS = dict(op_launch_s=7e-6, op_launch_bwd_s=10e-6, collective_latency_s=20e-6,
                      layer_overhead_s=60e-6, microbatch_overhead_s=300e-6, optimizer_s_per_byte=5e-12,
-                     optimizer_overhead_s=20e-6, checkpoint_op_s=5e-6)
+                     optimizer_overhead_s=20e-6, checkpoint_op_s=5e-6, copy_s_per_byte=1e-12)
 
 _DTYPE_ALIASES = {
     "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32", "torch.float": "fp32",
@@ -256,6 +263,7 @@ class Cluster:
     optimizer_s_per_byte: float = 0.0
     optimizer_overhead_s: float = 0.0
     checkpoint_op_s: float = 0.0
+    copy_s_per_byte: float = 0.0
     profile_spread: dict[str, float] = field(default_factory=dict)  # profiled: figure -> (max - min) / min over rounds
     step_overhead_s: float = 0.0   # fitted by measured selection (CALIBRATION_FIELDS)
     pipeline_step_s: float = 0.0
@@ -517,5 +525,5 @@ class Cluster:
             f"collective {self.collective_latency_s * 1e6:.3g} us, layer {self.layer_overhead_s * 1e6:.3g} us, "
             f"micro-batch {self.microbatch_overhead_s * 1e6:.3g} us, optimizer "
             f"{self.optimizer_s_per_byte * 1e12:.3g} ps/byte + {self.optimizer_overhead_s * 1e6:.3g} us/tensor, "
-            f"checkpointing {self.checkpoint_op_s * 1e6:.3g} us/op",
+            f"checkpointing {self.checkpoint_op_s * 1e6:.3g} us/op, copies {self.copy_s_per_byte * 1e12:.3g} ps/byte",
         ])

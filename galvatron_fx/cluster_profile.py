@@ -65,7 +65,7 @@ _MIN_LATENCY = 1e-6  # s
 
 _FLOOR = dict(op_launch_s=1e-7, op_launch_bwd_s=1e-7, collective_latency_s=_MIN_LATENCY, layer_overhead_s=1e-7,
               microbatch_overhead_s=1e-7, optimizer_s_per_byte=1e-14, optimizer_overhead_s=1e-7,
-              checkpoint_op_s=1e-7)
+              checkpoint_op_s=1e-7, copy_s_per_byte=1e-14)
 _CPU_SIZES = (2**16, 2**20, 2**23)  # bytes
 _GPU_SIZES = (2**20, 2**24, 2**27)  # bytes
 _CPU_MATMUL = {"fp32": 256, "bf16": 48, "fp16": 48}  # square matmul side
@@ -151,12 +151,20 @@ def _compute_stretch(device: torch.device) -> Callable[[], object]:
     return lambda: [torch.mm(a, a) for _ in range(2)]
 
 
-def _after_compute(timer: _Timer, work, ops: dict) -> dict[str, float]:
-    """Seconds of each collective of ``ops`` run right after a stretch of compute (``work``), as in
-    training, minus the compute alone: on a shared CPU host the transport threads then wait to be
-    scheduled (a 512 KiB all-reduce took 0.58 ms alone, 1.2 ms after a matmul, 2 gloo ranks)."""
-    alone = timer(work)
-    return {s: max(timer(lambda op=op: (work(), op())) - alone, 1e-9) for s, op in ops.items()}
+STREAM_CALLS = 4
+"""Collectives per timed stream in :func:`_in_stream`."""
+
+
+def _in_stream(timer: _Timer, work, ops: dict, calls: int = STREAM_CALLS) -> dict[str, float]:
+    """Seconds per call of each collective of ``ops`` inside a stream of ``calls`` x (a stretch of
+    compute ``work``, the collective), as a layer runs them, minus the compute alone. On a shared
+    CPU host the transport threads wait to be scheduled and the ranks' compute drifts apart between
+    calls, so that a call costs more than alone (2 gloo ranks, 512 KiB all-reduce: 0.6-1.4 ms alone,
+    1.0-2.0 ms after one matmul, 2.0-3.2 ms in a stream of 16, 2.0-2.5 ms in one of 4 (a profile of
+    11 s, 18-37 s with 8); TP2 training measured 2-5 ms per call)."""
+    alone = timer(lambda: [work() for _ in range(calls)]) / calls
+    return {s: max(timer(lambda op=op: [(work(), op()) for _ in range(calls)]) / calls - alone, 1e-9)
+            for s, op in ops.items()}
 
 
 def _collective_op(kind: str, nbytes: int, n: int, device: torch.device, pg) -> Callable[[], object]:
@@ -346,7 +354,7 @@ def profile(
             work = _compute_stretch(device)
             for kind in COLLECTIVES:
                 ops = {str(s): _collective_op(kind, s, n, device, sub) for s in sizes}
-                best, spread_k = stable_figures(lambda: _after_compute(timer, work, ops), pick=statistics.median)
+                best, spread_k = stable_figures(lambda: _in_stream(timer, work, ops), pick=statistics.median)
                 spread[f"{kind}_{n}"] = max(v for k, v in spread_k.items() if k != "rounds")
                 times = [best[str(s)] for s in sizes]
                 fit = fit_link(kind, n, sizes, times, call)
@@ -555,7 +563,7 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
     per_tensor = max(t_small - 4 * 4 * small * per_byte, 0.0) / 4
     out = dict(op_launch_s=op_fwd, op_launch_bwd_s=op_bwd, collective_latency_s=latency, layer_overhead_s=layer,
                microbatch_overhead_s=micro, optimizer_s_per_byte=per_byte, optimizer_overhead_s=per_tensor,
-               checkpoint_op_s=ckpt_op)
+               checkpoint_op_s=ckpt_op, copy_s_per_byte=_copy_s_per_byte(device, repeats))
     # NOTE: a difference of two noisy medians may come out <= 0; floor it at a tiny positive figure
     out = {k: v if k == "collective_latency_s" and pg is None else max(v, _FLOOR[k]) for k, v in out.items()}
     if pg is not None and dist.get_world_size(pg) > 1:
@@ -568,12 +576,23 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
     return out
 
 
+def _copy_s_per_byte(device: torch.device, repeats: int) -> float:
+    """Seconds per byte written of the runtime's gradient flattening (12 tensors into one buffer,
+    the slope between two sizes)."""
+    def flatten_time(numel: int) -> float:
+        parts = [torch.ones(numel // 12, device=device) for _ in range(12)]
+        return _median_time(lambda: torch._C._nn.flatten_dense_tensors(parts), device, repeats)
+
+    small, large = 12 * 256, 2**20 if device.type == "cpu" else 2**26
+    return max(flatten_time(large) - flatten_time(small), 0.0) / (4 * (large - small))
+
+
 def _say_overheads(out: dict[str, float], say) -> None:
     say(f"{'overheads':>14}: op {out['op_launch_s'] * 1e6:.1f} + {out['op_launch_bwd_s'] * 1e6:.1f} us, "
         f"collective {out['collective_latency_s'] * 1e6:.1f} us, layer {out['layer_overhead_s'] * 1e6:.1f} us, "
         f"micro-batch {out['microbatch_overhead_s'] * 1e6:.1f} us, optimizer "
         f"{out['optimizer_s_per_byte'] * 1e12:.1f} ps/byte + {out['optimizer_overhead_s'] * 1e6:.1f} us/tensor, "
-        f"checkpointing {out['checkpoint_op_s'] * 1e6:.1f} us/op")
+        f"checkpointing {out['checkpoint_op_s'] * 1e6:.1f} us/op, copies {out['copy_s_per_byte'] * 1e12:.1f} ps/byte")
 
 
 def _measure_overlap(device, pg, nbytes, world, side, repeats, warmup, say) -> float:

@@ -35,6 +35,9 @@ Scaling rules (per device, per micro-batch unless noted), from the fake-tensor m
   loss, starting backward); ``optimizer_s`` (per step) is ``optimizer_s_per_byte`` x the fp32
   parameter bytes the device updates (its shard under ZeRO) + ``optimizer_overhead_s`` for the
   layer's flat buffer, and on the first layer one collective call (the step's loss all-reduce).
+  The runtime's copies (gradients flattened every pass, ZeRO-3's parameters copied out of the
+  gather staging, DP's buckets and ZeRO-2's re-gather once per step) cost ``copy_s_per_byte`` per
+  byte written, in ``overhead_s`` and ``optimizer_s`` (:meth:`CostModel._copies`).
 * **Memory**: :mod:`.memory` for states; transients are ZeRO-3's gathered parameters of the layer,
   its neighbour's prefetched ones with their ``[dp, S]`` all-gather staging buffer, and the buffer's
   gradient or its reduce-scatter staging,
@@ -443,6 +446,8 @@ class CostModel:
             transient += recompute
         out = m.output_elems(n) * self.itemsize / (s.tp if s.sp else 1)
         overhead, optimizer = self._overheads(index, train_tp, s)
+        pass_copy, step_copy = self._copies(elems_tp, train_tp, s)
+        overhead, optimizer = overhead + pass_copy, optimizer + step_copy
         tp_comm = self._tp_comm(m, n, s) + (self._whole_batch_gathers(m, n, s) if whole else 0.0)
         return LayerCost(fwd, bwd, tp_comm, sync, gather, st.params, st.grads, st.optimizer,
                          act, transient, out, st.masters, overhead, optimizer, exposed, regather, reduce_scatter)
@@ -479,6 +484,25 @@ class CostModel:
         if first and self.cluster.world_size > 1:
             optimizer += c.collective_latency_s
         return overhead, optimizer
+
+    def _copies(self, elems_tp: int, train_tp: int, s: Strategy) -> tuple[float, float]:
+        """``(seconds per micro-batch, seconds per step)`` of the runtime's copies around a layer
+        (galvatron_fx/runtime/data_parallel.py) at the cluster's ``copy_s_per_byte``: every pass
+        flattens the layer's gradients into one buffer (ZeRO: into the reduce-scatter staging) and
+        ZeRO-3 copies its parameters out of the all-gather staging twice (forward and backward);
+        once per step DP packs its gradients into buckets and ZeRO-2 copies out the re-gathered
+        parameters."""
+        per_byte = getattr(self.cluster, "copy_s_per_byte", 0.0)
+        if not per_byte:
+            return 0.0, 0.0
+        grads = train_tp * (self.itemsize if s.sdp == "none" else self.reduce_itemsize)
+        params = 2 * elems_tp * self.itemsize if s.sdp == "zero3" else 0.0
+        step = 0.0
+        if s.sdp == "none" and s.dp > 1 and self.bucket_bytes:
+            step = train_tp * self.reduce_itemsize
+        elif s.sdp == "zero2":
+            step = train_tp * self.itemsize
+        return (grads + params) * per_byte, step * per_byte
 
     # ------------------------------------------------------------------ resharding
     def _gather_time(self, nbytes: float, have: Strategy, want: Strategy) -> float:
