@@ -28,13 +28,15 @@ calls; ``print(dist_model.layers_1.code)`` shows a layer's own parameter collect
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.distributed as dist
 import torch.fx
 
 from .errors import ConfigError, PlanMismatchError
 from .ir import META_KEY, GraphInfo, graph_batch_size
 from .passes.base import GraphPass, PassManager
-from .passes.bind_parameters import BindParametersPass
+from .passes.bind_parameters import BindParametersPass, release_unheld
 from .passes.checkpointing import CheckpointingPass
 from .passes.codegen import CodegenPass
 from .passes.context import ParallelContext
@@ -55,6 +57,7 @@ from .runtime.groups import GROUPS, Layout, batch_layout
 from .runtime.module import DistributedModel
 from .runtime.pipeline import PipelineModel
 from .runtime.precision import precision_policy
+from .solver.schedules import check_schedule
 
 
 def parallelize_passes(ctx: ParallelContext, bind: dict | None = None) -> list[GraphPass]:
@@ -66,7 +69,7 @@ def parallelize_passes(ctx: ParallelContext, bind: dict | None = None) -> list[G
     if pipelined:
         # NOTE: the stage split comes first, so every later pass sees one stage as if it were the
         # whole model (its layers renumbered from 0, its ranks offset by ctx.base).
-        passes.append(StageSplitPass(ctx.plan.stages, ctx.stage, ctx))
+        passes.append(StageSplitPass(ctx.plan.stages, ctx.chunk_index, ctx))
     # NOTE: TP runs on the flat graph, before the layer split, so the layer submodules, the DP
     # buffers and the ZeRO shards are all built from the TP-local parameter shards.
     passes += [TensorParallelPass(ctx), SplitLayersPass(), LocalBatchPass(ctx)]
@@ -137,15 +140,24 @@ def transform(gm: torch.fx.GraphModule, plan: Plan | None = None, loss_fn=None, 
     # NOTE: dist.new_group is collective over the whole world: every rank creates every group any
     # rank needs (every stage's, and the p2p groups), in one sorted order, before a pass uses one.
     GROUPS.ensure(_rank_sets(plan, world, whole_batch))
+    if plan.pp == 1:
+        return _build(gm, ctx, bind)
+    # NOTE: one program per chunk this rank runs (one under GPipe / 1F1B), each by the same passes
+    chunks = [_build(gm, ctx.for_chunk(c), bind) for c in plan.rank_chunks(ctx.stage)]
+    release_unheld(bind, {fqn for c in chunks for fqn in c.params.params})
+    pipe = PipelineModel(chunks, plan, [c.stage_info for c in chunks], input_names=[n.name for n in _placeholders(gm)],
+                         rank=ctx.rank, stage_size=ctx.stage_size)
+    pipe.passes = chunks[0].passes
+    return pipe
+
+
+def _build(gm: torch.fx.GraphModule, ctx: ParallelContext, bind: dict | None) -> DistributedModel:
+    """This rank's program for ``ctx`` (one chunk of a pipeline): the pass list run on ``gm``."""
     manager = PassManager(parallelize_passes(ctx, bind))
     model = manager(gm).graph_module
     model.passes = list(manager.ran)
-    if plan.pp == 1:
-        return model
-    pipe = PipelineModel(model, plan, ctx.stage_info, input_names=[n.name for n in _placeholders(gm)],
-                         rank=ctx.rank, stage_size=ctx.stage_size)
-    pipe.passes = model.passes
-    return pipe
+    model.stage_info = ctx.stage_info
+    return model
 
 
 def _param_fqns(gm: torch.fx.GraphModule) -> list[str]:
@@ -169,8 +181,10 @@ def _check_pipeline(gm: torch.fx.GraphModule, plan: Plan, world: int) -> None:
         raise PlanMismatchError(f"the plan has pp={plan.pp} stages for world_size={plan.world_size}, but "
                                 f"{world} processes are running; launch world_size={plan.world_size} ranks "
                                 "(a multiple of pp) or re-plan for this world size")
-    if len(plan.stages) != plan.pp:
-        raise PlanMismatchError(f"the plan lists {len(plan.stages)} stages for pp={plan.pp}")
+    check_schedule(plan.schedule, plan.pp, plan.virtual_stages, plan.micro_batches, runnable=True)
+    if len(plan.stages) != plan.num_chunks:
+        raise PlanMismatchError(f"the plan lists {len(plan.stages)} stages for pp={plan.pp} x "
+                                f"virtual_stages={plan.virtual_stages}")
     for fqn, layers in cross_stage_params(gm, plan.stages).items():
         if any(plan.layers[i].tp > 1 for i in layers):
             raise ConfigError(
@@ -204,11 +218,12 @@ def _rank_sets(plan: Plan, world: int, whole_batch: frozenset = frozenset()) -> 
     sets: set = set()
     if plan.pp > 1:
         sets |= {tuple(j + s * n for s in range(plan.pp)) for j in range(n)}
-    for s, (first, last) in enumerate(plan.stages):
-        lays = [Layout(lp.tp, lp.dp, lp.sp, s * n) for lp in plan.layers[first:last + 1]]
-        lays += [batch_layout(lp.tp, lp.dp, lp.sp, s * n, whole_batch=True)
+    for c, (first, last) in enumerate(plan.stages):
+        base = plan.chunk_rank(c) * n
+        lays = [Layout(lp.tp, lp.dp, lp.sp, base) for lp in plan.layers[first:last + 1]]
+        lays += [batch_layout(lp.tp, lp.dp, lp.sp, base, whole_batch=True)
                  for i, lp in enumerate(plan.layers[first:last + 1], first) if i in whole_batch]
         if plan.pp > 1:
-            lays.append(Layout(1, n, False, s * n))
+            lays.append(Layout(1, n, False, base))
         sets |= reshard.rank_sets(lays, world)
     return sets

@@ -32,7 +32,8 @@ from typing import Any
 
 from .cluster import PRECISIONS
 from .errors import ConfigError, PlanMismatchError
-from .solver.pipeline import SCHEDULES, even_split
+from .solver.pipeline import even_split
+from .solver.schedules import check_schedule, chunk_rank, default_virtual_stages, rank_chunks
 from .solver.strategy import SDP_KINDS, Strategy
 
 FORMAT = "galvatron_fx.plan/1"
@@ -110,6 +111,7 @@ class Plan:
     cluster: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     precision: str = "fp32"
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stages, (list, tuple)):
@@ -133,8 +135,23 @@ class Plan:
         """Samples per micro-batch (all data-parallel ranks together)."""
         return self.global_batch_size // self.micro_batches
 
+    @property
+    def num_chunks(self) -> int:
+        """``pp * virtual_stages``: the contiguous layer ranges of ``stages``."""
+        return self.pp * self.virtual_stages
+
+    def chunk_rank(self, chunk: int) -> int:
+        """The pipeline rank (0..pp-1) running chunk ``chunk`` of ``stages`` (round-robin for the
+        interleaved schedules, a V for ``zbv`` / ``dualpipev``: :mod:`galvatron_fx.solver.schedules`)."""
+        return chunk_rank(self.schedule, chunk, self.pp)
+
+    def rank_chunks(self, rank: int) -> list[int]:
+        """The chunks of ``stages`` pipeline rank ``rank`` runs, in layer order."""
+        return rank_chunks(self.schedule, rank, self.pp, self.virtual_stages)
+
     def stage_of(self, layer_index: int) -> int:
-        """Index of the pipeline stage holding layer ``layer_index``."""
+        """Index of the chunk of ``stages`` holding layer ``layer_index`` (its pipeline stage when
+        ``virtual_stages`` is 1)."""
         for k, (first, last) in enumerate(self.stages):
             if first <= layer_index <= last:
                 return k
@@ -150,8 +167,6 @@ class Plan:
         pp = _need_int("pp", self.pp)
         if ws % pp:
             raise ConfigError(f"plan pp={pp} must divide world_size={ws}; choose pp among the divisors of {ws}")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"plan schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"plan precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
         m = _need_int("micro_batches", self.micro_batches)
@@ -161,8 +176,9 @@ class Plan:
                               "pick micro_batches dividing the global batch")
         if not isinstance(self.layers, list) or not self.layers:
             raise ConfigError("plan layers must be a non-empty list, one entry per layer in execution order")
+        check_schedule(self.schedule, pp, self.virtual_stages, m)
         self._validate_layers(ws // pp, gbs // m)
-        self._validate_stages(pp)
+        self._validate_stages(pp * self.virtual_stages)
         self._validate_estimate(pp)
         if not isinstance(self.model_fingerprint, str):
             raise ConfigError(f"plan model_fingerprint must be a string, got {self.model_fingerprint!r}")
@@ -202,7 +218,9 @@ class Plan:
     def _validate_stages(self, pp: int) -> None:
         L = len(self.layers)
         if not isinstance(self.stages, list) or len(self.stages) != pp:
-            raise ConfigError(f"plan stages must list pp={pp} [first, last] ranges, got {self.stages!r}")
+            what = f"pp={pp}" if self.virtual_stages == 1 else \
+                f"pp * virtual_stages = {self.pp} * {self.virtual_stages} = {pp}"
+            raise ConfigError(f"plan stages must list {what} [first, last] ranges, got {self.stages!r}")
         expect = 0
         for k, rng in enumerate(self.stages):
             ok = isinstance(rng, tuple) and len(rng) == 2 and all(_is_int(x) for x in rng)
@@ -264,15 +282,18 @@ class Plan:
         est = self.estimate or {}
         per_layer = est.get("layers") or [None] * self.num_layers
         budget = self.extra.get("memory_budget_bytes")
+        chunks = f" ({self.virtual_stages} chunks per rank)" if self.virtual_stages > 1 else ""
         lines = [f"plan: {self.world_size} devices = pp {self.pp} x {self.devices_per_stage} per stage, "
-                 f"{self.schedule}, {self.micro_batches} micro-batch(es) of {self.micro_batch_size} "
+                 f"{self.schedule}{chunks}, {self.micro_batches} micro-batch(es) of {self.micro_batch_size} "
                  f"(global batch {self.global_batch_size}), {self.precision}"]
         if est.get("step_time_s") is not None:
             lines.append(f"estimate: {est['step_time_s'] * 1e3:.3f} ms/step, "
                          f"{est['throughput_samples_s']:.2f} samples/s")
-        for k, (first, last) in enumerate(self.stages):
+        for c, (first, last) in enumerate(self.stages):
+            k = self.chunk_rank(c)
             mem = (est.get("memory_bytes_per_device") or [None] * self.pp)[k]
-            head = f"stage {k}: layers {first}..{last}"
+            head = f"stage {k}: layers {first}..{last}" if self.virtual_stages == 1 else \
+                f"chunk {c} on pipeline rank {k}: layers {first}..{last}"
             if mem is not None:
                 head += f", {_gib(mem)} per device"
                 if budget:
@@ -308,6 +329,7 @@ class Plan:
             "layers": [layer.to_dict() for layer in self.layers],
             "estimate": dict(self.estimate),
             "precision": self.precision,
+            "virtual_stages": self.virtual_stages,
             "model_fingerprint": self.model_fingerprint,
             "cluster": dict(self.cluster),
         }
@@ -357,10 +379,11 @@ class Plan:
             raise ConfigError(f"plan stages must be a list of [first, last] ranges, got {d['stages']!r}")
         layers = [LayerPlan.from_dict(x, i) for i, x in enumerate(d["layers"])]
         stages = [tuple(s) if isinstance(s, list) else s for s in d["stages"]]
-        extra = {k: v for k, v in d.items() if k not in _TOP_KEYS and k != "precision"}
+        extra = {k: v for k, v in d.items() if k not in _TOP_KEYS and k not in ("precision", "virtual_stages")}
         return cls(d["world_size"], d["pp"], d["schedule"], d["micro_batches"], d["global_batch_size"],
                    stages, layers, d["estimate"], d["model_fingerprint"], d["cluster"], extra,
-                   precision=d.get("precision", "fp32"))
+                   precision=d.get("precision", "fp32"),
+                   virtual_stages=d.get("virtual_stages", default_virtual_stages(d["schedule"])))
 
     @classmethod
     def uniform(cls, gm: Any, world_size: int, **kwargs: Any) -> Plan:
@@ -384,6 +407,7 @@ class Plan:
         micro_batches: int = 1,
         schedule: str = "1f1b",
         global_batch_size: int = 8,
+        virtual_stages: int | None = None,
         *,
         model_fingerprint: str = "",
         cluster: dict[str, Any] | None = None,
@@ -391,7 +415,8 @@ class Plan:
     ) -> Plan:
         """A hand-chosen plan: every layer on the same strategy, layers split evenly over ``pp``
         stages (:func:`~galvatron_fx.solver.pipeline.even_split`: the first ``L % pp`` stages get one
-        more layer). ``dp`` defaults to ``world_size / (pp * tp)``. ``precision`` defaults to the
+        more layer), ``pp * virtual_stages`` chunks for the interleaved and V schedules
+        (``virtual_stages`` defaults to the schedule's: 2 for ``zbv`` / ``dualpipev``, else 1). ``dp`` defaults to ``world_size / (pp * tp)``. ``precision`` defaults to the
         ``cluster``'s (:func:`galvatron_fx.cluster.default_precision`; ``"fp32"`` without one).
         Estimates are ``None``."""
         names = list(names)
@@ -405,16 +430,18 @@ class Plan:
             dp = world_size // (pp * tp)
         if not names:
             raise ConfigError("uniform plan needs at least one layer name")
-        if pp > len(names):
-            raise ConfigError(f"pp={pp} exceeds the {len(names)} layers; use pp <= {len(names)}")
+        v = default_virtual_stages(schedule) if virtual_stages is None else virtual_stages
+        if pp * v > len(names):
+            what = f"pp={pp}" if v == 1 else f"pp * virtual_stages = {pp} * {v}"
+            raise ConfigError(f"{what} exceeds the {len(names)} layers; use {what.split('=')[0].strip()} <= {len(names)}")
         layers = [LayerPlan(n, tp, dp, sdp, sp, ckpt) for n in names]
         est = {"step_time_s": None, "throughput_samples_s": None, "memory_bytes_per_device": None}
         if precision is None:
             from .cluster import default_precision
 
             precision = default_precision(cluster or None)
-        return cls(world_size, pp, schedule, micro_batches, global_batch_size, even_split(len(names), pp),
-                   layers, est, model_fingerprint, dict(cluster or {}), precision=precision)
+        return cls(world_size, pp, schedule, micro_batches, global_batch_size, even_split(len(names), pp * v),
+                   layers, est, model_fingerprint, dict(cluster or {}), precision=precision, virtual_stages=v)
 
 
 def _tp_lines(layers: list[LayerPlan]) -> list[str]:

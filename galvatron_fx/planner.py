@@ -284,7 +284,8 @@ def estimate(gm: torch.fx.GraphModule, plan: Plan, cluster=None, **cost_options)
     cm = cost_model_for(gm, cluster, **opts)
     est = estimate_plan(cm, cluster, strategies=plan.layer_strategies(), stages=list(plan.stages),
                         micro_batches=plan.micro_batches, global_batch_size=plan.global_batch_size,
-                        schedule=plan.schedule, world_size=plan.world_size, reserve_bytes=cm.reserve_bytes)
+                        schedule=plan.schedule, world_size=plan.world_size, reserve_bytes=cm.reserve_bytes,
+                        virtual_stages=plan.virtual_stages)
     return _json_estimate(est)
 
 

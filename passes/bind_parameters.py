@@ -8,7 +8,8 @@ with a :class:`~galvatron_fx.runtime.params.ParamRegistry` (``model.params``) wh
 ``named_parameters()`` yields: new ``ShardedParameter`` objects, or, given the user's parameters,
 those very objects with their class changed in place and ``.data`` re-pointed at the views (see
 :mod:`galvatron_fx.runtime.params`). A user parameter this rank holds no part of (another pipeline
-stage's) becomes an empty tensor. ``optimizer.step()`` on these parameters updates the buffers in
+stage's) becomes an empty tensor once every chunk of the rank is built (:func:`release_unheld`,
+called by :func:`galvatron_fx.parallelize.transform`). ``optimizer.step()`` on these parameters updates the buffers in
 place; after each step's backward they hold their gradient views.
 
 Each parameter's ``slot`` is its position among the parameters of the *whole* model
@@ -46,11 +47,16 @@ def build_registry(ctx: ParallelContext, stores, user: dict[str, nn.Parameter] |
                 registry.slots = len(slots)
             spec = ParamSpec(fqn, store, i, shard, tuple(global_shape), slots[fqn], registry)
             registry.add(spec, user.get(fqn))
-    for fqn, p in user.items():
-        if fqn not in registry.params and p.requires_grad:
-            with torch.no_grad():
-                p.data = p.data.new_empty(0)   # another pipeline stage's parameter
     return registry
+
+
+def release_unheld(user: dict[str, nn.Parameter] | None, held) -> None:
+    """Empty the user's trainable parameters this rank holds no part of (other pipeline stages'),
+    once all of this rank's chunks are bound (a chunk's graph may still read another's)."""
+    for fqn, p in (user or {}).items():
+        if fqn not in held and p.requires_grad and not isinstance(p, ShardedParameter):
+            with torch.no_grad():
+                p.data = p.data.new_empty(0)
 
 
 class BindParametersPass(ContextPass):

@@ -31,7 +31,7 @@ class CodegenPass(ContextPass):
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         ctx = self.ctx
-        name = "GalvatronDistributed" if ctx.plan.pp == 1 else f"GalvatronStage{ctx.stage}"
+        name = "GalvatronDistributed" if ctx.plan.pp == 1 else f"GalvatronStage{ctx.chunk_index}"
         model = DistributedModel(graph_module, graph_module.graph, class_name=name)
         model.meta[META_KEY] = graph_module.meta[META_KEY]
         model.setup(ctx.stage_plan, ctx.rank, ctx.loss_fn, ctx.output_layout, ctx.stores, ctx.tp_shards,

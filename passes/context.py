@@ -41,6 +41,7 @@ class ParallelContext:
     precision: Precision = field(default_factory=Precision)  # runtime/precision.py: the plan's policy
     param_fqns: list = field(default_factory=list)  # every parameter of the whole model, graph order
     whole_batch: frozenset = frozenset()  # (global) layers mixing the samples of a batch (batch_symbol.coupling)
+    chunk: int | None = None            # the chunk of plan.stages built (None: this rank's stage; for_chunk)
     # products
     token_loss: Any = None                       # token_loss: TokenLoss (count graph, scale buffer)
     stage_info: StageInfo | None = None          # stage_split
@@ -60,22 +61,34 @@ class ParallelContext:
         return self.rank // self.stage_size
 
     @property
+    def chunk_index(self) -> int:
+        """The chunk of ``plan.stages`` this program runs (this rank's stage unless ``chunk`` says)."""
+        return self.stage if self.chunk is None else self.chunk
+
+    def for_chunk(self, chunk: int) -> ParallelContext:
+        """The same inputs, no products, building chunk ``chunk`` (a multi-chunk schedule runs
+        several per rank: :mod:`galvatron_fx.solver.schedules`)."""
+        return dataclasses.replace(self, chunk=chunk, token_loss=None, stage_info=None, tp_shards={}, stores=[],
+                                   output_layout=None, input_layout=None)
+
+    @property
     def base(self) -> int:
         """The first global rank of this rank's stage."""
         return self.stage * self.stage_size
 
     @functools.cached_property
     def stage_plan(self) -> Plan:
-        """The pp = 1 plan of this rank's stage alone (its layers, ``world_size / pp`` devices)."""
+        """The pp = 1 plan of this rank's chunk alone (its layers, ``world_size / pp`` devices)."""
         plan = self.plan
         if plan.pp == 1:
             return plan
         k = self.stage
-        first, last = plan.stages[k]
+        first, last = plan.stages[self.chunk_index]
         est = dict(plan.estimate)
         mem = est.get("memory_bytes_per_device")
         est["memory_bytes_per_device"] = [mem[k]] if isinstance(mem, list) and len(mem) > k else None
         return dataclasses.replace(plan, world_size=self.stage_size, pp=1, stages=[(0, last - first)],
+                                   schedule="1f1b", virtual_stages=1,
                                    layers=[dataclasses.replace(lp) for lp in plan.layers[first:last + 1]],
                                    estimate=est)
 
@@ -88,7 +101,7 @@ class ParallelContext:
 
     def holds_whole_batch(self, i: int) -> bool:
         """Whether stage-local layer ``i`` mixes the samples of a batch over DP ranks (``whole_batch``)."""
-        first = self.plan.stages[self.stage][0] if self.plan.pp > 1 else 0
+        first = self.plan.stages[self.chunk_index][0] if self.plan.pp > 1 else 0
         return first + i in self.whole_batch
 
     def tp_layouts(self) -> list[Layout]:

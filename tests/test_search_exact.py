@@ -94,7 +94,7 @@ def enumerate_space(gm, cluster, gbs: int, precision: str):
                 continue
             slots = m + p - 1
             terms = [[layer_terms(cm.layer_cost(i, s, b), cluster) for s in space] for i in range(L)]
-            T = np.array([[layer_step_time(x, m, p) for x in row] for row in terms])
+            T = np.array([[layer_step_time(x, m + p - 1) for x in row] for row in terms])
             st = np.array([[x.states_bytes for x in row] for row in terms])
             act = np.array([[x.activation_bytes for x in row] for row in terms])
             tr = np.array([[x.transient_bytes for x in row] for row in terms])

@@ -7,10 +7,13 @@ layout) and runs it under a ``torch.distributed.pipelining`` schedule.
 
 Rank layout (see :mod:`.groups`): stages outermost, stage ``k`` owns global ranks
 ``[k*N, (k+1)*N)`` with ``N = world_size / pp``; local rank ``j`` of every stage talks to local rank
-``j`` of the next over the p2p group ``{j, N+j, 2N+j, ...}``.
+``j`` of the next over the p2p group ``{j, N+j, 2N+j, ...}``. Under ``interleaved-1f1b`` with
+``virtual_stages = v`` the plan's ``pp * v`` chunks go round-robin over the stages (chunk ``c`` on
+stage ``c % pp``): each rank runs ``v`` chunks, each built by the same pass list, behind one
+:class:`~.chunk_set.ChunkSet`.
 
 NOTE: built on ``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe`` /
-``Schedule1F1B``) with static shapes (no meta-device shape inference, which the stage's
+``Schedule1F1B`` / ``ScheduleInterleaved1F1B``) with static shapes (no meta-device shape inference, which the stage's
 collectives would break). ``scale_grads=False``: the loss is scaled by ``1 / (dp * m)`` instead,
 as in pp = 1 training, and the layers' flat buffers run their DP reduction on the schedule's
 ``last_backward``.
@@ -79,7 +82,7 @@ def _make_stage_class():
         def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
             stats = self.stats
             self.submod.chunk = fwd_chunk_id
-            stats["order"].append(f"F{fwd_chunk_id}")
+            stats["order"].append(f"F{fwd_chunk_id}{self.chunk_tag}")
             if not self.track_memory:
                 out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
                 stats["in_flight"] += 1
@@ -109,7 +112,7 @@ def _make_stage_class():
         def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
             for s in self.stores:
                 s.last_micro_batch = last_backward
-            self.stats["order"].append(f"B{bwd_chunk_id}")
+            self.stats["order"].append(f"B{bwd_chunk_id}{self.chunk_tag}")
             super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                        last_backward=last_backward)
             grads = self.bwd_cache.get(bwd_chunk_id)
@@ -122,6 +125,28 @@ def _make_stage_class():
     return _Stage
 
 
+def _stages(schedule) -> list:
+    """The ``PipelineStage`` s a schedule runs on this rank."""
+    return list(getattr(schedule, "_stages", None) or [schedule._stage])
+
+
+def _param_storages(stage):
+    """A function listing the storages of ``stage``'s flat buffers (ZeRO-3's gathered ones are
+    re-allocated per gather, so the list is re-read), without keeping ``stage`` alive."""
+    ref = weakref.ref(stage)
+
+    def storages():
+        st = ref()
+        ptrs = set()
+        for s in (st.stores if st is not None else []):
+            ptrs.add(s.flat_param.untyped_storage().data_ptr())
+            if s.full is not None:
+                ptrs.add(s.full.untyped_storage().data_ptr())
+        return ptrs
+
+    return storages
+
+
 class PipelineModel(nn.Module):
     """This rank's pipeline stage under a ``pp > 1`` plan.
 
@@ -130,22 +155,40 @@ class PipelineModel(nn.Module):
     ``num_stages`` / ``stage_info`` say which part of the model this rank runs. ``forward`` runs the
     stage graph on one micro-batch (``local inputs`` then received values, see
     :class:`~galvatron_fx.ir.StageInfo`); train with :meth:`train_step`.
-    ``schedule_stats`` (after a step): the forward/backward order of this stage (``"F0", "B0"``),
+    ``schedule_stats`` (after a step): the forward/backward order of this stage (``"F0", "B0"``;
+    ``"F0@2"``: chunk 2's, when the rank runs several),
     ``peak_in_flight`` micro-batches (forwarded, not yet backwarded) and ``peak_saved_bytes`` (the
     activation bytes autograd held for them, parameters excluded).
     """
 
-    def __init__(self, stage: DistributedModel, plan, info: StageInfo, *, input_names: list[str], rank: int,
-                 stage_size: int):
+    def __init__(self, chunks: list[DistributedModel], plan, infos: list[StageInfo], *, input_names: list[str],
+                 rank: int, stage_size: int):
         super().__init__()
-        self.stage = stage
-        self.plan, self.stage_info, self.rank, self.stage_size = plan, info, rank, stage_size
-        self.stage_index, self.num_stages = info.index, info.num_stages
+        from .chunk_set import ChunkSet
+
+        self.stage = chunks[0] if len(chunks) == 1 else ChunkSet(chunks)
+        self.plan, self.rank, self.stage_size = plan, rank, stage_size
+        self.stage_info = infos[0]
+        self.chunk_infos = list(infos)
+        self.stage_index, self.num_stages = rank // stage_size, plan.pp
         self._input_names = list(input_names)
-        self.__dict__["_runner"] = _StageRunner(stage, first=info.index == 0,
-                                                loss_of=self._loss if info.is_last else None)
+        last = next((c for c, i in zip(chunks, infos) if i.is_last), None)
+        self.__dict__["_chunks"] = list(chunks)
+        self.__dict__["_last"] = last   # the chunk computing the loss, where this rank holds it
+        self.__dict__["_runners"] = [_StageRunner(c, first=i.index == 0, loss_of=self._loss if i.is_last else None)
+                                     for c, i in zip(chunks, infos)]
         self.__dict__["_schedules"] = {}   # (micro-batch rows, local input shapes) -> schedule
         self.schedule_stats: dict = {}
+
+    @property
+    def holds_first(self) -> bool:
+        """Whether this rank runs the model's first chunk (it takes the schedule's inputs)."""
+        return self.chunk_infos[0].index == 0
+
+    @property
+    def holds_last(self) -> bool:
+        """Whether this rank runs the model's last chunk (it computes the loss)."""
+        return self._last is not None
 
     @property
     def code(self) -> str:
@@ -166,12 +209,13 @@ class PipelineModel(nn.Module):
     def track_memory(self, on: bool) -> None:
         self.__dict__["_track_memory"] = bool(on)
         for schedule in self._schedules.values():
-            schedule._stage.track_memory = bool(on)
+            for stage in _stages(schedule):
+                stage.track_memory = bool(on)
 
     def extra_repr(self) -> str:
-        return (f"stage_index={self.stage_index}, num_stages={self.num_stages}, layers "
-                f"{self.stage_info.first}..{self.stage_info.last}, schedule={self.plan.schedule}, "
-                f"micro_batches={self.plan.micro_batches}")
+        layers = ", ".join(f"{i.first}..{i.last}" for i in self.chunk_infos)
+        return (f"stage_index={self.stage_index}, num_stages={self.num_stages}, layers {layers}, "
+                f"schedule={self.plan.schedule}, micro_batches={self.plan.micro_batches}")
 
     def forward(self, *inputs):
         return self.stage(*inputs)
@@ -200,36 +244,45 @@ class PipelineModel(nn.Module):
 
     def _run(self, args, kwargs, where: str, *, train: bool, collect: bool = False):
         self.stage.check_ready()
-        graph_inputs, targets = match_inputs(self.input_names, args, kwargs, where, self.stage.baked_inputs)
-        m, info = self.plan.micro_batches, self.stage_info
-        (index, size), given = self.input_shard, [graph_inputs[i] for i in info.local_inputs]
-        batch = self._agreed_batch(self.stage.call_batch(given + targets, where))
+        first = self._chunks[0]
+        graph_inputs, targets = match_inputs(self.input_names, args, kwargs, where, first.baked_inputs)
+        m = self.plan.micro_batches
+        # NOTE: each chunk reads its own graph inputs (its StageInfo's local_inputs); one sharding
+        # of all of them, then each chunk takes its own
+        positions = [pos for info in self.chunk_infos for pos in info.local_inputs]
+        (index, size), given = self.input_shard, [graph_inputs[i] for i in positions]
+        batch = self._agreed_batch(first.call_batch(given + targets, where))
         shards, sharded = to_shards(given + targets, batch, index, size, m, where)
         local, targets = shards[:len(given)], shards[len(given):]
-        schedule = self._schedule(batch // m, local)
-        if self.stage.token_loss is not None and info.is_last:
+        per_chunk, at = [], 0
+        for info in self.chunk_infos:
+            per_chunk.append(local[at:at + len(info.local_inputs)])
+            at += len(info.local_inputs)
+        schedule = self._schedule(batch // m, per_chunk)
+        last = self._last
+        if last is not None and last.token_loss is not None:
             if sharded:
                 counted = list(graph_inputs)
-                for pos, t in zip(info.local_inputs, local):
+                for pos, t in zip(positions, local):
                     counted[pos] = t
-                self.stage.token_loss.prepare(counted, self.stage.input_layout.dp_ranks(self.rank))
+                last.token_loss.prepare(counted, last.input_layout.dp_ranks(self.rank))
             else:
-                self.stage.token_loss.prepare(graph_inputs)
+                last.token_loss.prepare(graph_inputs)
         self.stage.sync_params()   # ZeRO-2: the shards the user's optimizer updated -> whole buffers
         if train:
             self.stage.params.check_requires_grad()
         for s in self.stage.stores:
             s.zero_grad_state()
-        runner = self._runner
-        runner.local = [list(c) for c in zip(*[_split(t, m) for t in local])] if local else [[]] * m
-        runner.outputs = {} if collect else None
+        for runner, mine in zip(self._runners, per_chunk):
+            runner.local = [list(c) for c in zip(*[_split(t, m) for t in mine])] if mine else [[]] * m
+            runner.outputs = {} if collect and runner.loss_of is not None else None
         self._targets = [_split(t, m) for t in targets]
         self._losses: list[torch.Tensor] = []
-        stats = schedule._stage.stats
+        stats = _stages(schedule)[0].stats   # NOTE: one dict shared by this rank's chunks
         stats.update(order=[], chunk_bytes={}, live_bytes=0, in_flight=0, peak_in_flight=0, peak_saved_bytes=0)
         step = schedule.step if train else schedule.eval
-        kw = {"target": torch.arange(m), "return_outputs": False} if info.is_last else {}
-        step(*local, **kw) if info.index == 0 else step(**kw)
+        kw = {"target": torch.arange(m), "return_outputs": False} if self.holds_last else {}
+        step(*per_chunk[0], **kw) if self.holds_first else step(**kw)
         if train:
             self.stage.finish_grad_sync()
         else:
@@ -239,9 +292,9 @@ class PipelineModel(nn.Module):
         device = next((p.device for p in self.stage.parameters()), None) or next(
             (t.device for t in graph_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
         total = torch.zeros((), device=device)
-        if info.is_last:
-            lay = self.stage.output_layout
-            per_rank = m * lay.dp if self.stage.token_loss is None else 1
+        if last is not None:
+            lay = last.output_layout
+            per_rank = m * lay.dp if last.token_loss is None else 1
             total = torch.stack(self._losses).float().sum() / per_rank / (self.stage_size // lay.dp)
         # NOTE: the last stage's ranks each hold the mean (or, for a token loss, their share of the
         # global mean) over their output slice; the world sum of these (0 elsewhere) is the global
@@ -250,23 +303,28 @@ class PipelineModel(nn.Module):
         if not collect:
             return total
         box = [None]
-        if info.is_last:
-            box[0] = gather_outputs([runner.outputs[k] for k in range(m)], self.stage.output_layout, self.rank)
-        # NOTE: the outputs exist on the last stage; each of its ranks hands them down its p2p
-        # group, so every rank returns them (the cost: the global batch's outputs on every rank)
-        n = self.stage_size
-        pipe = tuple(self.rank % n + s * n for s in range(self.num_stages))
-        dist.broadcast_object_list(box, src=pipe[-1], group=group(pipe))
+        if last is not None:
+            outputs = self._runners[-1].outputs
+            box[0] = gather_outputs([outputs[k] for k in range(m)], last.output_layout, self.rank)
+        # NOTE: the outputs exist on the last chunk's stage; each of its ranks hands them down its
+        # p2p group, so every rank returns them (the cost: the global batch's outputs on every rank)
+        pipe = self._pipe()
+        src = pipe[self.plan.chunk_rank(self.plan.num_chunks - 1)]
+        dist.broadcast_object_list(box, src=src, group=group(pipe))
         return total, box[0]
+
+    def _pipe(self) -> tuple[int, ...]:
+        """The global ranks of this rank's pipe: its local rank in every stage."""
+        n = self.stage_size
+        return tuple(self.rank % n + s * n for s in range(self.num_stages))
 
     def _agreed_batch(self, seen: int | None) -> int:
         """The global batch of this call on every stage: a stage that reads no input does not see
         it, so under a symbolic batch the stages exchange what they saw (one small all-gather)."""
         planned = self.plan.global_batch_size
-        if not self.stage.symbolic_batch:
+        if not self._chunks[0].symbolic_batch:
             return seen or planned
-        n = self.stage_size
-        pipe = tuple(self.rank % n + s * n for s in range(self.num_stages))
+        pipe = self._pipe()
         device = next((p.device for p in self.stage.parameters()), torch.device("cpu"))
         mine = torch.tensor([seen or 0], dtype=torch.int64, device=device)
         every = [torch.empty_like(mine) for _ in pipe]
@@ -286,60 +344,57 @@ class PipelineModel(nn.Module):
     def input_shard(self) -> tuple[int, int]:
         """``(index, size)`` of this rank's data shard within its stage (:attr:`DistributedModel.input_shard`;
         a stage that reads no input may be given ``None`` for it)."""
-        return self.stage.input_shard
+        return self._chunks[0].input_shard
 
     def _loss(self, out, k: int) -> torch.Tensor:
         """Micro-batch ``k``'s loss over this rank's output slice (the last stage's runner output)."""
-        steps = plan_batched(self.stage.input_layout, self.stage.output_layout, self.rank)
+        last = self._last
+        steps = plan_batched(last.input_layout, last.output_layout, self.rank)
         targets = [apply_steps(steps, t[k]) for t in self._targets]
-        loss = self.stage._loss(out, targets)
+        loss = last._loss(out, targets)
         self._losses.append(loss.detach())
         return loss
 
     def _scaled_loss(self, loss, _index):
         """The schedule's loss: the micro-batch loss times :attr:`DistributedModel.loss_scale`, so
         the DP *sum* of gradients is the gradient of the global loss."""
-        return loss * self.stage.loss_scale
+        return loss * self._last.loss_scale
 
-    def _schedule(self, micro_batch: int, local: list[torch.Tensor]):
-        key = (micro_batch, tuple(tuple(t.shape) for t in local))
+    def _schedule(self, micro_batch: int, per_chunk: list[list[torch.Tensor]]):
+        key = (micro_batch, tuple(tuple(tuple(t.shape) for t in local) for local in per_chunk))
         if key in self._schedules:   # NOTE: one per batch size seen (a last, smaller batch; eval)
             return self._schedules[key]
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-        info, n = self.stage_info, self.stage_size
-        m = self.plan.micro_batches
+        n, m = self.stage_size, self.plan.micro_batches
 
         def meta(cv):
             shape = (micro_batch // n * cv.rows, *cv.shape[1:]) if cv.batched else cv.shape
             return torch.empty(shape, dtype=cv.dtype, device="meta").requires_grad_(cv.requires_grad)
 
-        if info.index == 0:
-            inputs = tuple(c[0] for c in (_split(t, m) for t in local))
-        else:
-            inputs = tuple(meta(cv) for cv in info.received)
-        outputs = (torch.empty((), device="meta"),) if info.is_last else tuple(meta(cv) for cv in info.sent)
         device = next((p.device for p in self.stage.parameters()), torch.device("cpu"))
-        pipe = group(tuple(self.rank % n + s * n for s in range(self.num_stages)))
-        stage = _make_stage_class()(self._runner, info.index, self.num_stages, device,
-                                    input_args=inputs, output_args=outputs, group=pipe)
-        stage.stats = {}
-        stage.track_memory = self.track_memory
-        stage.stores = self.stage.stores
-        stores = weakref.ref(self.stage)
-
-        def param_storages():
-            st = stores()
-            ptrs = set()
-            for s in (st.stores if st is not None else []):
-                ptrs.add(s.flat_param.untyped_storage().data_ptr())
-                if s.full is not None:
-                    ptrs.add(s.full.untyped_storage().data_ptr())
-            return ptrs
-
-        stage.param_storages = param_storages
-        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.plan.schedule]
-        schedule = cls(stage, n_microbatches=m, loss_fn=self._scaled_loss, scale_grads=False)
+        pipe = group(self._pipe())
+        stats: dict = {}
+        stages = []
+        for runner, info, local in zip(self._runners, self.chunk_infos, per_chunk):
+            if info.index == 0:
+                inputs = tuple(c[0] for c in (_split(t, m) for t in local))
+            else:
+                inputs = tuple(meta(cv) for cv in info.received)
+            outputs = (torch.empty((), device="meta"),) if info.is_last else tuple(meta(cv) for cv in info.sent)
+            stage = _make_stage_class()(runner, info.index, info.num_stages, device,
+                                        input_args=inputs, output_args=outputs, group=pipe)
+            stage.stats = stats
+            stage.chunk_tag = f"@{info.index}" if len(per_chunk) > 1 else ""   # "F3@2": micro-batch 3, chunk 2
+            stage.track_memory = self.track_memory
+            stage.stores = runner.stage.stores
+            stage.param_storages = _param_storages(self.stage)
+            stages.append(stage)
+        if self.plan.schedule == "interleaved-1f1b":
+            schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=self._scaled_loss, scale_grads=False)
+        else:
+            cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.plan.schedule]
+            schedule = cls(stages[0], n_microbatches=m, loss_fn=self._scaled_loss, scale_grads=False)
         self._schedules[key] = schedule
         return schedule
 

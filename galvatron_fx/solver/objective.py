@@ -17,11 +17,16 @@ For a pipeline of ``p`` stages and ``m`` micro-batches (stage ``k`` on devices `
   optimizer step follows, and ZeRO-2's re-gather of the updated shards overlaps the next forward
   (prefetched by the layer before): ``sync = overlap(bwd, grad_sync - exposed_sync) - bwd +
   exposed_sync + overlap(fwd, regather) - fwd + optimizer``;
-* stage ``k`` takes ``T_k = (m + p - 1) * sum(t_mb) + sum(sync) + (m + p - 1) * p2p_k`` per step and
-  the step time is ``max_k T_k`` (the slowest stage paces the pipeline: GPipe and 1F1B have the same
-  bubble);
+* stage ``k`` takes ``T_k = slots * sum(t_mb) + sum(sync) + slots * p2p_k`` per step with
+  ``slots = m + p - 1`` (GPipe and 1F1B have the same bubble) and the step time is ``max_k T_k``
+  (the slowest stage paces the pipeline);
 * a device of stage ``k`` holds ``sum(states) + inflight_k * sum(activations) + max(transient) +
   reserve`` bytes, with ``inflight_k = m`` for GPipe and ``min(m, p - k)`` for 1F1B.
+
+Under ``interleaved-1f1b`` with ``v`` virtual stages the ``p * v`` chunks go round-robin over the
+stages (:mod:`.schedules`): a stage's sums run over its ``v`` chunks, ``slots = m + (p - 1) / v``,
+every chunk but the last sends (``p2p`` at each of its boundaries), and each chunk's activations
+count ``inflight`` times with its own peak (:func:`~.schedules.chunk_in_flight`).
 
 The cost source (:class:`CostSource`) is duck-typed: the cost model of :mod:`galvatron_fx.cost`, or
 a synthetic one in tests.
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .pipeline import in_flight_microbatches
+from .schedules import chunk_in_flight, chunk_rank, step_slots
 from .strategy import Strategy
 
 
@@ -73,9 +79,10 @@ def layer_terms(cost: Any, cluster: Any) -> LayerTerms:
     return LayerTerms(t_mb, sync, states, cost.activation_bytes, cost.transient_bytes)
 
 
-def layer_step_time(terms: LayerTerms, micro_batches: int, pp: int) -> float:
-    """A layer's contribution to its stage's step time (seconds)."""
-    return (micro_batches + pp - 1) * terms.time_per_microbatch_s + terms.step_sync_s
+def layer_step_time(terms: LayerTerms, slots: float) -> float:
+    """A layer's contribution to its stage's step time (seconds), ``slots`` micro-batch times per
+    step (:func:`~.schedules.step_slots`: ``m + p - 1`` for GPipe and 1F1B)."""
+    return slots * terms.time_per_microbatch_s + terms.step_sync_s
 
 
 def layer_memory(terms: LayerTerms, inflight: int) -> float:
@@ -111,42 +118,49 @@ def step_constant(cluster: Any, pp: int, world_size: int) -> float:
 
 def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy], stages: list[tuple[int, int]],
                   micro_batches: int, global_batch_size: int, schedule: str, world_size: int,
-                  reserve_bytes: float = 0.0) -> dict:
+                  reserve_bytes: float = 0.0, virtual_stages: int = 1) -> dict:
     """The cost model's figures for one plan (the Plan JSON's ``estimate`` plus a breakdown).
 
-    ``layers`` gives each layer's step-time share (seconds, resharding into it included) and its
-    bytes per device (states, in-flight activations, transient).
-    ``memory_bytes_per_device`` has one entry per pipeline stage: every device of a stage holds the
-    same amount under galvatron_fx's rank layout.
+    ``stages`` are the plan's ``pp * virtual_stages`` chunks. ``layers`` gives each layer's
+    step-time share (seconds, resharding into it included) and its bytes per device (states,
+    in-flight activations, transient). ``memory_bytes_per_device`` and ``stage_time_s`` have one
+    entry per pipeline stage: every device of a stage holds the same amount under galvatron_fx's
+    rank layout.
     """
-    pp = len(stages)
+    v = virtual_stages
+    pp = len(stages) // v
     per_stage = world_size // pp
     b = global_batch_size // micro_batches
-    stage_time, states, acts, transient, mem, per_layer = [], [], [], [], [], []
-    for k, (first, last) in enumerate(stages):
-        inflight = in_flight_microbatches(schedule, micro_batches, pp, k)
+    slots = step_slots(schedule, pp, v, micro_batches)
+    stage_time, states, acts, transient = [0.0] * pp, [0.0] * pp, [0.0] * pp, [0.0] * pp
+    per_layer: list[dict] = []
+    held = {}   # chunk -> micro-batches in flight at its peak
+    for k in range(pp):
+        mine = [c for c in range(len(stages)) if chunk_rank(schedule, c, pp) == k]
+        peaks = ([in_flight_microbatches(schedule, micro_batches, pp, k)] if v == 1 and schedule in ("gpipe", "1f1b")
+                 else chunk_in_flight(schedule, pp, v, micro_batches, k))
+        held.update(zip(mine, peaks))
+    for c, (first, last) in enumerate(stages):
+        k, inflight = chunk_rank(schedule, c, pp), held[c]
         t = 0.0
-        st = ac = tr = 0.0
         for i in range(first, last + 1):
             terms = layer_terms(costs.layer_cost(i, strategies[i], b), cluster)
-            lt = layer_step_time(terms, micro_batches, pp)
+            lt = layer_step_time(terms, slots)
             if i > first:
-                lt += (micro_batches + pp - 1) * costs.reshard_time(i - 1, strategies[i - 1], strategies[i], b)
+                lt += slots * costs.reshard_time(i - 1, strategies[i - 1], strategies[i], b)
             t += lt
             per_layer.append({"time_s": lt, "states_bytes": int(round(terms.states_bytes)),
                               "activation_bytes": int(round(inflight * terms.activation_bytes)),
                               "transient_bytes": int(round(terms.transient_bytes))})
-            st += terms.states_bytes
-            ac += inflight * terms.activation_bytes
-            tr = max(tr, terms.transient_bytes)
-        if k < pp - 1:
-            t += (micro_batches + pp - 1) * p2p_time_per_microbatch(
-                costs, cluster, last, strategies[last], b, k * per_stage, (k + 1) * per_stage)
-        stage_time.append(t)
-        states.append(st)
-        acts.append(ac)
-        transient.append(tr)
-        mem.append(st + ac + tr + reserve_bytes)
+            states[k] += terms.states_bytes
+            acts[k] += inflight * terms.activation_bytes
+            transient[k] = max(transient[k], terms.transient_bytes)
+        nxt = chunk_rank(schedule, c + 1, pp) if c + 1 < len(stages) else k
+        if nxt != k:
+            t += slots * p2p_time_per_microbatch(costs, cluster, last, strategies[last], b,
+                                                 k * per_stage, nxt * per_stage)
+        stage_time[k] += t
+    mem = [st + ac + tr + reserve_bytes for st, ac, tr in zip(states, acts, transient)]
     step = max(stage_time) + step_constant(cluster, pp, world_size)
     return {
         "step_time_s": step,

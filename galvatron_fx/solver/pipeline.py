@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import ConfigError, InfeasibleError
 
-SCHEDULES = ("gpipe", "1f1b")
+from .schedules import SCHEDULES  # noqa: E402,F401  (re-exported: the plan's schedule names)
 
 StageCost = Callable[[int, int, int], float]
 
