@@ -28,8 +28,6 @@ calls; ``print(dist_model.layers_1.code)`` shows a layer's own parameter collect
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch.distributed as dist
 import torch.fx
 

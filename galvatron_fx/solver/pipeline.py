@@ -23,8 +23,7 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import ConfigError, InfeasibleError
-
-from .schedules import SCHEDULES  # noqa: E402,F401  (re-exported: the plan's schedule names)
+from .schedules import SCHEDULES  # noqa: F401  (re-exported: the plan's schedule names)
 
 StageCost = Callable[[int, int, int], float]
 
