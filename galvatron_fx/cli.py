@@ -142,7 +142,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         rank, world = init_distributed()
         cost.update(measure=args.measure, world_size=world)
     t0 = time.perf_counter()
-    plan = search(gm, cluster, budget, args.global_batch_size, progress=progress, **cost)
+    plan = search(gm, cluster, budget, args.global_batch_size, progress=progress,
+                  constraints=_pipeline_constraints(args) or None, **cost)
     if args.measure:
         shutdown()
     if rank != 0:
@@ -175,6 +176,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
         progress(f"wrote {args.json}")
     _maybe_plot(plan, args.plot)
     return 0
+
+
+def _pipeline_constraints(args: argparse.Namespace) -> dict:
+    """Search constraints from ``--pp`` / ``--schedule`` / ``--virtual-stages`` (those given)."""
+    return {k: getattr(args, k) for k in ("pp", "schedule", "virtual_stages") if getattr(args, k, None) is not None}
+
+
+def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    from .solver.schedules import RUNNABLE
+
+    p.add_argument("--pp", type=int, metavar="N", help="pin the pipeline degree of the search")
+    p.add_argument("--schedule", choices=list(RUNNABLE),
+                   help="pin the pipeline schedule (default: search 1f1b and interleaved-1f1b)")
+    p.add_argument("--virtual-stages", type=int, metavar="V",
+                   help="pin the chunks per pipeline rank (interleaved-1f1b; default: searched)")
 
 
 def _maybe_plot(plan, path: str | None) -> None:
@@ -227,7 +243,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 global_batch_size=args.global_batch_size, cluster=args.cluster, reserve=args.reserve,
                 single_device=args.single_device, lr=args.lr, seed=args.seed,
                 overrides=parse_overrides(args.set), progress=progress, precision=args.precision,
-                measure=0 if args.plan else args.measure)
+                measure=0 if args.plan else args.measure, constraints=_pipeline_constraints(args) or None)
     return _report(log, args, print_log)
 
 
@@ -331,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "parts randomly initialised) and keep the fastest (default 0: the estimate's best)")
     p.add_argument("--json", metavar="PATH", help="write the plan JSON (with baselines) to PATH")
     p.add_argument("--plot", metavar="PATH", help="draw the plan (PNG/SVG/PDF; needs matplotlib)")
+    _add_pipeline_args(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("show", help="print a saved plan", description="Print PLAN.json as a table.")
@@ -366,6 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="without --plan: time the K best plans by estimate and the baselines on the live world "
                         "for a few steps each and train the fastest (default 4; 0: the estimate's best)")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
+    _add_pipeline_args(p)
     p.add_argument("--memory-budget", help="per-device budget for the search, e.g. 16GiB")
     p.add_argument("--global-batch-size", type=int, help="samples per step (zoo models: sets batch)")
     p.add_argument("--cluster", help="preset or cluster JSON for the search (default: profile the world)")

@@ -23,13 +23,13 @@ from .solver.strategy import Strategy
 from .units import parse_bytes
 
 # constraint key -> where it goes: SearchOptions field, or strategy_space keyword
-_OUTER = ("pp", "micro_batches", "schedule", "global_batch_size")
+_OUTER = ("pp", "micro_batches", "schedule", "virtual_stages", "global_batch_size")
 _SPACE = ("ckpt", "sp", "zero2", "zero3", "max_tp", "allow_cross_node_tp", "power_of_two")
 _COST = ("precision", "dtype", "mode", "mixed_precision", "reserve_bytes", "optimizer")
 CONSTRAINT_KEYS = _OUTER + _SPACE + ("tp", "sdp", "granularity", "uniform", "max_global_batch_size",
                                      "max_micro_batches", "max_micro_batch_size")
-"""Keys ``gfx.search(..., constraints={...})`` accepts: ``pp``, ``micro_batches``, ``schedule``
-pin the outer loop; ``tp`` (int) pins the TP degree of every layer; ``sdp`` (list of "none",
+"""Keys ``gfx.search(..., constraints={...})`` accepts: ``pp``, ``micro_batches``, ``schedule``,
+``virtual_stages`` pin the outer loop; ``tp`` (int) pins the TP degree of every layer; ``sdp`` (list of "none",
 "zero2", "zero3") limits data-parallel kinds; ``ckpt``/``sp``/``zero2``/``zero3`` (bool) switch
 options off, ``ckpt="all"`` checkpoints every layer; ``max_tp``, ``allow_cross_node_tp``,
 ``power_of_two`` (TP and DP degrees powers of two; off by default) shape the strategy tree;
@@ -146,7 +146,7 @@ def _options(constraints: dict | None, global_batch_size, reserve: float) -> Sea
     if unknown:
         raise ConfigError(f"unknown search constraint(s) {unknown}; valid keys: {', '.join(CONSTRAINT_KEYS)}")
     opt = SearchOptions(global_batch_size=global_batch_size, reserve_bytes=reserve)
-    for k in ("pp", "micro_batches", "schedule"):
+    for k in ("pp", "micro_batches", "schedule", "virtual_stages"):
         setattr(opt, k, c.get(k))
     every_ckpt = c.get("ckpt") == "all"
     if every_ckpt:
@@ -173,7 +173,8 @@ def _plan(result: SearchResult, names: list[str], world_size: int, fingerprint: 
     layers = [LayerPlan(n, s.tp, s.dp, s.sdp, s.sp, s.ckpt) for n, s in zip(names, result.strategies)]
     return Plan(world_size, result.pp, result.schedule, result.micro_batches, result.global_batch_size,
                 [tuple(s) for s in result.stages], layers, _json_estimate(result.estimate), fingerprint,
-                cluster.to_dict(), {"cost_model": dict(cost_options)}, precision=precision)
+                cluster.to_dict(), {"cost_model": dict(cost_options)}, precision=precision,
+                virtual_stages=result.virtual_stages)
 
 
 def _json_estimate(est: dict) -> dict:
@@ -297,9 +298,9 @@ BASELINES: dict[str, dict[str, Any]] = {
     "zero3": {"uniform": True, "pp": 1, "tp": 1, "sdp": ["zero3"], "ckpt": False, "sp": False, "micro_batches": 1},
     "tp": {"uniform": True, "pp": 1, "sdp": ["none"], "ckpt": False, "sp": False, "micro_batches": 1},
     "pp": {"uniform": True, "tp": 1, "sdp": ["none"], "ckpt": False, "sp": False, "schedule": "gpipe"},
-    "3d": {"uniform": True, "sdp": ["none"], "ckpt": False, "sp": False},
+    "3d": {"uniform": True, "sdp": ["none"], "ckpt": False, "sp": False, "schedule": "1f1b"},
     "dp+tp": {"pp": 1, "sdp": ["none"], "ckpt": False, "sp": False, "micro_batches": 1},
-    "dp+pp": {"tp": 1, "sdp": ["none"], "ckpt": False, "sp": False},
+    "dp+pp": {"tp": 1, "sdp": ["none"], "ckpt": False, "sp": False, "schedule": "1f1b"},
     "megatron": {"uniform": True, "sdp": ["none"], "ckpt": "all", "schedule": "1f1b", "max_micro_batch_size": 8},
 }
 """Baseline name -> search constraints. ``tp``: TP over a whole node (or the world, if smaller) then

@@ -74,12 +74,13 @@ def _peak_bytes(device: torch.device) -> int:
 def train(model_spec: str, *, steps: int = 10, plan: str | None = None, memory_budget=None,
           global_batch_size: int | None = None, cluster=None, reserve=None, single_device: bool = False,
           lr: float = 1e-3, seed: int = 0, overrides: dict | None = None, progress=None,
-          precision: str | None = None, measure: int = 0) -> dict:
+          precision: str | None = None, measure: int = 0, constraints: dict | None = None) -> dict:
     """Train and return the log ``{"mode", "world_size", "steps": [...], "summary": {...}}``.
 
     ``precision`` (``"fp32"`` / ``"bf16-mixed"`` / ``"fp16-mixed"``; default the plan's, else the
     cluster's): the distributed run's (:mod:`galvatron_fx.runtime.precision`); the single-device
-    reference then runs its forward under ``torch.autocast`` in the compute dtype."""
+    reference then runs its forward under ``torch.autocast`` in the compute dtype. ``constraints``:
+    the search's (:data:`galvatron_fx.planner.CONSTRAINT_KEYS`), when it searches."""
     from . import models
     from .distributed import init_distributed, is_distributed, pick_device, synchronize
 
@@ -104,7 +105,8 @@ def train(model_spec: str, *, steps: int = 10, plan: str | None = None, memory_b
     if not single_device:
         options = {k: v for k, v in {"plan": plan, "memory_budget": memory_budget, "cluster": cluster,
                                      "reserve": reserve, "precision": precision,
-                                     "measure": measure or None}.items() if v is not None}
+                                     "measure": measure or None, "constraints": constraints}.items()
+                   if v is not None}
         step_fn = torch.compile(model, backend="galvatron", fullgraph=True, dynamic=False, options=options)
     batch = next(int(t.shape[0]) for t in example if isinstance(t, torch.Tensor) and t.dim() >= 1)
     rows = []

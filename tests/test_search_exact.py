@@ -4,7 +4,8 @@ For each setup (a 4- or 5-layer gpt-tiny, tied or untied embeddings, a cluster, 
 precision) the test enumerates the space the search claims to cover, independently of the search
 code: every pipeline degree dividing the device count (at most the layer count), every micro-batch
 count dividing the global batch (at least ``pp`` for a pipeline), both schedules (GPipe and 1F1B),
-every contiguous split into stages, and every admissible strategy of every layer
+every contiguous split into stages, interleaved 1F1B with every ``v`` up to ``L / p`` on the even
+split into ``p * v`` chunks (in-flight counts from torch's own action lists), and every admissible strategy of every layer
 (:func:`strategy_space` for the stage's devices with any DP degree dividing the micro-batch, TP
 admitted by the tensor-parallel analysis, tied weights whole across stages; DP / ZeRO-2 / ZeRO-3,
 SP, checkpointing). Plans are scored with the objective's own arithmetic (per-layer terms from the
@@ -31,7 +32,7 @@ import galvatron_fx as gfx
 from galvatron_fx.plan import LayerPlan, Plan
 from galvatron_fx.planner import cost_model_for, sp_admissible, tp_admissible, tp_useful
 from galvatron_fx.solver.objective import layer_step_time, layer_terms, p2p_time_per_microbatch, step_constant
-from galvatron_fx.solver.pipeline import in_flight_microbatches
+from galvatron_fx.solver.pipeline import even_split, in_flight_microbatches
 from galvatron_fx.solver.strategy import strategy_space
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -141,13 +142,74 @@ def enumerate_space(gm, cluster, gbs: int, precision: str):
                             time = t + pk[seqs[-1]]
                         fronts[(i, j, k)] = Frontier(np.round(states + ac + trans), time, seqs)
                 out[(p, m, sched)] = fronts
+            for v in range(2, L // p + 1):   # interleaved 1F1B: the even split into p * v chunks, fixed
+                if m % max(1, m // p):
+                    continue   # torch's ScheduleInterleaved1F1B refuses it
+                slots_v = m + (p - 1) / v
+                chunks = [tuple(x) for x in even_split(L, p * v)]
+                peaks = _torch_chunk_peaks(p, v, m)
+                Tv = [np.array([layer_step_time(x, slots_v) for x in row]) for row in terms]
+                Rv = [np.array([[slots_v * cm.reshard_time(i, a, c, b) for c in space] for a in space])
+                      for i in range(L - 1)]
+                ranks = []
+                for k in range(p):
+                    mine = [c for c in range(p * v) if c % p == k]
+                    layers = [i for c in mine for i in range(chunks[c][0], chunks[c][1] + 1)]
+                    seqs = np.stack([g.ravel() for g in np.meshgrid(*[allowed[i] for i in layers], indexing="ij")])
+                    time, mem, trans = (np.zeros(seqs.shape[1]) for _ in range(3))
+                    pos = 0
+                    for c in mine:
+                        i0, j0 = chunks[c]
+                        for layer in range(i0, j0 + 1):
+                            s = seqs[pos]
+                            time = time + Tv[layer][s]
+                            if layer > i0:
+                                time = time + Rv[layer - 1][seqs[pos - 1], s]
+                            mem = mem + st[layer][s] + peaks[c] * act[layer][s]
+                            trans = np.maximum(trans, tr[layer][s])
+                            pos += 1
+                        if c + 1 < p * v:   # every chunk but the model's last sends to the next stage
+                            dst = (c + 1) % p
+                            send = np.array([slots_v * p2p_time_per_microbatch(cm, cluster, j0, s, b, k * d, dst * d)
+                                             for s in space])
+                            time = time + send[seqs[pos - 1]]
+                    ranks.append(Frontier(np.round(mem + trans), time, seqs))
+                out[(p, m, "interleaved-1f1b", v)] = {"chunks": chunks, "ranks": ranks}
     return out, spaces, L
+
+
+def _torch_chunk_peaks(p: int, v: int, m: int) -> list[int]:
+    """Every chunk's most micro-batches in flight, from torch's own interleaved 1F1B action lists."""
+    from torch.distributed.pipelining import schedules as S
+
+    sched = object.__new__(S.ScheduleInterleaved1F1B)
+    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = p, v, m
+    sched.number_of_rounds = max(1, m // p)
+    sched.microbatches_per_round = m // sched.number_of_rounds
+    peaks = [0] * (p * v)
+    for r in range(p):
+        held = [0] * (p * v)
+        for a in S.ScheduleInterleaved1F1B._calculate_single_rank_operations(sched, r):
+            if a is None:
+                continue
+            held[a.stage_index] += 1 if a.computation_type == S._ComputationType.FORWARD else -1
+            peaks[a.stage_index] = max(peaks[a.stage_index], held[a.stage_index])
+    return peaks
 
 
 def best_plan(space_fronts, L: int, gbs: int, budget: float, cluster=None):
     """``(throughput, (p, m, schedule), stages, per-stage sequences)`` of the enumerated best plan."""
     best = (0.0, None, None, None)
-    for (p, m, sched), fronts in space_fronts.items():
+    for key, fronts in space_fronts.items():
+        p, m, sched = key[:3]
+        if len(key) == 4:   # interleaved: fixed chunks, each stage's frontier over its chunks' layers
+            picks = [f.best(budget) for f in fronts["ranks"]]
+            if any(seq is None for _, seq in picks):
+                continue
+            thr = gbs / (max(t for t, _ in picks) + step_constant(cluster, p, cluster.world_size))
+            if thr > best[0]:
+                best = (thr, key, fronts["chunks"], [seq for _, seq in picks])
+            continue
         for cuts in itertools.combinations(range(1, L), p - 1):
             bounds = (0, *cuts, L)
             stages = [(bounds[k], bounds[k + 1] - 1) for k in range(p)]
@@ -162,7 +224,11 @@ def best_plan(space_fronts, L: int, gbs: int, budget: float, cluster=None):
 
 def least_memory(space_fronts, L: int) -> float:
     need = math.inf
-    for (p, _m, _sched), fronts in space_fronts.items():
+    for key, fronts in space_fronts.items():
+        p = key[0]
+        if len(key) == 4:
+            need = min(need, max(f.least for f in fronts["ranks"]))
+            continue
         for cuts in itertools.combinations(range(1, L), p - 1):
             bounds = (0, *cuts, L)
             need = min(need, max(fronts[(bounds[k], bounds[k + 1] - 1, k)].least for k in range(p)))
@@ -170,14 +236,18 @@ def least_memory(space_fronts, L: int) -> float:
 
 
 def _as_plan(gm, cluster, gbs, precision, config, stages, seqs, spaces) -> Plan:
-    p, m, sched = config
+    p, m, sched = config[:3]
+    v = config[3] if len(config) == 4 else 1
     space = spaces[(p, m)]
     info = gm.meta["galvatron"]
-    strategies = [space[int(s)] for seq in seqs for s in seq]
+    # each stage's sequence runs over its chunks' layers (chunk c on stage c % p)
+    order = [i for k in range(p) for c in range(len(stages)) if c % p == k for i in range(stages[c][0], stages[c][1] + 1)]
+    picked = dict(zip(order, (space[int(s)] for seq in seqs for s in seq)))
+    strategies = [picked[i] for i in range(len(info.layers))]
     layers = [LayerPlan(r.name, s.tp, s.dp, s.sdp, s.sp, s.ckpt) for r, s in zip(info.layers, strategies)]
     est = {"step_time_s": None, "throughput_samples_s": None, "memory_bytes_per_device": None}
     return Plan(cluster.world_size, p, sched, m, gbs, stages, layers, est, info.fingerprint, cluster.to_dict(),
-                precision=precision)
+                precision=precision, virtual_stages=v)
 
 
 SETUPS = [  # blocks, tied embeddings, cluster, global batch, precision (None: the cluster's default)
@@ -231,6 +301,20 @@ def _check_setup(blocks, tied, preset, gbs, precision, calibration=None):
 @pytest.mark.parametrize("blocks, tied, preset, gbs, precision", SETUPS)
 def test_search_equals_the_enumerated_best(blocks, tied, preset, gbs, precision):
     assert _check_setup(blocks, tied, preset, gbs, precision) == len(FACTORS) + 2
+
+
+def test_interleaved_1f1b_wins_where_the_bubble_decides():
+    """2 blocks on 2x4 A100-40GB, batch 8, 1.5x the least memory: the enumerated best (and the
+    search's) is interleaved 1F1B over 2 stages of 2 chunks."""
+    gm, cluster = _graph(2, False), gfx.Cluster.preset("2x4xA100-40GB")
+    precision = gfx.cluster.default_precision(cluster)
+    fronts, spaces, L = enumerate_space(gm, cluster, 8, precision)
+    budget = int(least_memory(fronts, L) * 1.5)
+    thr, config, _stages, _seqs = best_plan(fronts, L, 8, budget, cluster)
+    assert config == (2, 2, "interleaved-1f1b", 2)
+    plan = gfx.search(gm, cluster, budget, 8, precision=precision, reserve_bytes=0)
+    assert (plan.schedule, plan.virtual_stages, plan.pp) == ("interleaved-1f1b", 2, 2)
+    assert plan.estimate["throughput_samples_s"] == pytest.approx(thr, rel=1e-9)
 
 
 @pytest.mark.parametrize("calibration", [dict(step_overhead_s=2e-3, pipeline_step_s=4e-3),

@@ -5,9 +5,10 @@ Every case runs the loop of :mod:`tests.loops` (a new collated batch every step 
 schedule) on a tiny transformers Llama (keyword inputs) or the zoo's gpt-tiny, through
 ``gfx.transform`` or ``torch.compile(backend="galvatron")``, and compares with the same loop on one
 device: per-step losses and clip norms, the final parameters, the same full state on every rank,
-original parameter names. Cases cover ZeRO-2 / ZeRO-3 / TP2+SP / TP2xDP2 / PP2xDP2, the three capture
-front ends, bf16-mixed, frozen parameters (states bytes against the estimate), peft LoRA and param
-groups with lr 0.
+original parameter names. Cases cover ZeRO-2 / ZeRO-3 / TP2+SP / TP2xDP2 / PP2xDP2, interleaved 1F1B
+(2 chunks per pipeline rank: transform, export at world 4 with ZeRO-3, torch.compile, LoRA with
+checkpointing), the three capture front ends, bf16-mixed, frozen parameters (states bytes against
+the estimate), peft LoRA and param groups with lr 0.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ pytest.importorskip("transformers")
 
 STEPS = 4
 TOL = 1e-5
+INTERLEAVED = dict(schedule="interleaved-1f1b", virtual_stages=2)
 CASES = {
     # name: world, door, model, capture method, plan (Plan.uniform kwargs), clip, optimizer groups
     "zero2": dict(plan=dict(dp=2, sdp="zero2")),
@@ -50,6 +52,13 @@ CASES = {
     "shard-pp2": dict(shard=True, clip="dm", plan=dict(pp=2, dp=1, micro_batches=2)),
     "shard-pp2xdp2": dict(world=4, shard=True, clip="dm", plan=dict(pp=2, dp=2, micro_batches=2, sdp="zero3")),
     "shard-zero3-compile": dict(door="compile", shard=True, plan=dict(dp=2, sdp="zero3")),
+    # interleaved 1F1B: 2 chunks per pipeline rank (the 4 layers round-robin over 2 stages)
+    "interleaved-pp2": dict(clip="dm", plan=dict(pp=2, dp=1, micro_batches=2, **INTERLEAVED)),
+    "interleaved-pp2xdp2-zero3-export": dict(world=4, method="export", clip="dm",
+                                             plan=dict(pp=2, dp=2, micro_batches=2, sdp="zero3", **INTERLEAVED)),
+    "interleaved-compile": dict(door="compile", clip="dm", plan=dict(pp=2, dp=1, micro_batches=2, **INTERLEAVED)),
+    "interleaved-lora-ckpt": dict(matrix=True, model="lora", clip="dm",
+                                  plan=dict(pp=2, dp=1, micro_batches=4, ckpt=True, **INTERLEAVED)),
 }
 FROZEN = ("embed", "norm")
 
@@ -120,7 +129,9 @@ def _run(rank, world, name):
             return loss.item()
 
         params = model.parameters
-        losses, norms = loops.fit(step, params, opt, sched, batches)
+        # NOTE: pp > 1: torch's clip sees this stage's parameters only; the model's clips the whole
+        clip = (lambda: distributed_model(model).clip_grad_norm_(loops.CLIP)) if case["clip"] == "dm" else None
+        losses, norms = loops.fit(step, params, opt, sched, batches, clip)
         dm = distributed_model(model)
     else:
         dm = gfx.transform(gm, plan=plan)

@@ -30,6 +30,8 @@ class BackendOptions:
     reduce_dtype: str | None = None   # mixed precision: "fp32" (default) or the compute dtype
     init: str | None = None           # a meta-device model: "weights" (its own initialiser) or a from_pretrained DIR
     measure: int = 0                  # time the K best plans and the baselines on the live world (galvatron_fx/selection.py)
+    schedule: str | None = None       # pin the search's pipeline schedule (a constraint)
+    virtual_stages: int | None = None  # pin its chunks per pipeline rank (a constraint)
 
     @classmethod
     def parse(cls, options: dict | None) -> BackendOptions:
@@ -46,4 +48,7 @@ class BackendOptions:
 
         if opts.precision is not None and opts.precision not in PRECISIONS:
             raise ConfigError(f"option precision must be one of {list(PRECISIONS)}, got {opts.precision!r}")
+        pinned = {k: getattr(opts, k) for k in ("schedule", "virtual_stages") if getattr(opts, k) is not None}
+        if pinned:   # NOTE: the same as constraints={"schedule": ..., "virtual_stages": ...}
+            opts.constraints = {**(opts.constraints or {}), **pinned}
         return opts

@@ -8,8 +8,12 @@
 * micro-batch count ``m``: every divisor of the global batch (``m >= p`` when ``p > 1``: a pipeline
   needs a micro-batch per stage), up to ``max_micro_batches`` when given;
 * schedule: 1F1B (GPipe when pinned: under the cost model GPipe has 1F1B's time and at least its
-  memory, ``m >= min(m, p - k)`` micro-batches in flight, so it never beats 1F1B);
-* stages: every split of the layers into ``p`` contiguous non-empty stages;
+  memory, ``m >= min(m, p - k)`` micro-batches in flight, so it never beats 1F1B), and interleaved
+  1F1B with ``v = 2 .. L / p`` virtual stages (``m`` as torch's schedule accepts it:
+  :func:`~.schedules.check_schedule`);
+* stages: every split of the layers into ``p`` contiguous non-empty stages; under interleaved 1F1B
+  the even split into ``p * v`` chunks (as Megatron-LM and torchtitan cut them), chunk ``c`` on
+  stage ``c % p``;
 * per layer, every strategy of :func:`~.strategy.strategy_space` for ``N / p`` devices (TP degrees
   dividing the node's devices and the layer's heads and widths, any DP degree, DP / ZeRO-2 / ZeRO-3,
   SP, checkpointing) whose DP degree divides the micro-batch, minus what the constraints exclude.
@@ -31,7 +35,9 @@ stages, fewer micro-batches), because every shortcut only skips what provably ca
    signatures, in-flight count and send costs is solved once.
 3. Each stage is :func:`~.stage.solve_stage_exact`: exact in bytes, the largest transient of the
    *chosen* strategies; strategies dominated within their layout group are dropped first
-   (:func:`~.tables.undominated`).
+   (:func:`~.tables.undominated`). Under interleaved 1F1B a stage's chunks are solved as one
+   sequence of layers whose chunk ends pay their sends (the stages do not interact: a chunk's
+   send depends on its own last layer only).
 4. Every uniform plan (all layers one strategy, even split) is screened first: it is in the space,
    so it only sharpens the bounds.
 
@@ -52,10 +58,11 @@ import numpy as np
 from ..errors import ConfigError, InfeasibleError
 from ..units import format_bytes
 from .objective import CostSource, estimate_plan, step_constant
-from .pipeline import even_split, partition_min_max
+from .pipeline import partition_min_max
+from .schedules import check_schedule, chunk_rank, step_slots
 from .stage import ExactStage, solve_stage_exact
 from .strategy import Strategy, strategy_space
-from .tables import CachedCosts, ConfigTables, layout_groups, least_memory, undominated
+from .tables import CachedCosts, ConfigTables, layout_groups, least_memory, least_memory_chunks, undominated
 
 _MARGIN = 1.0 - 1e-12  # lower bounds are scaled by this: round-off never lifts them past what they bound
 _SLACK = 1.0 + 1e-12
@@ -76,6 +83,7 @@ class SearchOptions:
     pp: int | None = None
     micro_batches: int | None = None
     schedule: str | None = None
+    virtual_stages: int | None = None
     global_batch_size: int | None = None
     space: dict = field(default_factory=dict)
     strategy_filter: Callable[[Strategy], bool] | None = None
@@ -98,6 +106,7 @@ class SearchResult:
     global_batch_size: int
     estimate: dict
     configs_tried: int = 0
+    virtual_stages: int = 1
 
 
 def divisors(n: int) -> list[int]:
@@ -159,8 +168,8 @@ class Engine:
     def _exclude(self, why: str) -> None:
         self.exclusions[why] = self.exclusions.get(why, 0) + 1
 
-    def configs(self) -> list[tuple[int, int, str, int]]:
-        """Every configuration ``(p, m, schedule, global batch)`` of the space (module docstring)."""
+    def configs(self) -> list[tuple[int, int, str, int, int]]:
+        """Every configuration ``(p, m, schedule, global batch, v)`` of the space (module docstring)."""
         o = self.opt
         if o.pp is not None:
             pps = [o.pp] if self.N % o.pp == 0 and 1 <= o.pp <= self.L else []
@@ -169,7 +178,7 @@ class Engine:
         else:
             pps = [p for p in divisors(self.N) if p <= self.L]
         gbss = [o.global_batch_size] if o.global_batch_size else free_batch_sizes(self.N, o.max_global_batch_size)
-        schedules = [o.schedule] if o.schedule else ["1f1b"]
+        schedules = [o.schedule] if o.schedule else ["1f1b", "interleaved-1f1b"]
         out = []
         for gbs in gbss:
             for p in pps:
@@ -185,7 +194,29 @@ class Engine:
                 kept = [m for m in ms if p == 1 or m >= p]
                 if not kept:
                     self._exclude(f"pp={p} needs at least {p} micro-batches (global batch {gbs})")
-                out += [(p, m, sched, gbs) for m in kept for sched in schedules]
+                out += [(p, m, sched, gbs, v) for m in kept for sched in schedules for v in self._chunks(p, m, sched)]
+        return out
+
+    def _chunks(self, p: int, m: int, sched: str) -> list[int]:
+        """The virtual-stage counts ``v`` configuration ``(p, m, sched)`` may take (reasons recorded)."""
+        o = self.opt
+        if sched != "interleaved-1f1b":
+            vs = [o.virtual_stages or 1]
+        elif p == 1:
+            return []   # no pipeline: nothing to interleave (pp=1 configurations run 1F1B's space)
+        else:
+            vs = [o.virtual_stages] if o.virtual_stages else list(range(2, self.L // p + 1))
+        out = []
+        for v in vs:
+            try:
+                check_schedule(sched, p, v, m, runnable=True)
+            except ConfigError as e:
+                self._exclude(str(e).split(";")[0])
+                continue
+            if p * v > self.L:
+                self._exclude(f"pp * virtual_stages = {p} * {v} exceeds the {self.L} layers")
+                continue
+            out.append(v)
         return out
 
     def space(self, p: int, b: int) -> list[Strategy]:
@@ -214,16 +245,16 @@ class Engine:
         return out, ""
 
     # ------------------------------------------------------------------ tables
-    def _layer_tables(self, p: int, m: int, b: int, space: list[Strategy]):
+    def _layer_tables(self, p: int, m: int, b: int, space: list[Strategy], slots: float):
         """[L, S] arrays: step time, states, activations per micro-batch, transient (inf = not allowed)."""
-        key = (p, m, b, tuple(space))
+        key = (p, m, b, tuple(space), slots)
         if key not in self._tables_memo:
             if len(self._tables_memo) > 64:
                 self._tables_memo.clear()
-            self._tables_memo[key] = self._build_tables(p, m, b, tuple(space))
+            self._tables_memo[key] = self._build_tables(p, m, b, tuple(space), slots)
         return self._tables_memo[key]
 
-    def _build_tables(self, p: int, m: int, b: int, space: tuple[Strategy, ...]):
+    def _build_tables(self, p: int, m: int, b: int, space: tuple[Strategy, ...], slots: float):
         out = np.empty((4, self.L, len(space)))
         tps = np.array([s.tp for s in space])
         sps = np.array([s.sp for s in space])
@@ -233,8 +264,8 @@ class Engine:
             sig = int(self.sig_ids[i])
             if sig not in by_sig:
                 r = self.tables.rows(i, space, b)
-                # NOTE: (m + p - 1) * t_mb + sync is layer_step_time's arithmetic, element by element
-                by_sig[sig] = np.stack([(m + p - 1) * r[0] + r[1], r[2], r[3], r[4]])
+                # NOTE: slots * t_mb + sync is layer_step_time's arithmetic, element by element
+                by_sig[sig] = np.stack([slots * r[0] + r[1], r[2], r[3], r[4]])
             only = np.full(len(space), m == 1) if i in self.batch_coupled else None
             ok = self._admissible(i, tps, sps, only)
             if p > 1 and i in self.tied_layers:
@@ -269,7 +300,7 @@ class Engine:
         (with pp > 1 the first and last layers always sit on different stages)."""
         return p == 1 or layer not in self.tied_layers or (s.tp == 1 and not (s.sdp == "zero3" and s.ckpt))
 
-    def config(self, p: int, m: int, sched: str, gbs: int) -> ConfigTables | None:
+    def config(self, p: int, m: int, sched: str, gbs: int, v: int = 1) -> ConfigTables | None:
         """The tables of one configuration, or ``None`` (reason recorded) when its space is empty."""
         if gbs % m:
             return None
@@ -278,7 +309,7 @@ class Engine:
         if not space:
             self._exclude(why)
             return None
-        t, states, act, trans = self._layer_tables(p, m, b, space)
+        t, states, act, trans = self._layer_tables(p, m, b, space, step_slots(sched, p, v, m))
         dead = np.flatnonzero(~np.isfinite(t).any(axis=1))
         if dead.size:
             i = int(dead[0])
@@ -292,7 +323,7 @@ class Engine:
             return None
         gid, layouts = layout_groups(space)
         c = ConfigTables(p, m, sched, gbs, space, t, states, act, trans, gid, layouts, self.sig_ids,
-                         self.tables, self.cluster, self.N)
+                         self.tables, self.cluster, self.N, v=v)
         c.bound = self._step_bound(c) + step_constant(self.cluster, c.p, self.N)
         return c
 
@@ -300,7 +331,7 @@ class Engine:
         """A lower bound of the step time of every plan of ``c`` (module docstring, step 1)."""
         lb = c.t.min(axis=1)
         bound = max(float(lb.sum()) / c.p, float(lb.max())) * _MARGIN
-        least = c.states + c.inflight(c.p - 1) * c.act  # the fewest in-flight micro-batches of any stage
+        least = c.states + c.least_inflight() * c.act  # the fewest in-flight micro-batches of any stage
         if float(np.where(np.isfinite(c.t), least + c.trans, np.inf).min(axis=1).max()) > self.cap * _SLACK + 1:
             return math.inf  # some layer fits no stage on its own
         if not math.isfinite(bound) or self.cap <= 0 or lb.sum() <= 0:
@@ -351,6 +382,8 @@ class Engine:
     def solve(self, c: ConfigTables, cutoff: float = math.inf) -> SearchResult | None:
         """The best plan of configuration ``c`` whose step time is below ``cutoff`` (``None`` if none)."""
         L, p = self.L, c.p
+        if c.v > 1:
+            return self._solve_chunks(c, cutoff)
         if p == 1:
             sol = self._stage(c, 0, L - 1, 0, cutoff)
             if not sol.feasible or not sol.cost < cutoff:
@@ -395,6 +428,40 @@ class Engine:
             strategies += [c.space[s] for s in self._stage(c, i, j, k, math.inf).strategies]
         return self._result(strategies, list(part.stages), c)
 
+    def _solve_chunks(self, c: ConfigTables, cutoff: float) -> SearchResult | None:
+        """A multi-chunk configuration (fixed even split, module docstring): each stage's chunks
+        solved exactly as one sequence of layers, a chunk's end paying its send."""
+        chunks, peaks = c.chunks(), c.chunk_peaks()
+        strategies: list = [None] * self.L
+        for k in range(c.p):
+            mine = [ch for ch in range(len(chunks)) if chunk_rank(c.schedule, ch, c.p) == k]
+            layers = [i for ch in mine for i in range(chunks[ch][0], chunks[ch][1] + 1)]
+            M = np.concatenate([c.states[i:j + 1] + peaks[ch] * c.act[i:j + 1] for ch in mine
+                                for i, j in [chunks[ch]]])
+            R, final = [], None
+            for ch in mine:
+                i, j = chunks[ch]
+                R += [c.reshard(l) for l in range(i, j)]
+                send = None
+                if ch + 1 < len(chunks):
+                    dst = chunk_rank(c.schedule, ch + 1, c.p)
+                    send = c.p2p_groups(j, k, dst) if dst != k else np.zeros(len(c.layouts))
+                if ch != mine[-1]:   # the next chunk of this stage follows: the send sits between them
+                    R.append(np.repeat((send if send is not None else np.zeros(len(c.layouts)))[:, None],
+                                       len(c.layouts), axis=1))
+                elif send is not None:
+                    final = send[c.gid]
+            T, X = c.t[layers], c.trans[layers]
+            keep = undominated(T, M, X, c.gid)
+            sol = solve_stage_exact(T[:, keep], M[:, keep], X[:, keep], np.stack(R) if R else None, self.cap,
+                                    groups=c.gid[keep], final=None if final is None else final[keep], cutoff=cutoff,
+                                    granularity=self.opt.granularity)
+            if not sol.feasible or not sol.cost < cutoff:
+                return None
+            for i, s in zip(layers, sol.strategies):
+                strategies[i] = c.space[int(keep[s])]
+        return self._result(strategies, chunks, c)
+
     def _seed_split(self, c: ConfigTables, prefix: np.ndarray, window_lower) -> list[tuple[int, int]] | None:
         """A good split to start from: min-max on each layer's fastest time, each stage's least
         memory within the budget (bisection on the bottleneck, greedy packing)."""
@@ -425,8 +492,8 @@ class Engine:
     def _result(self, strategies, stages, c: ConfigTables) -> SearchResult:
         est = estimate_plan(self.tables, self.cluster, strategies=strategies, stages=stages, micro_batches=c.m,
                             global_batch_size=c.gbs, schedule=c.schedule, world_size=self.N,
-                            reserve_bytes=self.opt.reserve_bytes)
-        return SearchResult(strategies, list(stages), c.p, c.m, c.schedule, c.gbs, est)
+                            reserve_bytes=self.opt.reserve_bytes, virtual_stages=c.v)
+        return SearchResult(strategies, list(stages), c.p, c.m, c.schedule, c.gbs, est, virtual_stages=c.v)
 
     def uniform_candidates(self, c: ConfigTables) -> Iterable[SearchResult]:
         """The best uniform plans of configuration ``c`` (every layer one strategy, even split).
@@ -434,17 +501,23 @@ class Engine:
         Every uniform strategy is screened with the tables (vectorised over strategies); the ones
         that fit and tie for the best screened step time are then estimated exactly.
         """
-        stages = even_split(self.L, c.p)
-        step = np.zeros(len(c.space))
-        peak = np.zeros(len(c.space))
-        for k, (i, j) in enumerate(stages):
-            time_k = c.t[i:j + 1].sum(axis=0)
-            if k < c.p - 1:
-                time_k = time_k + c.p2p(j, k)
+        stages = c.chunks()
+        peaks = c.chunk_peaks()
+        time = np.zeros((c.p, len(c.space)))
+        mem = np.zeros((c.p, len(c.space)))
+        trans = np.zeros((c.p, len(c.space)))
+        for ch, (i, j) in enumerate(stages):
+            k = chunk_rank(c.schedule, ch, c.p)
+            time[k] += c.t[i:j + 1].sum(axis=0)
+            dst = chunk_rank(c.schedule, ch + 1, c.p) if ch + 1 < len(stages) else k
+            if dst != k:
+                time[k] += c.p2p(j, k, dst)
             if j > i:
-                time_k = time_k + sum(np.diag(c.reshard(l)) for l in range(i, j))[c.gid]
-            mem_k = c.memory(i, j, k).sum(axis=0) + c.trans[i:j + 1].max(axis=0) + self.opt.reserve_bytes
-            step, peak = np.maximum(step, time_k), np.maximum(peak, mem_k)
+                time[k] += sum(np.diag(c.reshard(l)) for l in range(i, j))[c.gid]
+            mem[k] += (c.states[i:j + 1] + peaks[ch] * c.act[i:j + 1]).sum(axis=0)
+            trans[k] = np.maximum(trans[k], c.trans[i:j + 1].max(axis=0))
+        step = time.max(axis=0)
+        peak = (mem + trans).max(axis=0) + self.opt.reserve_bytes
         if np.isfinite(peak).any():
             self.min_memory_seen = min(self.min_memory_seen, float(peak[np.isfinite(peak)].min()))
         ok = np.isfinite(step) & (peak <= self.budget * (1 + 1e-9))
@@ -508,7 +581,9 @@ class Engine:
         need = self.min_memory_seen
         if not self.opt.uniform_only:
             for c in sorted(tabled, key=lambda c: (-c.p, -c.m)):
-                need = min(need, least_memory(c, self.opt.reserve_bytes))
+                least = least_memory(c, self.opt.reserve_bytes) if c.v == 1 else \
+                    least_memory_chunks(c, self.opt.reserve_bytes)
+                need = min(need, least)
         msg = (f"no parallel plan fits the per-device memory budget of {format_bytes(self.budget)} on "
                f"{self.N} devices")
         if math.isfinite(need):
@@ -526,9 +601,11 @@ class Engine:
 
 
 def is_better(a: SearchResult, b: SearchResult) -> bool:
-    """Higher throughput; ties: less peak memory, fewer stages, fewer micro-batches."""
-    ka = (-a.estimate["throughput_samples_s"], max(a.estimate["memory_bytes_per_device"]), a.pp, a.micro_batches)
-    kb = (-b.estimate["throughput_samples_s"], max(b.estimate["memory_bytes_per_device"]), b.pp, b.micro_batches)
+    """Higher throughput; ties: less peak memory, fewer stages, fewer micro-batches, fewer chunks."""
+    ka = (-a.estimate["throughput_samples_s"], max(a.estimate["memory_bytes_per_device"]), a.pp, a.micro_batches,
+          a.virtual_stages)
+    kb = (-b.estimate["throughput_samples_s"], max(b.estimate["memory_bytes_per_device"]), b.pp, b.micro_batches,
+          b.virtual_stages)
     return ka < kb
 
 

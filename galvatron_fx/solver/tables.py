@@ -25,6 +25,7 @@ import numpy as np
 
 from .objective import CostSource, LayerTerms, layer_terms, p2p_time_per_microbatch
 from .pipeline import even_split, in_flight_microbatches
+from .schedules import chunk_in_flight, chunk_rank, step_slots
 from .strategy import Strategy
 
 
@@ -96,6 +97,7 @@ class ConfigTables:
     cluster: Any
     world_size: int
     bound: float = 0.0
+    v: int = 1                  # virtual stages: chunks per pipeline rank (interleaved 1F1B)
     memo: dict = field(default_factory=dict)
     _reshard: dict = field(default_factory=dict)
     _p2p: dict = field(default_factory=dict)
@@ -106,12 +108,33 @@ class ConfigTables:
         return self.gbs // self.m
 
     @property
-    def slots(self) -> int:
-        """``m + p - 1``: micro-batch slots of a step (the pipeline bubble included)."""
-        return self.m + self.p - 1
+    def slots(self) -> float:
+        """Micro-batch slots of a step, the pipeline bubble included (:func:`~.schedules.step_slots`:
+        ``m + p - 1`` for GPipe and 1F1B)."""
+        return step_slots(self.schedule, self.p, self.v, self.m)
 
     def inflight(self, k: int) -> int:
+        """Micro-batches in flight at stage ``k``'s peak (one chunk per stage)."""
         return in_flight_microbatches(self.schedule, self.m, self.p, k)
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """The fixed even split into ``p * v`` chunks of a multi-chunk configuration."""
+        return even_split(len(self.sig_ids), self.p * self.v)
+
+    def chunk_peaks(self) -> list[int]:
+        """Every chunk's micro-batches in flight at its peak (:func:`~.schedules.chunk_in_flight`)."""
+        if self.v == 1:
+            return [self.inflight(k) for k in range(self.p)]
+        out = [0] * (self.p * self.v)
+        for k in range(self.p):
+            mine = [c for c in range(self.p * self.v) if chunk_rank(self.schedule, c, self.p) == k]
+            for c, q in zip(mine, chunk_in_flight(self.schedule, self.p, self.v, self.m, k)):
+                out[c] = q
+        return out
+
+    def least_inflight(self) -> int:
+        """The fewest micro-batches any stage (chunk) holds at its peak."""
+        return min(self.chunk_peaks())
 
     def memory(self, i: int, j: int, k: int) -> np.ndarray:
         """``[j-i+1, S]`` additive bytes per device of layers ``i..j`` on stage ``k``."""
@@ -126,14 +149,20 @@ class ConfigTables:
                                            for a in self.layouts])
         return self._reshard[key]
 
-    def p2p(self, layer: int, k: int) -> np.ndarray:
-        """``[S]`` seconds per step to send ``layer``'s output from stage ``k`` to ``k + 1``."""
-        key = (self.sig_ids[layer], k)
+    def p2p(self, layer: int, k: int, dst: int | None = None) -> np.ndarray:
+        """``[S]`` seconds per step to send ``layer``'s output from stage ``k`` to ``dst`` (default
+        ``k + 1``)."""
+        return self.p2p_groups(layer, k, dst)[self.gid]
+
+    def p2p_groups(self, layer: int, k: int, dst: int | None = None) -> np.ndarray:
+        """:meth:`p2p` per layout group (``[G]``)."""
+        dst = k + 1 if dst is None else dst
+        key = (self.sig_ids[layer], k, dst)
         if key not in self._p2p:
             d = self.world_size // self.p
-            per_group = np.array([self.slots * p2p_time_per_microbatch(self.costs, self.cluster, layer, s, self.b,
-                                                                       k * d, (k + 1) * d) for s in self.layouts])
-            self._p2p[key] = per_group[self.gid]
+            self._p2p[key] = np.array([self.slots * p2p_time_per_microbatch(self.costs, self.cluster, layer, s,
+                                                                            self.b, k * d, dst * d)
+                                       for s in self.layouts])
         return self._p2p[key]
 
 
@@ -175,6 +204,23 @@ def undominated(t: np.ndarray, mem: np.ndarray, trans: np.ndarray, gid: np.ndarr
         keep += [int(members[a]) for a in range(len(members)) if not beats[:, a].any()]
     keep.sort()
     return np.array(keep, dtype=np.int64)
+
+
+def least_memory_chunks(c: ConfigTables, reserve_bytes: float = 0.0) -> float:
+    """:func:`least_memory` of a multi-chunk configuration (its split is fixed): per stage, the
+    least over transient thresholds of the threshold plus each layer's least additive bytes."""
+    allowed = np.isfinite(c.t)
+    ths = np.unique(c.trans[allowed])
+    A = allowed[None] & (c.trans[None] <= ths[:, None, None])            # [Q, L, S]
+    peaks, worst = c.chunk_peaks(), 0.0
+    for k in range(c.p):
+        layers = [(i, ch) for ch, (a, b) in enumerate(c.chunks()) if chunk_rank(c.schedule, ch, c.p) == k
+                  for i in range(a, b + 1)]
+        M = np.stack([c.states[i] + peaks[ch] * c.act[i] for i, ch in layers])
+        idx = [i for i, _ in layers]
+        per = np.where(A[:, idx], M[None], np.inf).min(axis=2).sum(axis=1)   # [Q]
+        worst = max(worst, float((per + ths).min()))
+    return worst + reserve_bytes
 
 
 def least_memory(c: ConfigTables, reserve_bytes: float = 0.0) -> float:
