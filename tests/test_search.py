@@ -158,7 +158,7 @@ def test_pipelined_plans_keep_tied_weight_layers_whole():
     assert engine.tied_layers == {0, last}
     for p in (1, 2):
         space = engine.space(p, 32)
-        t = engine._layer_tables(p, 4, 8, space)[0]
+        t = engine._layer_tables(p, 4, 8, space, 4 + p - 1)[0]
         for j, s in enumerate(space):
             whole = s.tp == 1 and not (s.sdp == "zero3" and s.ckpt)
             for i in (0, last):

@@ -9,7 +9,7 @@
   needs a micro-batch per stage), up to ``max_micro_batches`` when given;
 * schedule: 1F1B (GPipe when pinned: under the cost model GPipe has 1F1B's time and at least its
   memory, ``m >= min(m, p - k)`` micro-batches in flight, so it never beats 1F1B), and interleaved
-  1F1B with ``v = 2 .. L / p`` virtual stages (``m`` as torch's schedule accepts it:
+  1F1B with ``v = 2 .. min(L / p, 8)`` virtual stages (:data:`MAX_VIRTUAL_STAGES`) (``m`` as torch's schedule accepts it:
   :func:`~.schedules.check_schedule`);
 * stages: every split of the layers into ``p`` contiguous non-empty stages; under interleaved 1F1B
   the even split into ``p * v`` chunks (as Megatron-LM and torchtitan cut them), chunk ``c`` on
@@ -64,6 +64,9 @@ from .stage import ExactStage, solve_stage_exact
 from .strategy import Strategy, strategy_space
 from .tables import CachedCosts, ConfigTables, layout_groups, least_memory, least_memory_chunks, undominated
 
+MAX_VIRTUAL_STAGES = 8
+"""The most chunks per pipeline rank the search tries unpinned (interleaving more adds a send per
+chunk to win back ever less bubble: ``(p - 1) / v`` micro-batch times; a constraint may pin more)."""
 _MARGIN = 1.0 - 1e-12  # lower bounds are scaled by this: round-off never lifts them past what they bound
 _SLACK = 1.0 + 1e-12
 
@@ -205,7 +208,7 @@ class Engine:
         elif p == 1:
             return []   # no pipeline: nothing to interleave (pp=1 configurations run 1F1B's space)
         else:
-            vs = [o.virtual_stages] if o.virtual_stages else list(range(2, self.L // p + 1))
+            vs = [o.virtual_stages] if o.virtual_stages else list(range(2, min(self.L // p, MAX_VIRTUAL_STAGES) + 1))
         out = []
         for v in vs:
             try:
@@ -247,15 +250,18 @@ class Engine:
     # ------------------------------------------------------------------ tables
     def _layer_tables(self, p: int, m: int, b: int, space: list[Strategy], slots: float):
         """[L, S] arrays: step time, states, activations per micro-batch, transient (inf = not allowed)."""
-        key = (p, m, b, tuple(space), slots)
+        key = (p, m, b, tuple(space))
         if key not in self._tables_memo:
             if len(self._tables_memo) > 64:
                 self._tables_memo.clear()
-            self._tables_memo[key] = self._build_tables(p, m, b, tuple(space), slots)
-        return self._tables_memo[key]
+            self._tables_memo[key] = self._build_tables(p, m, b, tuple(space))
+        t_mb, sync, states, act, trans = self._tables_memo[key]
+        # NOTE: slots * t_mb + sync is layer_step_time's arithmetic, element by element (one table
+        # per schedule and virtual-stage count, from the same per-micro-batch terms)
+        return slots * t_mb + sync, states, act, trans
 
-    def _build_tables(self, p: int, m: int, b: int, space: tuple[Strategy, ...], slots: float):
-        out = np.empty((4, self.L, len(space)))
+    def _build_tables(self, p: int, m: int, b: int, space: tuple[Strategy, ...]):
+        out = np.empty((5, self.L, len(space)))
         tps = np.array([s.tp for s in space])
         sps = np.array([s.sp for s in space])
         whole = np.array([s.tp == 1 and not (s.sdp == "zero3" and s.ckpt) for s in space])
@@ -263,15 +269,13 @@ class Engine:
         for i in range(self.L):
             sig = int(self.sig_ids[i])
             if sig not in by_sig:
-                r = self.tables.rows(i, space, b)
-                # NOTE: slots * t_mb + sync is layer_step_time's arithmetic, element by element
-                by_sig[sig] = np.stack([slots * r[0] + r[1], r[2], r[3], r[4]])
+                by_sig[sig] = self.tables.rows(i, space, b)
             only = np.full(len(space), m == 1) if i in self.batch_coupled else None
             ok = self._admissible(i, tps, sps, only)
             if p > 1 and i in self.tied_layers:
                 ok = ok & whole
             out[:, i, :] = np.where(ok[None, :], by_sig[sig], np.inf)
-        return out[0], out[1], out[2], out[3]
+        return out[0], out[1], out[2], out[3], out[4]
 
     def _admissible(self, layer: int, tps: np.ndarray, sps: np.ndarray, only: np.ndarray | None = None) -> np.ndarray:
         """Whether layer ``layer`` is offered each (TP degree, SP) of ``tps`` / ``sps``: the TP pass
@@ -331,31 +335,38 @@ class Engine:
         """A lower bound of the step time of every plan of ``c`` (module docstring, step 1)."""
         lb = c.t.min(axis=1)
         bound = max(float(lb.sum()) / c.p, float(lb.max())) * _MARGIN
+        if c.v > 1:   # the chunks are fixed: every stage's own layers and sends bound it
+            bound = max(bound, self._chunk_bound(c, lb))
         least = c.states + c.least_inflight() * c.act  # the fewest in-flight micro-batches of any stage
         if float(np.where(np.isfinite(c.t), least + c.trans, np.inf).min(axis=1).max()) > self.cap * _SLACK + 1:
             return math.inf  # some layer fits no stage on its own
         if not math.isfinite(bound) or self.cap <= 0 or lb.sum() <= 0:
             return bound
         mem = np.where(np.isfinite(c.t), least, np.inf)
+        return max(bound, _lagrangian(c.t, mem, self.cap, c.p)) * _MARGIN
 
-        def dual(lam: float) -> float:
-            return (float(np.min(c.t + lam * mem, axis=1).sum()) - lam * c.p * self.cap) / c.p
-
-        # the dual is concave in lam: golden-section search on log(lam) around the time / byte scale
-        lo, hi = math.log(1e-6 * lb.sum() / self.cap), math.log(1e3 * lb.sum() / self.cap)
-        r = (math.sqrt(5) - 1) / 2
-        a, b = hi - r * (hi - lo), lo + r * (hi - lo)
-        fa, fb = dual(math.exp(a)), dual(math.exp(b))
-        for _ in range(24):
-            if fa < fb:
-                lo, a, fa = a, b, fb
-                b = lo + r * (hi - lo)
-                fb = dual(math.exp(b))
-            else:
-                hi, b, fb = b, a, fa
-                a = hi - r * (hi - lo)
-                fa = dual(math.exp(a))
-        return max(bound, fa, fb) * _MARGIN
+    def _chunk_bound(self, c: ConfigTables, lb: np.ndarray) -> float:
+        """A multi-chunk configuration's step time is at least each stage's: its layers' least
+        times plus the least send at each of its chunk ends, and the Lagrangian bound of its own
+        layers under the budget (their memory with their chunks' in-flight counts)."""
+        chunks, peaks = c.chunks(), c.chunk_peaks()
+        worst = 0.0
+        for k in range(c.p):
+            t, rows, mems = 0.0, [], []
+            for ch, (i, j) in enumerate(chunks):
+                if chunk_rank(c.schedule, ch, c.p) != k:
+                    continue
+                rows += range(i, j + 1)
+                mems.append(c.states[i:j + 1] + peaks[ch] * c.act[i:j + 1])
+                if ch + 1 < len(chunks) and chunk_rank(c.schedule, ch + 1, c.p) != k:
+                    send = c.p2p(j, k, chunk_rank(c.schedule, ch + 1, c.p))
+                    t += float(np.min(np.where(np.isfinite(c.t[j]), send, np.inf)))
+            T = c.t[rows]
+            layers = float(T.min(axis=1).sum())
+            if self.cap > 0 and layers > 0 and math.isfinite(layers):
+                layers = max(layers, _lagrangian(T, np.where(np.isfinite(T), np.concatenate(mems), np.inf), self.cap, 1))
+            worst = max(worst, t + layers)
+        return worst * _MARGIN
 
     # ------------------------------------------------------------------ one configuration
     def _stage(self, c: ConfigTables, i: int, j: int, k: int, cutoff: float) -> ExactStage:
@@ -598,6 +609,32 @@ class Engine:
         err = InfeasibleError(msg + "; fix: " + ", or ".join(hints))
         err.min_memory_bytes = need
         return err
+
+
+def _lagrangian(t: np.ndarray, mem: np.ndarray, cap: float, parts: int) -> float:
+    """``max over lam >= 0`` of ``(sum_l min_s (t + lam * mem)[l, s] - lam * parts * cap) / parts``: a
+    lower bound of the slowest of ``parts`` stages sharing the layers of ``t`` / ``mem`` ([L, S])
+    under ``cap`` bytes each (Lagrangian relaxation of their memory). The dual is concave in
+    ``lam``: golden-section search on ``log(lam)`` around the time / byte scale."""
+    scale = float(t.min(axis=1).sum())
+
+    def dual(lam: float) -> float:
+        return (float(np.min(t + lam * mem, axis=1).sum()) - lam * parts * cap) / parts
+
+    lo, hi = math.log(1e-6 * scale / cap), math.log(1e3 * scale / cap)
+    r = (math.sqrt(5) - 1) / 2
+    a, b = hi - r * (hi - lo), lo + r * (hi - lo)
+    fa, fb = dual(math.exp(a)), dual(math.exp(b))
+    for _ in range(24):
+        if fa < fb:
+            lo, a, fa = a, b, fb
+            b = lo + r * (hi - lo)
+            fb = dual(math.exp(b))
+        else:
+            hi, b, fb = b, a, fa
+            a = hi - r * (hi - lo)
+            fa = dual(math.exp(a))
+    return max(fa, fb)
 
 
 def is_better(a: SearchResult, b: SearchResult) -> bool:

@@ -17,6 +17,8 @@ model counts what the runtime holds.
 
 from __future__ import annotations
 
+import functools
+
 from ..errors import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
@@ -111,17 +113,38 @@ def rank_order(schedule: str, rank: int, pp: int, virtual_stages: int, micro_bat
     return order
 
 
+@functools.lru_cache(maxsize=4096)
+def _chunk_in_flight(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int) -> tuple[int, ...]:
+    """:func:`chunk_in_flight`, vectorised: the running count of each chunk over :func:`rank_order`'s
+    events (chunks as it numbers them: ``(step // per_round) % v`` forward, mirrored backward)."""
+    import numpy as np
+
+    if schedule != "interleaved-1f1b":
+        order = rank_order(schedule, rank, pp, virtual_stages, micro_batches)
+        chunk = np.array([c for _, c, _ in order])
+        delta = np.array([1 if k == "F" else -1 for k, _, _ in order])
+    else:
+        p, v, m = pp, virtual_stages, micro_batches
+        per_round = m // max(1, m // p)
+        total = m * v
+        warmup = min((v - 1) * per_round + 2 * (p - 1 - rank), total)
+        steps = np.arange(total)
+        fwd = (steps // per_round) % v
+        bwd = v - 1 - (steps // per_round) % v          # backward j runs at step warmup + j
+        steady = total - warmup
+        chunk = np.concatenate([fwd[:warmup], np.stack([fwd[warmup:], bwd[:steady]], axis=1).ravel(), bwd[steady:]])
+        delta = np.concatenate([np.ones(warmup, int), np.tile([1, -1], steady), -np.ones(total - steady, int)])
+    held = np.zeros((len(chunk), virtual_stages), dtype=np.int64)
+    held[np.arange(len(chunk)), chunk] = delta
+    return tuple(int(x) for x in np.maximum(held.cumsum(axis=0).max(axis=0), 0))
+
+
 def chunk_in_flight(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int) -> list[int]:
     """For each local chunk of pipeline rank ``rank``, the most micro-batches it holds at once
     (forwarded, not yet backwarded) in :func:`rank_order`. The memory model charges every chunk its
     own peak, an upper bound of the rank's peak (equal for one chunk per rank; for interleaved 1F1B
     the chunks peak one micro-batch apart, so the bound is at most ``v - 1`` micro-batches over)."""
-    held = [0] * virtual_stages
-    peak = [0] * virtual_stages
-    for kind, c, _ in rank_order(schedule, rank, pp, virtual_stages, micro_batches):
-        held[c] += 1 if kind == "F" else -1
-        peak[c] = max(peak[c], held[c])
-    return peak
+    return list(_chunk_in_flight(schedule, pp, virtual_stages, micro_batches, rank))
 
 
 def step_slots(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> float:

@@ -125,7 +125,9 @@ class ConfigTables:
         """Every chunk's micro-batches in flight at its peak (:func:`~.schedules.chunk_in_flight`)."""
         if self.v == 1:
             return [self.inflight(k) for k in range(self.p)]
-        out = [0] * (self.p * self.v)
+        if "peaks" in self.memo:
+            return self.memo["peaks"]
+        out = self.memo["peaks"] = [0] * (self.p * self.v)
         for k in range(self.p):
             mine = [c for c in range(self.p * self.v) if chunk_rank(self.schedule, c, self.p) == k]
             for c, q in zip(mine, chunk_in_flight(self.schedule, self.p, self.v, self.m, k)):
