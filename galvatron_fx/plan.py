@@ -289,6 +289,7 @@ class Plan:
         if est.get("step_time_s") is not None:
             lines.append(f"estimate: {est['step_time_s'] * 1e3:.3f} ms/step, "
                          f"{est['throughput_samples_s']:.2f} samples/s")
+        lines += _schedule_lines(self.schedule, self.extra.get("schedules") or {})
         for c, (first, last) in enumerate(self.stages):
             k = self.chunk_rank(c)
             mem = (est.get("memory_bytes_per_device") or [None] * self.pp)[k]
@@ -442,6 +443,23 @@ class Plan:
             precision = default_precision(cluster or None)
         return cls(world_size, pp, schedule, micro_batches, global_batch_size, even_split(len(names), pp * v),
                    layers, est, model_fingerprint, dict(cluster or {}), precision=precision, virtual_stages=v)
+
+
+def _schedule_lines(chosen: str, found: dict) -> list[str]:
+    """explain(): the best plan the search found with each pipeline schedule (``extra["schedules"]``)."""
+    if len(found) < 2:
+        return []
+    out = ["pipeline schedules (the best plan the search found with each; bubble = idle share of a step):"]
+    for name, f in sorted(found.items(), key=lambda kv: -kv[1].get("throughput_samples_s", 0.0)):
+        mark = "chosen" if name == chosen else "runner-up"
+        if "at_most_samples_s" in f:
+            out.append(f"  {mark:<9} {name:<16} not solved: its bound says at most {f['at_most_samples_s']:.2f} "
+                       "samples/s")
+            continue
+        out.append(f"  {mark:<9} {name:<16} pp{f['pp']} m{f['micro_batches']} v{f['virtual_stages']}: "
+                   f"{f['throughput_samples_s']:.2f} samples/s, bubble {100 * f['bubble_fraction']:.1f}%, "
+                   f"peak activations {_gib(f['activation_bytes'])} per device")
+    return out
 
 
 def _tp_lines(layers: list[LayerPlan]) -> list[str]:

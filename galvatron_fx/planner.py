@@ -244,8 +244,25 @@ def search(model, cluster=None, memory_budget=None, global_batch_size: int | Non
     info = gm.meta[META_KEY]
     plan = _plan(result, [rec.name for rec in info.layers], world, info.fingerprint, cluster, precision, rest)
     plan.extra["memory_budget_bytes"] = int(budget)
+    plan.extra["schedules"] = _schedule_summary(engine.best_by_schedule, engine.schedule_bounds)
     _attach_tp_reports(gm, engine.costs, plan)
     return plan
+
+
+def _schedule_summary(best: dict, bounds: dict) -> dict:
+    """Per schedule, the best plan the search found with it (the runner-ups explain() names):
+    configuration, throughput, bubble share of the step and peak in-flight activation bytes; for a
+    schedule whose configurations all lost on their bounds, that bound (``at_most_samples_s``)."""
+    from .solver.schedules import step_slots
+
+    out = {sched: {"at_most_samples_s": round(b, 6)} for sched, b in bounds.items()}
+    for sched, r in best.items():
+        slots = step_slots(sched, r.pp, r.virtual_stages, r.micro_batches)
+        out[sched] = {"pp": r.pp, "micro_batches": r.micro_batches, "virtual_stages": r.virtual_stages,
+                      "throughput_samples_s": _json_estimate(r.estimate)["throughput_samples_s"],
+                      "bubble_fraction": round((slots - r.micro_batches) / slots, 6),
+                      "activation_bytes": max(r.estimate["per_device"]["activation_bytes"])}
+    return out
 
 
 def _attach_tp_reports(gm, cost_model, plan: Plan) -> None:

@@ -102,7 +102,7 @@ def _make_stage_class():
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
             nbytes = sum(counted.values())
-            stats["chunk_bytes"][fwd_chunk_id] = nbytes
+            stats["chunk_bytes"][(self.stage_index, fwd_chunk_id)] = nbytes   # NOTE: a rank's chunks share stats
             stats["live_bytes"] += nbytes
             stats["in_flight"] += 1
             stats["peak_in_flight"] = max(stats["peak_in_flight"], stats["in_flight"])
@@ -120,7 +120,7 @@ def _make_stage_class():
                 self.bwd_cache[bwd_chunk_id] = tuple(g.contiguous() if isinstance(g, torch.Tensor) else g
                                                      for g in grads)
             self.stats["in_flight"] -= 1
-            self.stats["live_bytes"] -= self.stats["chunk_bytes"].pop(bwd_chunk_id, 0)
+            self.stats["live_bytes"] -= self.stats["chunk_bytes"].pop((self.stage_index, bwd_chunk_id), 0)
 
     return _Stage
 

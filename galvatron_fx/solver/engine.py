@@ -547,10 +547,17 @@ class Engine:
         order = sorted(tabled, key=lambda c: (-(c.gbs / c.bound) if c.bound > 0 else -math.inf, c.p, c.m))
         best: SearchResult | None = None
 
+        self.best_by_schedule: dict[str, SearchResult] = {}
+
         def consider(r: SearchResult | None) -> None:
             nonlocal best
-            if r is not None and self.fits(r) and (best is None or is_better(r, best)):
+            if r is None or not self.fits(r):
+                return
+            if best is None or is_better(r, best):
                 best = r
+            kept = self.best_by_schedule.get(r.schedule)
+            if kept is None or is_better(r, kept):
+                self.best_by_schedule[r.schedule] = r
 
         def beaten(c: ConfigTables) -> bool:  # no plan of c can beat the best so far
             return not c.bound < math.inf or (best is not None
@@ -577,6 +584,12 @@ class Engine:
         if best is None:
             raise self.infeasible(tabled)
         best.configs_tried = tried
+        # NOTE: a schedule none of whose plans was solved lost on its bound: the most samples/s any
+        # of its configurations could reach
+        self.schedule_bounds = {}
+        for c in tabled:
+            if c.schedule not in self.best_by_schedule and c.bound > 0 and math.isfinite(c.bound):
+                self.schedule_bounds[c.schedule] = max(self.schedule_bounds.get(c.schedule, 0.0), c.gbs / c.bound)
         return best
 
     # ------------------------------------------------------------------ nothing fits

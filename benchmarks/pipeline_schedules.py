@@ -1,0 +1,152 @@
+"""Pipeline schedules: 1F1B vs interleaved 1F1B, measured on gloo ranks and searched at scale.
+
+Part 1 (measured): gpt-tiny on 2 and 4 gloo ranks, one pipeline rank per process (pp = world),
+under GPipe, 1F1B and interleaved 1F1B with 2 chunks per rank, the same micro-batches. Every rank
+profiles the live world first (``Cluster.profile()``) and prices each plan with the profiled cost
+model (layers timed on this CPU). Measured: the median step (``train_step`` + AdamW, slowest rank,
+interleaved rounds) and each rank's peak saved activation bytes (``schedule_stats``); beside each
+the estimate (``gfx.estimate``: step time, the rank's activation bytes).
+
+Part 2 (searched, meta device): llama-70b and gpt3-175b on 32-128 GPUs with global batches that
+force pipelines, searched over every schedule vs 1F1B only (``constraints={"schedule": "1f1b"}``):
+estimated throughput of each and where interleaving wins.
+
+    python benchmarks/pipeline_schedules.py [--worlds 2 4] [--skip-measured] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import parser, print_table, write_json  # noqa: E402
+from _dist import build, gfx_step, interleaved, profiled_cluster, rel_err, spawn, uniform  # noqa: E402
+
+MODEL = dict(layers=6, hidden=128, heads=4, seq_len=64, vocab=256, batch=16)   # 8 layers: pre, 6 blocks, post
+SCHEDULES = {  # label -> Plan.uniform keywords beside pp = world
+    "gpipe": dict(schedule="gpipe"),
+    "1f1b": dict(schedule="1f1b"),
+    "interleaved v2": dict(schedule="interleaved-1f1b", virtual_stages=2),
+}
+SEARCHED = [  # model, cluster, global batch, memory budget
+    ("llama-70b", "8x8xH100-80GB", 16, "80GB"),
+    ("llama-70b", "8x8xH100-80GB", 32, "80GB"),
+    ("llama-70b", "16x8xH100-80GB", 32, "80GB"),
+    ("llama-70b", "4x8xH100-80GB", 64, "80GB"),
+    ("gpt3-175b", "8x8xA100-80GB", 16, "80GB"),
+    ("gpt3-175b", "16x8xA100-80GB", 32, "80GB"),
+]
+
+
+def _rank(rank, world, micro_batches, steps):
+    import galvatron_fx as gfx
+
+    cluster = profiled_cluster()
+    model, args, gm = build(MODEL)
+    gbs = args[0].shape[0]
+    plans = {k: uniform(gm, world, gbs, pp=world, micro_batches=micro_batches, **kw) for k, kw in SCHEDULES.items()}
+    with tempfile.TemporaryDirectory() as cache:
+        cost = {"mode": "profiled", "reserve_bytes": 0, "cache_dir": cache, "profile_sizes": (1, 2, 4),
+                "profile_repeats": 9}
+        ests = {k: gfx.estimate(gm, p, cluster, **cost) for k, p in plans.items()}
+    models, steps_fn = {}, {}
+    for label, plan in plans.items():
+        dm = gfx.transform(gm, plan=plan)
+        opt = dm.optimizer(torch.optim.AdamW, lr=1e-4)
+        dm.train_step(*args)
+        opt.step()
+        models[label] = (dm, opt)
+        steps_fn[label] = gfx_step(dm, opt, args)
+    times = interleaved(steps_fn, steps)
+    out = {}
+    for label, (dm, _opt) in models.items():
+        dm.track_memory = True   # after the timed steps: a hook per saved tensor
+        dm.train_step(*args)
+        est = ests[label]
+        out[label] = {"step_s": times[label], "pred_step_s": est["step_time_s"],
+                      "activation": dm.schedule_stats["peak_saved_bytes"],
+                      "pred_activation": est["per_device"]["activation_bytes"][dm.stage_index],
+                      "peak_in_flight": dm.schedule_stats["peak_in_flight"], "stage": dm.stage_index}
+    return out
+
+
+def measured(worlds: list[int], steps: int) -> dict:
+    results = {}
+    for world in worlds:
+        m = 2 * world
+        t0 = time.perf_counter()
+        ranks = spawn(_rank, world, m, steps)
+        rows = []
+        for label in SCHEDULES:
+            r0 = ranks[0][label]
+            for r in ranks:
+                x = r[label]
+                x["activation_err"] = rel_err(x["pred_activation"], x["activation"])
+            rows.append([label, m, r0["pred_step_s"] * 1e3, r0["step_s"] * 1e3,
+                         f"{100 * rel_err(r0['pred_step_s'], r0['step_s']):+.0f}%",
+                         " ".join(f"{r[label]['activation'] / 2**10:.0f}" for r in ranks),
+                         " ".join(f"{r[label]['pred_activation'] / 2**10:.0f}" for r in ranks),
+                         " ".join(f"{100 * r[label]['activation_err']:+.0f}%" for r in ranks)])
+        base = ranks[0]["1f1b"]["step_s"]
+        print(f"\ngpt-tiny {MODEL} on {world} gloo ranks (pp={world}), {m} micro-batches; median of {steps} "
+              f"interleaved steps; {time.perf_counter() - t0:.0f} s")
+        print_table(["schedule", "m", "pred ms", "meas ms", "err", "act KiB per rank", "pred KiB", "err"], rows)
+        print(f"interleaved v2 / 1f1b measured step: {ranks[0]['interleaved v2']['step_s'] / base:.3f}; "
+              f"estimated: {ranks[0]['interleaved v2']['pred_step_s'] / ranks[0]['1f1b']['pred_step_s']:.3f}")
+        results[f"world{world}"] = ranks
+    return results
+
+
+def searched() -> dict:
+    import galvatron_fx as gfx
+
+    rows, out = [], {}
+    for name, preset, gbs, budget in SEARCHED:
+        model, args = gfx.models.build(name, device="meta", batch=gbs)
+        gm = gfx.capture(model, args, method="fx")
+        cluster = gfx.Cluster.preset(preset)
+        t0 = time.perf_counter()
+        every = gfx.search(gm, cluster, budget, gbs)
+        t_every = time.perf_counter() - t0
+        only = gfx.search(gm, cluster, budget, gbs, constraints={"schedule": "1f1b"})
+        speedup = every.estimate["throughput_samples_s"] / only.estimate["throughput_samples_s"]
+        key = f"{name}@{preset}"
+        out[key] = {"every": every.to_dict(), "only_1f1b": only.to_dict(), "speedup": speedup, "search_s": t_every}
+        rows.append([name, preset, gbs, f"pp{every.pp} m{every.micro_batches} {every.schedule} v{every.virtual_stages}",
+                     every.estimate["throughput_samples_s"], f"pp{only.pp} m{only.micro_batches}",
+                     only.estimate["throughput_samples_s"], f"{speedup:.3f}", f"{t_every:.2f}"])
+    print("\nsearched on the meta device (bf16-mixed, 80 GB budget): every schedule vs 1F1B only")
+    print_table(["model", "cluster", "gbs", "every schedule", "samples/s", "1F1B only", "samples/s", "speedup",
+                 "search s"], rows)
+    return out
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--skip-measured", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    meas = {} if args.skip_measured else measured(args.worlds, args.steps)
+    search = searched()
+    step_errs = [abs(rel_err(r[0][k]["pred_step_s"], r[0][k]["step_s"])) for r in meas.values() for k in SCHEDULES]
+    act_errs = [abs(x[k]["activation_err"]) for r in meas.values() for x in r for k in SCHEDULES]
+    ratio = {w: r[0]["interleaved v2"]["step_s"] / r[0]["1f1b"]["step_s"] for w, r in meas.items()}
+    summary = {"step_time_max_abs_err": max(step_errs, default=None),
+               "activation_max_abs_err": max(act_errs, default=None),
+               "interleaved_over_1f1b_measured": ratio,
+               "searched_speedup_over_1f1b_only": {k: v["speedup"] for k, v in search.items()},
+               "searched_cases_using_interleaved": sum(v["every"]["schedule"] == "interleaved-1f1b"
+                                                       for v in search.values())}
+    print(f"\nsummary: {summary}")
+    write_json(args.json, {"model": MODEL, "measured": meas, "searched": search, "summary": summary})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Pipeline schedules (galvatron_fx/solver/schedules.py): the plan rules, the chunk placement, the
+rank orders against torch's own action lists, the in-flight peaks, the bubble; plans with
+``virtual_stages`` in JSON, ``Plan.uniform`` and ``explain()``; the estimate of an interleaved plan."""
+
+from __future__ import annotations
+
+import pytest
+
+import galvatron_fx as gfx
+from galvatron_fx.errors import ConfigError
+from galvatron_fx.plan import Plan
+from galvatron_fx.solver.schedules import (
+    SCHEDULES,
+    check_schedule,
+    chunk_in_flight,
+    chunk_rank,
+    rank_chunks,
+    rank_order,
+    step_slots,
+)
+
+
+def _torch_order(p: int, v: int, m: int) -> dict[int, list[tuple[str, int, int]]]:
+    """torch's ScheduleInterleaved1F1B action list per rank, as (kind, local chunk, micro-batch)."""
+    from torch.distributed.pipelining import schedules as S
+
+    sched = object.__new__(S.ScheduleInterleaved1F1B)
+    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = p, v, m
+    sched.number_of_rounds = max(1, m // p)
+    sched.microbatches_per_round = m // sched.number_of_rounds
+    out = {}
+    for r in range(p):
+        out[r] = [("F" if a.computation_type == S._ComputationType.FORWARD else "B", a.stage_index // p,
+                   a.microbatch_index)
+                  for a in S.ScheduleInterleaved1F1B._calculate_single_rank_operations(sched, r) if a is not None]
+    return out
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("v", [1, 2, 3])
+def test_rank_order_is_torchs(p, v):
+    for m in range(p, 3 * p + 1):
+        if m % max(1, m // p):
+            with pytest.raises(ConfigError, match="rounds"):
+                check_schedule("interleaved-1f1b", p, v, m)
+            continue
+        ref = _torch_order(p, v, m)
+        for r in range(p):
+            order = rank_order("interleaved-1f1b", r, p, v, m)
+            assert order == ref[r], (p, v, m, r)
+            held, peak = [0] * v, [0] * v
+            for kind, c, _ in order:
+                held[c] += 1 if kind == "F" else -1
+                peak[c] = max(peak[c], held[c])
+            assert chunk_in_flight("interleaved-1f1b", p, v, m, r) == peak
+
+
+def test_one_chunk_schedules_hold_what_they_always_held():
+    assert [chunk_in_flight("1f1b", 4, 1, 8, k) for k in range(4)] == [[4], [3], [2], [1]]
+    assert [chunk_in_flight("gpipe", 4, 1, 8, k) for k in range(4)] == [[8]] * 4
+    assert step_slots("1f1b", 4, 1, 8) == step_slots("gpipe", 4, 1, 8) == 11
+    assert step_slots("interleaved-1f1b", 4, 2, 8) == 8 + 3 / 2   # Megatron: bubble (p - 1) / (v m)
+
+
+def test_chunk_placement():
+    assert [chunk_rank("interleaved-1f1b", c, 4) for c in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [chunk_rank("zbv", c, 4) for c in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert rank_chunks("interleaved-1f1b", 1, 4, 2) == [1, 5]
+    assert rank_chunks("zbv", 0, 4, 2) == [0, 7]
+
+
+def test_plan_rules_name_the_fix():
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"}
+    with pytest.raises(ConfigError, match="virtual_stages=1"):
+        check_schedule("1f1b", 2, 2, 4)
+    with pytest.raises(ConfigError, match="virtual_stages=2"):
+        check_schedule("zbv", 2, 3, 4)
+    with pytest.raises(ConfigError, match="pp >= 2"):
+        check_schedule("interleaved-1f1b", 1, 2, 4)
+    with pytest.raises(ConfigError, match="2 \\* pp"):
+        check_schedule("dualpipev", 4, 2, 4)
+    with pytest.raises(ConfigError, match="does not run it yet"):
+        check_schedule("zbv", 2, 2, 4, runnable=True)
+    check_schedule("zbv", 2, 2, 4)   # a valid plan
+
+
+NAMES = ["pre", "b0", "b1", "b2", "b3", "post"]
+
+
+def test_plans_carry_virtual_stages_and_old_plans_load():
+    p = Plan.uniform_from_layer_names(NAMES, 4, pp=2, micro_batches=4, schedule="interleaved-1f1b",
+                                      virtual_stages=2, global_batch_size=8)
+    assert p.stages == [(0, 1), (2, 3), (4, 4), (5, 5)] and p.num_chunks == 4
+    assert [p.chunk_rank(c) for c in range(4)] == [0, 1, 0, 1] and p.rank_chunks(1) == [1, 3]
+    again = Plan.from_dict(p.to_dict())
+    assert again.virtual_stages == 2 and again.to_json() == p.to_json()
+    old = p.to_dict()
+    old.update(schedule="1f1b", stages=[[0, 2], [3, 5]])
+    del old["virtual_stages"]   # written before the key existed
+    assert Plan.from_dict(old).virtual_stages == 1
+    zbv = Plan.uniform_from_layer_names(NAMES, 2, pp=2, micro_batches=4, schedule="zbv", global_batch_size=8)
+    assert zbv.virtual_stages == 2 and len(zbv.stages) == 4
+    with pytest.raises(ConfigError, match="pp \\* virtual_stages = 2 \\* 4"):
+        Plan.uniform_from_layer_names(NAMES, 2, pp=2, schedule="interleaved-1f1b", virtual_stages=4)
+    bad = p.to_dict()
+    bad["stages"] = [[0, 2], [3, 5]]
+    with pytest.raises(ConfigError, match="pp \\* virtual_stages"):
+        Plan.from_dict(bad)
+
+
+def test_estimate_of_an_interleaved_plan():
+    model, args = gfx.models.build("gpt-tiny", device="meta", layers=6, batch=8)
+    gm = gfx.capture(model, args, method="fx")
+    cluster = gfx.Cluster.preset("2xA100-80GB")
+    one = gfx.Plan.uniform(gm, 2, pp=2, micro_batches=4, global_batch_size=8)
+    two = gfx.Plan.uniform(gm, 2, pp=2, micro_batches=4, global_batch_size=8, schedule="interleaved-1f1b",
+                           virtual_stages=2)
+    e1, e2 = gfx.estimate(gm, one, cluster, reserve_bytes=0), gfx.estimate(gm, two, cluster, reserve_bytes=0)
+    assert len(e2["memory_bytes_per_device"]) == 2 and len(e2["layers"]) == 8
+    # each chunk's activations count its own peak: rank 0 holds chunk 0 (layers 0-1) 4 times and
+    # chunk 2 (4-5) twice, rank 1 chunk 1 (2-3) 3 times and chunk 3 (6-7) once; 1F1B's stage 0
+    # (layers 0-3) holds 2 micro-batches, stage 1 (4-7) one
+    assert [chunk_in_flight("interleaved-1f1b", 2, 2, 4, r) for r in (0, 1)] == [[4, 2], [3, 1]]
+    one_mb = [row["activation_bytes"] / (2 if i < 4 else 1) for i, row in enumerate(e1["layers"])]
+    peak = [4, 4, 3, 3, 2, 2, 1, 1]
+    assert [row["activation_bytes"] for row in e2["layers"]] == pytest.approx([q * a for q, a in zip(peak, one_mb)])
+    # states: rank 0 holds layers 0, 1, 4, 5 under interleaving, 0-3 under 1F1B
+    st1 = [row["states_bytes"] for row in e1["layers"]]
+    assert e2["per_device"]["states_bytes"][0] == sum(st1[i] for i in (0, 1, 4, 5))
+    plan = gfx.search(gm, cluster, "80GB", 8, constraints={"schedule": "interleaved-1f1b", "pp": 2,
+                                                           "virtual_stages": 2, "micro_batches": 4})
+    assert (plan.schedule, plan.virtual_stages, len(plan.stages)) == ("interleaved-1f1b", 2, 4)
+    assert gfx.estimate(gm, plan, cluster)["step_time_s"] == pytest.approx(plan.estimate["step_time_s"], rel=1e-9)
+    assert "chunk 3 on pipeline rank 1" in plan.explain()
