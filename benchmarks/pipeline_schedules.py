@@ -115,7 +115,7 @@ def searched() -> dict:
         t_every = time.perf_counter() - t0
         only = gfx.search(gm, cluster, budget, gbs, constraints={"schedule": "1f1b"})
         speedup = every.estimate["throughput_samples_s"] / only.estimate["throughput_samples_s"]
-        key = f"{name}@{preset}"
+        key = f"{name}@{preset}/batch{gbs}"
         out[key] = {"every": every.to_dict(), "only_1f1b": only.to_dict(), "speedup": speedup, "search_s": t_every}
         rows.append([name, preset, gbs, f"pp{every.pp} m{every.micro_batches} {every.schedule} v{every.virtual_stages}",
                      every.estimate["throughput_samples_s"], f"pp{only.pp} m{only.micro_batches}",
