@@ -118,6 +118,22 @@ def gfx_step(dm, opt, args, with_optimizer: bool = True):
     return step
 
 
+def time_plans(gm, plans: dict, args, steps: int) -> tuple[dict, dict[str, float]]:
+    """Build every ``label -> plan`` on this rank (AdamW, one warm-up step each) and time them
+    interleaved (:func:`interleaved`): ``({label: (dist_model, optimizer)}, {label: median s})``."""
+    import galvatron_fx as gfx
+
+    models, step_fns = {}, {}
+    for label, plan in plans.items():
+        dm = gfx.transform(gm, plan=plan)
+        opt = dm.optimizer(torch.optim.AdamW, lr=1e-4)
+        dm.train_step(*args)
+        opt.step()
+        models[label] = (dm, opt)
+        step_fns[label] = gfx_step(dm, opt, args)
+    return models, interleaved(step_fns, steps)
+
+
 def saved_activation_bytes(dm, plan, args) -> int:
     """Bytes saved for backward by one micro-batch's forward on this rank (pp = 1): unique storages,
     parameter storages (and ZeRO-3's gathered buffers) excluded. The graph is released afterwards."""

@@ -32,14 +32,13 @@ from _common import parser, print_table, write_json  # noqa: E402
 from _dist import (  # noqa: E402
     add_model_args,
     build,
-    gfx_step,
-    interleaved,
     model_kw,
     plan_label,
     profiled_cluster,
     rel_err,
     saved_activation_bytes,
     spawn,
+    time_plans,
     uniform,
 )
 
@@ -88,15 +87,8 @@ def _rank(rank, world, overrides, mode, steps):
     plan_dicts, ests, info = box[0]
     plans = {k: gfx.Plan.from_dict(d) for k, d in plan_dicts.items()}
 
-    models, step_fns, out = {}, {}, {}
-    for label, plan in plans.items():
-        dm = gfx.transform(gm, plan=plan)
-        opt = dm.optimizer(torch.optim.AdamW, lr=1e-4)
-        dm.train_step(*args)
-        opt.step()
-        models[label] = (dm, opt)
-        step_fns[label] = gfx_step(dm, opt, args)
-    times = interleaved(step_fns, steps)
+    models, times = time_plans(gm, plans, args, steps)
+    out = {}
     for label, plan in plans.items():
         dm, opt = models[label]
         stage = getattr(dm, "stage_index", 0)

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import parser, print_table, write_json  # noqa: E402
-from _dist import build, gfx_step, interleaved, profiled_cluster, rel_err, spawn, uniform  # noqa: E402
+from _dist import build, profiled_cluster, rel_err, spawn, time_plans, uniform  # noqa: E402
 
 MODEL = dict(layers=6, hidden=128, heads=4, seq_len=64, vocab=256, batch=16)   # 8 layers: pre, 6 blocks, post
 SCHEDULES = {  # label -> Plan.uniform keywords beside pp = world
@@ -54,15 +54,7 @@ def _rank(rank, world, micro_batches, steps):
         cost = {"mode": "profiled", "reserve_bytes": 0, "cache_dir": cache, "profile_sizes": (1, 2, 4),
                 "profile_repeats": 9}
         ests = {k: gfx.estimate(gm, p, cluster, **cost) for k, p in plans.items()}
-    models, steps_fn = {}, {}
-    for label, plan in plans.items():
-        dm = gfx.transform(gm, plan=plan)
-        opt = dm.optimizer(torch.optim.AdamW, lr=1e-4)
-        dm.train_step(*args)
-        opt.step()
-        models[label] = (dm, opt)
-        steps_fn[label] = gfx_step(dm, opt, args)
-    times = interleaved(steps_fn, steps)
+    models, times = time_plans(gm, plans, args, steps)
     out = {}
     for label, (dm, _opt) in models.items():
         dm.track_memory = True   # after the timed steps: a hook per saved tensor

@@ -295,6 +295,10 @@ class Plan:
             mem = (est.get("memory_bytes_per_device") or [None] * self.pp)[k]
             head = f"stage {k}: layers {first}..{last}" if self.virtual_stages == 1 else \
                 f"chunk {c} on pipeline rank {k}: layers {first}..{last}"
+            if self.virtual_stages > 1 and c >= self.pp:
+                mem = None   # NOTE: the rank's memory, shown under its first chunk
+            elif self.virtual_stages > 1 and mem is not None:
+                head += f"; rank {k} (chunks {', '.join(map(str, self.rank_chunks(k)))})"
             if mem is not None:
                 head += f", {_gib(mem)} per device"
                 if budget:

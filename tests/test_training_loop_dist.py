@@ -53,7 +53,7 @@ CASES = {
     "shard-pp2xdp2": dict(world=4, shard=True, clip="dm", plan=dict(pp=2, dp=2, micro_batches=2, sdp="zero3")),
     "shard-zero3-compile": dict(door="compile", shard=True, plan=dict(dp=2, sdp="zero3")),
     # interleaved 1F1B: 2 chunks per pipeline rank (the 4 layers round-robin over 2 stages)
-    "interleaved-pp2": dict(clip="dm", plan=dict(pp=2, dp=1, micro_batches=2, **INTERLEAVED)),
+    "interleaved-pp2": dict(matrix=True, clip="dm", plan=dict(pp=2, dp=1, micro_batches=2, **INTERLEAVED)),
     "interleaved-pp2xdp2-zero3-export": dict(world=4, method="export", clip="dm",
                                              plan=dict(pp=2, dp=2, micro_batches=2, sdp="zero3", **INTERLEAVED)),
     "interleaved-compile": dict(door="compile", clip="dm", plan=dict(pp=2, dp=1, micro_batches=2, **INTERLEAVED)),
