@@ -11,6 +11,9 @@ A :class:`Plan` is plain data (``../shared/CONTRACT.md``, "Plan JSON")::
 ``precision`` (``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"``: fp32 master weights and optimizer
 states, compute in the low precision) is what the plan was priced for and what the runtime should
 train in; a plan file without it (written before the key existed) reads as ``"fp32"``.
+``virtual_stages`` (chunks per pipeline rank; :mod:`galvatron_fx.solver.schedules` for the
+schedules and the chunk placement) makes ``stages`` list ``pp * virtual_stages`` chunks; a plan
+file without it reads as 1 (2 for ``zbv`` / ``dualpipev``).
 
 Every constructor validates (:class:`ConfigError` naming the key, the value and the fix); unknown
 top-level keys (e.g. ``baselines``) and unknown per-layer keys are kept and written back.
