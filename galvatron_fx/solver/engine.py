@@ -349,23 +349,17 @@ class Engine:
         """A multi-chunk configuration's step time is at least each stage's: its layers' least
         times plus the least send at each of its chunk ends, and the Lagrangian bound of its own
         layers under the budget (their memory with their chunks' in-flight counts)."""
-        chunks, peaks = c.chunks(), c.chunk_peaks()
+        chunks = c.chunks()
         worst = 0.0
         for k in range(c.p):
-            t, rows, mems = 0.0, [], []
-            for ch, (i, j) in enumerate(chunks):
-                if chunk_rank(c.schedule, ch, c.p) != k:
-                    continue
-                rows += range(i, j + 1)
-                mems.append(c.states[i:j + 1] + peaks[ch] * c.act[i:j + 1])
-                if ch + 1 < len(chunks) and chunk_rank(c.schedule, ch + 1, c.p) != k:
-                    send = c.p2p(j, k, chunk_rank(c.schedule, ch + 1, c.p))
-                    t += float(np.min(np.where(np.isfinite(c.t[j]), send, np.inf)))
+            sends = sum(float(np.min(np.where(np.isfinite(c.t[chunks[ch][1]]), c.chunk_send(ch)[c.gid], np.inf)))
+                        for ch in c.rank_chunks(k))
+            rows, M = c.rank_rows(k)
             T = c.t[rows]
             layers = float(T.min(axis=1).sum())
             if self.cap > 0 and layers > 0 and math.isfinite(layers):
-                layers = max(layers, _lagrangian(T, np.where(np.isfinite(T), np.concatenate(mems), np.inf), self.cap, 1))
-            worst = max(worst, t + layers)
+                layers = max(layers, _lagrangian(T, np.where(np.isfinite(T), M, np.inf), self.cap, 1))
+            worst = max(worst, sends + layers)
         return worst * _MARGIN
 
     # ------------------------------------------------------------------ one configuration
@@ -442,30 +436,22 @@ class Engine:
     def _solve_chunks(self, c: ConfigTables, cutoff: float) -> SearchResult | None:
         """A multi-chunk configuration (fixed even split, module docstring): each stage's chunks
         solved exactly as one sequence of layers, a chunk's end paying its send."""
-        chunks, peaks = c.chunks(), c.chunk_peaks()
+        chunks = c.chunks()
         strategies: list = [None] * self.L
         for k in range(c.p):
-            mine = [ch for ch in range(len(chunks)) if chunk_rank(c.schedule, ch, c.p) == k]
-            layers = [i for ch in mine for i in range(chunks[ch][0], chunks[ch][1] + 1)]
-            M = np.concatenate([c.states[i:j + 1] + peaks[ch] * c.act[i:j + 1] for ch in mine
-                                for i, j in [chunks[ch]]])
-            R, final = [], None
+            mine = c.rank_chunks(k)
+            layers, M = c.rank_rows(k)
+            R = []
             for ch in mine:
                 i, j = chunks[ch]
                 R += [c.reshard(l) for l in range(i, j)]
-                send = None
-                if ch + 1 < len(chunks):
-                    dst = chunk_rank(c.schedule, ch + 1, c.p)
-                    send = c.p2p_groups(j, k, dst) if dst != k else np.zeros(len(c.layouts))
                 if ch != mine[-1]:   # the next chunk of this stage follows: the send sits between them
-                    R.append(np.repeat((send if send is not None else np.zeros(len(c.layouts)))[:, None],
-                                       len(c.layouts), axis=1))
-                elif send is not None:
-                    final = send[c.gid]
+                    R.append(np.repeat(c.chunk_send(ch)[:, None], len(c.layouts), axis=1))
+            final = c.chunk_send(mine[-1])[c.gid]
             T, X = c.t[layers], c.trans[layers]
             keep = undominated(T, M, X, c.gid)
             sol = solve_stage_exact(T[:, keep], M[:, keep], X[:, keep], np.stack(R) if R else None, self.cap,
-                                    groups=c.gid[keep], final=None if final is None else final[keep], cutoff=cutoff,
+                                    groups=c.gid[keep], final=final[keep], cutoff=cutoff,
                                     granularity=self.opt.granularity)
             if not sol.feasible or not sol.cost < cutoff:
                 return None
@@ -519,10 +505,7 @@ class Engine:
         trans = np.zeros((c.p, len(c.space)))
         for ch, (i, j) in enumerate(stages):
             k = chunk_rank(c.schedule, ch, c.p)
-            time[k] += c.t[i:j + 1].sum(axis=0)
-            dst = chunk_rank(c.schedule, ch + 1, c.p) if ch + 1 < len(stages) else k
-            if dst != k:
-                time[k] += c.p2p(j, k, dst)
+            time[k] += c.t[i:j + 1].sum(axis=0) + c.chunk_send(ch)[c.gid]
             if j > i:
                 time[k] += sum(np.diag(c.reshard(l)) for l in range(i, j))[c.gid]
             mem[k] += (c.states[i:j + 1] + peaks[ch] * c.act[i:j + 1]).sum(axis=0)

@@ -26,7 +26,7 @@ For a pipeline of ``p`` stages and ``m`` micro-batches (stage ``k`` on devices `
 Under ``interleaved-1f1b`` with ``v`` virtual stages the ``p * v`` chunks go round-robin over the
 stages (:mod:`.schedules`): a stage's sums run over its ``v`` chunks, ``slots = m + (p - 1) / v``,
 every chunk but the last sends (``p2p`` at each of its boundaries), and each chunk's activations
-count ``inflight`` times with its own peak (:func:`~.schedules.chunk_in_flight`).
+count ``inflight`` times with its own peak (:func:`~.schedules.chunk_peaks`).
 
 The cost source (:class:`CostSource`) is duck-typed: the cost model of :mod:`galvatron_fx.cost`, or
 a synthetic one in tests.
@@ -37,8 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .pipeline import in_flight_microbatches
-from .schedules import chunk_in_flight, chunk_rank, step_slots
+from .schedules import chunk_peaks, chunk_rank, step_slots
 from .strategy import Strategy
 
 
@@ -134,12 +133,7 @@ def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy]
     slots = step_slots(schedule, pp, v, micro_batches)
     stage_time, states, acts, transient = [0.0] * pp, [0.0] * pp, [0.0] * pp, [0.0] * pp
     per_layer: list[dict] = []
-    held = {}   # chunk -> micro-batches in flight at its peak
-    for k in range(pp):
-        mine = [c for c in range(len(stages)) if chunk_rank(schedule, c, pp) == k]
-        peaks = ([in_flight_microbatches(schedule, micro_batches, pp, k)] if v == 1 and schedule in ("gpipe", "1f1b")
-                 else chunk_in_flight(schedule, pp, v, micro_batches, k))
-        held.update(zip(mine, peaks))
+    held = chunk_peaks(schedule, pp, v, micro_batches)   # chunk -> micro-batches in flight at its peak
     for c, (first, last) in enumerate(stages):
         k, inflight = chunk_rank(schedule, c, pp), held[c]
         t = 0.0

@@ -147,6 +147,17 @@ def chunk_in_flight(schedule: str, pp: int, virtual_stages: int, micro_batches: 
     return list(_chunk_in_flight(schedule, pp, virtual_stages, micro_batches, rank))
 
 
+@functools.lru_cache(maxsize=1024)
+def chunk_peaks(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> tuple[int, ...]:
+    """:func:`chunk_in_flight` of every chunk of the plan's ``stages``, in chunk order."""
+    out = [0] * (pp * virtual_stages)
+    for k in range(pp):
+        for c, q in zip(rank_chunks(schedule, k, pp, virtual_stages),
+                        _chunk_in_flight(schedule, pp, virtual_stages, micro_batches, k)):
+            out[c] = q
+    return tuple(out)
+
+
 def step_slots(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> float:
     """The step time in units of one micro-batch's forward + backward through all of a rank's
     chunks (the slowest rank's): ``m`` of work plus the bubble, ``p - 1`` (GPipe, 1F1B) or

@@ -25,7 +25,7 @@ import numpy as np
 
 from .objective import CostSource, LayerTerms, layer_terms, p2p_time_per_microbatch
 from .pipeline import even_split, in_flight_microbatches
-from .schedules import chunk_in_flight, chunk_rank, step_slots
+from .schedules import chunk_peaks, chunk_rank, rank_chunks, step_slots
 from .strategy import Strategy
 
 
@@ -121,18 +121,27 @@ class ConfigTables:
         """The fixed even split into ``p * v`` chunks of a multi-chunk configuration."""
         return even_split(len(self.sig_ids), self.p * self.v)
 
-    def chunk_peaks(self) -> list[int]:
-        """Every chunk's micro-batches in flight at its peak (:func:`~.schedules.chunk_in_flight`)."""
-        if self.v == 1:
-            return [self.inflight(k) for k in range(self.p)]
-        if "peaks" in self.memo:
-            return self.memo["peaks"]
-        out = self.memo["peaks"] = [0] * (self.p * self.v)
-        for k in range(self.p):
-            mine = [c for c in range(self.p * self.v) if chunk_rank(self.schedule, c, self.p) == k]
-            for c, q in zip(mine, chunk_in_flight(self.schedule, self.p, self.v, self.m, k)):
-                out[c] = q
-        return out
+    def chunk_peaks(self) -> tuple[int, ...]:
+        """Every chunk's micro-batches in flight at its peak (:func:`~.schedules.chunk_peaks`)."""
+        return chunk_peaks(self.schedule, self.p, self.v, self.m)
+
+    def rank_chunks(self, k: int) -> list[int]:
+        """The chunks stage ``k`` runs (:func:`~.schedules.rank_chunks`)."""
+        return rank_chunks(self.schedule, k, self.p, self.v)
+
+    def rank_rows(self, k: int) -> tuple[list[int], np.ndarray]:
+        """Stage ``k``'s layers (its chunks' in chunk order) and their ``[n, S]`` additive bytes,
+        each layer's activations times its chunk's in-flight peak."""
+        chunks, peaks = self.chunks(), self.chunk_peaks()
+        mine = [(ch, i) for ch in self.rank_chunks(k) for i in range(chunks[ch][0], chunks[ch][1] + 1)]
+        return [i for _, i in mine], np.stack([self.states[i] + peaks[ch] * self.act[i] for ch, i in mine])
+
+    def chunk_send(self, ch: int) -> np.ndarray:
+        """``[G]`` seconds per step chunk ``ch`` spends sending to the next chunk, per layout group of
+        its last layer (zeros for the model's last chunk or a next chunk on the same stage)."""
+        k, j = chunk_rank(self.schedule, ch, self.p), self.chunks()[ch][1]
+        dst = chunk_rank(self.schedule, ch + 1, self.p) if ch + 1 < self.p * self.v else k
+        return self.p2p_groups(j, k, dst) if dst != k else np.zeros(len(self.layouts))
 
     def least_inflight(self) -> int:
         """The fewest micro-batches any stage (chunk) holds at its peak."""
@@ -214,12 +223,9 @@ def least_memory_chunks(c: ConfigTables, reserve_bytes: float = 0.0) -> float:
     allowed = np.isfinite(c.t)
     ths = np.unique(c.trans[allowed])
     A = allowed[None] & (c.trans[None] <= ths[:, None, None])            # [Q, L, S]
-    peaks, worst = c.chunk_peaks(), 0.0
+    worst = 0.0
     for k in range(c.p):
-        layers = [(i, ch) for ch, (a, b) in enumerate(c.chunks()) if chunk_rank(c.schedule, ch, c.p) == k
-                  for i in range(a, b + 1)]
-        M = np.stack([c.states[i] + peaks[ch] * c.act[i] for i, ch in layers])
-        idx = [i for i, _ in layers]
+        idx, M = c.rank_rows(k)
         per = np.where(A[:, idx], M[None], np.inf).min(axis=2).sum(axis=1)   # [Q]
         worst = max(worst, float((per + ths).min()))
     return worst + reserve_bytes
