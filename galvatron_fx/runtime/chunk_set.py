@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import ConfigError
 from .module import DistributedModel
 from .params import ParamRegistry
 
@@ -110,13 +109,9 @@ class ChunkSet(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         from torch.nn.modules.module import _IncompatibleKeys
 
-        state = dict(state_dict)
-        missing = [k for k in self.params.params if k not in state]
-        unexpected = [k for k in state if k not in self.params.params]
-        if strict and (missing or unexpected):
-            raise ConfigError(f"load_state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        missing, unexpected = self.params.load_whole(dict(state_dict), strict=strict)
         for c in self.chunks:
-            c.load_state_dict({k: v for k, v in state.items() if k in c.params.params}, strict=False)
+            c.loaded()
         return _IncompatibleKeys(missing, unexpected)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -152,11 +152,17 @@ class DistributedModel(torch.fx.GraphModule):
         from torch.nn.modules.module import _IncompatibleKeys
 
         missing, unexpected = self.params.load_whole(dict(state_dict), strict=strict)
+        self.loaded()
+        return _IncompatibleKeys(missing, unexpected)
+
+    def loaded(self) -> None:
+        """After values were copied into the parameters: mark the buffers initialised (a meta-device
+        model; ``strict=False`` leaves the rest to you), refresh the working copies (collective for
+        ZeRO-2)."""
         for s in self._stores:
-            s.initialized = True   # a meta-device model: loaded (strict=False leaves the rest to you)
+            s.initialized = True
             s.masters_changed()
         self.sync_params()
-        return _IncompatibleKeys(missing, unexpected)
 
     # ---------------------------------------------------------------- training
     @property
