@@ -302,11 +302,13 @@ def _read(path: str, want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _stage(dist_model):
-    """The :class:`~.runtime.module.DistributedModel` of this rank (a pipeline's stage)."""
+    """The :class:`~.runtime.module.DistributedModel` of this rank (a pipeline's stage; a
+    :class:`~.runtime.chunk_set.ChunkSet` when the rank runs several chunks)."""
+    from .runtime.chunk_set import ChunkSet
     from .runtime.module import DistributedModel
 
     stage = getattr(dist_model, "stage", dist_model)
-    if not isinstance(stage, DistributedModel):
+    if not isinstance(stage, (DistributedModel, ChunkSet)):
         raise ConfigError("gfx.checkpoint needs the module gfx.transform returned, "
                           f"got {type(dist_model).__name__}")
     return stage

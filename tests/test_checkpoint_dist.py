@@ -196,6 +196,16 @@ def test_resume_matrix(tmp_path):
         assert len(per_file) == 2, (label, per_file)
 
 
+@pytest.mark.dist
+def test_interleaved_pipeline_resumes_exactly_and_into_another_plan(tmp_path):
+    # interleaved 1F1B: each rank's two chunks save and load as one stage (runtime/chunk_set.py)
+    cases = [("interleaved-to-zero2", dict(pp=2, micro_batches=2, schedule="interleaved-1f1b", virtual_stages=2),
+              dict(sdp="zero2"))]
+    results = run_distributed(_resume_cases, 2, str(tmp_path), cases, timeout=300)[0]
+    _check(results)
+    assert results["interleaved-to-zero2"]["other_plan"][-1] == 1
+
+
 BF16_CASES = [
     ("bf16-zero3-to-dp2", dict(sdp="zero3", precision="bf16-mixed"), dict(sdp="none", precision="bf16-mixed")),
     ("bf16-tp2-to-zero2", dict(tp=2, dp=1, precision="bf16-mixed"), dict(sdp="zero2", precision="bf16-mixed")),
