@@ -429,7 +429,8 @@ def _meta_compiled(rank, world, spec, pretrained):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("spec", [dict(dp=2, sdp="zero3"), dict(tp=2, dp=1)], ids=["zero3", "tp2"])
+@pytest.mark.parametrize("spec", [dict(dp=2, sdp="zero3"), dict(tp=2, dp=1), pytest.param(
+    dict(pp=2, dp=1, micro_batches=2, **INTERLEAVED), marks=pytest.mark.matrix)], ids=["zero3", "tp2", "interleaved"])
 def test_meta_device_model_initialises_and_loads_only_its_parts(tmp_path, spec):
     import transformers as tf
 
