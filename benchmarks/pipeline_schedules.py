@@ -1,7 +1,9 @@
-"""Pipeline schedules: 1F1B vs interleaved 1F1B, measured on gloo ranks and searched at scale.
+"""Pipeline schedules: 1F1B vs interleaved and zero-bubble schedules, measured on gloo ranks and
+searched at scale.
 
 Part 1 (measured): gpt-tiny on 2 and 4 gloo ranks, one pipeline rank per process (pp = world),
-under GPipe, 1F1B and interleaved 1F1B with 2 chunks per rank, the same micro-batches. Every rank
+under GPipe, 1F1B, interleaved 1F1B with 2 chunks per rank, and the zero-bubble schedules (ZB-H1 =
+interleaved-zb with one chunk, interleaved-zb with 2, ZB-V, DualPipeV), the same micro-batches. Every rank
 profiles the live world first (``Cluster.profile()``) and prices each plan with the profiled cost
 model (layers timed on this CPU). Measured: the median step (``train_step`` + AdamW, slowest rank,
 interleaved rounds) and each rank's peak saved activation bytes (``schedule_stats``); beside each
@@ -9,13 +11,15 @@ the estimate (``gfx.estimate``: step time, the rank's activation bytes).
 
 Part 2 (searched, meta device): llama-70b and gpt3-175b on 32-128 GPUs with global batches that
 force pipelines, searched over every schedule vs 1F1B only (``constraints={"schedule": "1f1b"}``):
-estimated throughput of each and where interleaving wins.
+estimated throughput of each, which schedule wins and by how much (geomean over the cases whose
+1F1B-only plan pipelines and whose searched plan is not 1F1B).
 
     python benchmarks/pipeline_schedules.py [--worlds 2 4] [--skip-measured] [--json PATH]
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import tempfile
@@ -32,14 +36,27 @@ SCHEDULES = {  # label -> Plan.uniform keywords beside pp = world
     "gpipe": dict(schedule="gpipe"),
     "1f1b": dict(schedule="1f1b"),
     "interleaved v2": dict(schedule="interleaved-1f1b", virtual_stages=2),
+    "zb-h1": dict(schedule="interleaved-zb", virtual_stages=1),
+    "interleaved-zb v2": dict(schedule="interleaved-zb", virtual_stages=2),
+    "zbv": dict(schedule="zbv"),
+    "dualpipev": dict(schedule="dualpipev"),
 }
-SEARCHED = [  # model, cluster, global batch, memory budget
-    ("llama-70b", "8x8xH100-80GB", 16, "80GB"),
-    ("llama-70b", "8x8xH100-80GB", 32, "80GB"),
-    ("llama-70b", "16x8xH100-80GB", 32, "80GB"),
-    ("llama-70b", "4x8xH100-80GB", 64, "80GB"),
-    ("gpt3-175b", "8x8xA100-80GB", 16, "80GB"),
-    ("gpt3-175b", "16x8xA100-80GB", 32, "80GB"),
+SEARCHED = [  # model, cluster, global batch, memory budget, pinned pipeline degree (None: searched)
+    ("llama-70b", "4x8xH100-80GB", 64, "80GB", None),
+    ("llama-70b", "8x8xH100-80GB", 16, "80GB", None),
+    ("llama-70b", "8x8xH100-80GB", 32, "80GB", None),
+    ("llama-70b", "16x8xH100-80GB", 32, "80GB", None),
+    ("gpt3-175b", "8x8xA100-80GB", 16, "80GB", None),
+    ("gpt3-175b", "16x8xA100-80GB", 32, "80GB", None),
+    # pipelines forced (as Megatron-LM runs these models: pp across nodes)
+    ("llama-70b", "4x8xH100-80GB", 32, "80GB", 4),
+    ("llama-70b", "8x8xH100-80GB", 16, "80GB", 8),
+    ("llama-70b", "8x8xH100-80GB", 64, "80GB", 8),
+    ("llama-70b", "16x8xH100-80GB", 32, "80GB", 16),
+    ("gpt3-175b", "8x8xA100-80GB", 16, "80GB", 8),
+    ("gpt3-175b", "8x8xA100-80GB", 64, "80GB", 8),
+    ("gpt3-175b", "16x8xA100-80GB", 32, "80GB", 16),
+    ("gpt3-175b", "16x8xA100-80GB", 128, "80GB", 16),
 ]
 
 
@@ -88,8 +105,10 @@ def measured(worlds: list[int], steps: int) -> dict:
         print(f"\ngpt-tiny {MODEL} on {world} gloo ranks (pp={world}), {m} micro-batches; median of {steps} "
               f"interleaved steps; {time.perf_counter() - t0:.0f} s")
         print_table(["schedule", "m", "pred ms", "meas ms", "err", "act KiB per rank", "pred KiB", "err"], rows)
-        print(f"interleaved v2 / 1f1b measured step: {ranks[0]['interleaved v2']['step_s'] / base:.3f}; "
-              f"estimated: {ranks[0]['interleaved v2']['pred_step_s'] / ranks[0]['1f1b']['pred_step_s']:.3f}")
+        for label in SCHEDULES:
+            if label not in ("gpipe", "1f1b"):
+                print(f"{label} / 1f1b step: measured {ranks[0][label]['step_s'] / base:.3f}, estimated "
+                      f"{ranks[0][label]['pred_step_s'] / ranks[0]['1f1b']['pred_step_s']:.3f}")
         results[f"world{world}"] = ranks
     return results
 
@@ -98,22 +117,27 @@ def searched() -> dict:
     import galvatron_fx as gfx
 
     rows, out = [], {}
-    for name, preset, gbs, budget in SEARCHED:
+    for name, preset, gbs, budget, pp in SEARCHED:
+        pinned = {"pp": pp} if pp else {}
         model, args = gfx.models.build(name, device="meta", batch=gbs)
         gm = gfx.capture(model, args, method="fx")
         cluster = gfx.Cluster.preset(preset)
         t0 = time.perf_counter()
-        every = gfx.search(gm, cluster, budget, gbs)
+        try:
+            every = gfx.search(gm, cluster, budget, gbs, constraints=pinned)
+        except gfx.InfeasibleError:
+            rows.append([name, preset, gbs, pp or "", "no plan fits", "", "", "", "", ""])
+            continue
         t_every = time.perf_counter() - t0
-        only = gfx.search(gm, cluster, budget, gbs, constraints={"schedule": "1f1b"})
+        only = gfx.search(gm, cluster, budget, gbs, constraints={**pinned, "schedule": "1f1b"})
         speedup = every.estimate["throughput_samples_s"] / only.estimate["throughput_samples_s"]
-        key = f"{name}@{preset}/batch{gbs}"
+        key = f"{name}@{preset}/batch{gbs}" + (f"/pp{pp}" if pp else "")
         out[key] = {"every": every.to_dict(), "only_1f1b": only.to_dict(), "speedup": speedup, "search_s": t_every}
-        rows.append([name, preset, gbs, f"pp{every.pp} m{every.micro_batches} {every.schedule} v{every.virtual_stages}",
+        rows.append([name, preset, gbs, pp or "", f"pp{every.pp} m{every.micro_batches} {every.schedule} v{every.virtual_stages}",
                      every.estimate["throughput_samples_s"], f"pp{only.pp} m{only.micro_batches}",
                      only.estimate["throughput_samples_s"], f"{speedup:.3f}", f"{t_every:.2f}"])
     print("\nsearched on the meta device (bf16-mixed, 80 GB budget): every schedule vs 1F1B only")
-    print_table(["model", "cluster", "gbs", "every schedule", "samples/s", "1F1B only", "samples/s", "speedup",
+    print_table(["model", "cluster", "gbs", "pp pinned", "every schedule", "samples/s", "1F1B only", "samples/s", "speedup",
                  "search s"], rows)
     return out
 
@@ -129,13 +153,17 @@ def main() -> None:
     search = searched()
     step_errs = [abs(rel_err(r[0][k]["pred_step_s"], r[0][k]["step_s"])) for r in meas.values() for k in SCHEDULES]
     act_errs = [abs(x[k]["activation_err"]) for r in meas.values() for x in r for k in SCHEDULES]
-    ratio = {w: r[0]["interleaved v2"]["step_s"] / r[0]["1f1b"]["step_s"] for w, r in meas.items()}
+    ratio = {w: {k: r[0][k]["step_s"] / r[0]["1f1b"]["step_s"] for k in SCHEDULES} for w, r in meas.items()}
+    pred = {w: {k: r[0][k]["pred_step_s"] / r[0]["1f1b"]["pred_step_s"] for k in SCHEDULES} for w, r in meas.items()}
+    piped = {k: v for k, v in search.items() if v["only_1f1b"]["pp"] > 1}
+    other = [v["speedup"] for v in piped.values() if v["every"]["schedule"] != "1f1b"]
     summary = {"step_time_max_abs_err": max(step_errs, default=None),
                "activation_max_abs_err": max(act_errs, default=None),
-               "interleaved_over_1f1b_measured": ratio,
+               "over_1f1b_measured": ratio, "over_1f1b_estimated": pred,
                "searched_speedup_over_1f1b_only": {k: v["speedup"] for k, v in search.items()},
-               "searched_cases_using_interleaved": sum(v["every"]["schedule"] == "interleaved-1f1b"
-                                                       for v in search.values())}
+               "searched_schedules": {k: v["every"]["schedule"] for k, v in search.items()},
+               "pipelined_cases": len(piped), "pipelined_cases_not_1f1b": len(other),
+               "geomean_gain_not_1f1b": (math.prod(other) ** (1 / len(other))) if other else None}
     print(f"\nsummary: {summary}")
     write_json(args.json, {"model": MODEL, "measured": meas, "searched": search, "summary": summary})
 

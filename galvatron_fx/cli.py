@@ -184,13 +184,13 @@ def _pipeline_constraints(args: argparse.Namespace) -> dict:
 
 
 def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
-    from .solver.schedules import RUNNABLE
+    from .solver.schedules import SCHEDULES
 
     p.add_argument("--pp", type=int, metavar="N", help="pin the pipeline degree of the search")
-    p.add_argument("--schedule", choices=list(RUNNABLE),
-                   help="pin the pipeline schedule (default: search 1f1b and interleaved-1f1b)")
+    p.add_argument("--schedule", choices=list(SCHEDULES),
+                   help="pin the pipeline schedule (default: search all but gpipe)")
     p.add_argument("--virtual-stages", type=int, metavar="V",
-                   help="pin the chunks per pipeline rank (interleaved-1f1b; default: searched)")
+                   help="pin the chunks per pipeline rank (interleaved schedules; default: searched)")
 
 
 def _maybe_plot(plan, path: str | None) -> None:

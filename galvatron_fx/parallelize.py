@@ -179,7 +179,7 @@ def _check_pipeline(gm: torch.fx.GraphModule, plan: Plan, world: int) -> None:
         raise PlanMismatchError(f"the plan has pp={plan.pp} stages for world_size={plan.world_size}, but "
                                 f"{world} processes are running; launch world_size={plan.world_size} ranks "
                                 "(a multiple of pp) or re-plan for this world size")
-    check_schedule(plan.schedule, plan.pp, plan.virtual_stages, plan.micro_batches, runnable=True)
+    check_schedule(plan.schedule, plan.pp, plan.virtual_stages, plan.micro_batches)
     if len(plan.stages) != plan.num_chunks:
         raise PlanMismatchError(f"the plan lists {len(plan.stages)} stages for pp={plan.pp} x "
                                 f"virtual_stages={plan.virtual_stages}")

@@ -93,10 +93,11 @@ def _expected_order(plan, stage: int) -> list[str] | None:
     tests/test_schedules.py checks): ``F<micro-batch>@<chunk>``."""
     from galvatron_fx.solver.schedules import rank_order
 
-    if plan.virtual_stages == 1:
+    if plan.schedule in ("gpipe", "1f1b"):
         return None
     chunks = plan.rank_chunks(stage)
-    return [f"{kind}{mb}@{chunks[c]}" for kind, c, mb in
+    tag = (lambda c: f"@{chunks[c]}") if len(chunks) > 1 else (lambda c: "")
+    return [f"{kind}{mb}{tag(c)}" for kind, c, mb in
             rank_order(plan.schedule, stage, plan.pp, plan.virtual_stages, plan.micro_batches)]
 
 
@@ -110,15 +111,18 @@ def _check(results):
             assert r["loss_err"] <= TOL, (label, r["loss_err"])
             assert r["param_err"] <= TOL, (label, r["param_err"])
             st, m, p = r["stats"], r["m"], r["pp"]
-            if r["v"] > 1:   # several chunks per rank: torch's order, activations within the estimate
+            if r["expected_order"] is not None:   # several chunks per rank or a split backward: torch's
+                # order, activations within the estimate
                 assert st["order"] == r["expected_order"], (label, st["order"])
                 live = peak = 0
-                for op in st["order"]:
-                    live += 1 if op[0] == "F" else -1
+                for op in st["order"]:   # held from F to B, or to W under a zero-bubble schedule
+                    live += {"F": 1, "I": 0}.get(op[0], -1)
                     peak = max(peak, live)
                 assert st["peak_in_flight"] == peak, (label, st)
-                # NOTE: the estimate charges every chunk its own peak (an upper bound of the rank's)
-                assert 0 < st["peak_saved_bytes"] <= r["predicted_activation"] * 1.01, (label, st)
+                # NOTE: the estimate charges every chunk its own peak (an upper bound of the rank's);
+                # slack: the tiny embedding / loss layers save ~2 KiB per micro-batch the model misses
+                slack = 2048 * st["peak_in_flight"]
+                assert 0 < st["peak_saved_bytes"] <= r["predicted_activation"] * 1.01 + slack, (label, st)
                 assert r["states"] == r["predicted_states"], (label, r["stage"], r["states"], r["predicted_states"])
                 continue
             assert sorted(st["order"]) == sorted([f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)])
@@ -153,6 +157,11 @@ CASES_2 = [
     ("pp2-1f1b-ckpt", dict(pp=2, tp=1, dp=1, schedule="1f1b", micro_batches=4), [{}, dict(ckpt=True)]),
     ("pp2-interleaved-ckpt", dict(pp=2, tp=1, dp=1, schedule="interleaved-1f1b", virtual_stages=2, micro_batches=4),
      [{}, dict(ckpt=True)]),
+    # zero-bubble: split backward (I, then W), checkpointing recomputes in both passes
+    ("pp2-zbv-ckpt", dict(pp=2, tp=1, dp=1, schedule="zbv", micro_batches=4), [{}, dict(ckpt=True)]),
+    ("pp2-interleaved-zb", dict(pp=2, tp=1, dp=1, schedule="interleaved-zb", virtual_stages=2, micro_batches=4), [{}]),
+    ("pp2-zb-h1", dict(pp=2, tp=1, dp=1, schedule="interleaved-zb", virtual_stages=1, micro_batches=4), [{}]),
+    ("pp2-dualpipev", dict(pp=2, tp=1, dp=1, schedule="dualpipev", micro_batches=4), [{}]),
 ]
 
 
@@ -182,6 +191,11 @@ CASES_4_GPT = [
     ("pp2-hetero", dict(pp=2, tp=1, dp=2, schedule="1f1b", micro_batches=2, stages=[[0, 0], [1, 3]]), HETERO),
     ("pp2xdp2-interleaved-zero3", dict(pp=2, tp=1, dp=2, sdp="zero3", schedule="interleaved-1f1b", virtual_stages=2,
                                        micro_batches=2), [{}]),
+    # zero-bubble with ZeRO-3 (the buffer stays gathered from I to W), TP + SP, and mixed strategies
+    ("pp2xdp2-zbv-zero3", dict(pp=2, tp=1, dp=2, sdp="zero3", schedule="zbv", micro_batches=4), [{}]),
+    ("pp2xtp2-interleaved-zb-sp", dict(pp=2, tp=2, dp=1, sp=True, schedule="interleaved-zb", virtual_stages=2,
+                                       micro_batches=2), [{}]),
+    ("pp2-dualpipev-hetero", dict(pp=2, tp=1, dp=2, schedule="dualpipev", micro_batches=4), HETERO),
 ]
 
 

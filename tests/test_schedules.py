@@ -79,9 +79,42 @@ def test_plan_rules_name_the_fix():
         check_schedule("interleaved-1f1b", 1, 2, 4)
     with pytest.raises(ConfigError, match="2 \\* pp"):
         check_schedule("dualpipev", 4, 2, 4)
-    with pytest.raises(ConfigError, match="does not run it yet"):
-        check_schedule("zbv", 2, 2, 4, runnable=True)
+    with pytest.raises(ConfigError, match="needs pp >= 2"):
+        check_schedule("interleaved-zb", 1, 1, 4)
     check_schedule("zbv", 2, 2, 4)   # a valid plan
+
+
+def test_the_bubble_simulation_reproduces_the_closed_forms():
+    # the simulator (torch's action lists, F = I = W = 1) gives 1F1B's m + p - 1 and Megatron's
+    # interleaved m + (p - 1) / v exactly, so the zero-bubble figures come from the same arithmetic
+    from galvatron_fx.solver.schedules import _makespan
+
+    for p, v, m in [(2, 1, 4), (4, 1, 8), (4, 1, 5)]:
+        assert _makespan("1f1b", p, v, m) / 3 == m + p - 1
+    for p, v, m in [(2, 2, 4), (4, 2, 8), (4, 3, 8), (2, 4, 6)]:
+        assert _makespan("interleaved-1f1b", p, v, m) / (3 * v) == pytest.approx(m + (p - 1) / v)
+    # zero bubble (Qi et al.): ZB-H1 (one chunk) leaves (p - 1) (F + I - W) = (p - 1) F of bubble,
+    # a third of 1F1B's; ZB-V / DualPipeV leave less than interleaved 1F1B
+    assert step_slots("interleaved-zb", 4, 1, 16) == 16 + 1
+    for sched in ("zbv", "dualpipev"):
+        assert 16 < step_slots(sched, 4, 2, 16) < step_slots("interleaved-1f1b", 4, 2, 16)
+
+
+def test_zero_bubble_orders_are_torchs_and_hold_activations_until_w():
+    # rank_order takes torch's own action lists: every micro-batch's F, I and W once per chunk
+    for sched, v in [("interleaved-zb", 2), ("interleaved-zb", 1), ("zbv", 2), ("dualpipev", 2)]:
+        for r in range(2):
+            order = rank_order(sched, r, 2, v, 4)
+            kinds = {(k, c, mb) for k, c, mb in order}
+            assert len(order) == len(kinds)
+            for c in range(v):
+                for mb in range(4):
+                    assert ("F", c, mb) in kinds and (("I", c, mb) in kinds and ("W", c, mb) in kinds
+                                                     or ("B", c, mb) in kinds), (sched, r, c, mb)
+    # ZBV, rank 0 runs chunks 0 and 3: chunk 0's first W comes after its fourth F
+    order = rank_order("zbv", 0, 2, 2, 4)
+    assert [f"{k}{mb}" for k, c, mb in order if c == 0][:5] == ["F0", "F1", "F2", "F3", "I0"]
+    assert chunk_in_flight("zbv", 2, 2, 4, 0) == [4, 1]
 
 
 NAMES = ["pre", "b0", "b1", "b2", "b3", "post"]

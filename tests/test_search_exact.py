@@ -3,9 +3,11 @@
 For each setup (a 4- or 5-layer gpt-tiny, tied or untied embeddings, a cluster, a global batch, a
 precision) the test enumerates the space the search claims to cover, independently of the search
 code: every pipeline degree dividing the device count (at most the layer count), every micro-batch
-count dividing the global batch (at least ``pp`` for a pipeline), both schedules (GPipe and 1F1B),
-every contiguous split into stages, interleaved 1F1B with every ``v`` up to ``L / p`` on the even
-split into ``p * v`` chunks (in-flight counts from torch's own action lists), and every admissible strategy of every layer
+count dividing the global batch (at least ``pp`` for a pipeline), the one-chunk schedules (GPipe,
+1F1B, zero-bubble ZB-H1) on every contiguous split into stages, the multi-chunk ones (interleaved
+1F1B and interleaved zero-bubble with every ``v`` up to ``L / p``, ZB-V and DualPipeV) on the even
+split into ``p * v`` chunks, placed round-robin or in a V (in-flight counts from torch's own action
+lists; the zero-bubble slots and split terms are the cost model's), and every admissible strategy of every layer
 (:func:`strategy_space` for the stage's devices with any DP degree dividing the micro-batch, TP
 admitted by the tensor-parallel analysis, tied weights whole across stages; DP / ZeRO-2 / ZeRO-3,
 SP, checkpointing). Plans are scored with the objective's own arithmetic (per-layer terms from the
@@ -33,9 +35,10 @@ from galvatron_fx.plan import LayerPlan, Plan
 from galvatron_fx.planner import cost_model_for, sp_admissible, tp_admissible, tp_useful
 from galvatron_fx.solver.objective import layer_step_time, layer_terms, p2p_time_per_microbatch, step_constant
 from galvatron_fx.solver.pipeline import even_split, in_flight_microbatches
+from galvatron_fx.solver.schedules import step_slots
 from galvatron_fx.solver.strategy import strategy_space
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved-zb")   # one chunk per stage (interleaved-zb: ZB-H1)
 
 
 def _divisors(n: int) -> list[int]:
@@ -93,13 +96,10 @@ def enumerate_space(gm, cluster, gbs: int, precision: str):
                      if b % s.dp == 0]
             if not space:
                 continue
-            slots = m + p - 1
-            terms = [[layer_terms(cm.layer_cost(i, s, b), cluster) for s in space] for i in range(L)]
-            T = np.array([[layer_step_time(x, m + p - 1) for x in row] for row in terms])
-            st = np.array([[x.states_bytes for x in row] for row in terms])
-            act = np.array([[x.activation_bytes for x in row] for row in terms])
-            tr = np.array([[x.transient_bytes for x in row] for row in terms])
-            R = [np.array([[slots * cm.reshard_time(i, a, c, b) for c in space] for a in space]) for i in range(L - 1)]
+            plain = [[layer_terms(cm.layer_cost(i, s, b), cluster) for s in space] for i in range(L)]
+            split_terms = [[x.split() for x in row] for row in plain]   # zero-bubble: split backward
+            act = np.array([[x.activation_bytes for x in row] for row in plain])
+            tr = np.array([[x.transient_bytes for x in row] for row in plain])
             # a TP degree that shards nothing is offered only when the layer has nothing else
             offered = [[admits(i, s) and useful(i, s.tp) for s in space] for i in range(L)]
             offered = [row if any(row) else [admits(i, s) for s in space] for i, row in enumerate(offered)]
@@ -109,51 +109,48 @@ def enumerate_space(gm, cluster, gbs: int, precision: str):
             if any(len(a) == 0 for a in allowed):
                 continue
             spaces[(p, m)] = space
-            cache = {}
-            for i in range(L):
-                for j in range(i, L):
-                    seqs = np.stack([g.ravel() for g in np.meshgrid(*allowed[i:j + 1], indexing="ij")])
-                    t = np.zeros(seqs.shape[1])
-                    for pos, layer in enumerate(range(i, j + 1)):
-                        lt = T[layer][seqs[pos]]
-                        if pos:
-                            lt = lt + R[layer - 1][seqs[pos - 1], seqs[pos]]
-                        t = t + lt
-                    states, acts = np.zeros_like(t), [np.zeros_like(t) for _ in range(p)]
-                    trans = np.zeros_like(t)
-                    for pos, layer in enumerate(range(i, j + 1)):
-                        states = states + st[layer][seqs[pos]]
-                        trans = np.maximum(trans, tr[layer][seqs[pos]])
-                    cache[(i, j)] = (seqs, t, states, trans, [act[layer] for layer in range(i, j + 1)])
-            for sched in SCHEDULES:
+            for sched in SCHEDULES:   # one chunk per stage: every contiguous split
+                if sched == "interleaved-zb" and (p == 1 or m % max(1, m // p)):
+                    continue   # nothing to fill with one stage; torch's round rule
+                split = sched == "interleaved-zb"
+                terms = split_terms if split else plain
+                # slots: 1F1B's m + p - 1; zero-bubble: the cost model's figure from torch's order
+                slots = step_slots(sched, p, 1, m) if split else m + p - 1
+                T = np.array([[layer_step_time(x, slots) for x in row] for row in terms])
+                st = np.array([[x.states_bytes for x in row] for row in terms])
+                R = [np.array([[slots * cm.reshard_time(i, a, c, b) for c in space] for a in space])
+                     for i in range(L - 1)]
+                peaks = _torch_chunk_peaks(sched, p, 1, m) if split else None
                 fronts = {}
-                for (i, j), (seqs, t, states, trans, acts) in cache.items():
-                    for k in range(p):
-                        if k > i or (L - 1 - j) < (p - 1 - k):
-                            continue
-                        q = in_flight_microbatches(sched, m, p, k)
-                        ac = np.zeros_like(t)
-                        for pos, a in enumerate(acts):
-                            ac = ac + q * a[seqs[pos]]
-                        time = t
-                        if k < p - 1:
-                            pk = np.array([slots * p2p_time_per_microbatch(cm, cluster, j, s, b, k * d, (k + 1) * d)
-                                           for s in space])
-                            time = t + pk[seqs[-1]]
-                        fronts[(i, j, k)] = Frontier(np.round(states + ac + trans), time, seqs)
+                for i in range(L):
+                    for j in range(i, L):
+                        seqs = np.stack([g.ravel() for g in np.meshgrid(*allowed[i:j + 1], indexing="ij")])
+                        t, states, trans = (np.zeros(seqs.shape[1]) for _ in range(3))
+                        for pos, layer in enumerate(range(i, j + 1)):
+                            t = t + T[layer][seqs[pos]]
+                            if pos:
+                                t = t + R[layer - 1][seqs[pos - 1], seqs[pos]]
+                            states = states + st[layer][seqs[pos]]
+                            trans = np.maximum(trans, tr[layer][seqs[pos]])
+                        acts = [act[layer] for layer in range(i, j + 1)]
+                        _single_stage_fronts(fronts, i, j, p, L, m, sched, peaks, seqs, t, states, trans, acts,
+                                             lambda k, s: slots * p2p_time_per_microbatch(
+                                                 cm, cluster, j, s, b, k * d, (k + 1) * d), space)
                 out[(p, m, sched)] = fronts
-            for v in range(2, L // p + 1):   # interleaved 1F1B: the even split into p * v chunks, fixed
-                if m % max(1, m // p):
-                    continue   # torch's ScheduleInterleaved1F1B refuses it
-                slots_v = m + (p - 1) / v
+            for sched, v in _multi_chunk(p, m, L):   # several chunks per stage: the fixed even split
+                split = sched != "interleaved-1f1b"
+                terms = split_terms if split else plain
+                slots_v = step_slots(sched, p, v, m) if split else m + (p - 1) / v
                 chunks = [tuple(x) for x in even_split(L, p * v)]
-                peaks = _torch_chunk_peaks(p, v, m)
+                peaks = _torch_chunk_peaks(sched, p, v, m)
+                place = [_placement(sched, c, p) for c in range(p * v)]
                 Tv = [np.array([layer_step_time(x, slots_v) for x in row]) for row in terms]
+                stv = [np.array([x.states_bytes for x in row]) for row in terms]
                 Rv = [np.array([[slots_v * cm.reshard_time(i, a, c, b) for c in space] for a in space])
                       for i in range(L - 1)]
                 ranks = []
                 for k in range(p):
-                    mine = [c for c in range(p * v) if c % p == k]
+                    mine = [c for c in range(p * v) if place[c] == k]
                     layers = [i for c in mine for i in range(chunks[c][0], chunks[c][1] + 1)]
                     seqs = np.stack([g.ravel() for g in np.meshgrid(*[allowed[i] for i in layers], indexing="ij")])
                     time, mem, trans = (np.zeros(seqs.shape[1]) for _ in range(3))
@@ -165,35 +162,78 @@ def enumerate_space(gm, cluster, gbs: int, precision: str):
                             time = time + Tv[layer][s]
                             if layer > i0:
                                 time = time + Rv[layer - 1][seqs[pos - 1], s]
-                            mem = mem + st[layer][s] + peaks[c] * act[layer][s]
+                            mem = mem + stv[layer][s] + peaks[c] * act[layer][s]
                             trans = np.maximum(trans, tr[layer][s])
                             pos += 1
-                        if c + 1 < p * v:   # every chunk but the model's last sends to the next stage
-                            dst = (c + 1) % p
+                        if c + 1 < p * v and place[c + 1] != k:   # a chunk sends to the next on another stage
+                            dst = place[c + 1]
                             send = np.array([slots_v * p2p_time_per_microbatch(cm, cluster, j0, s, b, k * d, dst * d)
                                              for s in space])
                             time = time + send[seqs[pos - 1]]
                     ranks.append(Frontier(np.round(mem + trans), time, seqs))
-                out[(p, m, "interleaved-1f1b", v)] = {"chunks": chunks, "ranks": ranks}
+                out[(p, m, sched, v)] = {"chunks": chunks, "ranks": ranks}
     return out, spaces, L
 
 
-def _torch_chunk_peaks(p: int, v: int, m: int) -> list[int]:
-    """Every chunk's most micro-batches in flight, from torch's own interleaved 1F1B action lists."""
+def _multi_chunk(p: int, m: int, L: int) -> list[tuple[str, int]]:
+    """The multi-chunk schedules a configuration admits (torch's rules, restated)."""
+    if p == 1:
+        return []
+    out = []
+    if m % max(1, m // p) == 0:   # the interleaved schedules run micro-batches in whole rounds
+        out += [(sched, v) for sched in ("interleaved-1f1b", "interleaved-zb") for v in range(2, L // p + 1)]
+    if 2 * p <= L:
+        out.append(("zbv", 2))
+        if m >= 2 * p:
+            out.append(("dualpipev", 2))
+    return out
+
+
+def _placement(sched: str, c: int, p: int) -> int:
+    """The stage of chunk ``c``: round-robin, or the V (ranks 0..p-1 then back)."""
+    if sched in ("zbv", "dualpipev"):
+        return c if c < p else 2 * p - 1 - c
+    return c % p
+
+
+def _single_stage_fronts(fronts, i, j, p, L, m, sched, peaks, seqs, t, states, trans, acts, send, space):
+    for k in range(p):
+        if k > i or (L - 1 - j) < (p - 1 - k):
+            continue
+        q = peaks[k] if peaks is not None else in_flight_microbatches(sched, m, p, k)
+        ac = np.zeros_like(t)
+        for pos, a in enumerate(acts):
+            ac = ac + q * a[seqs[pos]]
+        time = t
+        if k < p - 1:
+            time = t + np.array([send(k, s) for s in space])[seqs[-1]]
+        fronts[(i, j, k)] = Frontier(np.round(states + ac + trans), time, seqs)
+
+
+def _torch_chunk_peaks(schedule: str, p: int, v: int, m: int) -> list[int]:
+    """Every chunk's most micro-batches in flight (held from F to B, or to W), from torch's own
+    action lists (the schedule class's generator, as its ``__init__`` runs it)."""
     from torch.distributed.pipelining import schedules as S
 
-    sched = object.__new__(S.ScheduleInterleaved1F1B)
+    cls = {"interleaved-1f1b": S.ScheduleInterleaved1F1B, "interleaved-zb": S.ScheduleInterleavedZeroBubble,
+           "zbv": S.ScheduleZBVZeroBubble, "dualpipev": S.ScheduleDualPipeV}[schedule]
+    sched = object.__new__(cls)
     sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = p, v, m
+    sched.num_stages = p * v
     sched.number_of_rounds = max(1, m // p)
     sched.microbatches_per_round = m // sched.number_of_rounds
+    sched.pipeline_order = {r: cls._calculate_single_rank_operations(sched, r) for r in range(p)}
+    if schedule == "interleaved-zb":
+        sched.pipeline_order = cls._add_bubbles_to_actions(sched, p * v)
+    T = S._ComputationType
     peaks = [0] * (p * v)
     for r in range(p):
         held = [0] * (p * v)
-        for a in S.ScheduleInterleaved1F1B._calculate_single_rank_operations(sched, r):
-            if a is None:
-                continue
-            held[a.stage_index] += 1 if a.computation_type == S._ComputationType.FORWARD else -1
-            peaks[a.stage_index] = max(peaks[a.stage_index], held[a.stage_index])
+        for a in sched.pipeline_order[r]:
+            for sub in (a.sub_actions or [a]) if a is not None else []:
+                step = {T.FORWARD: 1, T.BACKWARD_INPUT: 0}.get(sub.computation_type, -1)
+                held[sub.stage_index] += step
+                peaks[sub.stage_index] = max(peaks[sub.stage_index], held[sub.stage_index])
     return peaks
 
 
@@ -240,8 +280,9 @@ def _as_plan(gm, cluster, gbs, precision, config, stages, seqs, spaces) -> Plan:
     v = config[3] if len(config) == 4 else 1
     space = spaces[(p, m)]
     info = gm.meta["galvatron"]
-    # each stage's sequence runs over its chunks' layers (chunk c on stage c % p)
-    order = [i for k in range(p) for c in range(len(stages)) if c % p == k for i in range(stages[c][0], stages[c][1] + 1)]
+    # each stage's sequence runs over its chunks' layers (chunk c on stage _placement(c))
+    order = [i for k in range(p) for c in range(len(stages)) if len(stages) == p and c == k
+             or len(stages) > p and _placement(sched, c, p) == k for i in range(stages[c][0], stages[c][1] + 1)]
     picked = dict(zip(order, (space[int(s)] for seq in seqs for s in seq)))
     strategies = [picked[i] for i in range(len(info.layers))]
     layers = [LayerPlan(r.name, s.tp, s.dp, s.sdp, s.sp, s.ckpt) for r, s in zip(info.layers, strategies)]
@@ -303,18 +344,26 @@ def test_search_equals_the_enumerated_best(blocks, tied, preset, gbs, precision)
     assert _check_setup(blocks, tied, preset, gbs, precision) == len(FACTORS) + 2
 
 
-def test_interleaved_1f1b_wins_where_the_bubble_decides():
+def test_bubble_filling_schedules_win_where_the_bubble_decides():
     """2 blocks on 2x4 A100-40GB, batch 8, 1.5x the least memory: the enumerated best (and the
-    search's) is interleaved 1F1B over 2 stages of 2 chunks."""
+    search's) is zero-bubble ZB-H1 over 2 stages; without the zero-bubble schedules, interleaved
+    1F1B over 2 stages of 2 chunks (and the search pinned to it finds the same)."""
     gm, cluster = _graph(2, False), gfx.Cluster.preset("2x4xA100-40GB")
     precision = gfx.cluster.default_precision(cluster)
     fronts, spaces, L = enumerate_space(gm, cluster, 8, precision)
     budget = int(least_memory(fronts, L) * 1.5)
     thr, config, _stages, _seqs = best_plan(fronts, L, 8, budget, cluster)
-    assert config == (2, 2, "interleaved-1f1b", 2)
+    assert config == (2, 2, "interleaved-zb")
     plan = gfx.search(gm, cluster, budget, 8, precision=precision, reserve_bytes=0)
-    assert (plan.schedule, plan.virtual_stages, plan.pp) == ("interleaved-1f1b", 2, 2)
+    assert (plan.schedule, plan.virtual_stages, plan.pp) == ("interleaved-zb", 1, 2)
     assert plan.estimate["throughput_samples_s"] == pytest.approx(thr, rel=1e-9)
+    classic = {k: f for k, f in fronts.items() if k[2] in ("1f1b", "gpipe", "interleaved-1f1b")}
+    thr_1f1b, config, _stages, _seqs = best_plan(classic, L, 8, budget, cluster)
+    assert config == (2, 2, "interleaved-1f1b", 2) and thr_1f1b < thr
+    pinned = gfx.search(gm, cluster, budget, 8, precision=precision, reserve_bytes=0,
+                        constraints={"schedule": "interleaved-1f1b"})
+    assert (pinned.schedule, pinned.virtual_stages) == ("interleaved-1f1b", 2)
+    assert pinned.estimate["throughput_samples_s"] == pytest.approx(thr_1f1b, rel=1e-9)
 
 
 @pytest.mark.parametrize("calibration", [dict(step_overhead_s=2e-3, pipeline_step_s=4e-3),

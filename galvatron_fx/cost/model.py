@@ -88,7 +88,10 @@ class LayerCost:
     part of ``grad_sync_s`` no backward can hide: the last gradient bucket's share) and
     ``regather_s`` (ZeRO-2's all-gather of the updated shards, beside the next forward) per step; ``param_bytes``/``grad_bytes``/``optimizer_bytes``/
     ``master_bytes`` (fp32 masters of a mixed plan)/``transient_bytes`` are resident (transient:
-    the layer's largest temporary buffer).
+    the layer's largest temporary buffer). Under a split (zero-bubble) backward the layer also
+    takes ``split_recompute_s`` per micro-batch (a checkpointed layer recomputes its forward in
+    both the input- and the weight-gradient pass) and holds ``split_held_bytes`` (ZeRO-3's
+    gathered buffer, kept from a micro-batch's input-gradient pass to its weight-gradient pass).
     """
 
     fwd_s: float
@@ -108,6 +111,8 @@ class LayerCost:
     exposed_sync_s: float = 0.0
     regather_s: float = 0.0
     reduce_scatter_s: float = 0.0
+    split_recompute_s: float = 0.0
+    split_held_bytes: float = 0.0
 
     @property
     def states_bytes(self) -> float:
@@ -449,8 +454,15 @@ class CostModel:
         pass_copy, step_copy = self._copies(elems_tp, train_tp, s)
         overhead, optimizer = overhead + pass_copy, optimizer + step_copy
         tp_comm = self._tp_comm(m, n, s) + (self._whole_batch_gathers(m, n, s) if whole else 0.0)
+        # split backward (zero-bubble): the second recomputation (its forward and forward TP
+        # collectives; the ZeRO-3 buffer is still held); ZeRO-3's whole buffer held between the passes
+        split_recompute = 0.0
+        if s.ckpt:
+            split_recompute = fwd + self._tp_comm(m, n, s) - self._tp_comm(m, n, dataclasses.replace(s, ckpt=False))
+        held = full_params if s.sdp == "zero3" and s.dp > 1 else 0.0
         return LayerCost(fwd, bwd, tp_comm, sync, gather, st.params, st.grads, st.optimizer,
-                         act, transient, out, st.masters, overhead, optimizer, exposed, regather, reduce_scatter)
+                         act, transient, out, st.masters, overhead, optimizer, exposed, regather, reduce_scatter,
+                         split_recompute, held)
 
     def _whole_batch_gathers(self, m: LayerMeasure, n: float, s: Strategy) -> float:
         """Seconds per micro-batch of ``n`` samples for a batch-coupled layer under ``s`` (dp > 1)

@@ -143,6 +143,9 @@ class FlatParams(nn.Module):
         # stays gathered from the layer's forward until its backward
         self.keep_gathered = False
         self.regather_in_backward = True  # zero3: False under checkpointing (recompute gathers)
+        # zero3 under a split (zero-bubble) backward: micro-batches past their input-gradient pass
+        # whose weight-gradient pass is to come; their saved views of the buffer must stay backed
+        self.pins = 0
         # prefetch (FSDP2's): the ZeRO-2/3 layers of this stage before / after this one in forward
         # order (DataParallelPass links them); a gather in forward starts the next one's, a
         # ZeRO-3 gather in backward the previous one's
@@ -284,8 +287,9 @@ class FlatParams(nn.Module):
 
     def free_full(self) -> None:
         """zero3: drop the gathered buffer (its storage shrinks to 0 bytes; a prefetch in flight
-        is completed first, so every rank of the group runs the same collectives)."""
-        if self.mode == "zero3":
+        is completed first, so every rank of the group runs the same collectives). Not while
+        :attr:`pins` holds it (a weight-gradient pass to come reads its saved views)."""
+        if self.mode == "zero3" and not self.pins:
             self._drop_prefetch()
             _free(self.full)
 
@@ -419,6 +423,7 @@ class FlatParams(nn.Module):
         """Start of a step: no gradient, no pending op, no stale gathered buffer."""
         self._fold_reduce_scatter()   # an interrupted step's collective still completes on every rank
         self._pending, self._acc, self._rs_sum = [], None, None
+        self.pins = 0
         if self.buckets is not None:
             self.buckets.reset()
         self.flat_param.grad = None

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..ir import StageInfo
+from ..solver.schedules import TORCH_SCHEDULES
 from .dropout import evaluating
 from .groups import group
 from .inputs import apply_steps, match_inputs, to_shards
@@ -37,10 +38,25 @@ from .module import DistributedModel, gather_outputs
 from .reshard import plan_batched
 
 
+class _PassOn(torch.autograd.Function):
+    """Identity sharing ``x``'s storage whose output is not a view (``x.detach()`` is none), so the
+    schedule may ``detach_()`` it: torch's split backward (zero-bubble ``I``) does."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 def pass_on(x: torch.Tensor) -> torch.Tensor:
     """A value sent to the next stage: a contiguous tensor that is not one of the stage's inputs
     (p2p sends need contiguous memory; a received value handed on unchanged is still a new node)."""
-    return x.view_as(x) if x.is_contiguous() else x.contiguous()
+    if not x.is_contiguous():
+        return x.contiguous()
+    return _PassOn.apply(x) if x.requires_grad else x.detach()
 
 
 class _StageRunner(nn.Module):
@@ -112,17 +128,95 @@ def _make_stage_class():
         def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
             for s in self.stores:
                 s.last_micro_batch = last_backward
-            self.stats["order"].append(f"B{bwd_chunk_id}{self.chunk_tag}")
+            self.stats["order"].append(f"{'B' if full_backward else 'I'}{bwd_chunk_id}{self.chunk_tag}")
             super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                        last_backward=last_backward)
             grads = self.bwd_cache.get(bwd_chunk_id)
             if grads is not None:   # NOTE: p2p sends need contiguous gradients
                 self.bwd_cache[bwd_chunk_id] = tuple(g.contiguous() if isinstance(g, torch.Tensor) else g
                                                      for g in grads)
+            if full_backward:
+                self._done(bwd_chunk_id)
+            else:   # ZeRO-3: the gathered buffers stay until this micro-batch's W
+                for s in self.stores:
+                    s.pins += 1
+
+        def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+            """Zero-bubble ``W``: the weight gradients of a micro-batch whose input gradients were sent
+            (its layers' ``on_grad``, so DP reduction and ZeRO reduce-scatters start here)."""
+            for s in self.stores:
+                s.last_micro_batch = last_backward
+            self.stats["order"].append(f"W{bwd_chunk_id}{self.chunk_tag}")
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            for s in self.stores:
+                s.pins -= 1
+                s.free_full()
+            self._done(bwd_chunk_id)
+
+        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+            # NOTE: the split backward's weights are the layers' flat buffers (the autograd leaves
+            # behind every parameter view), not the runner's nn.Parameters (it has none)
+            if backward_type == "input":
+                return split_backward_input(bwd_kwargs, self.stores, self.stage_index)
+            if backward_type == "weight":
+                return weight_backward(bwd_kwargs["param_groups"]), None
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+        def _done(self, mb: int) -> None:
+            """Micro-batch ``mb`` released its activations (after its B, or its W)."""
             self.stats["in_flight"] -= 1
-            self.stats["live_bytes"] -= self.stats["chunk_bytes"].pop((self.stage_index, bwd_chunk_id), 0)
+            self.stats["live_bytes"] -= self.stats["chunk_bytes"].pop((self.stage_index, mb), 0)
 
     return _Stage
+
+
+def split_backward_input(bwd_kwargs: dict, stores, stage_index: int):
+    """Zero-bubble ``I``: torch's ``stage_backward_input`` over the layers' trainable flat buffers.
+    Raises when a buffer's gradient does not pass through the stage's inputs' gradient graph
+    (torch's split would then never compute it)."""
+    from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
+
+    weights = [s.flat_param for s in stores if s.trainable]
+    grads, groups = stage_backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                         bwd_kwargs["input_values"], iter(weights))
+    reached = set().union(*(g["params"] for g in groups)) if groups else set()
+    missing = [s for s in stores if s.trainable and _get_grad_fn_or_grad_acc(s.flat_param) not in reached]
+    if missing:
+        names = [s.fqns[0] for s in missing][:3]
+        raise ConfigError(f"pipeline chunk {stage_index}: the gradients of {names} do not depend on the chunk's "
+                          "inputs, so a split (zero-bubble) backward cannot compute them; use schedule "
+                          "'1f1b' or 'interleaved-1f1b'")
+    return grads, groups
+
+
+def weight_backward(param_groups: list[dict]) -> tuple:
+    """Zero-bubble ``W``: torch's ``stage_backward_weight`` for weights whose gradient the layer-entry
+    call takes over (``_LayerParams`` hands it to its store and returns none, so the weights'
+    own ``.grad`` stays empty: ``allow_unused``)."""
+    from torch.autograd.graph import GradientEdge
+
+    for pg in param_groups:
+        grads, nodes = pg.pop("grads", None), pg.pop("intermediates")
+        if grads is None:
+            continue
+        edges, outs = [], []
+        for node_grads, node in zip(grads, nodes):
+            for i, g in enumerate(node_grads or ()):
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    outs.append(g)
+        # NOTE (torch's): clamp each intermediate's incoming gradient to the one saved in I, so a
+        # gradient through a descendant intermediate is not counted twice
+        handles = [node.register_prehook(lambda _g, saved=node_grads: saved)
+                   for node_grads, node in zip(grads, nodes)] if len(nodes) > 1 else []
+        try:
+            if edges:
+                torch.autograd.grad(edges, [GradientEdge(w, 0) for w in pg["params"]], grad_outputs=outs,
+                                    allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+    return ()
 
 
 def _stages(schedule) -> list:
@@ -364,7 +458,7 @@ class PipelineModel(nn.Module):
         key = (micro_batch, tuple(tuple(tuple(t.shape) for t in local) for local in per_chunk))
         if key in self._schedules:   # NOTE: one per batch size seen (a last, smaller batch; eval)
             return self._schedules[key]
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining import schedules
 
         n, m = self.stage_size, self.plan.micro_batches
 
@@ -390,11 +484,11 @@ class PipelineModel(nn.Module):
             stage.stores = runner.stage.stores
             stage.param_storages = _param_storages(self.stage)
             stages.append(stage)
-        if self.plan.schedule == "interleaved-1f1b":
-            schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=self._scaled_loss, scale_grads=False)
-        else:
-            cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.plan.schedule]
+        cls = getattr(schedules, TORCH_SCHEDULES[self.plan.schedule])
+        if self.plan.schedule in ("gpipe", "1f1b"):
             schedule = cls(stages[0], n_microbatches=m, loss_fn=self._scaled_loss, scale_grads=False)
+        else:
+            schedule = cls(stages, n_microbatches=m, loss_fn=self._scaled_loss, scale_grads=False)
         self._schedules[key] = schedule
         return schedule
 

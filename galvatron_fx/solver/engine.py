@@ -7,13 +7,15 @@
   up to ``max_global_batch_size``;
 * micro-batch count ``m``: every divisor of the global batch (``m >= p`` when ``p > 1``: a pipeline
   needs a micro-batch per stage), up to ``max_micro_batches`` when given;
-* schedule: 1F1B (GPipe when pinned: under the cost model GPipe has 1F1B's time and at least its
-  memory, ``m >= min(m, p - k)`` micro-batches in flight, so it never beats 1F1B), and interleaved
-  1F1B with ``v = 2 .. min(L / p, 8)`` virtual stages (:data:`MAX_VIRTUAL_STAGES`) (``m`` as torch's schedule accepts it:
-  :func:`~.schedules.check_schedule`);
-* stages: every split of the layers into ``p`` contiguous non-empty stages; under interleaved 1F1B
-  the even split into ``p * v`` chunks (as Megatron-LM and torchtitan cut them), chunk ``c`` on
-  stage ``c % p``;
+* schedule (:data:`SEARCHED_SCHEDULES`): 1F1B (GPipe when pinned: under the cost model GPipe has
+  1F1B's time and at least its memory, ``m >= min(m, p - k)`` micro-batches in flight, so it never
+  beats 1F1B), interleaved 1F1B with ``v = 2 .. min(L / p, 8)`` virtual stages
+  (:data:`MAX_VIRTUAL_STAGES`), interleaved zero-bubble with ``v = 1 .. min(L / p, 8)`` (``v = 1``:
+  ZB-H1), ZB-V and DualPipeV (``v = 2``), ``m`` as torch's schedule accepts it
+  (:func:`~.schedules.check_schedule`); with ``p = 1`` only 1F1B (nothing to schedule);
+* stages: every split of the layers into ``p`` contiguous non-empty stages; with ``v > 1`` the even
+  split into ``p * v`` chunks (as Megatron-LM and torchtitan cut them), chunk ``c`` on stage
+  ``c % p`` (the V shapes: ``c`` or ``2p - 1 - c``);
 * per layer, every strategy of :func:`~.strategy.strategy_space` for ``N / p`` devices (TP degrees
   dividing the node's devices and the layer's heads and widths, any DP degree, DP / ZeRO-2 / ZeRO-3,
   SP, checkpointing) whose DP degree divides the micro-batch, minus what the constraints exclude.
@@ -59,12 +61,14 @@ from ..errors import ConfigError, InfeasibleError
 from ..units import format_bytes
 from .objective import CostSource, estimate_plan, step_constant
 from .pipeline import partition_min_max
-from .schedules import check_schedule, chunk_rank, step_slots
+from .schedules import V_SHAPED, ZERO_BUBBLE, check_schedule, chunk_rank, step_slots
 from .stage import ExactStage, solve_stage_exact
 from .strategy import Strategy, strategy_space
 from .tables import CachedCosts, ConfigTables, layout_groups, least_memory, least_memory_chunks, undominated
 
 MAX_VIRTUAL_STAGES = 8
+SEARCHED_SCHEDULES = ["1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"]
+"""The schedules the search tries (GPipe only when pinned: never faster than 1F1B, never smaller)."""
 """The most chunks per pipeline rank the search tries unpinned (interleaving more adds a send per
 chunk to win back ever less bubble: ``(p - 1) / v`` micro-batch times; a constraint may pin more)."""
 _MARGIN = 1.0 - 1e-12  # lower bounds are scaled by this: round-off never lifts them past what they bound
@@ -181,7 +185,7 @@ class Engine:
         else:
             pps = [p for p in divisors(self.N) if p <= self.L]
         gbss = [o.global_batch_size] if o.global_batch_size else free_batch_sizes(self.N, o.max_global_batch_size)
-        schedules = [o.schedule] if o.schedule else ["1f1b", "interleaved-1f1b"]
+        schedules = [o.schedule] if o.schedule else SEARCHED_SCHEDULES
         out = []
         for gbs in gbss:
             for p in pps:
@@ -203,16 +207,19 @@ class Engine:
     def _chunks(self, p: int, m: int, sched: str) -> list[int]:
         """The virtual-stage counts ``v`` configuration ``(p, m, sched)`` may take (reasons recorded)."""
         o = self.opt
-        if sched != "interleaved-1f1b":
+        if p == 1 and sched != "1f1b" and not o.schedule:
+            return []   # no pipeline: one schedule (pp=1 configurations run 1F1B's space)
+        if sched in ("gpipe", "1f1b"):
             vs = [o.virtual_stages or 1]
-        elif p == 1:
-            return []   # no pipeline: nothing to interleave (pp=1 configurations run 1F1B's space)
-        else:
-            vs = [o.virtual_stages] if o.virtual_stages else list(range(2, min(self.L // p, MAX_VIRTUAL_STAGES) + 1))
+        elif sched in V_SHAPED:
+            vs = [o.virtual_stages or 2]
+        else:   # interleaved: v = 2 .. L / p chunks per rank (interleaved-zb also v = 1: ZB-H1)
+            low = 1 if sched == "interleaved-zb" else 2
+            vs = [o.virtual_stages] if o.virtual_stages else list(range(low, min(self.L // p, MAX_VIRTUAL_STAGES) + 1))
         out = []
         for v in vs:
             try:
-                check_schedule(sched, p, v, m, runnable=True)
+                check_schedule(sched, p, v, m)
             except ConfigError as e:
                 self._exclude(str(e).split(";")[0])
                 continue
@@ -248,20 +255,23 @@ class Engine:
         return out, ""
 
     # ------------------------------------------------------------------ tables
-    def _layer_tables(self, p: int, m: int, b: int, space: list[Strategy], slots: float):
-        """[L, S] arrays: step time, states, activations per micro-batch, transient (inf = not allowed)."""
+    def _layer_tables(self, p: int, m: int, b: int, space: list[Strategy], slots: float, split: bool = False):
+        """[L, S] arrays: step time, states, activations per micro-batch, transient (inf = not allowed);
+        ``split``: under a split (zero-bubble) backward (:meth:`~.objective.LayerTerms.split`)."""
         key = (p, m, b, tuple(space))
         if key not in self._tables_memo:
             if len(self._tables_memo) > 64:
                 self._tables_memo.clear()
             self._tables_memo[key] = self._build_tables(p, m, b, tuple(space))
-        t_mb, sync, states, act, trans = self._tables_memo[key]
+        t_mb, sync, states, act, trans, split_t, split_b = self._tables_memo[key]
+        if split:
+            t_mb, states = t_mb + split_t, states + split_b
         # NOTE: slots * t_mb + sync is layer_step_time's arithmetic, element by element (one table
         # per schedule and virtual-stage count, from the same per-micro-batch terms)
         return slots * t_mb + sync, states, act, trans
 
     def _build_tables(self, p: int, m: int, b: int, space: tuple[Strategy, ...]):
-        out = np.empty((5, self.L, len(space)))
+        out = np.empty((7, self.L, len(space)))
         tps = np.array([s.tp for s in space])
         sps = np.array([s.sp for s in space])
         whole = np.array([s.tp == 1 and not (s.sdp == "zero3" and s.ckpt) for s in space])
@@ -275,7 +285,7 @@ class Engine:
             if p > 1 and i in self.tied_layers:
                 ok = ok & whole
             out[:, i, :] = np.where(ok[None, :], by_sig[sig], np.inf)
-        return out[0], out[1], out[2], out[3], out[4]
+        return tuple(out)
 
     def _admissible(self, layer: int, tps: np.ndarray, sps: np.ndarray, only: np.ndarray | None = None) -> np.ndarray:
         """Whether layer ``layer`` is offered each (TP degree, SP) of ``tps`` / ``sps``: the TP pass
@@ -313,7 +323,7 @@ class Engine:
         if not space:
             self._exclude(why)
             return None
-        t, states, act, trans = self._layer_tables(p, m, b, space, step_slots(sched, p, v, m))
+        t, states, act, trans = self._layer_tables(p, m, b, space, step_slots(sched, p, v, m), sched in ZERO_BUBBLE)
         dead = np.flatnonzero(~np.isfinite(t).any(axis=1))
         if dead.size:
             i = int(dead[0])

@@ -26,7 +26,10 @@ For a pipeline of ``p`` stages and ``m`` micro-batches (stage ``k`` on devices `
 Under ``interleaved-1f1b`` with ``v`` virtual stages the ``p * v`` chunks go round-robin over the
 stages (:mod:`.schedules`): a stage's sums run over its ``v`` chunks, ``slots = m + (p - 1) / v``,
 every chunk but the last sends (``p2p`` at each of its boundaries), and each chunk's activations
-count ``inflight`` times with its own peak (:func:`~.schedules.chunk_peaks`).
+count ``inflight`` times with its own peak (:func:`~.schedules.chunk_peaks`). The zero-bubble
+schedules take their ``slots`` and peaks from torch's action lists (a micro-batch is held from
+its forward to its weight-gradient pass) and each layer's split terms (:meth:`LayerTerms.split`:
+a checkpointed layer's second recomputation, ZeRO-3's buffer held between the two passes).
 
 The cost source (:class:`CostSource`) is duck-typed: the cost model of :mod:`galvatron_fx.cost`, or
 a synthetic one in tests.
@@ -37,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .schedules import chunk_peaks, chunk_rank, step_slots
+from .schedules import ZERO_BUBBLE, chunk_peaks, chunk_rank, step_slots
 from .strategy import Strategy
 
 
@@ -63,6 +66,13 @@ class LayerTerms:
     states_bytes: float
     activation_bytes: float
     transient_bytes: float
+    split_time_s: float = 0.0     # more per micro-batch under a split (zero-bubble) backward
+    split_bytes: float = 0.0      # more held under a split backward
+
+    def split(self) -> LayerTerms:
+        """These terms under a split (zero-bubble) backward (:data:`~.schedules.ZERO_BUBBLE`)."""
+        return LayerTerms(self.time_per_microbatch_s + self.split_time_s, self.step_sync_s,
+                          self.states_bytes + self.split_bytes, self.activation_bytes, self.transient_bytes)
 
 
 def layer_terms(cost: Any, cluster: Any) -> LayerTerms:
@@ -75,7 +85,8 @@ def layer_terms(cost: Any, cluster: Any) -> LayerTerms:
     sync = (cluster.overlap_time(cost.bwd_s, cost.grad_sync_s - exposed) - cost.bwd_s + exposed
             + cluster.overlap_time(cost.fwd_s, regather) - cost.fwd_s + getattr(cost, "optimizer_s", 0.0))
     states = cost.states_bytes
-    return LayerTerms(t_mb, sync, states, cost.activation_bytes, cost.transient_bytes)
+    return LayerTerms(t_mb, sync, states, cost.activation_bytes, cost.transient_bytes,
+                      getattr(cost, "split_recompute_s", 0.0), getattr(cost, "split_held_bytes", 0.0))
 
 
 def layer_step_time(terms: LayerTerms, slots: float) -> float:
@@ -134,11 +145,14 @@ def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy]
     stage_time, states, acts, transient = [0.0] * pp, [0.0] * pp, [0.0] * pp, [0.0] * pp
     per_layer: list[dict] = []
     held = chunk_peaks(schedule, pp, v, micro_batches)   # chunk -> micro-batches in flight at its peak
+    split = schedule in ZERO_BUBBLE
     for c, (first, last) in enumerate(stages):
         k, inflight = chunk_rank(schedule, c, pp), held[c]
         t = 0.0
         for i in range(first, last + 1):
             terms = layer_terms(costs.layer_cost(i, strategies[i], b), cluster)
+            if split:
+                terms = terms.split()
             lt = layer_step_time(terms, slots)
             if i > first:
                 lt += slots * costs.reshard_time(i - 1, strategies[i - 1], strategies[i], b)

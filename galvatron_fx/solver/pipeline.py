@@ -23,7 +23,7 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import ConfigError, InfeasibleError
-from .schedules import SCHEDULES  # noqa: F401  (re-exported: the plan's schedule names)
+from .schedules import SCHEDULES, chunk_in_flight
 
 StageCost = Callable[[int, int, int], float]
 
@@ -302,14 +302,13 @@ def pipeline_step_time(slowest_stage_s: float, micro_batches: int, pp: int,
 
 
 def in_flight_microbatches(schedule: str, micro_batches: int, pp: int, stage_index: int) -> int:
-    """Micro-batches whose activations a stage holds at its peak: GPipe keeps all ``m``;
-    1F1B keeps ``min(m, p - stage_index)`` (the first stage the most)."""
+    """Micro-batches whose activations a stage holds at its peak under a one-chunk-per-stage schedule:
+    GPipe keeps all ``m``; 1F1B keeps ``min(m, p - stage_index)`` (the first stage the most); the
+    rest as torch's action lists say (:func:`~.schedules.chunk_in_flight`)."""
     if not 0 <= stage_index < pp:
         raise ConfigError(f"stage_index must be in 0..{pp - 1}, got {stage_index}")
     if micro_batches < 1:
         raise ConfigError(f"micro_batches must be >= 1, got {micro_batches}")
-    if schedule == "gpipe":
-        return micro_batches
-    if schedule == "1f1b":
-        return min(micro_batches, pp - stage_index)
-    raise ConfigError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    return chunk_in_flight(schedule, pp, 1, micro_batches, stage_index)[0]

@@ -6,13 +6,20 @@ contiguous chunks (``plan.stages``, in layer order). ``gpipe`` and ``1f1b`` run 
 (``v = 1``); ``interleaved-1f1b`` (Megatron-LM, Narayanan et al., SC'21) runs ``v`` chunks per rank,
 chunk ``c`` on pipeline rank ``c % p``, which cuts the bubble from ``(p - 1)`` to ``(p - 1) / v``
 micro-batch times at the price of ``v`` times the stage-to-stage sends.
-``interleaved-zb``, ``zbv`` and ``dualpipev`` (zero-bubble, Qi et al., ICLR'24; DeepSeek) are plan
-names the runtime does not run yet (:data:`RUNNABLE`).
+The zero-bubble schedules (:data:`ZERO_BUBBLE`: ``interleaved-zb``, ZB1P of Qi et al., ICLR'24,
+``v`` chunks round-robin as interleaved 1F1B; ``zbv``, their ZB-V, two chunks per rank in a V;
+``dualpipev``, DeepSeek's DualPipe cut to a V) split each backward into an input-gradient pass
+``I`` (sent on at once) and a weight-gradient pass ``W`` run later to fill the bubble. A
+micro-batch's activations stay held from its ``F`` to its ``W`` (torch's split retains the whole
+autograd graph until ``W``), and a checkpointed layer recomputes its forward in both passes.
 
-The rank orders are those of ``torch.distributed.pipelining`` (``Schedule1F1B``,
-``ScheduleInterleaved1F1B``: warm-up forwards, then one forward and one backward, then the
-remaining backwards), which the runtime runs; :func:`rank_order` rebuilds them so that the memory
-model counts what the runtime holds.
+The rank orders are those of ``torch.distributed.pipelining``, which the runtime runs:
+:func:`rank_order` rebuilds ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (warm-up forwards,
+then one forward and one backward, then the remaining backwards) and takes the zero-bubble
+schedules' action lists from torch's own generators, so that the memory model counts what the
+runtime holds. :func:`step_slots` prices the zero-bubble bubble by running those lists with equal
+``F``, ``I`` and ``W`` times per chunk (:func:`_makespan`: the ZB paper's and torch's assumption,
+a backward twice a forward).
 """
 
 from __future__ import annotations
@@ -23,8 +30,8 @@ from ..errors import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
 """Every schedule a plan may name (the plan JSON's ``schedule``)."""
-RUNNABLE = ("gpipe", "1f1b", "interleaved-1f1b")
-"""The schedules the runtime and the search implement."""
+ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
+"""Schedules splitting the backward into input- and weight-gradient passes (module docstring)."""
 V_SHAPED = ("zbv", "dualpipev")
 """Schedules placing two chunks per rank in a V (rank ``r`` runs chunks ``r`` and ``2p - 1 - r``)."""
 
@@ -34,9 +41,8 @@ def default_virtual_stages(schedule: str) -> int:
     return 2 if schedule in V_SHAPED else 1
 
 
-def check_schedule(schedule: str, pp: int, virtual_stages: int, micro_batches: int, *, runnable: bool = False) -> None:
-    """Raise :class:`ConfigError` naming the problem and the fix when a plan cannot combine these
-    (``runnable``: also when the runtime does not run ``schedule`` yet)."""
+def check_schedule(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> None:
+    """Raise :class:`ConfigError` naming the problem and the fix when a plan cannot combine these."""
     if schedule not in SCHEDULES:
         raise ConfigError(f"plan schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
     v = virtual_stages
@@ -47,6 +53,9 @@ def check_schedule(schedule: str, pp: int, virtual_stages: int, micro_batches: i
                           "use virtual_stages=1, or schedule='interleaved-1f1b' for several chunks per rank")
     if schedule in V_SHAPED and v != 2:
         raise ConfigError(f"schedule {schedule!r} places two chunks per rank in a V; set virtual_stages=2 (got {v})")
+    if schedule in ZERO_BUBBLE and pp < 2:
+        raise ConfigError(f"schedule {schedule!r} splits the backward to fill a pipeline's bubble: it needs pp >= 2; "
+                          "with pp=1 use '1f1b'")
     if v > 1 and pp < 2:
         raise ConfigError(f"virtual_stages={v} needs a pipeline (pp >= 2); with pp=1 use virtual_stages=1")
     if schedule.startswith("interleaved") and pp > 1:
@@ -58,9 +67,6 @@ def check_schedule(schedule: str, pp: int, virtual_stages: int, micro_batches: i
                               f"{rounds} rounds; use one of {ok[:8]}")
     if schedule == "dualpipev" and micro_batches < 2 * pp:
         raise ConfigError(f"schedule 'dualpipev' needs micro_batches >= 2 * pp = {2 * pp}, got {micro_batches}")
-    if runnable and schedule not in RUNNABLE:
-        raise ConfigError(f"schedule {schedule!r} is a valid plan but the runtime does not run it yet; "
-                          f"use one of {list(RUNNABLE)}")
 
 
 def chunk_rank(schedule: str, chunk: int, pp: int) -> int:
@@ -76,13 +82,17 @@ def rank_chunks(schedule: str, rank: int, pp: int, virtual_stages: int) -> list[
 
 
 def rank_order(schedule: str, rank: int, pp: int, virtual_stages: int, micro_batches: int) -> list[tuple[str, int, int]]:
-    """Pipeline rank ``rank``'s compute order: ``(kind, local chunk, micro-batch)``, kind ``"F"`` or
-    ``"B"``, as ``torch.distributed.pipelining`` runs it (module docstring)."""
+    """Pipeline rank ``rank``'s compute order: ``(kind, local chunk, micro-batch)``, kind ``"F"``,
+    ``"B"`` (a whole backward) or, under a zero-bubble schedule, ``"I"`` / ``"W"`` (its input- and
+    weight-gradient passes), as ``torch.distributed.pipelining`` runs it (module docstring)."""
     p, v, m = pp, virtual_stages, micro_batches
     if schedule == "gpipe":
         return [("F", 0, k) for k in range(m)] + [("B", 0, k) for k in range(m)]
+    if schedule in ZERO_BUBBLE:
+        mine = rank_chunks(schedule, rank, p, v)
+        return [(kind, mine.index(c), k) for kind, c, k in _torch_actions(schedule, p, v, m)[rank]]
     if schedule not in ("1f1b", "interleaved-1f1b"):
-        raise ConfigError(f"no rank order for schedule {schedule!r}; use one of {list(RUNNABLE)}")
+        raise ConfigError(f"no rank order for schedule {schedule!r}; use one of {list(SCHEDULES)}")
     if schedule == "1f1b":
         warmup = min(m, p - 1 - rank)
         per_round, v = m, 1
@@ -113,16 +123,97 @@ def rank_order(schedule: str, rank: int, pp: int, virtual_stages: int, micro_bat
     return order
 
 
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+                   "interleaved-zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                   "dualpipev": "ScheduleDualPipeV"}
+"""Plan schedule -> the ``torch.distributed.pipelining.schedules`` class the runtime runs it with."""
+
+
+@functools.lru_cache(maxsize=256)
+def _torch_actions(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> tuple:
+    """Per pipeline rank, ``(kind, chunk, micro-batch)`` in the order torch's zero-bubble schedule
+    class runs them (``kind`` ``F`` / ``I`` / ``W`` / ``B``; an overlapped forward-backward pair
+    as its two actions, forward first, idle markers dropped).
+
+    NOTE: the lists come from the class's own generator (``_calculate_single_rank_operations``,
+    plus ``_add_bubbles_to_actions`` for ``interleaved-zb``, as its ``__init__`` runs them), called
+    on the few attributes they read, so no process group or stage is needed; tests/test_schedules.py
+    checks them against the order the runtime records."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules as ts
+
+    p, v, m = pp, virtual_stages, micro_batches
+    cls = getattr(ts, TORCH_SCHEDULES[schedule])
+    rounds = max(1, m // p)
+    ns = SimpleNamespace(pp_group_size=p, n_local_stages=v, _n_microbatches=m, num_stages=p * v,
+                         number_of_rounds=rounds, microbatches_per_round=m // rounds, pipeline_order={})
+    for r in range(p):
+        ns.pipeline_order[r] = cls._calculate_single_rank_operations(ns, r)
+    if schedule == "interleaved-zb":
+        ns.pipeline_order = cls._add_bubbles_to_actions(ns, p * v)
+    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "B"}
+    out = []
+    for r in range(p):
+        seq = []
+        for a in ns.pipeline_order[r]:
+            for sub in (getattr(a, "sub_actions", None) or [a]) if a is not None else []:
+                seq.append((kinds[sub.computation_type.name], sub.stage_index, sub.microbatch_index))
+        out.append(tuple(seq))
+    return tuple(out)
+
+
+def _makespan(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> float:
+    """The step's length, in chunk-pass times, when every rank runs :func:`rank_order` with ``F``,
+    ``I`` and ``W`` one time unit per chunk (``B`` two): an action starts when its rank is free and
+    its inputs exist (the previous chunk's forward, the next chunk's input gradient, its own
+    ``I`` for a ``W``); sends take no time (the model prices them apart). NOTE: torch runs chunk 0's
+    ``I`` as nothing and its ``W`` as the whole backward, and so does this."""
+    p, v, m = pp, virtual_stages, micro_batches
+    n = p * v
+    orders = [[(kind, rank_chunks(schedule, r, p, v)[c], k) for kind, c, k in rank_order(schedule, r, p, v, m)]
+              for r in range(p)]
+    done: dict[tuple[str, int, int], float] = {}
+    clock, at = [0.0] * p, [0] * p
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            while at[r] < len(orders[r]):
+                kind, c, k = orders[r][at[r]]
+                if kind == "F":
+                    deps = [("F", c - 1, k)] if c else []
+                elif kind in ("I", "B"):
+                    deps = [("F", c, k)] + ([("G", c + 1, k)] if c + 1 < n else [])
+                else:
+                    deps = [("G", c, k)]
+                if any(d not in done for d in deps):
+                    break
+                cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}[kind]
+                if c == 0 and kind in ("I", "W"):
+                    cost = 0.0 if kind == "I" else 2.0
+                end = max([clock[r]] + [done[d] for d in deps]) + cost
+                clock[r] = done[(kind, c, k)] = end
+                if kind in ("I", "B"):
+                    done[("G", c, k)] = end   # the input gradient the previous chunk waits for
+                at[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ConfigError(f"schedule {schedule!r} (pp={p}, v={v}, m={m}) does not progress")
+    return max(clock)
+
+
 @functools.lru_cache(maxsize=4096)
 def _chunk_in_flight(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int) -> tuple[int, ...]:
     """:func:`chunk_in_flight`, vectorised: the running count of each chunk over :func:`rank_order`'s
     events (chunks as it numbers them: ``(step // per_round) % v`` forward, mirrored backward)."""
     import numpy as np
 
-    if schedule != "interleaved-1f1b":
+    if schedule != "interleaved-1f1b":   # held from F to its B (zero-bubble: to its W)
         order = rank_order(schedule, rank, pp, virtual_stages, micro_batches)
         chunk = np.array([c for _, c, _ in order])
-        delta = np.array([1 if k == "F" else -1 for k, _, _ in order])
+        delta = np.array([{"F": 1, "I": 0}.get(k, -1) for k, _, _ in order])
     else:
         p, v, m = pp, virtual_stages, micro_batches
         per_round = m // max(1, m // p)
@@ -141,7 +232,7 @@ def _chunk_in_flight(schedule: str, pp: int, virtual_stages: int, micro_batches:
 
 def chunk_in_flight(schedule: str, pp: int, virtual_stages: int, micro_batches: int, rank: int) -> list[int]:
     """For each local chunk of pipeline rank ``rank``, the most micro-batches it holds at once
-    (forwarded, not yet backwarded) in :func:`rank_order`. The memory model charges every chunk its
+    (forwarded, not yet backwarded; zero-bubble: not yet through ``W``) in :func:`rank_order`. The memory model charges every chunk its
     own peak, an upper bound of the rank's peak (equal for one chunk per rank; for interleaved 1F1B
     the chunks peak one micro-batch apart, so the bound is at most ``v - 1`` micro-batches over)."""
     return list(_chunk_in_flight(schedule, pp, virtual_stages, micro_batches, rank))
@@ -161,10 +252,19 @@ def chunk_peaks(schedule: str, pp: int, virtual_stages: int, micro_batches: int)
 def step_slots(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> float:
     """The step time in units of one micro-batch's forward + backward through all of a rank's
     chunks (the slowest rank's): ``m`` of work plus the bubble, ``p - 1`` (GPipe, 1F1B) or
-    ``(p - 1) / v`` (interleaved 1F1B: each warm-up slot is one chunk, ``1 / v`` of the rank's work)."""
+    ``(p - 1) / v`` (interleaved 1F1B: each warm-up slot is one chunk, ``1 / v`` of the rank's work);
+    zero-bubble schedules: torch's action lists run with equal ``F`` / ``I`` / ``W`` times
+    (:func:`_makespan`), divided by a rank's ``3 v`` chunk passes per micro-batch."""
     m, p, v = micro_batches, pp, virtual_stages
     if schedule in ("gpipe", "1f1b"):
         return m + p - 1
     if schedule == "interleaved-1f1b":
         return m + (p - 1) / v
-    raise ConfigError(f"no time model for schedule {schedule!r} yet; use one of {list(RUNNABLE)}")
+    if schedule in ZERO_BUBBLE:
+        return _zb_slots(schedule, p, v, m)
+    raise ConfigError(f"no time model for schedule {schedule!r}; use one of {list(SCHEDULES)}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _zb_slots(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> float:
+    return _makespan(schedule, pp, virtual_stages, micro_batches) / (3 * virtual_stages)

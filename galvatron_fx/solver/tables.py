@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .objective import CostSource, LayerTerms, layer_terms, p2p_time_per_microbatch
-from .pipeline import even_split, in_flight_microbatches
+from .pipeline import even_split
 from .schedules import chunk_peaks, chunk_rank, rank_chunks, step_slots
 from .strategy import Strategy
 
@@ -54,13 +54,15 @@ class CachedCosts:
         return self._terms[key]
 
     def rows(self, layer: int, space: tuple[Strategy, ...], b: int) -> np.ndarray:
-        """``[5, S]``: time per micro-batch, per-step sync, states, activations, transient."""
+        """``[7, S]``: time per micro-batch, per-step sync, states, activations, transient, and the
+        split-backward extra time per micro-batch and bytes (:meth:`~.objective.LayerTerms.split`)."""
         key = (self.signatures[layer], space, b)
         if key not in self._rows:
             terms = [self.terms(layer, s, b) for s in space]
             self._rows[key] = np.array([[x.time_per_microbatch_s for x in terms], [x.step_sync_s for x in terms],
                                         [x.states_bytes for x in terms], [x.activation_bytes for x in terms],
-                                        [x.transient_bytes for x in terms]], dtype=np.float64).reshape(5, len(space))
+                                        [x.transient_bytes for x in terms], [x.split_time_s for x in terms],
+                                        [x.split_bytes for x in terms]], dtype=np.float64).reshape(7, len(space))
         return self._rows[key]
 
     def reshard_time(self, layer: int, prev: Strategy, nxt: Strategy, b: int) -> float:
@@ -115,7 +117,7 @@ class ConfigTables:
 
     def inflight(self, k: int) -> int:
         """Micro-batches in flight at stage ``k``'s peak (one chunk per stage)."""
-        return in_flight_microbatches(self.schedule, self.m, self.p, k)
+        return self.chunk_peaks()[k]
 
     def chunks(self) -> list[tuple[int, int]]:
         """The fixed even split into ``p * v`` chunks of a multi-chunk configuration."""
