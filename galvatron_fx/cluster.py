@@ -56,6 +56,9 @@ field                       what it prices
                             gradients flattened into one buffer (DP) or into the reduce-scatter
                             staging (ZeRO), DP's gradient buckets, ZeRO's gathered parameters
                             copied out of the all-gather staging
+``split_backward_op_s``     one op of a layer under a split backward (the zero-bubble
+                            schedules): torch's input / weight split walks the autograd graph in
+                            Python and its weight pass re-runs each parameter's consumer
 ==========================  ===================================================================
 
 :mod:`galvatron_fx.cost.model` and :mod:`galvatron_fx.solver.objective` say where each enters a
@@ -99,7 +102,7 @@ DEFAULT_EFFICIENCY = 0.5
 DEFAULT_OVERLAP_SLOWDOWN = 1.3
 OVERHEAD_FIELDS = ("op_launch_s", "op_launch_bwd_s", "collective_latency_s", "layer_overhead_s",
                    "microbatch_overhead_s", "optimizer_s_per_byte", "optimizer_overhead_s", "checkpoint_op_s",
-                   "copy_s_per_byte")
+                   "copy_s_per_byte", "split_backward_op_s")
 """The fixed-cost fields of a :class:`Cluster` (module docstring), seconds (per byte for the optimizer
 and the runtime's copies)."""
 CALIBRATION_FIELDS = ("step_overhead_s", "pipeline_step_s")
@@ -116,7 +119,8 @@ presets and fresh profiles."""
 # per byte written at 2 TB/s.
 GPU_OVERHEADS = dict(op_launch_s=7e-6, op_launch_bwd_s=10e-6, collective_latency_s=20e-6,
                      layer_overhead_s=60e-6, microbatch_overhead_s=300e-6, optimizer_s_per_byte=5e-12,
-                     optimizer_overhead_s=20e-6, checkpoint_op_s=5e-6, copy_s_per_byte=1e-12)
+                     optimizer_overhead_s=20e-6, checkpoint_op_s=5e-6, copy_s_per_byte=1e-12,
+                     split_backward_op_s=5e-6)
 
 _DTYPE_ALIASES = {
     "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32", "torch.float": "fp32",
@@ -264,6 +268,7 @@ class Cluster:
     optimizer_overhead_s: float = 0.0
     checkpoint_op_s: float = 0.0
     copy_s_per_byte: float = 0.0
+    split_backward_op_s: float = 0.0
     profile_spread: dict[str, float] = field(default_factory=dict)  # profiled: figure -> (max - min) / min over rounds
     step_overhead_s: float = 0.0   # fitted by measured selection (CALIBRATION_FIELDS)
     pipeline_step_s: float = 0.0
@@ -525,5 +530,6 @@ class Cluster:
             f"collective {self.collective_latency_s * 1e6:.3g} us, layer {self.layer_overhead_s * 1e6:.3g} us, "
             f"micro-batch {self.microbatch_overhead_s * 1e6:.3g} us, optimizer "
             f"{self.optimizer_s_per_byte * 1e12:.3g} ps/byte + {self.optimizer_overhead_s * 1e6:.3g} us/tensor, "
-            f"checkpointing {self.checkpoint_op_s * 1e6:.3g} us/op, copies {self.copy_s_per_byte * 1e12:.3g} ps/byte",
+            f"checkpointing {self.checkpoint_op_s * 1e6:.3g} us/op, copies {self.copy_s_per_byte * 1e12:.3g} ps/byte, "
+            f"split backward {self.split_backward_op_s * 1e6:.3g} us/op",
         ])

@@ -65,7 +65,7 @@ _MIN_LATENCY = 1e-6  # s
 
 _FLOOR = dict(op_launch_s=1e-7, op_launch_bwd_s=1e-7, collective_latency_s=_MIN_LATENCY, layer_overhead_s=1e-7,
               microbatch_overhead_s=1e-7, optimizer_s_per_byte=1e-14, optimizer_overhead_s=1e-7,
-              checkpoint_op_s=1e-7, copy_s_per_byte=1e-14)
+              checkpoint_op_s=1e-7, copy_s_per_byte=1e-14, split_backward_op_s=1e-7)
 _CPU_SIZES = (2**16, 2**20, 2**23)  # bytes
 _GPU_SIZES = (2**20, 2**24, 2**27)  # bytes
 _CPU_MATMUL = {"fp32": 256, "bf16": 48, "fp16": 48}  # square matmul side
@@ -563,7 +563,8 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
     per_tensor = max(t_small - 4 * 4 * small * per_byte, 0.0) / 4
     out = dict(op_launch_s=op_fwd, op_launch_bwd_s=op_bwd, collective_latency_s=latency, layer_overhead_s=layer,
                microbatch_overhead_s=micro, optimizer_s_per_byte=per_byte, optimizer_overhead_s=per_tensor,
-               checkpoint_op_s=ckpt_op, copy_s_per_byte=_copy_s_per_byte(device, repeats))
+               checkpoint_op_s=ckpt_op, copy_s_per_byte=_copy_s_per_byte(device, repeats),
+               split_backward_op_s=_split_backward_op_s(device, repeats))
     # NOTE: a difference of two noisy medians may come out <= 0; floor it at a tiny positive figure
     out = {k: v if k == "collective_latency_s" and pg is None else max(v, _FLOOR[k]) for k, v in out.items()}
     if pg is not None and dist.get_world_size(pg) > 1:
@@ -587,12 +588,41 @@ def _copy_s_per_byte(device: torch.device, repeats: int) -> float:
     return max(flatten_time(large) - flatten_time(small), 0.0) / (4 * (large - small))
 
 
+def _split_backward_op_s(device: torch.device, repeats: int, layers: int = 8) -> float:
+    """Seconds per op that torch's split backward (zero-bubble: ``stage_backward_input`` then
+    ``stage_backward_weight``) costs beyond one whole backward: its Python walk of the autograd
+    graph, the parameter groups' hooks and the weight pass re-running each parameter's consumer.
+    Timed on ``layers`` x (linear, gelu) of 64 features whose input needs a gradient (a later stage)."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    torch.manual_seed(0)
+    weights = [torch.randn(64, 64, device=device, requires_grad=True) for _ in range(layers)]
+    x = torch.randn(16, 64, device=device, requires_grad=True)
+
+    def forward():
+        h = x
+        for w in weights:
+            h = torch.nn.functional.gelu(h @ w)
+        return h.sum()
+
+    def whole():
+        forward().backward()
+
+    def split():
+        _grads, groups = stage_backward_input([forward()], None, [x], iter(weights))
+        stage_backward_weight(iter(weights), groups)
+
+    t_whole, t_split = _median_time(whole, device, repeats), _median_time(split, device, repeats)
+    return max(t_split - t_whole, 0.0) / (2 * layers)
+
+
 def _say_overheads(out: dict[str, float], say) -> None:
     say(f"{'overheads':>14}: op {out['op_launch_s'] * 1e6:.1f} + {out['op_launch_bwd_s'] * 1e6:.1f} us, "
         f"collective {out['collective_latency_s'] * 1e6:.1f} us, layer {out['layer_overhead_s'] * 1e6:.1f} us, "
         f"micro-batch {out['microbatch_overhead_s'] * 1e6:.1f} us, optimizer "
         f"{out['optimizer_s_per_byte'] * 1e12:.1f} ps/byte + {out['optimizer_overhead_s'] * 1e6:.1f} us/tensor, "
-        f"checkpointing {out['checkpoint_op_s'] * 1e6:.1f} us/op, copies {out['copy_s_per_byte'] * 1e12:.1f} ps/byte")
+        f"checkpointing {out['checkpoint_op_s'] * 1e6:.1f} us/op, copies {out['copy_s_per_byte'] * 1e12:.1f} ps/byte, "
+        f"split backward {out['split_backward_op_s'] * 1e6:.1f} us/op")
 
 
 def _measure_overlap(device, pg, nbytes, world, side, repeats, warmup, say) -> float:

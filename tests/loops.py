@@ -15,13 +15,24 @@ V, S, B = 64, 16, 12            # vocabulary, sequence, global batch (B differs 
 LR, WD, CLIP = 1e-2, 0.5, 0.05  # CLIP small enough that every step clips
 
 
-def llama(lora: bool = False, freeze: tuple[str, ...] = ()):
-    """A tiny transformers Llama (seeded), optionally with peft LoRA on q/v (r = 4; everything else
-    frozen) or with the parameters whose names contain one of ``freeze`` frozen."""
+def neox():
+    """A tiny transformers GPT-NeoX (seeded; parallel attention + MLP residual, rotary on a quarter
+    of each head)."""
     import transformers as tf
 
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
+                                                  num_hidden_layers=2, num_attention_heads=4,
+                                                  max_position_embeddings=32, rotary_pct=0.25))
+
+
+def llama(lora: bool = False, freeze: tuple[str, ...] = (), layers: int = 2):
+    """A tiny transformers Llama (seeded) of ``layers`` blocks, optionally with peft LoRA on q/v
+    (r = 4; everything else frozen) or with the parameters whose names contain one of ``freeze`` frozen."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     model = tf.LlamaForCausalLM(cfg)
     if lora:

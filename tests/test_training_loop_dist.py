@@ -7,7 +7,9 @@ schedule) on a tiny transformers Llama (keyword inputs) or the zoo's gpt-tiny, t
 device: per-step losses and clip norms, the final parameters, the same full state on every rank,
 original parameter names. Cases cover ZeRO-2 / ZeRO-3 / TP2+SP / TP2xDP2 / PP2xDP2, interleaved 1F1B
 (2 chunks per pipeline rank: transform, export at world 4 with ZeRO-3, torch.compile, LoRA with
-checkpointing), the three capture front ends, bf16-mixed, frozen parameters (states bytes against
+checkpointing, PP4 with checkpointing on a 6-block Llama), the zero-bubble schedules (GPT-NeoX ZB-V
+over PP2xDP2 through export, interleaved ZB through torch.compile, DualPipeV with ZeRO-3 and
+checkpointing, ZB-H1 with LoRA), the three capture front ends, bf16-mixed, frozen parameters (states bytes against
 the estimate), peft LoRA and param groups with lr 0.
 """
 
@@ -59,6 +61,19 @@ CASES = {
     "interleaved-compile": dict(door="compile", clip="dm", plan=dict(pp=2, dp=1, micro_batches=2, **INTERLEAVED)),
     "interleaved-lora-ckpt": dict(matrix=True, model="lora", clip="dm",
                                   plan=dict(pp=2, dp=1, micro_batches=4, ckpt=True, **INTERLEAVED)),
+    "interleaved-pp4-ckpt": dict(matrix=True, world=4, model="llama6", clip="dm",
+                                 plan=dict(pp=4, dp=1, micro_batches=4, ckpt=True, **INTERLEAVED)),
+    # zero-bubble: the backward split into input- and weight-gradient passes (torch's schedules)
+    "zbv-neox-pp2xdp2-export": dict(world=4, model="neox", method="export", clip="dm",
+                                    plan=dict(pp=2, dp=2, micro_batches=2, schedule="zbv")),
+    "interleaved-zb-compile": dict(door="compile", clip="dm",
+                                   plan=dict(pp=2, dp=1, micro_batches=2, schedule="interleaved-zb",
+                                             virtual_stages=2)),
+    "dualpipev-zero3-ckpt": dict(matrix=True, clip="dm",
+                                 plan=dict(pp=2, dp=1, micro_batches=4, schedule="dualpipev", sdp="zero3",
+                                           ckpt=True)),
+    "zb-h1-lora": dict(matrix=True, model="lora", clip="dm",
+                       plan=dict(pp=2, dp=1, micro_batches=4, schedule="interleaved-zb", virtual_stages=1)),
 }
 FROZEN = ("embed", "norm")
 
@@ -75,6 +90,10 @@ def _model(kind: str):
         torch.manual_seed(0)
         return gfx.models.build("gpt-tiny", device="cpu", layers=2, hidden=32, heads=4, seq_len=loops.S,
                                 vocab=loops.V, batch=loops.B)[0]
+    if kind == "neox":
+        return loops.neox()
+    if kind == "llama6":
+        return loops.llama(layers=6)
     return loops.llama(lora=kind == "lora", freeze=FROZEN if kind == "frozen" else ())
 
 

@@ -89,8 +89,9 @@ class LayerCost:
     ``regather_s`` (ZeRO-2's all-gather of the updated shards, beside the next forward) per step; ``param_bytes``/``grad_bytes``/``optimizer_bytes``/
     ``master_bytes`` (fp32 masters of a mixed plan)/``transient_bytes`` are resident (transient:
     the layer's largest temporary buffer). Under a split (zero-bubble) backward the layer also
-    takes ``split_recompute_s`` per micro-batch (a checkpointed layer recomputes its forward in
-    both the input- and the weight-gradient pass) and holds ``split_held_bytes`` (ZeRO-3's
+    takes ``split_extra_s`` more per micro-batch (torch's split walks the graph and re-runs each
+    parameter's consumer: the cluster's ``split_backward_op_s`` per op; a checkpointed layer
+    recomputes its forward in both the input- and the weight-gradient pass) and holds ``split_held_bytes`` (ZeRO-3's
     gathered buffer, kept from a micro-batch's input-gradient pass to its weight-gradient pass).
     """
 
@@ -111,7 +112,7 @@ class LayerCost:
     exposed_sync_s: float = 0.0
     regather_s: float = 0.0
     reduce_scatter_s: float = 0.0
-    split_recompute_s: float = 0.0
+    split_extra_s: float = 0.0
     split_held_bytes: float = 0.0
 
     @property
@@ -454,15 +455,16 @@ class CostModel:
         pass_copy, step_copy = self._copies(elems_tp, train_tp, s)
         overhead, optimizer = overhead + pass_copy, optimizer + step_copy
         tp_comm = self._tp_comm(m, n, s) + (self._whole_batch_gathers(m, n, s) if whole else 0.0)
-        # split backward (zero-bubble): the second recomputation (its forward and forward TP
-        # collectives; the ZeRO-3 buffer is still held); ZeRO-3's whole buffer held between the passes
-        split_recompute = 0.0
+        # split backward (zero-bubble): the split's own work per op, and a checkpointed layer's second
+        # recomputation (its forward and forward TP collectives; the ZeRO-3 buffer is still held);
+        # ZeRO-3's whole buffer held between the passes
+        split_extra = self.op_counts[self.layers[index].signature] * getattr(self.cluster, "split_backward_op_s", 0.0)
         if s.ckpt:
-            split_recompute = fwd + self._tp_comm(m, n, s) - self._tp_comm(m, n, dataclasses.replace(s, ckpt=False))
+            split_extra += fwd + self._tp_comm(m, n, s) - self._tp_comm(m, n, dataclasses.replace(s, ckpt=False))
         held = full_params if s.sdp == "zero3" and s.dp > 1 else 0.0
         return LayerCost(fwd, bwd, tp_comm, sync, gather, st.params, st.grads, st.optimizer,
                          act, transient, out, st.masters, overhead, optimizer, exposed, regather, reduce_scatter,
-                         split_recompute, held)
+                         split_extra, held)
 
     def _whole_batch_gathers(self, m: LayerMeasure, n: float, s: Strategy) -> float:
         """Seconds per micro-batch of ``n`` samples for a batch-coupled layer under ``s`` (dp > 1)

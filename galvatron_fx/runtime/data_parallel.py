@@ -146,6 +146,9 @@ class FlatParams(nn.Module):
         # zero3 under a split (zero-bubble) backward: micro-batches past their input-gradient pass
         # whose weight-gradient pass is to come; their saved views of the buffer must stay backed
         self.pins = 0
+        # split backward: this micro-batch's per-parameter views of the layer's chunks are appended
+        # here (one autograd node per parameter, so the weight-gradient pass can stop at each)
+        self.split_views: list | None = None
         # prefetch (FSDP2's): the ZeRO-2/3 layers of this stage before / after this one in forward
         # order (DataParallelPass links them); a gather in forward starts the next one's, a
         # ZeRO-3 gather in backward the previous one's
@@ -532,19 +535,32 @@ class _Release(torch.autograd.Function):
         return (None, *grads)
 
 
+def _entry(store: FlatParams) -> tuple[torch.Tensor, ...]:
+    """The layer's chunks (:class:`_LayerParams`); under a split backward (``store.split_views``
+    set) each parameter's chunk leaves through its own view, recorded for the weight-gradient pass."""
+    parts = _LayerParams.apply(store.flat_param, store)
+    if store.split_views is None or not store.trainable or torch._C._current_graph_task_id() != -1:
+        return parts   # (not in a checkpointed layer's recomputation: its forward recorded them)
+    parts = list(parts)
+    for j in store.part_index:
+        parts[j] = parts[j].view_as(parts[j])
+    store.split_views.append({j: parts[j] for j in store.part_index})
+    return tuple(parts)
+
+
 def dp_params(store: FlatParams) -> tuple[torch.Tensor, ...]:
     """Data parallel: the buffer's chunks; backward all-reduces its gradient over DP."""
-    return _LayerParams.apply(store.flat_param, store)
+    return _entry(store)
 
 
 def zero2_params(store: FlatParams) -> tuple[torch.Tensor, ...]:
     """ZeRO-2: the (replicated) buffer's chunks; backward reduce-scatters its gradient over DP."""
-    return _LayerParams.apply(store.flat_param, store)
+    return _entry(store)
 
 
 def zero3_all_gather(store: FlatParams) -> tuple[torch.Tensor, ...]:
     """ZeRO-3: all-gather the buffer over DP, its chunks; backward reduce-scatters its gradient."""
-    return _LayerParams.apply(store.flat_param, store)
+    return _entry(store)
 
 
 def zero3_release(store: FlatParams, outs: tuple) -> tuple:

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..ir import StageInfo
-from ..solver.schedules import TORCH_SCHEDULES
+from ..solver.schedules import TORCH_SCHEDULES, ZERO_BUBBLE
 from .dropout import evaluating
 from .groups import group
 from .inputs import apply_steps, match_inputs, to_shards
@@ -96,6 +96,18 @@ def _make_stage_class():
         is the last, and recording the forward/backward order and the saved activation bytes."""
 
         def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+            if not self.split:
+                return self._forward(fwd_chunk_id, args, kwargs, save_forward_output)
+            for s in self.stores:   # split backward: record this micro-batch's parameter views
+                s.split_views = []
+            try:
+                return self._forward(fwd_chunk_id, args, kwargs, save_forward_output)
+            finally:
+                self.views[fwd_chunk_id] = [(s, s.split_views) for s in self.stores if s.split_views]
+                for s in self.stores:
+                    s.split_views = None
+
+        def _forward(self, fwd_chunk_id, args, kwargs, save_forward_output):
             stats = self.stats
             self.submod.chunk = fwd_chunk_id
             stats["order"].append(f"F{fwd_chunk_id}{self.chunk_tag}")
@@ -126,6 +138,7 @@ def _make_stage_class():
             return out
 
         def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            self._mb = bwd_chunk_id
             for s in self.stores:
                 s.last_micro_batch = last_backward
             self.stats["order"].append(f"{'B' if full_backward else 'I'}{bwd_chunk_id}{self.chunk_tag}")
@@ -148,6 +161,7 @@ def _make_stage_class():
                 s.last_micro_batch = last_backward
             self.stats["order"].append(f"W{bwd_chunk_id}{self.chunk_tag}")
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            self.views.pop(bwd_chunk_id, None)   # the first chunk's (torch runs its W as a whole backward)
             for s in self.stores:
                 s.pins -= 1
                 s.free_full()
@@ -157,9 +171,9 @@ def _make_stage_class():
             # NOTE: the split backward's weights are the layers' flat buffers (the autograd leaves
             # behind every parameter view), not the runner's nn.Parameters (it has none)
             if backward_type == "input":
-                return split_backward_input(bwd_kwargs, self.stores, self.stage_index)
+                return split_backward_input(bwd_kwargs, self.views.pop(self._mb, []), self.stage_index)
             if backward_type == "weight":
-                return weight_backward(bwd_kwargs["param_groups"]), None
+                return weight_backward(bwd_kwargs["param_groups"], self.stores), None
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
         def _done(self, mb: int) -> None:
@@ -170,31 +184,46 @@ def _make_stage_class():
     return _Stage
 
 
-def split_backward_input(bwd_kwargs: dict, stores, stage_index: int):
-    """Zero-bubble ``I``: torch's ``stage_backward_input`` over the layers' trainable flat buffers.
-    Raises when a buffer's gradient does not pass through the stage's inputs' gradient graph
-    (torch's split would then never compute it)."""
-    from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
+def split_backward_input(bwd_kwargs: dict, views: list, stage_index: int):
+    """Zero-bubble ``I``: torch's ``stage_backward_input`` over the per-parameter views this
+    micro-batch's forward recorded (``views``: ``[(store, [{part: view}, ...])]``), each param group
+    told which ``(store, part)`` its weights are. Raises when a weight's gradient does not pass
+    through the chunk's inputs' gradient graph (torch's split would never compute it)."""
+    from torch.distributed.pipelining._backward import stage_backward_input
 
-    weights = [s.flat_param for s in stores if s.trainable]
+    owner = {}
+    for store, records in views:
+        for rec in records:
+            for j, v in rec.items():
+                owner.setdefault(v.grad_fn, []).append((store, j))
     grads, groups = stage_backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
-                                         bwd_kwargs["input_values"], iter(weights))
-    reached = set().union(*(g["params"] for g in groups)) if groups else set()
-    missing = [s for s in stores if s.trainable and _get_grad_fn_or_grad_acc(s.flat_param) not in reached]
+                                         bwd_kwargs["input_values"], iter(rec_v for rec_v in _tensors(views)))
+    for g in groups:
+        g["params"] = list(g["params"])
+        g["owners"] = [owner[n] for n in g["params"]]
+    reached = {n for g in groups for n in g["params"]}
+    missing = [owner[n][0] for n in owner if n not in reached]
     if missing:
-        names = [s.fqns[0] for s in missing][:3]
+        names = [store.fqns[store.part_index.index(j)] for store, j in missing][:3]
         raise ConfigError(f"pipeline chunk {stage_index}: the gradients of {names} do not depend on the chunk's "
                           "inputs, so a split (zero-bubble) backward cannot compute them; use schedule "
                           "'1f1b' or 'interleaved-1f1b'")
     return grads, groups
 
 
-def weight_backward(param_groups: list[dict]) -> tuple:
-    """Zero-bubble ``W``: torch's ``stage_backward_weight`` for weights whose gradient the layer-entry
-    call takes over (``_LayerParams`` hands it to its store and returns none, so the weights'
-    own ``.grad`` stays empty: ``allow_unused``)."""
+def _tensors(views: list):
+    for _store, records in views:
+        for rec in records:
+            yield from rec.values()
+
+
+def weight_backward(param_groups: list[dict], stores) -> tuple:
+    """Zero-bubble ``W``: torch's ``stage_backward_weight``, stopping at each parameter's view (so
+    no input-gradient path is recomputed), then each layer's gradients handed to its store
+    (``on_grad``: DP reduction and ZeRO reduce-scatters start here), last layer first."""
     from torch.autograd.graph import GradientEdge
 
+    got: dict = {}
     for pg in param_groups:
         grads, nodes = pg.pop("grads", None), pg.pop("intermediates")
         if grads is None:
@@ -210,12 +239,21 @@ def weight_backward(param_groups: list[dict]) -> tuple:
         handles = [node.register_prehook(lambda _g, saved=node_grads: saved)
                    for node_grads, node in zip(grads, nodes)] if len(nodes) > 1 else []
         try:
-            if edges:
-                torch.autograd.grad(edges, [GradientEdge(w, 0) for w in pg["params"]], grad_outputs=outs,
-                                    allow_unused=True)
+            if not edges:
+                continue
+            dws = torch.autograd.grad(edges, [GradientEdge(n, 0) for n in pg["params"]], grad_outputs=outs,
+                                      allow_unused=True)
         finally:
             for h in handles:
                 h.remove()
+        for owners, dw in zip(pg["owners"], dws):
+            for store, j in owners:
+                if dw is not None:
+                    parts = got.setdefault(store, {})
+                    parts[j] = dw if j not in parts else parts[j] + dw
+    for store in reversed(stores):
+        if store in got:
+            store.on_grad(tuple(got[store].get(j) for j in range(len(store.part_sizes))))
     return ()
 
 
@@ -482,6 +520,8 @@ class PipelineModel(nn.Module):
             stage.chunk_tag = f"@{info.index}" if len(per_chunk) > 1 else ""   # "F3@2": micro-batch 3, chunk 2
             stage.track_memory = self.track_memory
             stage.stores = runner.stage.stores
+            stage.split = self.plan.schedule in ZERO_BUBBLE   # backward as I, then W
+            stage.views, stage._mb = {}, None                  # micro-batch -> its parameter views
             stage.param_storages = _param_storages(self.stage)
             stages.append(stage)
         cls = getattr(schedules, TORCH_SCHEDULES[self.plan.schedule])

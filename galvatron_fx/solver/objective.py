@@ -70,7 +70,9 @@ class LayerTerms:
     split_bytes: float = 0.0      # more held under a split backward
 
     def split(self) -> LayerTerms:
-        """These terms under a split (zero-bubble) backward (:data:`~.schedules.ZERO_BUBBLE`)."""
+        """These terms under a split (zero-bubble) backward (:data:`~.schedules.ZERO_BUBBLE`), the held
+        bytes counted as states (the search's additive bytes; :func:`estimate_plan` reports them
+        apart, as ``per_device["split_held_bytes"]``)."""
         return LayerTerms(self.time_per_microbatch_s + self.split_time_s, self.step_sync_s,
                           self.states_bytes + self.split_bytes, self.activation_bytes, self.transient_bytes)
 
@@ -86,7 +88,7 @@ def layer_terms(cost: Any, cluster: Any) -> LayerTerms:
             + cluster.overlap_time(cost.fwd_s, regather) - cost.fwd_s + getattr(cost, "optimizer_s", 0.0))
     states = cost.states_bytes
     return LayerTerms(t_mb, sync, states, cost.activation_bytes, cost.transient_bytes,
-                      getattr(cost, "split_recompute_s", 0.0), getattr(cost, "split_held_bytes", 0.0))
+                      getattr(cost, "split_extra_s", 0.0), getattr(cost, "split_held_bytes", 0.0))
 
 
 def layer_step_time(terms: LayerTerms, slots: float) -> float:
@@ -142,7 +144,7 @@ def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy]
     per_stage = world_size // pp
     b = global_batch_size // micro_batches
     slots = step_slots(schedule, pp, v, micro_batches)
-    stage_time, states, acts, transient = [0.0] * pp, [0.0] * pp, [0.0] * pp, [0.0] * pp
+    stage_time, states, acts, transient, held_bytes = ([0.0] * pp for _ in range(5))
     per_layer: list[dict] = []
     held = chunk_peaks(schedule, pp, v, micro_batches)   # chunk -> micro-batches in flight at its peak
     split = schedule in ZERO_BUBBLE
@@ -151,8 +153,10 @@ def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy]
         t = 0.0
         for i in range(first, last + 1):
             terms = layer_terms(costs.layer_cost(i, strategies[i], b), cluster)
-            if split:
-                terms = terms.split()
+            if split:   # the split time counts as the layer's; ZeRO-3's held buffer apart from states
+                held_bytes[k] += terms.split_bytes
+                terms = LayerTerms(terms.time_per_microbatch_s + terms.split_time_s, terms.step_sync_s,
+                                   terms.states_bytes, terms.activation_bytes, terms.transient_bytes)
             lt = layer_step_time(terms, slots)
             if i > first:
                 lt += slots * costs.reshard_time(i - 1, strategies[i - 1], strategies[i], b)
@@ -168,7 +172,7 @@ def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy]
             t += slots * p2p_time_per_microbatch(costs, cluster, last, strategies[last], b,
                                                  k * per_stage, nxt * per_stage)
         stage_time[k] += t
-    mem = [st + ac + tr + reserve_bytes for st, ac, tr in zip(states, acts, transient)]
+    mem = [st + ac + tr + hd + reserve_bytes for st, ac, tr, hd in zip(states, acts, transient, held_bytes)]
     step = max(stage_time) + step_constant(cluster, pp, world_size)
     return {
         "step_time_s": step,
@@ -180,6 +184,7 @@ def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy]
             "states_bytes": [int(round(x)) for x in states],
             "activation_bytes": [int(round(x)) for x in acts],
             "transient_bytes": [int(round(x)) for x in transient],
+            "split_held_bytes": [int(round(x)) for x in held_bytes],   # zero-bubble: ZeRO-3 buffers held
             "reserve_bytes": int(reserve_bytes),
         },
     }
