@@ -312,7 +312,7 @@ class Plan:
                              f"{_gib(pd['activation_bytes'][k])} + transient {_gib(pd['transient_bytes'][k])}"
                              f" + reserve {_gib(pd.get('reserve_bytes', 0))}")
                     if (pd.get("split_held_bytes") or [0] * self.pp)[k]:
-                        head += f" + ZeRO-3 buffers held from I to W {_gib(pd['split_held_bytes'][k])}"
+                        head += f" + held from I to W {_gib(pd['split_held_bytes'][k])}"
             lines.append(head)
             lines.append(f"  {'#':>4}  {'layer':<26} {'strategy':<24} {'time ms':>9} {'states':>10} "
                          f"{'activ.':>10} {'transient':>10}")

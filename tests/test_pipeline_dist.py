@@ -78,6 +78,7 @@ def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=True, eps
             "states": dm.states_bytes(opt)["total"],
             "predicted_states": est["states_bytes"][dm.stage_index],
             "predicted_activation": est["activation_bytes"][dm.stage_index],
+            "predicted_held": est["split_held_bytes"][dm.stage_index], "sdp": {la.strategy.sdp for la in plan.layers},
             "seconds": seconds,
             "code": dm.code,
             "layer_code": [m.code for n, m in dm.stage.named_children() if n.startswith("layers_")],
@@ -123,6 +124,9 @@ def _check(results):
                 # slack: the tiny embedding / loss layers save ~2 KiB per micro-batch the model misses
                 slack = 2048 * st["peak_in_flight"]
                 assert 0 < st["peak_saved_bytes"] <= r["predicted_activation"] * 1.01 + slack, (label, st)
+                if "zero3" not in r["sdp"]:   # zero-bubble: the output gradients held from I to W
+                    held, predicted = st["peak_wgrad_bytes"], r["predicted_held"]
+                    assert held <= predicted * 1.01 + slack and (held > 0) == (predicted > 0), (label, held, predicted)
                 assert r["states"] == r["predicted_states"], (label, r["stage"], r["states"], r["predicted_states"])
                 continue
             assert sorted(st["order"]) == sorted([f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)])
@@ -147,9 +151,10 @@ def _check(results):
 def _report(results, name):
     for label in results[0]:
         rows = [(r[label]["stage"], r[label]["states"], r[label]["predicted_states"],
-                 r[label]["stats"]["peak_saved_bytes"], r[label]["predicted_activation"]) for r in results]
+                 r[label]["stats"]["peak_saved_bytes"], r[label]["predicted_activation"],
+                 r[label]["stats"]["peak_wgrad_bytes"], r[label]["predicted_held"]) for r in results]
         print(f"{name} {label}: {results[0][label]['seconds']:.2f}s (stage, states B, predicted, "
-              f"peak saved activation B, predicted) {rows}")
+              f"peak saved activation B, predicted, held I..W B, predicted) {rows}")
 
 
 CASES_2 = [

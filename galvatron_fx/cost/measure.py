@@ -85,6 +85,12 @@ class Point:
     saved_other_bytes: float = 0.0    # non-floating saved bytes (indices, masks), replicated
     input_elems: float = 0.0          # floating activation / graph inputs (kept by checkpointing)
     output_elems: float = 0.0         # floating outputs consumed by later layers
+    # floating outputs of the ops where a trainable parameter meets the activations: their gradients
+    # are what a split (zero-bubble) backward holds from the input- to the weight-gradient pass
+    wgrad_sharded_elems: float = 0.0
+    wgrad_rep_elems: float = 0.0
+    wgrad_whole_elems: float = 0.0    # row-parallel outputs: partial sums, whole even under SP
+    wgrad_row_bias_elems: float = 0.0  # row-parallel outputs with a bias (a second node under TP)
     fwd_allreduce_elems: list[float] = field(default_factory=list)  # per TP collective, forward
     bwd_allreduce_elems: list[float] = field(default_factory=list)  # per TP collective, backward
 
@@ -132,7 +138,8 @@ class LayerMeasure:
 
 _SCALARS = ("fwd_flops_sharded", "fwd_flops_rep", "bwd_flops", "saved_sharded_elems", "saved_rep_elems",
             "saved_gathered_elems",
-            "saved_other_bytes", "input_elems", "input_other_bytes", "output_elems")
+            "saved_other_bytes", "input_elems", "input_other_bytes", "output_elems", "wgrad_sharded_elems",
+            "wgrad_rep_elems", "wgrad_whole_elems", "wgrad_row_bias_elems")
 
 
 def measure_layer(layer: LayerGraph, sizes: tuple[int, ...] = MEASURE_SIZES,
@@ -314,6 +321,7 @@ def measure_point(layer: LayerGraph, n: int, compute_dtype: torch.dtype | None =
         p.input_other_bytes = sum(a.untyped_storage().nbytes() for a, s in zip(args, layer.inputs)
                                   if s.kind in ("activation", "graph_input") and not s.dtype.is_floating_point)
         p.output_elems = sum(_numel(o) for o in outs if o.dtype.is_floating_point)
+        _weight_gradient_inputs(layer, rec.values, p)
         _tp_collectives(layer, rec.values, p)
         grads = [o for o in outs if o.requires_grad]
         if grads:
@@ -322,6 +330,35 @@ def measure_point(layer: LayerGraph, n: int, compute_dtype: torch.dtype | None =
                 torch.autograd.backward(grads, [torch.ones_like(o) for o in grads])
                 p.bwd_flops = counter.get_total_flops() - before
     return p
+
+
+def _weight_gradient_inputs(layer: LayerGraph, values: dict, p: Point) -> None:
+    """Elements of the outputs of the nodes where a trainable parameter (or a value computed from
+    parameters only) meets an activation: torch's split backward keeps the gradients of these
+    outputs from ``I`` to ``W`` (its parameter groups' intermediates). TP-sharded as the node's
+    output is."""
+    trainable = {i.name for i in layer.inputs if i.kind == "param" and i.requires_grad}
+    other = {i.name for i in layer.inputs if i.kind in ("param", "buffer") and i.name not in trainable}
+    weight_only: set[str] = set()   # values computed from trainable parameters (and constants) only
+    for n in layer.gm.graph.nodes:
+        if n.op in ("placeholder", "output", "get_attr"):
+            continue
+        reads = {a.name for a in n.all_input_nodes}
+        if not reads or not (reads & (trainable | weight_only)):
+            continue
+        if reads <= trainable | weight_only | other:
+            weight_only.add(n.name)
+            continue
+        elems = sum(_numel(t) for t in pytree.tree_leaves(values.get(n.name))
+                    if isinstance(t, torch.Tensor) and t.dtype.is_floating_point)
+        if layer.roles.get(n.name) == "row":
+            p.wgrad_whole_elems += elems   # before its all-reduce / reduce-scatter: whole
+            if len(reads & trainable) > 1:   # its bias: under TP added after the reduction
+                p.wgrad_row_bias_elems += elems
+        elif layer.out_sharded.get(n.name, False):
+            p.wgrad_sharded_elems += elems
+        else:
+            p.wgrad_rep_elems += elems
 
 
 def _tp_collectives(layer: LayerGraph, values: dict, p: Point) -> None:

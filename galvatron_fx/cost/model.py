@@ -91,8 +91,10 @@ class LayerCost:
     the layer's largest temporary buffer). Under a split (zero-bubble) backward the layer also
     takes ``split_extra_s`` more per micro-batch (torch's split walks the graph and re-runs each
     parameter's consumer: the cluster's ``split_backward_op_s`` per op; a checkpointed layer
-    recomputes its forward in both the input- and the weight-gradient pass) and holds ``split_held_bytes`` (ZeRO-3's
-    gathered buffer, kept from a micro-batch's input-gradient pass to its weight-gradient pass).
+    recomputes its forward in both the input- and the weight-gradient pass) and holds
+    ``split_held_bytes`` (ZeRO-3's gathered buffer, kept from a micro-batch's input-gradient pass to
+    its weight-gradient pass) and, per micro-batch between those passes, ``split_wgrad_bytes`` (the
+    gradients of the outputs where parameters meet activations, which the weight pass starts from).
     """
 
     fwd_s: float
@@ -114,6 +116,7 @@ class LayerCost:
     reduce_scatter_s: float = 0.0
     split_extra_s: float = 0.0
     split_held_bytes: float = 0.0
+    split_wgrad_bytes: float = 0.0
 
     @property
     def states_bytes(self) -> float:
@@ -462,9 +465,13 @@ class CostModel:
         if s.ckpt:
             split_extra += fwd + self._tp_comm(m, n, s) - self._tp_comm(m, n, dataclasses.replace(s, ckpt=False))
         held = full_params if s.sdp == "zero3" and s.dp > 1 else 0.0
+        rep_div = s.tp if s.sp else 1
+        wgrad = (m.wgrad_sharded_elems(n) / s.tp + m.wgrad_rep_elems(n) / rep_div
+                 + m.wgrad_whole_elems(n) + (m.wgrad_row_bias_elems(n) / rep_div if s.tp > 1 else 0.0)
+                 ) * self.itemsize if train_tp else 0.0
         return LayerCost(fwd, bwd, tp_comm, sync, gather, st.params, st.grads, st.optimizer,
                          act, transient, out, st.masters, overhead, optimizer, exposed, regather, reduce_scatter,
-                         split_extra, held)
+                         split_extra, held, wgrad)
 
     def _whole_batch_gathers(self, m: LayerMeasure, n: float, s: Strategy) -> float:
         """Seconds per micro-batch of ``n`` samples for a batch-coupled layer under ``s`` (dp > 1)

@@ -162,6 +162,7 @@ def _make_stage_class():
             self.stats["order"].append(f"W{bwd_chunk_id}{self.chunk_tag}")
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
             self.views.pop(bwd_chunk_id, None)   # the first chunk's (torch runs its W as a whole backward)
+            self.stats["wgrad_bytes"] -= self.held.pop(bwd_chunk_id, 0)
             for s in self.stores:
                 s.pins -= 1
                 s.free_full()
@@ -171,7 +172,13 @@ def _make_stage_class():
             # NOTE: the split backward's weights are the layers' flat buffers (the autograd leaves
             # behind every parameter view), not the runner's nn.Parameters (it has none)
             if backward_type == "input":
-                return split_backward_input(bwd_kwargs, self.views.pop(self._mb, []), self.stage_index)
+                grads, groups = split_backward_input(bwd_kwargs, self.views.pop(self._mb, []), self.stage_index)
+                if self.track_memory:   # the output gradients the weight pass starts from, held until W
+                    held = _held_bytes(groups)
+                    self.held[self._mb] = held
+                    self.stats["wgrad_bytes"] += held
+                    self.stats["peak_wgrad_bytes"] = max(self.stats["peak_wgrad_bytes"], self.stats["wgrad_bytes"])
+                return grads, groups
             if backward_type == "weight":
                 return weight_backward(bwd_kwargs["param_groups"], self.stores), None
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
@@ -209,6 +216,17 @@ def split_backward_input(bwd_kwargs: dict, views: list, stage_index: int):
                           "inputs, so a split (zero-bubble) backward cannot compute them; use schedule "
                           "'1f1b' or 'interleaved-1f1b'")
     return grads, groups
+
+
+def _held_bytes(groups: list[dict]) -> int:
+    """Bytes of the distinct storages of the gradients torch's split keeps for the weight pass."""
+    seen = {}
+    for g in groups:
+        for node_grads in g.get("grads") or []:
+            for t in node_grads or ():
+                if isinstance(t, torch.Tensor):
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
 
 
 def _tensors(views: list):
@@ -290,7 +308,8 @@ class PipelineModel(nn.Module):
     ``schedule_stats`` (after a step): the forward/backward order of this stage (``"F0", "B0"``;
     ``"F0@2"``: chunk 2's, when the rank runs several),
     ``peak_in_flight`` micro-batches (forwarded, not yet backwarded) and ``peak_saved_bytes`` (the
-    activation bytes autograd held for them, parameters excluded).
+    activation bytes autograd held for them, parameters excluded); zero-bubble: ``peak_wgrad_bytes``
+    (the output gradients held from the input- to the weight-gradient pass).
     """
 
     def __init__(self, chunks: list[DistributedModel], plan, infos: list[StageInfo], *, input_names: list[str],
@@ -411,7 +430,8 @@ class PipelineModel(nn.Module):
         self._targets = [_split(t, m) for t in targets]
         self._losses: list[torch.Tensor] = []
         stats = _stages(schedule)[0].stats   # NOTE: one dict shared by this rank's chunks
-        stats.update(order=[], chunk_bytes={}, live_bytes=0, in_flight=0, peak_in_flight=0, peak_saved_bytes=0)
+        stats.update(order=[], chunk_bytes={}, live_bytes=0, in_flight=0, peak_in_flight=0, peak_saved_bytes=0,
+                     wgrad_bytes=0, peak_wgrad_bytes=0)
         step = schedule.step if train else schedule.eval
         kw = {"target": torch.arange(m), "return_outputs": False} if self.holds_last else {}
         step(*per_chunk[0], **kw) if self.holds_first else step(**kw)
@@ -420,7 +440,7 @@ class PipelineModel(nn.Module):
         else:
             for s in self.stage.stores:
                 s.free_full()
-        self.schedule_stats = {k: stats[k] for k in ("order", "peak_in_flight", "peak_saved_bytes")}
+        self.schedule_stats = {k: stats[k] for k in ("order", "peak_in_flight", "peak_saved_bytes", "peak_wgrad_bytes")}
         device = next((p.device for p in self.stage.parameters()), None) or next(
             (t.device for t in graph_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
         total = torch.zeros((), device=device)
@@ -522,6 +542,7 @@ class PipelineModel(nn.Module):
             stage.stores = runner.stage.stores
             stage.split = self.plan.schedule in ZERO_BUBBLE   # backward as I, then W
             stage.views, stage._mb = {}, None                  # micro-batch -> its parameter views
+            stage.held = {}                                    # micro-batch -> gradient bytes held to W
             stage.param_storages = _param_storages(self.stage)
             stages.append(stage)
         cls = getattr(schedules, TORCH_SCHEDULES[self.plan.schedule])

@@ -263,15 +263,15 @@ class Engine:
             if len(self._tables_memo) > 64:
                 self._tables_memo.clear()
             self._tables_memo[key] = self._build_tables(p, m, b, tuple(space))
-        t_mb, sync, states, act, trans, split_t, split_b = self._tables_memo[key]
+        t_mb, sync, states, act, trans, split_t, split_b, wg = self._tables_memo[key]
         if split:
             t_mb, states = t_mb + split_t, states + split_b
         # NOTE: slots * t_mb + sync is layer_step_time's arithmetic, element by element (one table
         # per schedule and virtual-stage count, from the same per-micro-batch terms)
-        return slots * t_mb + sync, states, act, trans
+        return slots * t_mb + sync, states, act, trans, (wg if split else None)
 
     def _build_tables(self, p: int, m: int, b: int, space: tuple[Strategy, ...]):
-        out = np.empty((7, self.L, len(space)))
+        out = np.empty((8, self.L, len(space)))
         tps = np.array([s.tp for s in space])
         sps = np.array([s.sp for s in space])
         whole = np.array([s.tp == 1 and not (s.sdp == "zero3" and s.ckpt) for s in space])
@@ -323,7 +323,7 @@ class Engine:
         if not space:
             self._exclude(why)
             return None
-        t, states, act, trans = self._layer_tables(p, m, b, space, step_slots(sched, p, v, m), sched in ZERO_BUBBLE)
+        t, states, act, trans, wg = self._layer_tables(p, m, b, space, step_slots(sched, p, v, m), sched in ZERO_BUBBLE)
         dead = np.flatnonzero(~np.isfinite(t).any(axis=1))
         if dead.size:
             i = int(dead[0])
@@ -337,7 +337,7 @@ class Engine:
             return None
         gid, layouts = layout_groups(space)
         c = ConfigTables(p, m, sched, gbs, space, t, states, act, trans, gid, layouts, self.sig_ids,
-                         self.tables, self.cluster, self.N, v=v)
+                         self.tables, self.cluster, self.N, v=v, wg=wg)
         c.bound = self._step_bound(c) + step_constant(self.cluster, c.p, self.N)
         return c
 
@@ -378,7 +378,7 @@ class Engine:
         send costs); strategy indices refer to ``c.space``."""
         last = k == c.p - 1
         P = None if last else c.p2p(j, k)
-        key = (c.sig_ids[i:j + 1].tobytes(), c.inflight(k), b"" if last else P.tobytes())
+        key = (c.sig_ids[i:j + 1].tobytes(), c.inflight(k), c.wgrad_peak(k), b"" if last else P.tobytes())
         hit = c.memo.get(key)
         if hit is not None and (hit.feasible or not hit.fits or hit.cutoff >= cutoff):
             return hit
@@ -509,7 +509,6 @@ class Engine:
         that fit and tie for the best screened step time are then estimated exactly.
         """
         stages = c.chunks()
-        peaks = c.chunk_peaks()
         time = np.zeros((c.p, len(c.space)))
         mem = np.zeros((c.p, len(c.space)))
         trans = np.zeros((c.p, len(c.space)))
@@ -518,7 +517,7 @@ class Engine:
             time[k] += c.t[i:j + 1].sum(axis=0) + c.chunk_send(ch)[c.gid]
             if j > i:
                 time[k] += sum(np.diag(c.reshard(l)) for l in range(i, j))[c.gid]
-            mem[k] += (c.states[i:j + 1] + peaks[ch] * c.act[i:j + 1]).sum(axis=0)
+            mem[k] += c.chunk_memory(ch, i, j).sum(axis=0)
             trans[k] = np.maximum(trans[k], c.trans[i:j + 1].max(axis=0))
         step = time.max(axis=0)
         peak = (mem + trans).max(axis=0) + self.opt.reserve_bytes

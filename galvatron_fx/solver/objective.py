@@ -29,7 +29,9 @@ every chunk but the last sends (``p2p`` at each of its boundaries), and each chu
 count ``inflight`` times with its own peak (:func:`~.schedules.chunk_peaks`). The zero-bubble
 schedules take their ``slots`` and peaks from torch's action lists (a micro-batch is held from
 its forward to its weight-gradient pass) and each layer's split terms (:meth:`LayerTerms.split`:
-a checkpointed layer's second recomputation, ZeRO-3's buffer held between the two passes).
+a checkpointed layer's second recomputation, ZeRO-3's buffer held between the two passes, and
+``wgrad_bytes`` per micro-batch between them, times the chunk's peak of such micro-batches,
+:func:`~.schedules.chunk_wgrad_peaks`).
 
 The cost source (:class:`CostSource`) is duck-typed: the cost model of :mod:`galvatron_fx.cost`, or
 a synthetic one in tests.
@@ -40,7 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .schedules import ZERO_BUBBLE, chunk_peaks, chunk_rank, step_slots
+from .schedules import ZERO_BUBBLE, chunk_peaks, chunk_rank, chunk_wgrad_peaks, step_slots
 from .strategy import Strategy
 
 
@@ -68,6 +70,7 @@ class LayerTerms:
     transient_bytes: float
     split_time_s: float = 0.0     # more per micro-batch under a split (zero-bubble) backward
     split_bytes: float = 0.0      # more held under a split backward
+    wgrad_bytes: float = 0.0      # held per micro-batch between its input- and weight-gradient passes
 
     def split(self) -> LayerTerms:
         """These terms under a split (zero-bubble) backward (:data:`~.schedules.ZERO_BUBBLE`), the held
@@ -88,7 +91,8 @@ def layer_terms(cost: Any, cluster: Any) -> LayerTerms:
             + cluster.overlap_time(cost.fwd_s, regather) - cost.fwd_s + getattr(cost, "optimizer_s", 0.0))
     states = cost.states_bytes
     return LayerTerms(t_mb, sync, states, cost.activation_bytes, cost.transient_bytes,
-                      getattr(cost, "split_extra_s", 0.0), getattr(cost, "split_held_bytes", 0.0))
+                      getattr(cost, "split_extra_s", 0.0), getattr(cost, "split_held_bytes", 0.0),
+                      getattr(cost, "split_wgrad_bytes", 0.0))
 
 
 def layer_step_time(terms: LayerTerms, slots: float) -> float:
@@ -148,13 +152,14 @@ def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy]
     per_layer: list[dict] = []
     held = chunk_peaks(schedule, pp, v, micro_batches)   # chunk -> micro-batches in flight at its peak
     split = schedule in ZERO_BUBBLE
+    wpeaks = chunk_wgrad_peaks(schedule, pp, v, micro_batches)   # chunk -> micro-batches between I and W
     for c, (first, last) in enumerate(stages):
         k, inflight = chunk_rank(schedule, c, pp), held[c]
         t = 0.0
         for i in range(first, last + 1):
             terms = layer_terms(costs.layer_cost(i, strategies[i], b), cluster)
-            if split:   # the split time counts as the layer's; ZeRO-3's held buffer apart from states
-                held_bytes[k] += terms.split_bytes
+            if split:   # the split time counts as the layer's; what it holds apart from states
+                held_bytes[k] += terms.split_bytes + wpeaks[c] * terms.wgrad_bytes
                 terms = LayerTerms(terms.time_per_microbatch_s + terms.split_time_s, terms.step_sync_s,
                                    terms.states_bytes, terms.activation_bytes, terms.transient_bytes)
             lt = layer_step_time(terms, slots)
@@ -184,7 +189,8 @@ def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy]
             "states_bytes": [int(round(x)) for x in states],
             "activation_bytes": [int(round(x)) for x in acts],
             "transient_bytes": [int(round(x)) for x in transient],
-            "split_held_bytes": [int(round(x)) for x in held_bytes],   # zero-bubble: ZeRO-3 buffers held
+            # zero-bubble: ZeRO-3 buffers and the weight pass's output gradients held from I to W
+            "split_held_bytes": [int(round(x)) for x in held_bytes],
             "reserve_bytes": int(reserve_bytes),
         },
     }

@@ -249,6 +249,22 @@ def chunk_peaks(schedule: str, pp: int, virtual_stages: int, micro_batches: int)
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=1024)
+def chunk_wgrad_peaks(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> tuple[int, ...]:
+    """Every chunk's most micro-batches between their input- and weight-gradient passes (zero-bubble
+    schedules; 0 otherwise, and for chunk 0, whose ``I`` torch runs as nothing), in chunk order."""
+    out = [0] * (pp * virtual_stages)
+    if schedule not in ZERO_BUBBLE:
+        return tuple(out)
+    for actions in _torch_actions(schedule, pp, virtual_stages, micro_batches):
+        held = [0] * (pp * virtual_stages)
+        for kind, c, _mb in actions:
+            if c and kind in ("I", "W"):
+                held[c] += 1 if kind == "I" else -1
+                out[c] = max(out[c], held[c])
+    return tuple(out)
+
+
 def step_slots(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> float:
     """The step time in units of one micro-batch's forward + backward through all of a rank's
     chunks (the slowest rank's): ``m`` of work plus the bubble, ``p - 1`` (GPipe, 1F1B) or

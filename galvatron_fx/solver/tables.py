@@ -25,7 +25,7 @@ import numpy as np
 
 from .objective import CostSource, LayerTerms, layer_terms, p2p_time_per_microbatch
 from .pipeline import even_split
-from .schedules import chunk_peaks, chunk_rank, rank_chunks, step_slots
+from .schedules import chunk_peaks, chunk_rank, chunk_wgrad_peaks, rank_chunks, step_slots
 from .strategy import Strategy
 
 
@@ -54,15 +54,17 @@ class CachedCosts:
         return self._terms[key]
 
     def rows(self, layer: int, space: tuple[Strategy, ...], b: int) -> np.ndarray:
-        """``[7, S]``: time per micro-batch, per-step sync, states, activations, transient, and the
-        split-backward extra time per micro-batch and bytes (:meth:`~.objective.LayerTerms.split`)."""
+        """``[8, S]``: time per micro-batch, per-step sync, states, activations, transient, and the
+        split-backward extra time per micro-batch, held bytes and per-micro-batch held bytes
+        (:meth:`~.objective.LayerTerms.split`)."""
         key = (self.signatures[layer], space, b)
         if key not in self._rows:
             terms = [self.terms(layer, s, b) for s in space]
             self._rows[key] = np.array([[x.time_per_microbatch_s for x in terms], [x.step_sync_s for x in terms],
                                         [x.states_bytes for x in terms], [x.activation_bytes for x in terms],
                                         [x.transient_bytes for x in terms], [x.split_time_s for x in terms],
-                                        [x.split_bytes for x in terms]], dtype=np.float64).reshape(7, len(space))
+                                        [x.split_bytes for x in terms], [x.wgrad_bytes for x in terms]],
+                                       dtype=np.float64).reshape(8, len(space))
         return self._rows[key]
 
     def reshard_time(self, layer: int, prev: Strategy, nxt: Strategy, b: int) -> float:
@@ -100,6 +102,7 @@ class ConfigTables:
     world_size: int
     bound: float = 0.0
     v: int = 1                  # virtual stages: chunks per pipeline rank (interleaved 1F1B)
+    wg: np.ndarray | None = None  # zero-bubble: [L, S] bytes held per micro-batch from I to W
     memo: dict = field(default_factory=dict)
     _reshard: dict = field(default_factory=dict)
     _p2p: dict = field(default_factory=dict)
@@ -134,9 +137,22 @@ class ConfigTables:
     def rank_rows(self, k: int) -> tuple[list[int], np.ndarray]:
         """Stage ``k``'s layers (its chunks' in chunk order) and their ``[n, S]`` additive bytes,
         each layer's activations times its chunk's in-flight peak."""
-        chunks, peaks = self.chunks(), self.chunk_peaks()
+        chunks = self.chunks()
         mine = [(ch, i) for ch in self.rank_chunks(k) for i in range(chunks[ch][0], chunks[ch][1] + 1)]
-        return [i for _, i in mine], np.stack([self.states[i] + peaks[ch] * self.act[i] for ch, i in mine])
+        return [i for _, i in mine], np.concatenate([self.chunk_memory(ch, i, i) for ch, i in mine])
+
+    def wgrad_peak(self, ch: int) -> int:
+        """Chunk ``ch``'s most micro-batches between I and W (:func:`~.schedules.chunk_wgrad_peaks`)."""
+        return chunk_wgrad_peaks(self.schedule, self.p, self.v, self.m)[ch] if self.wg is not None else 0
+
+    def chunk_memory(self, ch: int, i: int, j: int) -> np.ndarray:
+        """``[j-i+1, S]`` additive bytes per device of layers ``i..j`` in chunk ``ch``: states and
+        the chunk's in-flight activations (zero-bubble: and the gradients held from I to W)."""
+        out = self.states[i:j + 1] + self.chunk_peaks()[ch] * self.act[i:j + 1]
+        q = self.wgrad_peak(ch)
+        if q:   # (0 * inf would be NaN where a strategy is not allowed)
+            out = out + q * self.wg[i:j + 1]
+        return out
 
     def chunk_send(self, ch: int) -> np.ndarray:
         """``[G]`` seconds per step chunk ``ch`` spends sending to the next chunk, per layout group of
@@ -151,7 +167,7 @@ class ConfigTables:
 
     def memory(self, i: int, j: int, k: int) -> np.ndarray:
         """``[j-i+1, S]`` additive bytes per device of layers ``i..j`` on stage ``k``."""
-        return self.states[i:j + 1] + self.inflight(k) * self.act[i:j + 1]
+        return self.chunk_memory(k, i, j)
 
     def reshard(self, layer: int) -> np.ndarray:
         """``[G, G]`` seconds per step to reshard ``layer``'s output between layout groups."""
