@@ -26,6 +26,21 @@ def neox():
                                                   max_position_embeddings=32, rotary_pct=0.25))
 
 
+def moe(kind: str):
+    """A tiny transformers mixture-of-experts model (seeded): ``"mixtral"`` (8 experts, top-2) or
+    ``"qwen2-moe"`` (4 routed experts, top-2, a shared expert behind a 1-wide sigmoid gate)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=32, num_experts_per_tok=2)
+    if kind == "mixtral":
+        return tf.MixtralForCausalLM(tf.MixtralConfig(intermediate_size=64, num_local_experts=8, **common))
+    return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=32,
+                                                    shared_expert_intermediate_size=64, num_experts=4,
+                                                    decoder_sparse_step=1, **common))
+
+
 def llama(lora: bool = False, freeze: tuple[str, ...] = (), layers: int = 2):
     """A tiny transformers Llama (seeded) of ``layers`` blocks, optionally with peft LoRA on q/v
     (r = 4; everything else frozen) or with the parameters whose names contain one of ``freeze`` frozen."""

@@ -107,6 +107,26 @@ def test_moe_experts_column_row_inside_each_expert_router_replicated(method):
     assert _shards(res) == {"w_in": (2, (24,)), "b_in": (2, (24,)), "w_out": (1, (24,))}
 
 
+class _SharedExpertGate(nn.Module):
+    """Qwen2-MoE's shared expert: ``sigmoid(gate(x)) * mlp(x)`` with a 1-wide gate linear."""
+
+    def __init__(self, f=48):
+        super().__init__()
+        self.gate = nn.Linear(D, 1, bias=False)
+        self.up, self.down = nn.Linear(D, f, bias=False), nn.Linear(f, D, bias=False)
+
+    def forward(self, x):
+        return x + torch.sigmoid(self.gate(x)) * self.down(F.silu(self.up(x)))
+
+
+def test_a_narrow_gate_before_an_activation_stays_whole_not_refused():
+    # a 1-wide gate cannot split over tp = 2; it is no FFN width (narrower than its input), so it
+    # runs replicated beside the column / row expert MLP instead of refusing the layer
+    res, gm = _analyze(_SharedExpertGate, _x())
+    assert _fqns(gm, res.replicated_linears) == {"gate"}
+    assert _fqns(gm, res.column) == {"up"} and _fqns(gm, res.row) == {"down"}
+
+
 class _GroupedExperts(nn.Module):
     """transformers' MoE (Mixtral): ``grouped_mm(x, W.transpose(-2, -1), offs)`` of fused
     gate_up [E, 2F, D] chunked into gate / up, and down [E, D, F]."""

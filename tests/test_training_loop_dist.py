@@ -74,6 +74,13 @@ CASES = {
                                            ckpt=True)),
     "zb-h1-lora": dict(matrix=True, model="lora", clip="dm",
                        plan=dict(pp=2, dp=1, micro_batches=4, schedule="interleaved-zb", virtual_stages=1)),
+    # mixture of experts under the existing strategies (experts replicated or ZeRO-sharded like
+    # dense weights; the routers and Qwen2-MoE's 1-wide shared-expert gate stay whole under TP)
+    "mixtral-zero3-export": dict(matrix=True, model="mixtral", method="export", plan=dict(dp=2, sdp="zero3")),
+    "qwen2-moe-tp2-compile": dict(door="compile", model="qwen2-moe", plan=dict(tp=2, dp=1)),
+    "mixtral-pp2-zbv": dict(matrix=True, model="mixtral", clip="dm",
+                            plan=dict(pp=2, dp=1, micro_batches=2, schedule="zbv")),
+    "qwen2-moe-tp2xdp2-sp": dict(matrix=True, world=4, model="qwen2-moe", plan=dict(tp=2, dp=2, sp=True)),
 }
 FROZEN = ("embed", "norm")
 
@@ -92,6 +99,8 @@ def _model(kind: str):
                                 vocab=loops.V, batch=loops.B)[0]
     if kind == "neox":
         return loops.neox()
+    if kind in ("mixtral", "qwen2-moe"):
+        return loops.moe(kind)
     if kind == "llama6":
         return loops.llama(layers=6)
     return loops.llama(lora=kind == "lora", freeze=FROZEN if kind == "frozen" else ())

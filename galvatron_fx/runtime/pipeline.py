@@ -12,9 +12,17 @@ Rank layout (see :mod:`.groups`): stages outermost, stage ``k`` owns global rank
 stage ``c % pp``): each rank runs ``v`` chunks, each built by the same pass list, behind one
 :class:`~.chunk_set.ChunkSet`.
 
-NOTE: built on ``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe`` /
-``Schedule1F1B`` / ``ScheduleInterleaved1F1B``) with static shapes (no meta-device shape inference, which the stage's
-collectives would break). ``scale_grads=False``: the loss is scaled by ``1 / (dp * m)`` instead,
+Zero-bubble schedules (``interleaved-zb``, ``zbv``, ``dualpipev``) split each backward into an
+input-gradient pass ``I`` and a weight-gradient pass ``W`` with torch's ``stage_backward_input``
+/ ``stage_backward_weight`` logic: the weights are each parameter's view of its layer's buffer
+(recorded per micro-batch in forward, :func:`~.data_parallel._entry`), so ``W`` stops at them and
+re-runs nothing of the input-gradient chain; ``W`` hands each layer's gradients to its store
+(DP reduction, ZeRO reduce-scatters) and ZeRO-3 buffers stay gathered (``pins``) from ``I`` to
+``W``.
+
+NOTE: built on ``torch.distributed.pipelining`` (``PipelineStage`` + the schedule classes of
+:data:`~galvatron_fx.solver.schedules.TORCH_SCHEDULES`) with static shapes (no meta-device shape
+inference, which the stage's collectives would break). ``scale_grads=False``: the loss is scaled by ``1 / (dp * m)`` instead,
 as in pp = 1 training, and the layers' flat buffers run their DP reduction on the schedule's
 ``last_backward``.
 """

@@ -91,7 +91,7 @@ def parallel_linear(an, node, lin: LinearOperands):
         blocks = an.blocks.get(node.name)
         out = Sharded(lin.y_out, TP, frozenset({node.name}), blocks=blocks)
         adapter = adapter_down(node, lin)
-        if node.name not in an.demoted and not adapter and _column_ok(an, node, out_w) \
+        if node.name not in an.demoted and not adapter and _column_ok(an, node, out_w, shape_of(w)[lin.w_in]) \
                 and _addend_ok(an, node, lin, out):
             an.conv(node, x, ("copy",) if s is None else ("all_gather_seq", s.dim))
             if lin.addend is not None:
@@ -189,10 +189,13 @@ def _column_why(an, out_w) -> str:
     return "its bias / addend cannot take the output's shards"
 
 
-def _column_ok(an, node, out_w) -> bool:
+def _column_ok(an, node, out_w: int, in_w: int) -> bool:
+    """Whether the linear may go column-parallel; raises for an FFN up-projection (at least as wide
+    as its input, feeding an activation) whose width does not divide by tp. A narrower one (a gate:
+    Qwen2-MoE's 1-wide shared-expert gate before its sigmoid; an MoE router) stays whole."""
     if out_w % an.tp == 0:
         return True
-    if an.kind == "block" and _feeds_activation(node):
+    if an.kind == "block" and out_w >= in_w and _feeds_activation(node):
         raise ConfigError(f"layer {an.record.name}: ffn width {out_w} (output of {node.name}) is not "
                           f"divisible by tp={an.tp}; use tp in {divisors(out_w)}")
     return False
