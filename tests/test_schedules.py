@@ -14,6 +14,7 @@ from galvatron_fx.solver.schedules import (
     check_schedule,
     chunk_in_flight,
     chunk_rank,
+    chunk_wgrad_peaks,
     rank_chunks,
     rank_order,
     step_slots,
@@ -98,6 +99,46 @@ def test_the_bubble_simulation_reproduces_the_closed_forms():
     assert step_slots("interleaved-zb", 4, 1, 16) == 16 + 1
     for sched in ("zbv", "dualpipev"):
         assert 16 < step_slots(sched, 4, 2, 16) < step_slots("interleaved-1f1b", 4, 2, 16)
+
+
+def test_zero_bubble_closed_forms_equal_the_simulation():
+    # the search prices m >= p by closed forms (the simulation is too slow for 1000s of devices);
+    # they equal the simulation of torch's action lists on every configuration torch accepts here
+    from galvatron_fx.solver.schedules import _makespan
+
+    checked = 0
+    for sched, vs in (("interleaved-zb", (1, 2, 3)), ("zbv", (2,)), ("dualpipev", (2,))):
+        for p in range(2, 7):
+            for v in vs:
+                for m in range(p, 4 * p + 1):
+                    try:
+                        check_schedule(sched, p, v, m)
+                    except ConfigError:
+                        continue
+                    assert step_slots(sched, p, v, m) == pytest.approx(_makespan(sched, p, v, m) / (3 * v)), \
+                        (sched, p, v, m)
+                    checked += 1
+    assert checked > 150
+
+
+def test_zero_bubble_peaks_stop_growing_from_two_rounds():
+    # the search reads the per-chunk peaks of m >= 2p micro-batches off 2 rounds (schedules._steady);
+    # torch's full action lists give the same peaks
+    from galvatron_fx.solver.schedules import _chunk_peaks, _chunk_wgrad_peaks, chunk_peaks
+
+    checked = 0
+    for sched, vs in (("interleaved-zb", (1, 2, 3)), ("zbv", (2,)), ("dualpipev", (2,))):
+        for p in range(2, 7):
+            for v in vs:
+                for m in range(2 * p, 6 * p + 1):
+                    try:
+                        check_schedule(sched, p, v, m)
+                    except ConfigError:
+                        continue
+                    assert chunk_peaks(sched, p, v, m) == _chunk_peaks(sched, p, v, m), (sched, p, v, m)
+                    assert chunk_wgrad_peaks(sched, p, v, m) == _chunk_wgrad_peaks(sched, p, v, m), (sched, p, v, m)
+                    checked += 1
+    assert checked > 150
 
 
 def test_zero_bubble_orders_are_torchs_and_hold_activations_until_w():

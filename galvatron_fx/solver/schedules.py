@@ -238,9 +238,24 @@ def chunk_in_flight(schedule: str, pp: int, virtual_stages: int, micro_batches: 
     return list(_chunk_in_flight(schedule, pp, virtual_stages, micro_batches, rank))
 
 
-@functools.lru_cache(maxsize=1024)
+def _steady(schedule: str, pp: int, micro_batches: int) -> int:
+    """A micro-batch count with the same per-chunk peaks as ``micro_batches`` under a zero-bubble
+    schedule: from ``2p`` on the peaks stop growing (two rounds of the same size for the
+    interleaved one, ``2p`` for the V shapes; tests/test_schedules.py checks it on torch's lists),
+    which keeps the search from building action lists of thousands of micro-batches."""
+    m = micro_batches
+    if schedule not in ZERO_BUBBLE or m < 2 * pp:
+        return m
+    return 2 * (m // (m // pp)) if schedule == "interleaved-zb" else 2 * pp
+
+
 def chunk_peaks(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> tuple[int, ...]:
     """:func:`chunk_in_flight` of every chunk of the plan's ``stages``, in chunk order."""
+    return _chunk_peaks(schedule, pp, virtual_stages, _steady(schedule, pp, micro_batches))
+
+
+@functools.lru_cache(maxsize=1024)
+def _chunk_peaks(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> tuple[int, ...]:
     out = [0] * (pp * virtual_stages)
     for k in range(pp):
         for c, q in zip(rank_chunks(schedule, k, pp, virtual_stages),
@@ -249,10 +264,14 @@ def chunk_peaks(schedule: str, pp: int, virtual_stages: int, micro_batches: int)
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=1024)
 def chunk_wgrad_peaks(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> tuple[int, ...]:
     """Every chunk's most micro-batches between their input- and weight-gradient passes (zero-bubble
     schedules; 0 otherwise, and for chunk 0, whose ``I`` torch runs as nothing), in chunk order."""
+    return _chunk_wgrad_peaks(schedule, pp, virtual_stages, _steady(schedule, pp, micro_batches))
+
+
+@functools.lru_cache(maxsize=1024)
+def _chunk_wgrad_peaks(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> tuple[int, ...]:
     out = [0] * (pp * virtual_stages)
     if schedule not in ZERO_BUBBLE:
         return tuple(out)
@@ -283,4 +302,13 @@ def step_slots(schedule: str, pp: int, virtual_stages: int, micro_batches: int) 
 
 @functools.lru_cache(maxsize=1024)
 def _zb_slots(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> float:
-    return _makespan(schedule, pp, virtual_stages, micro_batches) / (3 * virtual_stages)
+    """Zero-bubble slots: with ``m >= p`` (every searched pipeline) the closed forms the simulation
+    gives (tests/test_schedules.py checks them against it): ``m + (p - 1) / (3 v)``, ZB-V
+    ``m + max((p - 1) / 6, (2p - m - 1) / 3)`` (its warm-up needs ``2p - 1`` micro-batches to fill
+    the V); fewer micro-batches than stages: the simulation itself."""
+    p, v, m = pp, virtual_stages, micro_batches
+    if m < p:
+        return _makespan(schedule, p, v, m) / (3 * v)
+    if schedule == "zbv":
+        return m + max((p - 1) / 6, (2 * p - m - 1) / 3)
+    return m + (p - 1) / (3 * v)
