@@ -177,8 +177,8 @@ def _make_stage_class():
             self._done(bwd_chunk_id)
 
         def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
-            # NOTE: the split backward's weights are the layers' flat buffers (the autograd leaves
-            # behind every parameter view), not the runner's nn.Parameters (it has none)
+            # NOTE: the split backward's weights are each parameter's view recorded in this
+            # micro-batch's forward (data_parallel._entry), not the runner's nn.Parameters (it has none)
             if backward_type == "input":
                 grads, groups = split_backward_input(bwd_kwargs, self.views.pop(self._mb, []), self.stage_index)
                 if self.track_memory:   # the output gradients the weight pass starts from, held until W
@@ -206,13 +206,14 @@ def split_backward_input(bwd_kwargs: dict, views: list, stage_index: int):
     through the chunk's inputs' gradient graph (torch's split would never compute it)."""
     from torch.distributed.pipelining._backward import stage_backward_input
 
-    owner = {}
+    weights, owner = [], {}
     for store, records in views:
         for rec in records:
             for j, v in rec.items():
+                weights.append(v)
                 owner.setdefault(v.grad_fn, []).append((store, j))
     grads, groups = stage_backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
-                                         bwd_kwargs["input_values"], iter(rec_v for rec_v in _tensors(views)))
+                                         bwd_kwargs["input_values"], iter(weights))
     for g in groups:
         g["params"] = list(g["params"])
         g["owners"] = [owner[n] for n in g["params"]]
@@ -235,12 +236,6 @@ def _held_bytes(groups: list[dict]) -> int:
                 if isinstance(t, torch.Tensor):
                     seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())
-
-
-def _tensors(views: list):
-    for _store, records in views:
-        for rec in records:
-            yield from rec.values()
 
 
 def weight_backward(param_groups: list[dict], stores) -> tuple:
