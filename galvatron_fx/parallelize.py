@@ -39,6 +39,7 @@ from .passes.checkpointing import CheckpointingPass
 from .passes.codegen import CodegenPass
 from .passes.context import ParallelContext
 from .passes.data_parallel import DataParallelPass
+from .passes.expert_parallel import ExpertParallelPass
 from .passes.local_batch import LocalBatchPass
 from .passes.meta_device import MetaDevicePass
 from .passes.mixed_precision import MixedPrecisionPass
@@ -70,7 +71,7 @@ def parallelize_passes(ctx: ParallelContext, bind: dict | None = None) -> list[G
         passes.append(StageSplitPass(ctx.plan.stages, ctx.chunk_index, ctx))
     # NOTE: TP runs on the flat graph, before the layer split, so the layer submodules, the DP
     # buffers and the ZeRO shards are all built from the TP-local parameter shards.
-    passes += [TensorParallelPass(ctx), SplitLayersPass(), LocalBatchPass(ctx)]
+    passes += [TensorParallelPass(ctx), SplitLayersPass(), LocalBatchPass(ctx), ExpertParallelPass(ctx)]
     if pipelined:
         passes.append(StageOutputsPass(ctx))
     # NOTE: checkpointing wraps whole layer calls before DP rewrites the layers, so a ZeRO-3
@@ -218,7 +219,7 @@ def _rank_sets(plan: Plan, world: int, whole_batch: frozenset = frozenset()) -> 
         sets |= {tuple(j + s * n for s in range(plan.pp)) for j in range(n)}
     for c, (first, last) in enumerate(plan.stages):
         base = plan.chunk_rank(c) * n
-        lays = [Layout(lp.tp, lp.dp, lp.sp, base) for lp in plan.layers[first:last + 1]]
+        lays = [Layout(lp.tp, lp.dp, lp.sp, base, lp.ep) for lp in plan.layers[first:last + 1]]
         lays += [batch_layout(lp.tp, lp.dp, lp.sp, base, whole_batch=True)
                  for i, lp in enumerate(plan.layers[first:last + 1], first) if i in whole_batch]
         if plan.pp > 1:

@@ -76,15 +76,16 @@ class LayerPlan:
     sp: bool = False
     ckpt: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    ep: int = 1
 
     @property
     def strategy(self) -> Strategy:
         """The layer's :class:`~galvatron_fx.solver.strategy.Strategy`."""
-        return Strategy(self.tp, self.dp, self.sdp, self.sp, self.ckpt)
+        return Strategy(self.tp, self.dp, self.sdp, self.sp, self.ckpt, self.ep)
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.extra, "name": self.name, "tp": self.tp, "sp": self.sp, "dp": self.dp,
-                "sdp": self.sdp, "ckpt": self.ckpt}
+                "sdp": self.sdp, "ckpt": self.ckpt, "ep": self.ep}
 
     @classmethod
     def from_dict(cls, d: Any, index: int) -> LayerPlan:
@@ -94,8 +95,8 @@ class LayerPlan:
         missing = [k for k in _LAYER_KEYS if k not in d]
         if missing:
             raise ConfigError(f"plan {where} is missing key(s) {missing}; every layer needs {list(_LAYER_KEYS)}")
-        extra = {k: v for k, v in d.items() if k not in _LAYER_KEYS}
-        return cls(d["name"], d["tp"], d["dp"], d["sdp"], d["sp"], d["ckpt"], extra)
+        extra = {k: v for k, v in d.items() if k not in _LAYER_KEYS and k != "ep"}
+        return cls(d["name"], d["tp"], d["dp"], d["sdp"], d["sp"], d["ckpt"], extra, ep=d.get("ep", 1))
 
 
 @dataclass
@@ -212,6 +213,13 @@ class Plan:
                     raise ConfigError(f"plan {w}.{key} must be true or false, got {getattr(layer, key)!r}")
             if layer.sp and tp == 1:
                 raise ConfigError(f"plan {w} ({layer.name!r}): sp=true needs tp > 1; set sp to false or tp >= 2")
+            ep = _need_int(f"{w}.ep", layer.ep)
+            if dp % ep:
+                raise ConfigError(f"plan {w} ({layer.name!r}): ep={ep} does not divide dp={dp}; the experts are "
+                                  f"split over ep ranks of the data-parallel group: use an ep dividing {dp}")
+            if ep > 1 and layer.sp:
+                raise ConfigError(f"plan {w} ({layer.name!r}): ep > 1 with sequence parallelism is not supported "
+                                  "yet; set sp to false on this layer or ep to 1")
             if micro_batch % dp:
                 raise ConfigError(
                     f"plan {w} ({layer.name!r}): dp={dp} does not divide the micro-batch of "
@@ -399,9 +407,12 @@ class Plan:
     def uniform(cls, gm: Any, world_size: int, **kwargs: Any) -> Plan:
         """A hand-chosen plan for a captured graph ``gm``: every layer on the same strategy (keyword
         arguments as :meth:`uniform_from_layer_names`), with the graph's fingerprint."""
+        from .sharding.experts import expert_layers
+
         info = gm.meta["galvatron"]
         return cls.uniform_from_layer_names([rec.name for rec in info.layers], world_size,
-                                            model_fingerprint=info.fingerprint, **kwargs)
+                                            model_fingerprint=info.fingerprint,
+                                            expert_layers=expert_layers(gm), **kwargs)
 
     @classmethod
     def uniform_from_layer_names(
@@ -419,6 +430,8 @@ class Plan:
         global_batch_size: int = 8,
         virtual_stages: int | None = None,
         *,
+        ep: int = 1,
+        expert_layers: set[str] | None = None,
         model_fingerprint: str = "",
         cluster: dict[str, Any] | None = None,
         precision: str | None = None,
@@ -444,7 +457,8 @@ class Plan:
         if pp * v > len(names):
             what = f"pp={pp}" if v == 1 else f"pp * virtual_stages = {pp} * {v}"
             raise ConfigError(f"{what} exceeds the {len(names)} layers; use {what.split('=')[0].strip()} <= {len(names)}")
-        layers = [LayerPlan(n, tp, dp, sdp, sp, ckpt) for n in names]
+        layers = [LayerPlan(n, tp, dp, sdp, sp, ckpt, ep=ep if expert_layers is None or n in expert_layers else 1)
+                  for n in names]
         est = {"step_time_s": None, "throughput_samples_s": None, "memory_bytes_per_device": None}
         if precision is None:
             from .cluster import default_precision

@@ -8,7 +8,10 @@ and all-gathered around use (``"zero3"``); its frozen ones (``requires_grad=Fals
 buffer, ``frozen_params``, with no gradient, no reduction and no optimizer state: sharded and
 gathered around use under ZeRO-3, whole otherwise (ZeRO-2 shards only gradients and optimizer
 states, which they have none of); see :mod:`galvatron_fx.runtime.data_parallel`. The stores land
-in ``ctx.stores`` (layer order; per layer trainable first). A layer that mixes the samples of a
+in ``ctx.stores`` (layer order; per layer trainable first). An expert-parallel layer's expert weights
+(``ctx.expert_params``, :mod:`.expert_parallel`) go into two more buffers, ``expert_params`` and
+``frozen_expert_params``, reduced / sharded over the ranks holding the same experts
+(:meth:`~galvatron_fx.runtime.groups.Layout.expert_dp_ranks`), their ``tp_ranks`` the EP group. A layer that mixes the samples of a
 batch computes on the whole batch on every DP rank (``ctx.whole_batch``): its store scales the
 gradients by ``1 / dp`` before they are summed over the group.
 Layers with ``sdp="none"`` of one DP group share DDP-style gradient buckets
@@ -62,16 +65,23 @@ class DataParallelPass(ContextPass):
         buckets: dict[tuple, GradBuckets] = {}
         for i, lp in enumerate(ctx.stage_plan.layers):
             layer = getattr(graph_module, layer_module_name(i))
-            lay = Layout(lp.tp, lp.dp, base=ctx.base)
-            for trainable, attr, mode in ((True, "flat_params", lp.sdp),
-                                          (False, "frozen_params", "zero3" if lp.sdp == "zero3" else "none")):
-                nodes = [n for n in layer.graph.nodes if is_param_node(n) and is_trainable_param(n) == trainable]
-                store = flatten_layer_params(layer, mode, lay.dp_ranks(ctx.rank), ctx.rank, ctx.bucket_bytes,
+            lay = Layout(lp.tp, lp.dp, base=ctx.base, ep=lp.ep)
+            experts = ctx.expert_params.get(i, set())
+            frozen_mode = "zero3" if lp.sdp == "zero3" else "none"
+            for trainable, attr, mode, expert in ((True, "flat_params", lp.sdp, False),
+                                                  (False, "frozen_params", frozen_mode, False),
+                                                  (True, "expert_params", lp.sdp, True),
+                                                  (False, "frozen_expert_params", frozen_mode, True)):
+                nodes = [n for n in layer.graph.nodes if is_param_node(n) and is_trainable_param(n) == trainable
+                         and (n.target in experts) == expert]
+                dp_ranks = lay.expert_dp_ranks(ctx.rank) if expert else lay.dp_ranks(ctx.rank)
+                store = flatten_layer_params(layer, mode, dp_ranks, ctx.rank, ctx.bucket_bytes,
                                              ckpt=lp.ckpt, compute_dtype=ctx.precision.compute_dtype,
                                              reduce_dtype=ctx.precision.reduce_dtype, nodes=nodes, attr=attr)
                 if store is None:
                     continue
-                store.layer, store.tp_ranks = i, lay.tp_ranks(ctx.rank)
+                # NOTE: an expert weight is a dim-0 shard over its EP group (ctx.tp_shards), whole over TP
+                store.layer, store.tp_ranks = i, lay.ep_ranks(ctx.rank) if expert else lay.tp_ranks(ctx.rank)
                 if ctx.holds_whole_batch(i):   # every DP rank computes the whole batch's gradient
                     store.grad_scale = 1.0 / lp.dp
                 if store.trainable and store.mode == "none" and store.dp > 1:

@@ -73,6 +73,7 @@ from ..sharding import (  # noqa: F401 (unshard: re-exported, it used to live he
     shard_tensor,
     unshard,
 )
+from ..sharding.experts import MoEBlock, layer_blocks
 from ..sharding.linear import ADAPTER_WHY
 from ..sharding.report import layer_report
 from .context import ContextPass
@@ -101,20 +102,29 @@ _MM = {torch.addmm: torch.mm, torch.ops.aten.addmm.default: torch.ops.aten.mm.de
 def apply_tensor_parallel(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[int, bool]], *,
                           tp_rank_of: Callable[[int], int],
                           tp_group_of: Callable[[int], object],
-                          gather_outputs: bool = False) -> torch.fx.GraphModule:
+                          gather_outputs: bool = False,
+                          layer_ep: dict[int, int] | None = None) -> torch.fx.GraphModule:
     """Shard the layers of ``layer_tp`` (layer index -> (tp degree, sp flag)); see the module docstring.
 
     ``tp_rank_of(layer)`` is this rank's index in the layer's TP group, ``tp_group_of(layer)`` the
     ProcessGroup (None = the default group). ``gather_outputs``: all-gather vocab-sharded graph
     outputs (for a ``loss_fn`` reading them) instead of leaving them marked shards. Edits ``gm`` in
-    place and returns it.
+    place and returns it. ``layer_ep`` (layer index -> ep): the experts of layers with ``ep > 1``
+    stay whole (expert parallelism splits them by expert instead, :mod:`.expert_parallel`).
 
     Raises:
         ConfigError: heads / key-value heads / ffn width of a block (or the sequence length under
             sp) not divisible by its tp, or ranks inconsistent with the groups.
     """
     layer_tp = {int(k): (int(v[0]), bool(v[1])) for k, v in layer_tp.items() if int(v[0]) > 1}
-    plans = analyze(gm, layer_tp)
+    keep = {}
+    for idx, blocks in layer_blocks(gm).items():
+        ep = (layer_ep or {}).get(idx, 1)
+        for b in blocks:
+            if ep > 1 and isinstance(b, MoEBlock):
+                keep.update({g.name: f"experts split over ep={ep} ranks by expert" for g in b.grouped})
+                keep.update({r.name: f"router of experts split over ep={ep} ranks" for r in b.routers()})
+    plans = analyze(gm, layer_tp, keep)
     _warn_shards_nothing(gm, plans)
     keys = {}
     for idx, (tp, _sp) in layer_tp.items():
@@ -139,7 +149,8 @@ def apply_tensor_parallel(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[in
     kinds = {r.index: r.kind for r in graph_info(gm).layers}
     for idx, p in plans.items():
         # NOTE: a low-rank adapter's A runs replicated by design (sharding/linear.py: adapter_down)
-        forced = [n for n in p.replicated_linears if not p.why_replicated.get(n, "").startswith(ADAPTER_WHY[:20])]
+        forced = [n for n in p.replicated_linears if n not in keep
+                  and not p.why_replicated.get(n, "").startswith(ADAPTER_WHY[:20])]
         if forced:
             # NOTE: a block that cannot shard some projection is worth a warning (it costs memory and
             # time the cost model may not expect); replicated embedding / head parts are routine.
@@ -507,7 +518,8 @@ class TensorParallelPass(ContextPass):
         gm = apply_tensor_parallel(fresh_copy(graph_module), layer_tp,
                                    tp_rank_of=lambda i: layouts[i].tp_index(rank),
                                    tp_group_of=lambda i: process_group(layouts[i].tp_ranks(rank)),
-                                   gather_outputs=ctx.loss_fn is not None)
+                                   gather_outputs=ctx.loss_fn is not None,
+                                   layer_ep={i: lp.ep for i, lp in enumerate(ctx.stage_plan.layers)})
         ctx.tp_shards = {fqn: (shard, layouts[layer].tp_ranks(rank))
                          for fqn, (shard, layer) in _shards(gm).items()}
         return PassResult(gm, True)

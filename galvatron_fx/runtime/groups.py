@@ -42,6 +42,7 @@ class Layout:
     dp: int
     sp: bool = False
     base: int = 0
+    ep: int = 1
 
     @property
     def size(self) -> int:
@@ -58,6 +59,18 @@ class Layout:
     def dp_ranks(self, rank: int) -> Ranks:
         """Global ranks of ``rank``'s DP group (stride ``tp``)."""
         return tuple(self.base + self.local(rank) % self.tp + k * self.tp for k in range(self.dp))
+
+    def ep_ranks(self, rank: int) -> Ranks:
+        """Global ranks of ``rank``'s EP group: ``ep`` consecutive members of its DP group."""
+        dp = self.dp_ranks(rank)
+        start = self.batch_index(rank) // self.ep * self.ep
+        return dp[start:start + self.ep]
+
+    def expert_dp_ranks(self, rank: int) -> Ranks:
+        """Global ranks holding the same experts as ``rank`` (every TP rank, every ``ep``-th DP
+        rank): an expert weight's gradient is summed over them."""
+        e = self.batch_index(rank) % self.ep
+        return tuple(self.base + t + b * self.tp for b in range(e, self.dp, self.ep) for t in range(self.tp))
 
     def batch_index(self, rank: int) -> int:
         """Which of the ``dp`` batch slices ``rank`` holds."""

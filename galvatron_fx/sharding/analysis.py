@@ -205,8 +205,10 @@ def boundary_layout(gm, node: torch.fx.Node, layer: int | None, layer_tp) -> Sha
     return None
 
 
-def analyze(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[int, bool]]) -> dict[int, LayerTP]:
+def analyze(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[int, bool]],
+            keep_whole: dict[str, str] | None = None) -> dict[int, LayerTP]:
     """Analyse every layer of ``layer_tp`` (layer index -> (tp, sp)); see the module docstring.
+    ``keep_whole``: linear node name -> why it runs replicated (expert-parallel experts).
 
     Raises ConfigError when a block's heads / key-value heads / ffn width do not divide by its tp."""
     info = graph_info(gm)
@@ -221,7 +223,7 @@ def analyze(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[int, bool]]) -> 
     def expected_layout(node, layer):
         return boundary_layout(gm, node, layer, layer_tp)
 
-    demoted: dict[str, str] = {}   # column linear -> why it runs replicated
+    demoted: dict[str, str] = dict(keep_whole or {})   # column linear -> why it runs replicated
     blocks: dict[str, tuple] = {}
     notes: dict[int, dict[str, str]] = {}
     for _ in range(len(gm.graph.nodes) + 1):

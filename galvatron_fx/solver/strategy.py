@@ -29,7 +29,9 @@ class Strategy:
 
     ``tp``: tensor-parallel degree; ``dp``: data-parallel degree; ``sdp``: data-parallel kind, one of
     :data:`SDP_KINDS`; ``sp``: sequence parallelism inside the TP group (needs ``tp > 1``); ``ckpt``:
-    activation checkpointing (recompute the layer's forward in backward).
+    activation checkpointing (recompute the layer's forward in backward); ``ep``: expert-parallel
+    degree of the layer's experts (MoE layers; divides ``dp``: the experts are split over ``ep``
+    ranks of the DP group, :mod:`galvatron_fx.runtime.experts`).
     """
 
     tp: int
@@ -37,9 +39,10 @@ class Strategy:
     sdp: str = "none"
     sp: bool = False
     ckpt: bool = False
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for key in ("tp", "dp"):
+        for key in ("tp", "dp", "ep"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"Strategy.{key} must be an int >= 1, got {v!r}")
@@ -47,6 +50,9 @@ class Strategy:
             raise ConfigError(f"Strategy.sdp must be one of {SDP_KINDS}, got {self.sdp!r}")
         if not isinstance(self.sp, bool) or not isinstance(self.ckpt, bool):
             raise ConfigError(f"Strategy.sp and Strategy.ckpt must be bools, got sp={self.sp!r} ckpt={self.ckpt!r}")
+        if self.dp % self.ep:
+            raise ConfigError(f"Strategy.ep={self.ep} must divide dp={self.dp} (the experts are split over ep "
+                              "ranks of the data-parallel group)")
 
     @property
     def devices(self) -> int:
@@ -55,8 +61,8 @@ class Strategy:
 
     @property
     def label(self) -> str:
-        """Short stable label, e.g. ``"tp2·dp4·zero3·sp·ckpt"`` or ``"tp1·dp8"``."""
-        parts = [f"tp{self.tp}", f"dp{self.dp}"]
+        """Short stable label, e.g. ``"tp2·dp4·zero3·sp·ckpt"``, ``"tp1·dp8"`` or ``"tp1·dp8·ep4"``."""
+        parts = [f"tp{self.tp}", f"dp{self.dp}"] + ([f"ep{self.ep}"] if self.ep > 1 else [])
         if self.sdp != "none":
             parts.append(self.sdp)
         if self.sp:

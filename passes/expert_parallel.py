@@ -1,0 +1,129 @@
+"""Expert-parallel pass: each experts block of an ``ep > 1`` layer runs on this rank's experts.
+
+Takes SPLIT (after :mod:`.local_batch`, so the block's sizes are this rank's), leaves SPLIT. For
+every layer whose plan entry has ``ep > 1`` and every experts block in it
+(:func:`galvatron_fx.sharding.experts.moe_blocks`):
+
+* the block's nodes move into a GraphModule of their own (inputs: tokens, top-k ids, top-k
+  weights, expert weights, sizes), each grouped matmul there becoming
+  :func:`~galvatron_fx.runtime.experts.local_grouped_mm`; the layer calls it through an
+  :class:`~galvatron_fx.runtime.experts.ExpertParallel` submodule ``experts_<j>`` (dispatch:
+  ``ctx.expert_dispatch``);
+* each expert weight ``[E, ...]`` becomes this rank's ``[E / ep, ...]`` slice (a new
+  ``nn.Parameter`` under the same name, ``requires_grad`` kept), recorded as a dim-0 shard over the
+  EP group (``ShardInfo`` in ``ctx.tp_shards``: gathering, norms and checkpoints treat it like a
+  TP shard) and in ``ctx.expert_params`` (the data-parallel pass reduces its gradient over the
+  ranks holding the same experts).
+
+A layer with ``ep > 1`` and no experts block keeps running as planned (``ep`` does not apply to
+it; the plan's explanation says so); a block that cannot be split raises with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx
+from torch import nn
+from torch.fx.passes.infra.pass_base import PassResult
+
+from ..errors import ConfigError
+from ..ir import ShardInfo, layer_module_name, node_info
+from ..runtime import tp_ops
+from ..runtime.experts import ExpertParallel, local_grouped_mm, op_key
+from ..runtime.groups import Layout, group
+from ..sharding.experts import MoEBlock, NotAnExpertsBlock, moe_blocks
+from .context import ContextPass
+from .tensor_parallel import _set_param
+
+log = logging.getLogger(__name__)
+
+
+class ExpertParallelPass(ContextPass):
+    """See the module docstring."""
+
+    needs_split = True
+    name = "expert_parallel"
+
+    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        ctx, modified = self.ctx, False
+        for i, lp in enumerate(ctx.stage_plan.layers):
+            if lp.ep == 1:
+                continue
+            layer = getattr(graph_module, layer_module_name(i))
+            blocks = moe_blocks(layer.graph)
+            if not blocks:
+                log.info("layer %s: ep=%d does not apply (no experts block)", lp.name, lp.ep)
+                continue
+            if ctx.holds_whole_batch(i):
+                raise ConfigError(f"layer {lp.name}: ep={lp.ep} on a layer mixing the samples of a batch is not "
+                                  "supported; use ep=1 there")
+            lay = Layout(lp.tp, lp.dp, lp.sp, ctx.base, lp.ep)
+            for j, b in enumerate(blocks):
+                if isinstance(b, NotAnExpertsBlock):
+                    raise ConfigError(f"layer {lp.name}: ep={lp.ep} cannot split its experts: {b}; use ep=1")
+                if b.num_experts % lp.ep:
+                    raise ConfigError(f"layer {lp.name}: its {b.num_experts} experts do not divide by ep={lp.ep}; "
+                                      f"use an ep dividing {b.num_experts}")
+                self._rewrite(layer, b, j, lay, i)
+            layer.graph.lint()
+            layer.recompile()
+            modified = True
+        return PassResult(graph_module, modified)
+
+    def _rewrite(self, layer: torch.fx.GraphModule, b: MoEBlock, j: int, lay: Layout, i: int) -> None:
+        ctx, rank = self.ctx, self.ctx.rank
+        ep_ranks = lay.ep_ranks(rank)
+        ep_index = ep_ranks.index(rank)
+        tp_key = tp_ops.register_group(group(lay.tp_ranks(rank)), lay.tp) if lay.tp > 1 else None
+        module = ExpertParallel(_extract(b), b.num_experts, ep_ranks, ep_index, group(ep_ranks),
+                                getattr(ctx, "expert_dispatch", "allgather"), lay.tp, lay.tp_index(rank), tp_key)
+        name = f"experts_{j}"
+        layer.add_module(name, module)
+        graph = layer.graph
+        order = {n: k for k, n in enumerate(graph.nodes)}
+        last_input = max((a for a in b.inputs if a.op != "get_attr"), key=order.__getitem__)
+        with graph.inserting_after(last_input):
+            call = graph.call_module(name, tuple(b.inputs))
+        call.meta = dict(b.output.meta)
+        if any(order[u] < order[last_input] for u in b.output.users):
+            raise ConfigError(f"internal: the experts block {b.path} is used before all its inputs exist")
+        b.output.replace_all_uses_with(call)
+        for n in reversed(b.nodes):
+            graph.erase_node(n)
+        per = b.num_experts // lay.ep
+        lo = ep_index * per
+        fqns = ctx.expert_params.setdefault(i, set())
+        for p in b.params:
+            full = layer.get_parameter(p.target)
+            with torch.no_grad():
+                local = full.detach()[lo:lo + per].clone()
+            _set_param(layer, p.target, nn.Parameter(local, requires_grad=full.requires_grad))
+            shard = ShardInfo(0, lay.ep, ep_index, (b.num_experts,))
+            node_info(p).shard = shard
+            ctx.tp_shards[p.target] = (shard, ep_ranks)
+            fqns.add(p.target)
+            if "val" in p.meta:
+                p.meta["val"] = p.meta["val"][lo:lo + per]
+
+
+def _extract(b: MoEBlock) -> torch.fx.GraphModule:
+    """The block's nodes as a GraphModule of its inputs (:attr:`MoEBlock.inputs`), each grouped
+    matmul computing only this rank's experts."""
+    g = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for k, a in enumerate(b.inputs):
+        env[a] = g.placeholder(f"{('x', 'index', 'weights')[k]}" if k < 3 else a.name)
+        env[a].meta = dict(a.meta)
+    grouped = set(b.grouped)
+    for n in b.nodes:
+        if n in grouped:
+            args = torch.fx.map_arg(n.args, env.__getitem__)
+            kwargs = torch.fx.map_arg(n.kwargs, env.__getitem__)
+            env[n] = g.call_function(local_grouped_mm, (op_key(n.target), *args), kwargs)
+            env[n].meta = dict(n.meta)
+        else:
+            env[n] = g.node_copy(n, env.__getitem__)
+    g.output(env[b.output])
+    return torch.fx.GraphModule(nn.Module(), g, class_name="ExpertsBlock")
