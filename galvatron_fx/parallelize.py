@@ -71,7 +71,9 @@ def parallelize_passes(ctx: ParallelContext, bind: dict | None = None) -> list[G
         passes.append(StageSplitPass(ctx.plan.stages, ctx.chunk_index, ctx))
     # NOTE: TP runs on the flat graph, before the layer split, so the layer submodules, the DP
     # buffers and the ZeRO shards are all built from the TP-local parameter shards.
-    passes += [TensorParallelPass(ctx), SplitLayersPass(), LocalBatchPass(ctx), ExpertParallelPass(ctx)]
+    passes += [TensorParallelPass(ctx), SplitLayersPass(), LocalBatchPass(ctx)]
+    if any(lp.ep > 1 for lp in ctx.plan.layers):
+        passes.append(ExpertParallelPass(ctx))
     if pipelined:
         passes.append(StageOutputsPass(ctx))
     # NOTE: checkpointing wraps whole layer calls before DP rewrites the layers, so a ZeRO-3

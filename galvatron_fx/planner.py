@@ -7,6 +7,7 @@ model (:class:`galvatron_fx.cost.CostModel`), derives which TP degrees each laye
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +27,7 @@ from .units import parse_bytes
 _OUTER = ("pp", "micro_batches", "schedule", "virtual_stages", "global_batch_size")
 _SPACE = ("ckpt", "sp", "zero2", "zero3", "max_tp", "allow_cross_node_tp", "power_of_two")
 _COST = ("precision", "dtype", "mode", "mixed_precision", "reserve_bytes", "optimizer")
-CONSTRAINT_KEYS = _OUTER + _SPACE + ("tp", "sdp", "granularity", "uniform", "max_global_batch_size",
+CONSTRAINT_KEYS = _OUTER + _SPACE + ("tp", "sdp", "ep", "granularity", "uniform", "max_global_batch_size",
                                      "max_micro_batches", "max_micro_batch_size")
 """Keys ``gfx.search(..., constraints={...})`` accepts: ``pp``, ``micro_batches``, ``schedule``,
 ``virtual_stages`` pin the outer loop; ``tp`` (int) pins the TP degree of every layer; ``sdp`` (list of "none",
@@ -35,7 +36,9 @@ options off, ``ckpt="all"`` checkpoints every layer; ``max_tp``, ``allow_cross_n
 ``power_of_two`` (TP and DP degrees powers of two; off by default) shape the strategy tree;
 ``max_global_batch_size`` / ``max_micro_batches`` bound the searched batch and micro-batch counts,
 ``max_micro_batch_size`` the samples one device runs per micro-batch; ``granularity`` (bytes) sets
-the memory relaxation's unit (speed only); ``uniform`` (bool) searches uniform plans only."""
+the memory relaxation's unit (speed only); ``uniform`` (bool) searches uniform plans only; ``ep``
+(int or list of ints) limits the expert-parallel degrees of the layers with experts (1 among them
+keeps them unsplit; other layers always run ``ep = 1``)."""
 
 
 def resolve_precision(cluster: Cluster, precision: str | None = None, dtype=None, mixed_precision=None) -> str:
@@ -131,6 +134,29 @@ def sp_admissible(cost_model) -> Callable[[int, int], bool]:
     return lambda layer, tp: tp > 1 and not isinstance(cost_model.tp_analysis(layer, tp, sp=True), Exception)
 
 
+def ep_admissible(cost_model, allowed=None) -> Callable[[int, int], bool]:
+    """``(layer, ep) -> bool``: ``ep == 1`` on layers without experts; on layers with experts the
+    degrees dividing each block's experts (and in ``allowed``, a constraint, when given)."""
+    allowed = None if allowed is None else {int(e) for e in ([allowed] if isinstance(allowed, int) else allowed)}
+
+    def ok(layer: int, ep: int) -> bool:
+        ex = cost_model.experts(layer)
+        if ex is None:
+            return ep == 1
+        return (allowed is None or ep in allowed) and ex.allows(ep)
+    return ok
+
+
+def ep_degrees(cost_model, world_size: int) -> list[int]:
+    """Expert-parallel degrees some layer of the model admits (divisors of its experts' counts
+    up to the world size); ``[1]`` for a model without experts."""
+    counts = {e for i in range(len(cost_model.layers)) if (ex := cost_model.experts(i)) for e in ex.num_experts}
+    if not counts:
+        return [1]
+    g = math.gcd(*counts)
+    return [d for d in range(1, min(g, world_size) + 1) if g % d == 0]
+
+
 def tp_useful(cost_model) -> Callable[[int, int], bool]:
     """``(layer, tp) -> bool``: whether TP at degree ``tp`` shards any parameter of layer ``layer``
     (:mod:`galvatron_fx.sharding.report`); the search does not offer degrees that shard nothing."""
@@ -169,8 +195,12 @@ def _options(constraints: dict | None, global_batch_size, reserve: float) -> Sea
 
 
 def _plan(result: SearchResult, names: list[str], world_size: int, fingerprint: str, cluster: Cluster,
-          precision: str, cost_options: dict) -> Plan:
-    layers = [LayerPlan(n, s.tp, s.dp, s.sdp, s.sp, s.ckpt) for n, s in zip(names, result.strategies)]
+          precision: str, cost_options: dict, cm=None) -> Plan:
+    layers = [LayerPlan(n, s.tp, s.dp, s.sdp, s.sp, s.ckpt, ep=s.ep) for n, s in zip(names, result.strategies)]
+    for i, (lp, s) in enumerate(zip(layers, result.strategies)):
+        if s.ep > 1 and cm is not None:   # the token exchange the cost model found cheaper
+            n = result.global_batch_size / result.micro_batches / s.dp
+            lp.extra["ep_dispatch"] = cm.ep_dispatch(i, n, s)[0]
     return Plan(world_size, result.pp, result.schedule, result.micro_batches, result.global_batch_size,
                 [tuple(s) for s in result.stages], layers, _json_estimate(result.estimate), fingerprint,
                 cluster.to_dict(), {"cost_model": dict(cost_options)}, precision=precision,
@@ -197,7 +227,8 @@ def _engine(gm, cluster, world_size, budget, global_batch_size, constraints, cos
     reads = [set(rec.params) for rec in cm.layers]
     tied = [i for i, r in enumerate(reads) if any(r & other for j, other in enumerate(reads) if j != i)]
     return Engine(cm, cluster, sigs, world_size, budget, opt, allowed_tp=tp_admissible(cm), useful_tp=tp_useful(cm),
-                  allowed_sp=sp_admissible(cm),
+                  allowed_sp=sp_admissible(cm), allowed_ep=ep_admissible(cm, (constraints or {}).get("ep")),
+                  ep_degrees=ep_degrees(cm, world_size),
                   tied_layers=tied, batch_coupled=[i for i, rec in enumerate(cm.layers) if rec.batch_coupled],
                   progress=stderr_progress if progress is True else (progress or None),
                   layer_names=[rec.name for rec in cm.layers])
@@ -242,7 +273,8 @@ def search(model, cluster=None, memory_budget=None, global_batch_size: int | Non
                      progress)
     result = engine.run()
     info = gm.meta[META_KEY]
-    plan = _plan(result, [rec.name for rec in info.layers], world, info.fingerprint, cluster, precision, rest)
+    plan = _plan(result, [rec.name for rec in info.layers], world, info.fingerprint, cluster, precision, rest,
+                 engine.costs)
     plan.extra["memory_budget_bytes"] = int(budget)
     plan.extra["schedules"] = _schedule_summary(engine.best_by_schedule, engine.schedule_bounds)
     _attach_tp_reports(gm, engine.costs, plan)

@@ -78,7 +78,8 @@ class ExpertParallelPass(ContextPass):
         ep_index = ep_ranks.index(rank)
         tp_key = tp_ops.register_group(group(lay.tp_ranks(rank)), lay.tp) if lay.tp > 1 else None
         module = ExpertParallel(_extract(b), b.num_experts, ep_ranks, ep_index, group(ep_ranks),
-                                getattr(ctx, "expert_dispatch", "allgather"), lay.tp, lay.tp_index(rank), tp_key)
+                                ctx.stage_plan.layers[i].extra.get("ep_dispatch", "allgather"), lay.tp,
+                                lay.tp_index(rank), tp_key)
         name = f"experts_{j}"
         layer.add_module(name, module)
         graph = layer.graph

@@ -73,7 +73,7 @@ from ..sharding import (  # noqa: F401 (unshard: re-exported, it used to live he
     shard_tensor,
     unshard,
 )
-from ..sharding.experts import MoEBlock, layer_blocks
+from ..sharding.experts import keep_whole
 from ..sharding.linear import ADAPTER_WHY
 from ..sharding.report import layer_report
 from .context import ContextPass
@@ -117,13 +117,7 @@ def apply_tensor_parallel(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[in
             sp) not divisible by its tp, or ranks inconsistent with the groups.
     """
     layer_tp = {int(k): (int(v[0]), bool(v[1])) for k, v in layer_tp.items() if int(v[0]) > 1}
-    keep = {}
-    for idx, blocks in layer_blocks(gm).items():
-        ep = (layer_ep or {}).get(idx, 1)
-        for b in blocks:
-            if ep > 1 and isinstance(b, MoEBlock):
-                keep.update({g.name: f"experts split over ep={ep} ranks by expert" for g in b.grouped})
-                keep.update({r.name: f"router of experts split over ep={ep} ranks" for r in b.routers()})
+    keep = keep_whole(gm, layer_ep or {})
     plans = analyze(gm, layer_tp, keep)
     _warn_shards_nothing(gm, plans)
     keys = {}

@@ -182,10 +182,11 @@ def _run(rank, world, name):
     out = dict(losses=losses, norms=norms, total_norms=total_norms, full=dm.full_state_dict(), handed=handed,
                names_ok=set(names) <= original and len(names) == len(set(names)), trainable=[
                    k for k, p in dm.named_parameters() if p.requires_grad])
-    if case["model"] == "frozen":
+    if case["model"] == "frozen" or "ep" in case["plan"]:   # per-rank states bytes == the estimate
         cm = CostModel(gm, gfx.Cluster.preset(f"{world}xA100-80GB"), reserve_bytes=0, precision=case["precision"])
         out["states"] = dm.states_bytes(opt)["total"]
-        out["predicted"] = sum(cm.states_bytes(i, s, dp_index=Layout(s.tp, s.dp).batch_index(rank)).total
+        out["predicted"] = sum(cm.states_bytes(i, s, dp_index=Layout(s.tp, s.dp).batch_index(rank),
+                                               tp_index=Layout(s.tp, s.dp).tp_index(rank)).total
                                for i, s in enumerate(plan.layer_strategies()))
     if case["precision"] != "fp32":   # the returned norm is the norm of the whole gradient
         opt.zero_grad()

@@ -63,6 +63,7 @@ class LayerGraph:
     out_sharded: dict[str, bool] = field(default_factory=dict)  # node -> output sharded under TP
     in_sharded: dict[str, bool] = field(default_factory=dict)   # node -> some activation input sharded
     param_shard_dim: dict[str, int | None] = field(default_factory=dict)  # placeholder -> TP-split dim
+    expert_nodes: frozenset = frozenset()                      # nodes of its experts blocks (sharding/experts.py)
     _on: dict = field(default_factory=dict, repr=False)     # device -> retargeted copy of gm
 
     @property

@@ -66,9 +66,33 @@ SDPA_FORMULAS = _sdpa_ops()
 MEASURE_SIZES = (1, 2)
 
 
+def _grouped_mm_fwd(x, w, *args, out_shape=None, **kwargs) -> int:
+    """``x[rows, in]`` times each group's ``w[g][in, out]``: every row once (the top-k share of
+    the experts' FLOPs: ``rows`` = tokens x k)."""
+    return 2 * x[0] * x[-1] * w[-1]
+
+
+def _grouped_mm_bwd(x, w, offs, grad_out, *args, out_shape=None, **kwargs) -> int:
+    return 2 * _grouped_mm_fwd(x, w)
+
+
+def _grouped_mm_ops() -> dict:
+    """Grouped expert matmuls (torch's ``_grouped_mm``, transformers' CPU fallback op and its
+    backward), looked up when counting: transformers registers its ops on import."""
+    table = {}
+    for ns, name, fn in (("aten", "_grouped_mm", _grouped_mm_fwd),
+                         ("transformers", "grouped_mm_fallback", _grouped_mm_fwd),
+                         ("transformers", "grouped_mm_fallback_backward", _grouped_mm_bwd)):
+        try:
+            table[getattr(getattr(torch.ops, ns), name)] = fn
+        except (AttributeError, RuntimeError):
+            continue
+    return table
+
+
 def flop_counter() -> FlopCounterMode:
-    """A silent FlopCounterMode that also counts the CPU SDPA kernels."""
-    return FlopCounterMode(display=False, custom_mapping=SDPA_FORMULAS)
+    """A silent FlopCounterMode that also counts the CPU SDPA kernels and grouped expert matmuls."""
+    return FlopCounterMode(display=False, custom_mapping={**SDPA_FORMULAS, **_grouped_mm_ops()})
 
 
 @dataclass
@@ -91,6 +115,7 @@ class Point:
     wgrad_rep_elems: float = 0.0
     wgrad_whole_elems: float = 0.0    # row-parallel outputs: partial sums, whole even under SP
     wgrad_row_bias_elems: float = 0.0  # row-parallel outputs with a bias (a second node under TP)
+    saved_expert_elems: float = 0.0   # floating elements saved inside experts blocks (also counted above)
     fwd_allreduce_elems: list[float] = field(default_factory=list)  # per TP collective, forward
     bwd_allreduce_elems: list[float] = field(default_factory=list)  # per TP collective, backward
 
@@ -139,7 +164,7 @@ class LayerMeasure:
 _SCALARS = ("fwd_flops_sharded", "fwd_flops_rep", "bwd_flops", "saved_sharded_elems", "saved_rep_elems",
             "saved_gathered_elems",
             "saved_other_bytes", "input_elems", "input_other_bytes", "output_elems", "wgrad_sharded_elems",
-            "wgrad_rep_elems", "wgrad_whole_elems", "wgrad_row_bias_elems")
+            "wgrad_rep_elems", "wgrad_whole_elems", "wgrad_row_bias_elems", "saved_expert_elems")
 
 
 def measure_layer(layer: LayerGraph, sizes: tuple[int, ...] = MEASURE_SIZES,
@@ -300,6 +325,8 @@ def measure_point(layer: LayerGraph, n: int, compute_dtype: torch.dtype | None =
                 p.saved_other_bytes += nbytes
                 continue
             elems = nbytes / (compute_dtype or t.dtype).itemsize
+            if (producer or running) in layer.expert_nodes:
+                p.saved_expert_elems += elems
             if producer is not None:
                 sharded = layer.out_sharded.get(producer, False)
             else:

@@ -66,6 +66,8 @@ import torch.fx
 from ..cluster import Cluster, normalize_dtype
 from ..errors import ConfigError
 from ..ir import META_KEY, TORCH_DTYPES
+from ..sharding.experts import MoEBlock, layer_blocks
+from ..sharding.state import tensor_val
 from ..solver.strategy import Strategy
 from ..units import parse_bytes
 from .extract import LayerGraph, capture_batch, extract_layer, needs_grad, roles_from_analysis
@@ -132,6 +134,39 @@ class LayerParams:
 
     sharded: int
     replicated: int
+
+
+@dataclass(frozen=True)
+class LayerExperts:
+    """A layer's experts blocks (:mod:`galvatron_fx.sharding.experts`) as expert parallelism prices
+    them: the expert weights' names, the experts per block (``ep`` must divide each), the router's
+    ``top_k``, the tokens' width and the tokens per sample (sequence positions)."""
+
+    fqns: frozenset
+    num_experts: tuple[int, ...]
+    top_k: int
+    hidden: int
+    tokens_per_sample: float
+
+    def allows(self, ep: int) -> bool:
+        return all(e % ep == 0 for e in self.num_experts)
+
+    def needing_fraction(self, ep: int) -> float:
+        """Share of a source's tokens one EP rank must see (uniform routing): those with at least
+        one of their ``top_k`` experts among its ``E / ep``: ``1 - C(E - E/ep, k) / C(E, k)``."""
+        e = min(self.num_experts)
+        return 1.0 - math.comb(e - e // ep, self.top_k) / math.comb(e, self.top_k)
+
+
+def expert_dp_group(strategy: Strategy) -> list[int]:
+    """Ranks holding the first EP rank's experts: every TP rank, every ``ep``-th DP rank."""
+    s = strategy
+    return [t + b * s.tp for b in range(0, s.dp, s.ep) for t in range(s.tp)]
+
+
+def ep_group(strategy: Strategy) -> list[int]:
+    """Ranks of the first EP group: ``ep`` consecutive DP ranks (strided by ``tp``)."""
+    return [b * strategy.tp for b in range(strategy.ep)]
 
 
 def tp_group(strategy: Strategy) -> list[int]:
@@ -217,6 +252,8 @@ class CostModel:
             if rec.signature in self.graphs:
                 continue
             graph = extract_layer(gm, rec, grad_nodes, batch)
+            graph.expert_nodes = frozenset(n.name for b in self._blocks().get(rec.index, ())
+                                           if isinstance(b, MoEBlock) for n in b.nodes)
             # NOTE: which ops TP shards comes from the tensor-parallel pass's own analysis (at degree
             # 2, representative of any degree the layer admits), so FLOPs, activations and TP
             # traffic are priced for exactly what the rewrite does
@@ -232,6 +269,30 @@ class CostModel:
         self._profiles: dict[tuple, dict] = {}
 
     # ------------------------------------------------------------------ inputs
+    def _blocks(self) -> dict:
+        """Layer index -> its experts blocks (cached)."""
+        if "_moe" not in self.__dict__:
+            self._moe = layer_blocks(self.gm)
+        return self._moe
+
+    def experts(self, index: int) -> LayerExperts | None:
+        """Layer ``index``'s experts, or None when it has none expert parallelism can split."""
+        blocks = self._blocks().get(index, ())
+        if not blocks or not all(isinstance(b, MoEBlock) for b in blocks):
+            return None
+        x = tensor_val(blocks[0].x)
+        return LayerExperts(frozenset(p.target for b in blocks for p in b.params),
+                            tuple(b.num_experts for b in blocks), blocks[0].top_k, int(x.shape[1]),
+                            int(x.shape[0]) / capture_batch(self.gm))
+
+    def ep_of(self, index: int, strategy: Strategy) -> int:
+        """The expert-parallel degree layer ``index`` runs at under ``strategy`` (1 where it has no
+        experts, or ``ep`` does not divide their number: the search never offers that)."""
+        if strategy.ep == 1:
+            return 1
+        ex = self.experts(index)
+        return strategy.ep if ex is not None and ex.allows(strategy.ep) else 1
+
     def _owned_params(self, index: int) -> dict[str, int]:
         """fqn -> elements of the parameters (trainable and frozen) layer ``index`` owns (tied
         weights: the first user)."""
@@ -247,23 +308,35 @@ class CostModel:
                         self._frozen.add(info.param.fqn)
         return self._owned[index]
 
-    def split_shapes(self, index: int, tp: int) -> tuple[list, list]:
+    def split_shapes(self, index: int, tp: int, ep: int = 1) -> tuple[list, list]:
         """:meth:`layer_shapes` split into the trainable parameters' and the frozen ones' (the
-        runtime's two buffers per layer)."""
-        shapes = self.layer_shapes(index, tp)
-        fqns = list(self._owned_params(index))
-        train = [s for f, s in zip(fqns, shapes) if f not in self._frozen]
-        return train, [s for f, s in zip(fqns, shapes) if f in self._frozen]
+        runtime's two buffers per layer); with ``ep > 1`` the expert weights' are left out (their
+        own buffers: :meth:`expert_shapes`)."""
+        shapes = self.layer_shapes(index, tp, ep)
+        experts = self.experts(index).fqns if ep > 1 else frozenset()
+        fqns = [f for f in self._owned_params(index)]
+        train = [s for f, s in zip(fqns, shapes) if f not in self._frozen and f not in experts]
+        return train, [s for f, s in zip(fqns, shapes) if f in self._frozen and f not in experts]
 
-    def layer_shapes(self, index: int, tp: int) -> list[tuple[int, ...]]:
+    def expert_shapes(self, index: int, ep: int) -> tuple[list, list]:
+        """This rank's expert weights of layer ``index`` under ``ep`` (``E / ep`` experts each, whole
+        over TP), trainable and frozen: the shapes of its expert buffers."""
+        experts = self.experts(index).fqns
+        self._owned_params(index)
+        shapes = {f: (s[0] // ep, *s[1:]) for f, s in self._shapes[index].items() if f in experts}
+        return ([s for f, s in shapes.items() if f not in self._frozen],
+                [s for f, s in shapes.items() if f in self._frozen])
+
+    def layer_shapes(self, index: int, tp: int, ep: int = 1) -> list[tuple[int, ...]]:
         """TP-local shapes of the parameters layer ``index`` owns at degree ``tp``, as the runtime's
         flat buffer holds them (a sharded dim keeps ``block / tp`` of every block): the input of
-        the buffer layout (:func:`galvatron_fx.runtime.zero_layout.zero_layout`)."""
-        key = (index, tp)
+        the buffer layout (:func:`galvatron_fx.runtime.zero_layout.zero_layout`). ``ep > 1``: the
+        experts and their routers stay whole over TP."""
+        key = (index, tp, ep > 1)
         if key not in self._local_shapes:
             owned = self._owned_params(index)
             shapes = [self._shapes[index][fqn] for fqn in owned]
-            analysis = self.tp_analysis(index, tp) if tp > 1 else None
+            analysis = self.tp_analysis(index, tp, ep=ep) if tp > 1 else None
             if analysis is not None and not isinstance(analysis, Exception):
                 rep = {shard.fqn: shard for shard in analysis.param_shards.values()}
                 for i, fqn in enumerate(self._owned_params(analysis.layer)):   # same order (see below)
@@ -275,31 +348,35 @@ class CostModel:
             self._local_shapes[key] = shapes
         return self._local_shapes[key]
 
-    def tp_analysis(self, index: int, tp: int, sp: bool = False):
+    def tp_analysis(self, index: int, tp: int, sp: bool = False, ep: int = 1):
         """The tensor-parallel pass's own analysis of layer ``index`` at degree ``tp`` (with sequence
-        parallelism: ``sp``; cached per signature), or the :class:`ConfigError` it raises when the
-        layer cannot take that degree (heads, widths, or a sequence length not divisible by tp)."""
-        key = (self.layers[index].signature, tp) if not sp else (self.layers[index].signature, tp, True)
+        parallelism: ``sp``; ``ep > 1``: experts split by expert, left whole; cached per signature),
+        or the :class:`ConfigError` it raises when the layer cannot take that degree (heads, widths,
+        or a sequence length not divisible by tp)."""
+        key = (self.layers[index].signature, tp) + ((True,) if sp else ()) + (("ep",) if ep > 1 else ())
         if key not in self._tp:
             from ..sharding.analysis import analyze_layer
 
-            self._tp[key] = analyze_layer(self.gm, index, tp, sp)   # with the layers sharing its weights
+            # with the layers sharing its weights
+            self._tp[key] = analyze_layer(self.gm, index, tp, sp, ep)
         return self._tp[key]
 
-    def layer_params(self, index: int, tp: int, trainable_only: bool = False) -> LayerParams:
+    def layer_params(self, index: int, tp: int, trainable_only: bool = False, ep: int = 1) -> LayerParams:
         """Owned parameter elements of layer ``index`` (``trainable_only``: without the frozen
         ones), split by whether TP at degree ``tp`` shards them, exactly as
         :mod:`galvatron_fx.passes.tensor_parallel` will (vocabularies that do not divide, or
-        linears feeding a norm, stay replicated)."""
-        key = (index, tp, trainable_only)
+        linears feeding a norm, stay replicated); ``ep > 1``: without the expert weights (split by
+        expert: :meth:`expert_shapes`)."""
+        key = (index, tp, trainable_only, ep > 1)
         if key not in self._params:
-            self._params[key] = self._layer_params(index, tp, trainable_only)
+            self._params[key] = self._layer_params(index, tp, trainable_only, ep)
         return self._params[key]
 
-    def _layer_params(self, index: int, tp: int, trainable_only: bool) -> LayerParams:
+    def _layer_params(self, index: int, tp: int, trainable_only: bool, ep: int = 1) -> LayerParams:
         owned = self._owned_params(index)
-        keep = [not (trainable_only and fqn in self._frozen) for fqn in owned]
-        analysis = self.tp_analysis(index, tp) if tp > 1 else None
+        experts = self.experts(index).fqns if ep > 1 else frozenset()
+        keep = [not (trainable_only and fqn in self._frozen) and fqn not in experts for fqn in owned]
+        analysis = self.tp_analysis(index, tp, ep=ep) if tp > 1 else None
         if analysis is None or isinstance(analysis, Exception):
             return LayerParams(0, sum(n for k, n in zip(keep, owned.values()) if k))
         # NOTE: the analysis is cached per signature: it may come from another layer of the same
@@ -314,15 +391,31 @@ class CostModel:
         return self.measures[self.layers[index].signature]
 
     # ------------------------------------------------------------------ public figures
-    def states_bytes(self, index: int, strategy: Strategy, dp_index: int = 0) -> StatesBytes:
+    def states_bytes(self, index: int, strategy: Strategy, dp_index: int = 0, tp_index: int = 0) -> StatesBytes:
         """Per-device parameter, gradient and optimizer-state bytes of layer ``index`` (frozen
         parameters: their weights only); ``dp_index``: which rank of the DP group (0, the default,
-        holds the most: ZeRO shards are cut ``ceil(rows / dp)`` rows per rank)."""
-        p = self.layer_params(index, strategy.tp, trainable_only=True)
-        train, frozen = self.split_shapes(index, strategy.tp)
-        return states_bytes(p.sharded, p.replicated, strategy, itemsize=self.itemsize,
-                            mixed_precision=self.mixed_precision, optimizer=self.optimizer,
-                            shapes=train, frozen_shapes=frozen, dp_index=dp_index)
+        holds the most: ZeRO shards are cut ``ceil(rows / dp)`` rows per rank). Under expert
+        parallelism the expert weights are ``E / ep`` experts whole over TP, sharded (ZeRO) over the
+        ranks holding the same experts (``tp_index``: the rank's place in its TP group)."""
+        ep = self.ep_of(index, strategy)
+        p = self.layer_params(index, strategy.tp, trainable_only=True, ep=ep)
+        train, frozen = self.split_shapes(index, strategy.tp, ep)
+        kw = dict(itemsize=self.itemsize, mixed_precision=self.mixed_precision, optimizer=self.optimizer)
+        st = states_bytes(p.sharded, p.replicated, strategy, shapes=train, frozen_shapes=frozen,
+                          dp_index=dp_index, **kw)
+        if ep == 1:
+            return st
+        train, frozen = self.expert_shapes(index, ep)
+        ex = states_bytes(0, sum(math.prod(s) for s in train), self._expert_strategy(strategy), shapes=train,
+                          frozen_shapes=frozen, dp_index=dp_index // ep * strategy.tp + tp_index, **kw)
+        return StatesBytes(st.params + ex.params, st.grads + ex.grads, st.optimizer + ex.optimizer,
+                           st.masters + ex.masters)
+
+    @staticmethod
+    def _expert_strategy(s: Strategy) -> Strategy:
+        """How a layer's expert buffers are held under ``s``: whole over TP, data-parallel (ZeRO as
+        ``s``) over the ``tp * dp / ep`` ranks holding the same experts."""
+        return Strategy(1, s.tp * s.dp // s.ep, s.sdp, False, s.ckpt)
 
     def boundary_bytes(self, index: int, micro_batch_size: float) -> float:
         """Bytes of the activations layer ``index`` hands to later layers for ``micro_batch_size``
@@ -386,16 +479,23 @@ class CostModel:
 
     def activation_bytes(self, index: int, strategy: Strategy, micro_batch_size: float) -> float:
         """Bytes saved for backward per micro-batch per device (see the module docstring)."""
-        return self._activations(self.measure(index), micro_batch_size / strategy.dp, strategy)[0]
+        return self._activations(self.measure(index), micro_batch_size / strategy.dp, strategy,
+                                 self.ep_of(index, strategy), index)[0]
 
-    def _activations(self, m: LayerMeasure, n: float, s: Strategy) -> tuple[float, float]:
-        """(saved bytes kept until backward, saved bytes without checkpointing)."""
+    def _activations(self, m: LayerMeasure, n: float, s: Strategy, ep: int = 1,
+                     index: int | None = None) -> tuple[float, float]:
+        """(saved bytes kept until backward, saved bytes without checkpointing). Under expert
+        parallelism a rank's experts blocks run on the tokens of its EP group that need one of its
+        experts (:meth:`LayerExperts.needing_fraction`), its TP rank's share of them."""
         rep_div = s.tp if s.sp else 1
         # NOTE: integer tensors (token ids, labels, masks) are saved whole: the runtime does not
         # split them along the sequence
         full = ((m.saved_sharded_elems(n) / s.tp + m.saved_rep_elems(n) / rep_div + m.saved_gathered_elems(n))
                 * self.itemsize
                 + m.saved_other_bytes(n))
+        if ep > 1:
+            f = ep * self.experts(index).needing_fraction(ep)
+            full += (f - 1) * m.saved_expert_elems(n) * self.itemsize / s.tp
         if s.ckpt:
             return m.input_elems(n) * self.itemsize / rep_div + m.input_other_bytes(n), full
         return full, full
@@ -409,11 +509,52 @@ class CostModel:
         n = micro_batch_size if whole else micro_batch_size / s.dp
         fwd, bwd = self._compute_times(index, n, s)
         st = self.states_bytes(index, s)
-        p, t = self.layer_params(index, s.tp), self.layer_params(index, s.tp, trainable_only=True)
+        ep = self.ep_of(index, s)
+        p, t = self.layer_params(index, s.tp, ep=ep), self.layer_params(index, s.tp, trainable_only=True, ep=ep)
         elems_tp = math.ceil(p.sharded / s.tp) + p.replicated           # every parameter (ZeRO-3 gathers)
         train_tp = math.ceil(t.sharded / s.tp) + t.replicated           # trainable: gradients, updates
+        sync, exposed, regather, reduce_scatter, gather, transient, held = self._param_terms(
+            s, elems_tp, train_tp, dp_group(s), index == 0)
+        overhead, optimizer = self._overheads(index, train_tp, s)
+        pass_copy, step_copy = self._copies(elems_tp, train_tp, s)
+        ep_comm = 0.0
+        if ep > 1:   # the expert buffers: their own group and ZeRO layout (states_bytes above)
+            train, frozen = self.expert_shapes(index, ep)
+            xs, xt = self._expert_strategy(s), sum(math.prod(x) for x in train)
+            xe = xt + sum(math.prod(x) for x in frozen)
+            terms = self._param_terms(xs, xe, xt, expert_dp_group(s), False)
+            sync, exposed, regather, reduce_scatter, gather, transient, held = (
+                a + b for a, b in zip((sync, exposed, regather, reduce_scatter, gather, transient, held), terms))
+            held_x = xt if xs.sdp == "none" else math.ceil(xt / xs.dp)
+            optimizer += held_x * 4 * self.cluster.optimizer_s_per_byte
+            copies = self._copies(xe, xt, xs)
+            pass_copy, step_copy = pass_copy + copies[0], step_copy + copies[1]
+            ep_comm = self._ep_comm(index, n, s)
+        act, recompute = self._activations(m, n, s, ep, index)
+        if s.ckpt:
+            transient += recompute
+        out = m.output_elems(n) * self.itemsize / (s.tp if s.sp else 1)
+        overhead, optimizer = overhead + pass_copy, optimizer + step_copy
+        tp_comm = self._tp_comm(m, n, s) + (self._whole_batch_gathers(m, n, s) if whole else 0.0) + ep_comm
+        # split backward (zero-bubble): the split's own work per op, and a checkpointed layer's second
+        # recomputation (its forward and forward TP collectives; the ZeRO-3 buffer is still held);
+        # ZeRO-3's whole buffer held between the passes
+        split_extra = self.op_counts[self.layers[index].signature] * getattr(self.cluster, "split_backward_op_s", 0.0)
+        if s.ckpt:
+            split_extra += fwd + self._tp_comm(m, n, s) - self._tp_comm(m, n, dataclasses.replace(s, ckpt=False))
+        rep_div = s.tp if s.sp else 1
+        wgrad = (m.wgrad_sharded_elems(n) / s.tp + m.wgrad_rep_elems(n) / rep_div
+                 + m.wgrad_whole_elems(n) + (m.wgrad_row_bias_elems(n) / rep_div if s.tp > 1 else 0.0)
+                 ) * self.itemsize if train_tp else 0.0
+        return LayerCost(fwd, bwd, tp_comm, sync, gather, st.params, st.grads, st.optimizer,
+                         act, transient, out, st.masters, overhead, optimizer, exposed, regather, reduce_scatter,
+                         split_extra, held, wgrad)
+
+    def _param_terms(self, s: Strategy, elems_tp: int, train_tp: int, dpg: list[int], first: bool) -> tuple:
+        """``(sync, exposed, regather, reduce_scatter, gather, transient, held)`` of one flat buffer
+        of ``elems_tp`` parameter elements (``train_tp`` trainable) reduced over ``dpg`` under ``s``'s
+        data-parallel kind (:class:`LayerCost` for each; ``first``: the stage's first layer)."""
         full_params, full_grads = elems_tp * self.itemsize, train_tp * self.reduce_itemsize
-        dpg = dp_group(s)
         ct = self.cluster.collective_time
         exposed = regather = reduce_scatter = 0.0
         if not train_tp:
@@ -433,13 +574,12 @@ class CostModel:
             sync, reduce_scatter = 0.0, ct("reduce_scatter", full_grads, dpg)
             if s.sdp == "zero2":
                 regather = ct("all_gather", train_tp * self.itemsize, dpg)   # frozen ones stay whole
-                if index == 0:
+                if first:
                     # NOTE: the first layer's re-gather has no layer before it to hide behind
                     # (prefetch starts from it): priced as exposed step sync
                     sync = exposed = regather
                     regather = 0.0
         gather = 2 * ct("all_gather", full_params, dpg) if s.sdp == "zero3" else 0.0
-        act, recompute = self._activations(m, n, s)
         transient = 0.0
         if s.sdp == "zero3" and s.dp > 1:
             # NOTE: in the layer's backward: its gathered buffer, the neighbour's prefetched buffer
@@ -451,27 +591,39 @@ class CostModel:
             transient = train_tp * self.itemsize + full_grads   # a pass's gradient and its reduce-scatter staging
         elif s.dp > 1 and train_tp:
             transient = min(self.bucket_bytes, full_grads)
-        if s.ckpt:
-            transient += recompute
-        out = m.output_elems(n) * self.itemsize / (s.tp if s.sp else 1)
-        overhead, optimizer = self._overheads(index, train_tp, s)
-        pass_copy, step_copy = self._copies(elems_tp, train_tp, s)
-        overhead, optimizer = overhead + pass_copy, optimizer + step_copy
-        tp_comm = self._tp_comm(m, n, s) + (self._whole_batch_gathers(m, n, s) if whole else 0.0)
-        # split backward (zero-bubble): the split's own work per op, and a checkpointed layer's second
-        # recomputation (its forward and forward TP collectives; the ZeRO-3 buffer is still held);
-        # ZeRO-3's whole buffer held between the passes
-        split_extra = self.op_counts[self.layers[index].signature] * getattr(self.cluster, "split_backward_op_s", 0.0)
-        if s.ckpt:
-            split_extra += fwd + self._tp_comm(m, n, s) - self._tp_comm(m, n, dataclasses.replace(s, ckpt=False))
         held = full_params if s.sdp == "zero3" and s.dp > 1 else 0.0
-        rep_div = s.tp if s.sp else 1
-        wgrad = (m.wgrad_sharded_elems(n) / s.tp + m.wgrad_rep_elems(n) / rep_div
-                 + m.wgrad_whole_elems(n) + (m.wgrad_row_bias_elems(n) / rep_div if s.tp > 1 else 0.0)
-                 ) * self.itemsize if train_tp else 0.0
-        return LayerCost(fwd, bwd, tp_comm, sync, gather, st.params, st.grads, st.optimizer,
-                         act, transient, out, st.masters, overhead, optimizer, exposed, regather, reduce_scatter,
-                         split_extra, held, wgrad)
+        return sync, exposed, regather, reduce_scatter, gather, transient, held
+
+    def ep_dispatch(self, index: int, n: float, s: Strategy) -> tuple[str, float]:
+        """``(dispatch, seconds per micro-batch)`` of expert parallelism's token exchange for layer
+        ``index`` with ``n`` samples per device (:mod:`galvatron_fx.runtime.experts`), the cheaper of
+
+        * ``"allgather"``: forward all-gathers the EP group's tokens (``ep * T * H``), top-k weights
+          and ids and reduce-scatters the outputs; backward the reverse;
+        * ``"alltoall"``: a count exchange, then each rank sends each EP rank only the tokens of its
+          TP rank's chunk that need one of that rank's experts, and gets their outputs back (two
+          all-to-alls each way per pass).
+
+        Plus, with ``tp > 1``, the TP all-reduce of the combined tokens (forward) and of their
+        gradient (backward); checkpointing repeats the forward's."""
+        ex = self.experts(index)
+        ep, ct = s.ep, self.cluster.collective_time
+        T = n * ex.tokens_per_sample
+        row = ex.hidden * self.itemsize
+        meta = ex.top_k * (4 + 8)   # fp32 weights + int64 ids per token
+        group = ep_group(s)
+        tp = ct("all_reduce", T * row, tp_group(s)) if s.tp > 1 else 0.0
+        fwd_rep = 2 if s.ckpt else 1
+        gather = ct("all_gather", ep * T * (row + meta), group, calls=3) + ct("reduce_scatter", ep * T * row, group)
+        allgather = gather * (fwd_rep + 1) + ct("all_gather", 8 * ep, group) * fwd_rep
+        sent = ep * ex.needing_fraction(ep) * T / s.tp * (row + meta + 8)
+        a2a = ct("all_to_all", sent, group, calls=4) + ct("all_to_all", sent * row / (row + meta + 8), group)
+        alltoall = a2a * (fwd_rep + 1) + ct("all_to_all", 16 * ep, group) * fwd_rep
+        best = min((allgather, "allgather"), (alltoall, "alltoall"))
+        return best[1], best[0] + tp * (fwd_rep + 1)
+
+    def _ep_comm(self, index: int, n: float, s: Strategy) -> float:
+        return self.ep_dispatch(index, n, s)[1]
 
     def _whole_batch_gathers(self, m: LayerMeasure, n: float, s: Strategy) -> float:
         """Seconds per micro-batch of ``n`` samples for a batch-coupled layer under ``s`` (dp > 1)

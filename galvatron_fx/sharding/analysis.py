@@ -246,15 +246,18 @@ def analyze(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[int, bool]],
     return out
 
 
-def analyze_layer(gm: torch.fx.GraphModule, index: int, tp: int, sp: bool = False):
-    """Layer ``index`` alone at degree ``tp`` (``sp``: sequence parallel), analysed together with the
-    layers sharing a weight with it (a tied weight is sharded only if every layer reading it is: what
-    a uniform plan does): its :class:`LayerTP`, or the :class:`ConfigError` it raises."""
+def analyze_layer(gm: torch.fx.GraphModule, index: int, tp: int, sp: bool = False, ep: int = 1):
+    """Layer ``index`` alone at degree ``tp`` (``sp``: sequence parallel; ``ep > 1``: its experts
+    split by expert, so left whole), analysed together with the layers sharing a weight with it (a
+    tied weight is sharded only if every layer reading it is: what a uniform plan does): its
+    :class:`LayerTP`, or the :class:`ConfigError` it raises."""
+    from .experts import keep_whole
+
     layers = graph_info(gm).layers
     mine = set(layers[index].params)
     partners = [r.index for r in layers if mine & set(r.params)] or [index]
     try:
-        return analyze(gm, {j: (tp, bool(sp)) for j in partners}).get(index)
+        return analyze(gm, {j: (tp, bool(sp)) for j in partners}, keep_whole(gm, {index: ep})).get(index)
     except ConfigError as exc:
         return exc
 

@@ -170,3 +170,18 @@ def expert_layers(gm: torch.fx.GraphModule) -> set[str]:
 
     layers = graph_info(gm).layers
     return {layers[i].name for i in layer_blocks(gm)}
+
+
+def keep_whole(gm: torch.fx.GraphModule, layer_ep: dict[int, int]) -> dict[str, str]:
+    """Linear node name -> why tensor parallelism leaves it whole: the grouped matmuls and routers
+    of the experts blocks of layers with ``ep > 1`` (expert parallelism splits them by expert)."""
+    keep: dict[str, str] = {}
+    if not any(ep > 1 for ep in layer_ep.values()):
+        return keep
+    for idx, blocks in layer_blocks(gm).items():
+        ep = layer_ep.get(idx, 1)
+        for b in blocks:
+            if ep > 1 and isinstance(b, MoEBlock):
+                keep.update({g.name: f"experts split over ep={ep} ranks by expert" for g in b.grouped})
+                keep.update({r.name: f"router of experts split over ep={ep} ranks" for r in b.routers()})
+    return keep

@@ -140,6 +140,8 @@ class Engine:
                  allowed_tp: Callable[[int, int], bool] | None = None,
                  useful_tp: Callable[[int, int], bool] | None = None,
                  allowed_sp: Callable[[int, int], bool] | None = None,
+                 allowed_ep: Callable[[int, int], bool] | None = None,
+                 ep_degrees: Iterable[int] = (1,),
                  tied_layers: Iterable[int] = (),
                  batch_coupled: Iterable[int] = (),
                  progress: Callable[[str], None] | None = None,
@@ -152,6 +154,9 @@ class Engine:
         self.allowed_tp = functools.lru_cache(maxsize=None)(allowed_tp or (lambda layer, tp: True))
         self.useful_tp = functools.lru_cache(maxsize=None)(useful_tp or (lambda layer, tp: True))
         self.allowed_sp = functools.lru_cache(maxsize=None)(allowed_sp or (lambda layer, tp: True))
+        # NOTE: expert parallelism: ep > 1 only on layers with experts it can split (allowed_ep)
+        self.allowed_ep = functools.lru_cache(maxsize=None)(allowed_ep or (lambda layer, ep: ep == 1))
+        self.ep_degrees = tuple(sorted(set(ep_degrees) | {1}))
         self.tied_layers = frozenset(tied_layers)
         # NOTE: layers mixing the samples of a batch run on the whole batch: one micro-batch (under
         # dp > 1 replicated over the DP group, priced by the cost model)
@@ -234,9 +239,9 @@ class Engine:
         return self._space(p, b)[0]
 
     def _space(self, p: int, b: int) -> tuple[list[Strategy], str]:
-        kw = {"devices_per_node": getattr(self.cluster, "devices_per_node", 8), "power_of_two": False,
-              **self.opt.space}
         d = self.N // p
+        kw = {"devices_per_node": getattr(self.cluster, "devices_per_node", 8), "power_of_two": False,
+              "ep": tuple(e for e in self.ep_degrees if d % e == 0), **self.opt.space}
         out = strategy_space(d, **kw)
         if not out:
             return out, f"no strategy for {d} devices under the space options {kw}"
@@ -274,6 +279,7 @@ class Engine:
         out = np.empty((8, self.L, len(space)))
         tps = np.array([s.tp for s in space])
         sps = np.array([s.sp for s in space])
+        eps = np.array([s.ep for s in space])
         whole = np.array([s.tp == 1 and not (s.sdp == "zero3" and s.ckpt) for s in space])
         by_sig: dict[int, np.ndarray] = {}
         for i in range(self.L):
@@ -281,26 +287,31 @@ class Engine:
             if sig not in by_sig:
                 by_sig[sig] = self.tables.rows(i, space, b)
             only = np.full(len(space), m == 1) if i in self.batch_coupled else None
-            ok = self._admissible(i, tps, sps, only)
+            ok = self._admissible(i, tps, sps, only, eps)
             if p > 1 and i in self.tied_layers:
                 ok = ok & whole
             out[:, i, :] = np.where(ok[None, :], by_sig[sig], np.inf)
         return tuple(out)
 
-    def _admissible(self, layer: int, tps: np.ndarray, sps: np.ndarray, only: np.ndarray | None = None) -> np.ndarray:
+    def _admissible(self, layer: int, tps: np.ndarray, sps: np.ndarray, only: np.ndarray | None = None,
+                    eps: np.ndarray | None = None) -> np.ndarray:
         """Whether layer ``layer`` is offered each (TP degree, SP) of ``tps`` / ``sps``: the TP pass
         accepts it (``allowed_tp``, ``allowed_sp``) and it shards something there (``useful_tp``).
         A degree that shards nothing only repeats the layer on every TP rank; it is offered only
         where nothing else is (a tp constraint) or every layer must share one strategy
         (``uniform_only``). ``only``: the strategies the layer may take at all (a layer mixing the
-        samples of a batch: none under micro-batches), applied first."""
-        key = (layer, tps.tobytes(), sps.tobytes(), None if only is None else only.tobytes())
+        samples of a batch: none under micro-batches), applied first. ``eps``: the strategies'
+        expert-parallel degrees, ``ep > 1`` offered where ``allowed_ep`` says."""
+        key = (layer, tps.tobytes(), sps.tobytes(), None if only is None else only.tobytes(),
+               None if eps is None else eps.tobytes())
         hit = self._adm.get(key)
         if hit is None:
             hit = np.array([bool(self.allowed_tp(layer, int(tp))) and (not sp or bool(self.allowed_sp(layer, int(tp))))
                             for tp, sp in zip(tps, sps)])
             if only is not None:
                 hit = hit & only
+            if eps is not None:
+                hit = hit & np.array([bool(self.allowed_ep(layer, int(e))) for e in eps])
             if not self.opt.uniform_only:
                 useful = hit & np.array([tp == 1 or bool(self.useful_tp(layer, int(tp))) for tp in tps])
                 hit = useful if useful.any() else hit

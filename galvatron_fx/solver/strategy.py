@@ -90,6 +90,7 @@ class SpaceOptions:
     zero2: bool = True
     zero3: bool = True
     max_tp: int | None = None
+    ep: tuple[int, ...] = (1,)
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,12 @@ def _sp_needs_tp(s: Strategy, o: SpaceOptions) -> bool:
     return s.tp > 1 or not s.sp
 
 
+def _ep_without_sp(s: Strategy, o: SpaceOptions) -> bool:
+    """Expert parallelism splits the experts of MoE layers over ``ep`` ranks of the DP group; the
+    runtime does not combine it with sequence parallelism yet, and offers the degrees ``ep`` lists."""
+    return s.ep == 1 or (not s.sp and s.ep in o.ep)
+
+
 def _switches(s: Strategy, o: SpaceOptions) -> bool:
     """The on/off switches of the space: ``ckpt=False`` drops checkpointed strategies, ``sp=False``
     drops SP, ``zero2=False`` / ``zero3=False`` drop that data-parallel kind."""
@@ -163,7 +170,7 @@ def _switches(s: Strategy, o: SpaceOptions) -> bool:
 RULES: tuple[Rule, ...] = tuple(
     Rule(fn.__name__.lstrip("_"), fn, (fn.__doc__ or "").strip())
     for fn in (_power_of_two, _tp_within_node, _tp_divides_heads, _tp_divides_hidden, _max_tp,
-               _sdp_needs_dp, _sp_needs_tp, _switches)
+               _sdp_needs_dp, _sp_needs_tp, _ep_without_sp, _switches)
 )
 """Every pruning rule of the space, in the order they are checked. ``tp * dp == devices_per_stage``
 holds by construction (the tree enumerates ``tp`` over divisors and sets ``dp`` from it)."""
@@ -205,26 +212,30 @@ def strategy_space(
     zero2: bool = True,
     zero3: bool = True,
     max_tp: int | None = None,
+    ep: tuple[int, ...] = (1,),
 ) -> list[Strategy]:
     """All strategies for ``devices_per_stage`` devices that pass every rule in :data:`RULES`.
 
     Decision tree: TP degree ``tp`` (a divisor of ``devices_per_stage``; ``dp = devices_per_stage /
     tp``), then the data-parallel kind (``"none"``, ``"zero2"``, ``"zero3"``), then SP, then
-    checkpointing. The order is deterministic (ascending ``tp``, then kinds in :data:`SDP_KINDS`
-    order, ``sp`` False before True, ``ckpt`` False before True), so strategy indices are stable.
+    checkpointing, then the expert-parallel degree among ``ep`` (dividing ``dp``; MoE layers: the
+    search offers ``ep > 1`` only to layers with experts). The order is deterministic (ascending
+    ``tp``, then kinds in :data:`SDP_KINDS` order, ``sp`` False before True, ``ckpt`` False before
+    True, ascending ``ep``), so strategy indices are stable.
     """
     o = _options(devices_per_stage, heads=heads, hidden=hidden, devices_per_node=devices_per_node,
                  allow_cross_node_tp=allow_cross_node_tp, power_of_two=power_of_two, ckpt=ckpt, sp=sp,
-                 zero2=zero2, zero3=zero3, max_tp=max_tp)
+                 zero2=zero2, zero3=zero3, max_tp=max_tp, ep=tuple(sorted({1, *ep})))
     n = o.devices_per_stage
     out = []
     for tp in (d for d in range(1, n + 1) if n % d == 0):
         for sdp in SDP_KINDS:
             for use_sp in (False, True):
                 for use_ckpt in (False, True):
-                    s = Strategy(tp, n // tp, sdp, use_sp, use_ckpt)
-                    if all(r.allows(s, o) for r in RULES):
-                        out.append(s)
+                    for e in (e for e in o.ep if (n // tp) % e == 0):
+                        s = Strategy(tp, n // tp, sdp, use_sp, use_ckpt, e)
+                        if all(r.allows(s, o) for r in RULES):
+                            out.append(s)
     return out
 
 
