@@ -79,7 +79,8 @@ class ExpertParallelPass(ContextPass):
         tp_key = tp_ops.register_group(group(lay.tp_ranks(rank)), lay.tp) if lay.tp > 1 else None
         module = ExpertParallel(_extract(b), b.num_experts, ep_ranks, ep_index, group(ep_ranks),
                                 ctx.stage_plan.layers[i].extra.get("ep_dispatch", "allgather"), lay.tp,
-                                lay.tp_index(rank), tp_key)
+                                lay.tp_index(rank), tp_key, sizes=len(b.sizes),
+                                compact=ctx.symbolic_batch and b.compactable())
         name = f"experts_{j}"
         layer.add_module(name, module)
         graph = layer.graph

@@ -51,6 +51,11 @@ def _graph(blocks, tied: bool):
         from tests.test_symbolic_batch import _clip, _clip_batches
 
         return gfx.capture(_clip(), (), kwargs=_clip_batches(1)[0], method="dynamo")
+    if blocks == "mixtral":   # HF Mixtral: experts blocks, expert parallelism in the space
+        pytest.importorskip("transformers")
+        from tests import loops
+
+        return gfx.capture(loops.moe("mixtral"), (), kwargs=loops.collate(1)[0], method="dynamo")
     model, args = gfx.models.build("gpt-tiny", device="meta", layers=blocks, hidden=64, heads=4, seq_len=32,
                                    vocab=128, batch=8, tie_embeddings=tied)
     return gfx.capture(model, args, method="fx")
@@ -81,9 +86,12 @@ def enumerate_space(gm, cluster, gbs: int, precision: str):
     cm = cost_model_for(gm, cluster, precision=precision, reserve_bytes=0)
     L, N = len(cm.layers), cluster.world_size
     tp_ok, useful, sp_ok = tp_admissible(cm), tp_useful(cm), sp_admissible(cm)
+    experts = [cm.experts(i) for i in range(L)]   # expert parallelism: ep > 1 where it divides the experts
+    eps = sorted({e for ex in experts if ex for e in _divisors(min(ex.num_experts)) if e <= N} | {1})
 
     def admits(i, s):
-        return tp_ok(i, s.tp) and (not s.sp or sp_ok(i, s.tp))
+        return tp_ok(i, s.tp) and (not s.sp or sp_ok(i, s.tp)) and (
+            s.ep == 1 or experts[i] is not None and all(e % s.ep == 0 for e in experts[i].num_experts))
     coupled = {i for i, r in enumerate(cm.layers) if r.batch_coupled}   # whole batch: one micro-batch
     reads = [set(r.params) for r in cm.layers]
     tied = {i for i, r in enumerate(reads) if any(r & o for j, o in enumerate(reads) if j != i)}
@@ -92,8 +100,8 @@ def enumerate_space(gm, cluster, gbs: int, precision: str):
         d = N // p
         for m in [x for x in _divisors(gbs) if p == 1 or x >= p]:
             b = gbs // m
-            space = [s for s in strategy_space(d, devices_per_node=cluster.devices_per_node, power_of_two=False)
-                     if b % s.dp == 0]
+            space = [s for s in strategy_space(d, devices_per_node=cluster.devices_per_node, power_of_two=False,
+                                               ep=tuple(e for e in eps if d % e == 0)) if b % s.dp == 0]
             if not space:
                 continue
             plain = [[layer_terms(cm.layer_cost(i, s, b), cluster) for s in space] for i in range(L)]
@@ -294,7 +302,7 @@ def _as_plan(gm, cluster, gbs, precision, config, stages, seqs, spaces) -> Plan:
              or len(stages) > p and _placement(sched, c, p) == k for i in range(stages[c][0], stages[c][1] + 1)]
     picked = dict(zip(order, (space[int(s)] for seq in seqs for s in seq)))
     strategies = [picked[i] for i in range(len(info.layers))]
-    layers = [LayerPlan(r.name, s.tp, s.dp, s.sdp, s.sp, s.ckpt) for r, s in zip(info.layers, strategies)]
+    layers = [LayerPlan(r.name, s.tp, s.dp, s.sdp, s.sp, s.ckpt, ep=s.ep) for r, s in zip(info.layers, strategies)]
     est = {"step_time_s": None, "throughput_samples_s": None, "memory_bytes_per_device": None}
     return Plan(cluster.world_size, p, sched, m, gbs, stages, layers, est, info.fingerprint, cluster.to_dict(),
                 precision=precision, virtual_stages=v)
@@ -309,6 +317,7 @@ SETUPS = [  # blocks, tied embeddings, cluster, global batch, precision (None: t
     (2, True, "2x4xA100-40GB", 16, "fp32"),
     (3, False, "4xA100-80GB", 4, "fp32"),
     ("clip", False, "4xA100-80GB", 8, "fp32"),
+    ("mixtral", False, "4xA100-80GB", 8, "fp32"),
 ]
 MATRIX = [  # NOTE: the slowest setups (CI time): 3 tied blocks on 4 devices took ~50 s alone
     (3, True, "4xA100-80GB", 8, None),

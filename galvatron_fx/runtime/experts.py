@@ -19,8 +19,11 @@ Token dispatch (``dispatch``):
   only the tokens routed to one of its experts (a token goes to each rank holding one of its ``k``
   experts, once), run the block per source on those tokens, and send the outputs back.
 
-Each source's tokens keep their count (the others are sentinel rows), so the block's batch-derived
-sizes are the ones the layer computes for its own batch. With ``tp > 1`` (no sequence parallelism)
+On a graph with a symbolic batch the block runs once, on just the tokens that need this rank's
+experts (``compact``): its batch-derived sizes (the token count, tokens x k) are inputs, rescaled to
+that count, so a rank's activations and element-wise work grow with the tokens it serves, not with
+``ep``. Where the batch is baked into the block's code, it runs once per source on all its tokens
+(the others sentinel rows), the sizes its own batch's. With ``tp > 1`` (no sequence parallelism)
 the TP ranks hold the same tokens: TP rank ``t`` routes only its chunk of them (the others
 sentinel), and the combined output is all-reduced over the TP group (Megatron's f / g around the
 block), so expert weights stay whole over TP and each token is computed once.
@@ -132,16 +135,42 @@ class _ScatterTokens(torch.autograd.Function):
         return (None, None, *_gather(grad.contiguous(), ctx.sizes, ctx.group))
 
 
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Rows ``[sum(out_splits), ...]``: ``out_splits[j]`` from EP rank ``j``, having sent it
+    ``in_splits[j]`` rows of ``x`` (uneven splits; gloo and NCCL alike)."""
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: :func:`_all_to_all`; backward: the same with the splits swapped (rows go home)."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (in_splits, out_splits), group
+        return _all_to_all(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, *ctx.splits, ctx.group), None, None, None
+
+
 class ExpertParallel(nn.Module):
     """One experts block under expert parallelism (see the module docstring).
 
     ``block``: the block's GraphModule; ``num_experts``: ``E``; ``ep_ranks`` / ``ep_index``: this
     rank's EP group and its place there; ``tp_key`` / ``tp`` / ``tp_index``: the layer's TP group
     (a :mod:`.tp_ops` key) when ``tp > 1``; ``group``: the EP process group (None: one rank).
+    ``sizes``: how many of the block's last inputs are batch-derived sizes, each a multiple of its
+    token count ``T``; ``compact``: run the block once on just the tokens needing this rank's
+    experts, those sizes rescaled to their count (a graph with a symbolic batch), else once per
+    source on all its tokens (a batch baked into the block's code).
     """
 
     def __init__(self, block: torch.fx.GraphModule, num_experts: int, ep_ranks: tuple[int, ...], ep_index: int,
-                 group, dispatch: str = "allgather", tp: int = 1, tp_index: int = 0, tp_key: str | None = None):
+                 group, dispatch: str = "allgather", tp: int = 1, tp_index: int = 0, tp_key: str | None = None,
+                 sizes: int = 0, compact: bool = False):
         super().__init__()
         if dispatch not in DISPATCHES:
             raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
@@ -151,6 +180,7 @@ class ExpertParallel(nn.Module):
         self.tp, self.tp_index, self.tp_key = int(tp), int(tp_index), tp_key
         self.local_experts = self.num_experts // self.ep
         self.first_expert = self.ep_index * self.local_experts
+        self.sizes, self.compact = int(sizes), bool(compact)
 
     def extra_repr(self) -> str:
         return (f"experts [{self.first_expert}, {self.first_expert + self.local_experts}) of {self.num_experts}, "
@@ -180,17 +210,67 @@ class ExpertParallel(nn.Module):
             y = self._alltoall(x, index, weights, rest, tp_split)
         return tp_reduce_from_region(y, self.tp_key) if tp_split else y
 
+    def _compacted(self, x, ids, weights, rest, tokens: int):
+        """The block on ``x`` rows (any count ``n``) whose ``ids`` are already this rank's: its
+        batch-derived sizes (multiples of ``tokens``, this rank's own token count) scaled to ``n``."""
+        n, cut = x.shape[0], len(rest) - self.sizes
+        sizes = [s * n // tokens if s % tokens == 0 else None for s in rest[cut:]]
+        if None in sizes:
+            raise RuntimeError(f"internal: an experts block size {list(rest[cut:])} is not a multiple of its "
+                               f"{tokens} tokens")
+        return self.block(x, ids, weights, *rest[:cut], *sizes)
+
     def _allgather(self, x, index, weights, rest, tp_split):
         sizes = _sizes(x.shape[0], self.group, self.ep, x.device)
         xs = _GatherTokens.apply(x, sizes, self.ep_index, self.group)
         ws = _GatherTokens.apply(weights, sizes, self.ep_index, self.group)
         with torch.no_grad():
-            ids = _gather(index, sizes, self.group)
-        outs = [self.block(xj, self._mine(ij, tp_split), wj, *rest) for xj, ij, wj in zip(xs, ids, ws)]
+            ids = [self._mine(ij, tp_split) for ij in _gather(index, sizes, self.group)]
+        if not self.compact:
+            outs = [self.block(xj, ij, wj, *rest) for xj, ij, wj in zip(xs, ids, ws)]
+            return _ScatterTokens.apply(self.ep_index, self.group, *outs)
+        rows = [(ij < self.num_experts).any(1).nonzero().squeeze(1) for ij in ids]   # tokens needing me
+        y = self._compacted(torch.cat([xj[r] for xj, r in zip(xs, rows)]), torch.cat([ij[r] for ij, r in zip(ids, rows)]),
+                            torch.cat([wj[r] for wj, r in zip(ws, rows)]), rest, x.shape[0])
+        outs = [y.new_zeros((s, *y.shape[1:])).index_copy(0, r, yj)
+                for s, r, yj in zip(sizes, rows, y.split([len(r) for r in rows]))]
         return _ScatterTokens.apply(self.ep_index, self.group, *outs)
 
     def _alltoall(self, x, index, weights, rest, tp_split):
-        raise NotImplementedError("alltoall dispatch")
+        """Send each EP rank only the rows (of ``x`` [T, H], ``weights`` / ``index`` [T, k]) with an
+        id of its experts (with ``tp_split``: of this TP rank's chunk), run the block per source on
+        its ``T_j`` rows rebuilt around the received ones (others sentinel), send the received rows'
+        outputs back and sum them into ``y`` [T, H]."""
+        T, k = index.shape
+        owner = index // self.local_experts                                        # sentinel E -> ep
+        hit = (owner.unsqueeze(-1) == torch.arange(self.ep, device=index.device)).any(1)   # [T, ep]
+        if tp_split:
+            start, length = chunk_bounds(T, self.tp, self.tp_index)
+            hit[:start] = False
+            hit[start + length:] = False
+        dest, pos = hit.t().nonzero(as_tuple=True)                 # rows by destination, then position
+        per_dest = torch.bincount(dest, minlength=self.ep)
+        with torch.no_grad():   # per source: (rows it sends here, its T)
+            counts = _all_to_all(torch.stack([per_dest, torch.full_like(per_dest, T)], 1), [1] * self.ep,
+                                 [1] * self.ep, self.group).tolist()
+        send, recv = per_dest.tolist(), [c[0] for c in counts]
+        xr = _AllToAll.apply(x[pos], recv, send, self.group)
+        wr = _AllToAll.apply(weights[pos], recv, send, self.group)
+        with torch.no_grad():
+            meta = _all_to_all(torch.cat([index[pos], pos.unsqueeze(-1)], 1), recv, send, self.group)
+        if self.compact:
+            y = self._compacted(xr, self._mine(meta[:, :k], False), wr, rest, T)
+            back = _AllToAll.apply(y, send, recv, self.group)
+            return back.new_zeros((T, *back.shape[1:])).index_add(0, pos, back)
+        outs = []
+        for xj, wj, mj, (_, tj) in zip(xr.split(recv), wr.split(recv), meta.split(recv), counts):
+            ij, pj = mj[:, :k], mj[:, k]
+            ids = torch.full((tj, k), self.num_experts, dtype=ij.dtype, device=ij.device).index_copy(0, pj, ij)
+            yj = self.block(xj.new_zeros((tj, *xj.shape[1:])).index_copy(0, pj, xj), self._mine(ids, False),
+                            wj.new_zeros((tj, k)).index_copy(0, pj, wj), *rest)
+            outs.append(yj[pj])
+        back = _AllToAll.apply(torch.cat(outs), send, recv, self.group)
+        return back.new_zeros((T, *back.shape[1:])).index_add(0, pos, back)
 
 
 def ep_rank_info(ranks: tuple[int, ...], rank: int) -> tuple[int, object]:

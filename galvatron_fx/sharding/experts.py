@@ -69,6 +69,16 @@ class MoEBlock:
         """The block's inputs in the order :mod:`galvatron_fx.runtime.experts` passes them."""
         return [self.x, self.index, self.weights, *self.params, *self.sizes]
 
+    def compactable(self) -> bool:
+        """Whether the block's token count enters only through its ``sizes`` inputs, each a multiple
+        of it (a symbolic batch): it may then run on any number of tokens."""
+        def info(n):
+            return n.meta.get(META_KEY)
+
+        kx = dict(getattr(info(self.x), "batch_dims", ()) or ()).get(0)
+        return kx is not None and all(
+            (f := getattr(info(s), "batch_factor", None)) is not None and f % kx == 0 for s in self.sizes)
+
     def param_numel(self) -> int:
         return sum(tensor_val(p).numel() for p in self.params)
 

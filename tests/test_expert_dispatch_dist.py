@@ -1,0 +1,140 @@
+"""Expert parallelism's two token dispatches (runtime/experts.py), 2 and 4 gloo ranks.
+
+A tiny transformers Mixtral (8 experts, top-2) under DP2+EP2 and TP2xDP2+EP2: one training step
+with ``"allgather"`` and one with ``"alltoall"`` (the dispatch switched on the same distributed
+model) give the one-device loss and every whole gradient, on the global batch and on a smaller one.
+A plain experts block on 4 EP ranks with unequal token counts (one rank with none) checks both
+dispatches' outputs and gradients directly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import loops
+from tests.dist_utils import run_distributed
+
+pytest.importorskip("transformers")
+
+TOL = 1e-5
+SMALL = 8   # rows of the smaller batch (a multiple of the 4 input shards of TP2xDP2)
+
+
+def _batches():
+    return [loops.collate(1)[0], loops.collate(1, batch=SMALL, seed=3)[0]]
+
+
+def _run(rank, world, plan_kw):
+    """Per dispatch and batch: the loss and every whole gradient (original names)."""
+    import galvatron_fx as gfx
+    from galvatron_fx.runtime.experts import ExpertParallel
+
+    model = loops.moe("mixtral")
+    batches = _batches()
+    gm = gfx.capture(model, (), kwargs=batches[0], method="dynamo")
+    dm = gfx.transform(gm, plan=gfx.Plan.uniform(gm, world, global_batch_size=loops.B, **plan_kw))
+    blocks = [m for m in dm.modules() if isinstance(m, ExpertParallel)]
+    out = {"blocks": len(blocks)}
+    for dispatch in ("allgather", "alltoall"):
+        for m in blocks:
+            m.dispatch = dispatch
+        for i, b in enumerate(batches):
+            for p in dm.parameters():
+                p.grad = None
+            loss = float(dm.train_step(**b))
+            out[dispatch, i] = loss, {k: p.grad.full_tensor() for k, p in dm.named_parameters()
+                                      if p.grad is not None}
+    return out
+
+
+def _reference():
+    out = []
+    for b in _batches():
+        model = loops.moe("mixtral")
+        loss = model(**b).loss
+        loss.backward()
+        out.append((loss.item(), {k: p.grad for k, p in model.named_parameters()}))
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world,plan_kw", [(2, dict(dp=2, ep=2)), (4, dict(tp=2, dp=2, ep=2))],
+                         ids=["dp2-ep2", "tp2xdp2-ep2"])
+def test_dispatches_match_one_device(world, plan_kw):
+    results = run_distributed(_run, world, plan_kw, timeout=300)
+    ref = _reference()
+    for rank, r in enumerate(results):
+        assert r["blocks"] == 2, rank   # one experts block per layer
+        for dispatch in ("allgather", "alltoall"):
+            for i, (ref_loss, ref_grads) in enumerate(ref):
+                loss, grads = r[dispatch, i]
+                assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (rank, dispatch, i, loss, ref_loss)
+                assert set(grads) == set(ref_grads), (rank, dispatch, i)
+                for k, g in grads.items():
+                    err = (g - ref_grads[k]).norm() / ref_grads[k].norm().clamp_min(1e-30)
+                    assert err < TOL, (rank, dispatch, i, k, float(err))
+
+
+# --------------------------------------------------------------------------- unequal token counts
+E, K, H = 8, 2, 4
+
+
+class _Experts(torch.nn.Module):
+    """A plain experts block: ``y[t] = sum_k weights[t, k] * x[t] @ w[ids[t, k]]``; ids ``>= n``
+    (the sentinel, other ranks' experts) contribute nothing."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.w = torch.nn.Parameter(w)
+
+    def forward(self, x, ids, weights):
+        n = self.w.shape[0]
+        h = torch.einsum("th,tkhg->tkg", x, self.w[ids.clamp(max=n - 1)])
+        return (h * (weights * (ids < n)).unsqueeze(-1)).sum(1)
+
+
+def _tokens(rank):
+    """Rank ``rank``'s tokens (``3 * rank`` of them: rank 0 has none), ids, weights."""
+    g = torch.Generator().manual_seed(rank)
+    t = 3 * rank
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]) if t else torch.zeros(0, K)
+    return torch.randn(t, H, generator=g), ids.long(), torch.rand(t, K, generator=g)
+
+
+def _unequal(rank, world, dispatch):
+    import torch.distributed as dist
+
+    from galvatron_fx.runtime.experts import ExpertParallel
+
+    n = E // world
+    w = torch.randn(E, H, H, generator=torch.Generator().manual_seed(99))
+    ep = ExpertParallel(_Experts(w[rank * n:(rank + 1) * n].clone()), E, tuple(range(world)), rank,
+                        dist.group.WORLD, dispatch=dispatch)
+    x, ids, weights = _tokens(rank)
+    x.requires_grad_(True)
+    weights.requires_grad_(True)
+    y = ep(x, ids, weights)
+    (y * torch.arange(1.0, H + 1)).sum().backward()
+    return y.detach(), x.grad, weights.grad, ep.block.w.grad
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("dispatch", ["allgather", "alltoall"])
+def test_unequal_token_counts(dispatch):
+    """Every EP rank with its own token count (one with none): outputs and gradients exact."""
+    world = 4
+    results = run_distributed(_unequal, world, dispatch)
+    block = _Experts(torch.randn(E, H, H, generator=torch.Generator().manual_seed(99)))
+    w_grads = []
+    for rank, (y, gx, gw, gexp) in enumerate(results):
+        x, ids, weights = _tokens(rank)
+        x.requires_grad_(True)
+        weights.requires_grad_(True)
+        want = block(x, ids, weights)
+        (want * torch.arange(1.0, H + 1)).sum().backward()
+        torch.testing.assert_close(y, want.detach(), rtol=TOL, atol=1e-6)
+        torch.testing.assert_close(gx, x.grad, rtol=TOL, atol=1e-6)
+        torch.testing.assert_close(gw, weights.grad, rtol=TOL, atol=1e-6)
+        w_grads.append(gexp)
+    torch.testing.assert_close(torch.cat(w_grads), block.w.grad, rtol=TOL, atol=1e-5)
