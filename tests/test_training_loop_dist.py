@@ -85,6 +85,15 @@ CASES = {
     "mixtral-dp2-ep2": dict(model="mixtral", plan=dict(dp=2, ep=2)),
     "mixtral-tp2xdp2-ep2-export": dict(world=4, model="mixtral", method="export", plan=dict(tp=2, dp=2, ep=2)),
     "qwen2-moe-dp2-ep2-export": dict(model="qwen2-moe", method="export", plan=dict(dp=2, ep=2)),
+    "qwen2-moe-ep2-zero3-compile": dict(door="compile", model="qwen2-moe", plan=dict(dp=2, ep=2, sdp="zero3")),
+    "mixtral-ep2-zero3-ckpt": dict(matrix=True, model="mixtral", plan=dict(dp=2, ep=2, sdp="zero3", ckpt=True)),
+    "mixtral-pp2xdp2-ep2": dict(matrix=True, world=4, model="mixtral", clip="dm",
+                                plan=dict(pp=2, dp=2, ep=2, micro_batches=2, sdp="zero2")),
+    "mixtral-ep2-bf16": dict(matrix=True, model="mixtral", precision="bf16-mixed", plan=dict(dp=2, ep=2)),
+    "mixtral-bf16-zero2": dict(matrix=True, model="mixtral", precision="bf16-mixed", plan=dict(dp=2, sdp="zero2")),
+    "mixtral-ep2-frozen-experts": dict(matrix=True, model="mixtral-frozen-experts", plan=dict(dp=2, ep=2)),
+    "mixtral-ep2-frozen-router-zero3": dict(matrix=True, model="mixtral-frozen-router",
+                                            plan=dict(dp=2, ep=2, sdp="zero3")),
 }
 FROZEN = ("embed", "norm")
 
@@ -105,6 +114,11 @@ def _model(kind: str):
         return loops.neox()
     if kind in ("mixtral", "qwen2-moe"):
         return loops.moe(kind)
+    if kind.startswith("mixtral-frozen-"):   # expert weights or routers frozen
+        model = loops.moe("mixtral")
+        for name, p in model.named_parameters():
+            p.requires_grad_(("experts" if kind.endswith("experts") else "mlp.gate") not in name)
+        return model
     if kind == "llama6":
         return loops.llama(layers=6)
     return loops.llama(lora=kind == "lora", freeze=FROZEN if kind == "frozen" else ())
@@ -185,9 +199,11 @@ def _run(rank, world, name):
     if case["model"] == "frozen" or "ep" in case["plan"]:   # per-rank states bytes == the estimate
         cm = CostModel(gm, gfx.Cluster.preset(f"{world}xA100-80GB"), reserve_bytes=0, precision=case["precision"])
         out["states"] = dm.states_bytes(opt)["total"]
-        out["predicted"] = sum(cm.states_bytes(i, s, dp_index=Layout(s.tp, s.dp).batch_index(rank),
-                                               tp_index=Layout(s.tp, s.dp).tp_index(rank)).total
-                               for i, s in enumerate(plan.layer_strategies()))
+        n = world // plan.pp   # this rank's stage: its chunks' layers, its place in the stage
+        mine = {i for c in plan.rank_chunks(rank // n) for i in range(plan.stages[c][0], plan.stages[c][1] + 1)}
+        out["predicted"] = sum(cm.states_bytes(i, s, dp_index=Layout(s.tp, s.dp).batch_index(rank % n),
+                                               tp_index=Layout(s.tp, s.dp).tp_index(rank % n)).total
+                               for i, s in enumerate(plan.layer_strategies()) if i in mine)
     if case["precision"] != "fp32":   # the returned norm is the norm of the whole gradient
         opt.zero_grad()
         dm.train_step(**batches[0])

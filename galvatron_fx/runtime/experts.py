@@ -61,8 +61,9 @@ def local_grouped_mm(key: str, x: torch.Tensor, w: torch.Tensor, *args, **kwargs
     """``op(x, w, offs)`` (a grouped matmul, :func:`op_key`: rows ``[offs[g-1], offs[g])`` of
     ``x`` times ``w[g]``) with ``w`` holding this rank's ``n`` experts and ``offs`` the offsets of
     all ``E``: the rows of the first ``n`` groups are computed, the rest (other ranks' experts,
-    sentinels) are zero."""
+    sentinels) are zero. ``x`` is cast to ``w``'s dtype (a mixed-precision working copy)."""
     op = _OPS[key]
+    x = x.to(w.dtype)
     if "offs" in kwargs:
         offs = kwargs.pop("offs")
     else:
@@ -87,14 +88,24 @@ def _sizes(n: int, group, size: int, device) -> list[int]:
     return [int(v) for v in out.tolist()]
 
 
-def _gather(x: torch.Tensor, sizes: list[int], group) -> list[torch.Tensor]:
-    """Every rank's ``x`` (rows ``sizes[r]``), padded to the longest for one all-gather."""
+def _gather_padded(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """``[len(sizes) * max(sizes), ...]``: every rank's ``x`` (rows ``sizes[r]``), each padded to
+    the longest, by one all-gather."""
     m = max(sizes)
     pad = x.new_zeros((m, *x.shape[1:]))
     pad[:x.shape[0]] = x
     out = x.new_empty((len(sizes) * m, *x.shape[1:]))
     all_gather_single(out, pad.contiguous(), group=group)
+    return out
+
+
+def _unpad(out: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return [c[:s] for c, s in zip(out.chunk(len(sizes)), sizes)]
+
+
+def _gather(x: torch.Tensor, sizes: list[int], group) -> list[torch.Tensor]:
+    """Every rank's ``x`` (rows ``sizes[r]``)."""
+    return _unpad(_gather_padded(x, sizes, group), sizes)
 
 
 def _scatter(parts: list[torch.Tensor], index: int, group) -> torch.Tensor:
@@ -109,17 +120,26 @@ def _scatter(parts: list[torch.Tensor], index: int, group) -> torch.Tensor:
 
 
 class _GatherTokens(torch.autograd.Function):
-    """Forward: every EP rank's rows; backward: each rank's gradients summed back to their owner."""
+    """Forward: every EP rank's rows, padded (:func:`_gather_padded`; :func:`gather_tokens` cuts
+    them, outside the Function: views made in its forward could not be modified in place);
+    backward: each rank's gradients summed back to their owner."""
 
     @staticmethod
     def forward(ctx, x, sizes, index, group):
-        ctx.sizes, ctx.index, ctx.group, ctx.like = sizes, index, group, x.new_empty((0, *x.shape[1:]))
-        return tuple(_gather(x, sizes, group))
+        ctx.sizes, ctx.index, ctx.group = sizes, index, group
+        return _gather_padded(x, sizes, group)
 
     @staticmethod
-    def backward(ctx, *grads):
-        grads = [ctx.like.new_zeros((s, *ctx.like.shape[1:])) if g is None else g for g, s in zip(grads, ctx.sizes)]
-        return _scatter([g.contiguous() for g in grads], ctx.index, ctx.group), None, None, None
+    def backward(ctx, grad):
+        m = max(ctx.sizes)
+        out = grad.new_empty((m, *grad.shape[1:]))
+        reduce_scatter_single(out, grad.contiguous(), group=ctx.group)
+        return out[:ctx.sizes[ctx.index]], None, None, None
+
+
+def gather_tokens(x: torch.Tensor, sizes: list[int], index: int, group) -> list[torch.Tensor]:
+    """Every EP rank's rows of ``x`` (autograd: gradients go back to their owner, summed)."""
+    return _unpad(_GatherTokens.apply(x, sizes, index, group), sizes)
 
 
 class _ScatterTokens(torch.autograd.Function):
@@ -222,8 +242,8 @@ class ExpertParallel(nn.Module):
 
     def _allgather(self, x, index, weights, rest, tp_split):
         sizes = _sizes(x.shape[0], self.group, self.ep, x.device)
-        xs = _GatherTokens.apply(x, sizes, self.ep_index, self.group)
-        ws = _GatherTokens.apply(weights, sizes, self.ep_index, self.group)
+        xs = gather_tokens(x, sizes, self.ep_index, self.group)
+        ws = gather_tokens(weights, sizes, self.ep_index, self.group)
         with torch.no_grad():
             ids = [self._mine(ij, tp_split) for ij in _gather(index, sizes, self.group)]
         if not self.compact:

@@ -415,6 +415,7 @@ def _unshard(t: torch.Tensor, info, ranks: tuple[int, ...]) -> torch.Tensor:
     from ..sharding import unshard
     from .groups import all_gather_single, group
 
+    t = t.detach()   # NOTE: ZeRO-2's whole buffer is an autograd leaf: its clone would require grad
     flat = t.new_empty(len(ranks) * t.numel())
     all_gather_single(flat, t.contiguous().reshape(-1), group=group(ranks))
     return unshard([c.view(t.shape) for c in flat.chunk(len(ranks))], info)
