@@ -48,6 +48,9 @@ def cmd_layers(args: argparse.Namespace) -> int:
     gm = _capture(model, example_args, args.method)
     records = layers(gm)
     info = gm.meta["galvatron"]
+    from .sharding.experts import describe, layer_blocks
+
+    moe = {i: describe(b) for i, b in layer_blocks(gm).items()}
     report = None
     if args.tp is not None:
         from .sharding.report import tp_report
@@ -59,21 +62,26 @@ def cmd_layers(args: argparse.Namespace) -> int:
                 for r in records]
         for row, rep in zip(rows, report or []):
             row["tp_report"] = rep.to_dict()
+        for row in rows:
+            row["experts"] = moe.get(row["index"])
         _write_json(args.json, {"model": args.model, "method": args.method, "grouping": info.grouping,
                                 "fingerprint": info.fingerprint, "layers": rows})
     sigs: dict[str, str] = {}
     print(f"{args.model}: {len(records)} layers ({info.grouping}), captured by {args.method} "
           f"in {time.perf_counter() - t0:.1f}s, fingerprint {info.fingerprint[:12]}")
     tp_col = f"  tp={args.tp}{' sp' if args.sp else ''}" if report else ""
-    print(f"{'#':>4}  {'name':<28} {'kind':<6} {'sig':<4} {'params':>12} {'nodes':>6}  {'reads from':<10}{tp_col}")
+    moe_col = f"  {'experts (ep splits them)':<34}" if moe else ""
+    print(f"{'#':>4}  {'name':<28} {'kind':<6} {'sig':<4} {'params':>12} {'nodes':>6}  {'reads from':<10}"
+          f"{moe_col}{tp_col}")
     params = {n.meta["galvatron"].param.fqn: n.meta["galvatron"].param
               for n in gm.graph.nodes if n.op == "get_attr" and n.meta["galvatron"].param}
     for k, r in enumerate(records):
         sig = sigs.setdefault(r.signature, chr(ord("A") + len(sigs)) if len(sigs) < 26 else "?")
         numel = sum(params[p].numel for p in r.params)
         cell = f"  {report[k].summary()}" if report else ""
+        experts = f"  {moe.get(r.index, '-'):<34}" if moe else ""
         print(f"{r.index:>4}  {r.name:<28} {r.kind:<6} {sig:<4} {numel:>12,} {len(r.nodes):>6}  "
-              f"{','.join(map(str, r.consumes_from)) or '-':<10}{cell}")
+              f"{','.join(map(str, r.consumes_from)) or '-':<10}{experts}{cell}")
     if report:
         _print_tp_details(report, every=args.tp_details)
     return 0
@@ -179,8 +187,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _pipeline_constraints(args: argparse.Namespace) -> dict:
-    """Search constraints from ``--pp`` / ``--schedule`` / ``--virtual-stages`` (those given)."""
-    return {k: getattr(args, k) for k in ("pp", "schedule", "virtual_stages") if getattr(args, k, None) is not None}
+    """Search constraints from ``--pp`` / ``--schedule`` / ``--virtual-stages`` / ``--ep`` (those given)."""
+    out = {k: getattr(args, k) for k in ("pp", "schedule", "virtual_stages") if getattr(args, k, None) is not None}
+    if getattr(args, "ep", None):
+        try:
+            out["ep"] = [int(e) for e in str(args.ep).split(",")]
+        except ValueError:
+            raise ConfigError(f"--ep takes degrees like 4 or 1,2,4,8, got {args.ep!r}") from None
+    return out
 
 
 def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
@@ -191,6 +205,8 @@ def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
                    help="pin the pipeline schedule (default: search all but gpipe)")
     p.add_argument("--virtual-stages", type=int, metavar="V",
                    help="pin the chunks per pipeline rank (interleaved schedules; default: searched)")
+    p.add_argument("--ep", metavar="N[,N...]",
+                   help="expert-parallel degrees the MoE layers may take (e.g. 8, or 1,2,4,8; default: searched)")
 
 
 def _maybe_plot(plan, path: str | None) -> None:

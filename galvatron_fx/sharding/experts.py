@@ -195,3 +195,10 @@ def keep_whole(gm: torch.fx.GraphModule, layer_ep: dict[int, int]) -> dict[str, 
                 keep.update({g.name: f"experts split over ep={ep} ranks by expert" for g in b.grouped})
                 keep.update({r.name: f"router of experts split over ep={ep} ranks" for r in b.routers()})
     return keep
+
+
+def describe(blocks: list) -> str:
+    """One line for a layer's experts blocks: ``"8 experts top-2 (2 weights)"``, or why ep cannot split them."""
+    parts = [f"{b.num_experts} experts top-{b.top_k} ({len(b.params)} weights)" if isinstance(b, MoEBlock)
+             else f"experts ep cannot split: {b}" for b in blocks]
+    return "; ".join(parts) or "-"
