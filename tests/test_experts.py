@@ -93,6 +93,15 @@ def test_expert_flops_and_states(mixtral):
     assert cm.ep_of(0, Strategy(1, 4, ep=2)) == 1 and cm.ep_of(1, Strategy(1, 4, ep=2)) == 2
     dispatch, seconds = cm.ep_dispatch(1, 4, Strategy(1, 4, ep=4))
     assert dispatch in ("allgather", "alltoall") and seconds > 0
+    # a measured load imbalance: the busiest EP rank's expert work x 1.5; ep = 1 unchanged
+    skew = CostModel(mixtral, gfx.Cluster.preset("8xA100-80GB"), reserve_bytes=0, precision="fp32", moe_imbalance=1.5)
+    share = m.fwd_flops_expert(4) / (m.fwd_flops_sharded(4) + m.fwd_flops_rep(4))
+    assert 0.3 < share < 1
+    s = Strategy(1, 4, ep=2)
+    assert skew.layer_cost(1, s, 16).fwd_s == pytest.approx(cm.layer_cost(1, s, 16).fwd_s * (1 + 0.5 * share))
+    assert skew.layer_cost(1, Strategy(1, 4), 16).fwd_s == cm.layer_cost(1, Strategy(1, 4), 16).fwd_s
+    with pytest.raises(ConfigError, match="moe_imbalance"):
+        CostModel(mixtral, gfx.Cluster.preset("8xA100-80GB"), moe_imbalance=0.5)
 
 
 def test_search_shards_experts_where_states_decide():

@@ -116,6 +116,7 @@ class Point:
     wgrad_whole_elems: float = 0.0    # row-parallel outputs: partial sums, whole even under SP
     wgrad_row_bias_elems: float = 0.0  # row-parallel outputs with a bias (a second node under TP)
     saved_expert_elems: float = 0.0   # floating elements saved inside experts blocks (also counted above)
+    fwd_flops_expert: float = 0.0     # forward FLOPs inside experts blocks (also counted above)
     fwd_allreduce_elems: list[float] = field(default_factory=list)  # per TP collective, forward
     bwd_allreduce_elems: list[float] = field(default_factory=list)  # per TP collective, backward
 
@@ -164,7 +165,8 @@ class LayerMeasure:
 _SCALARS = ("fwd_flops_sharded", "fwd_flops_rep", "bwd_flops", "saved_sharded_elems", "saved_rep_elems",
             "saved_gathered_elems",
             "saved_other_bytes", "input_elems", "input_other_bytes", "output_elems", "wgrad_sharded_elems",
-            "wgrad_rep_elems", "wgrad_whole_elems", "wgrad_row_bias_elems", "saved_expert_elems")
+            "wgrad_rep_elems", "wgrad_whole_elems", "wgrad_row_bias_elems", "saved_expert_elems",
+            "fwd_flops_expert")
 
 
 def measure_layer(layer: LayerGraph, sizes: tuple[int, ...] = MEASURE_SIZES,
@@ -315,6 +317,8 @@ def measure_point(layer: LayerGraph, n: int, compute_dtype: torch.dtype | None =
             outs = rec.run(*args)
         outs = [o for o in pytree.tree_leaves(outs) if isinstance(o, torch.Tensor)]
         for name, v in rec.node_flops.items():
+            if name in layer.expert_nodes:
+                p.fwd_flops_expert += v
             if layer.roles.get(name) in ("column", "row") or layer.in_sharded.get(name, False):
                 p.fwd_flops_sharded += v
             else:

@@ -212,7 +212,8 @@ class CostModel:
     def __init__(self, gm: torch.fx.GraphModule, cluster: Cluster, dtype: str = "fp32", mode: str | None = None,
                  optimizer: str = "adam", mixed_precision: bool = False, reserve_bytes: int | str = "1GiB",
                  bucket_bytes: int | str = "25MiB", cache_dir=None, profile_sizes: tuple[int, ...] | None = None,
-                 precision: str | None = None, reduce_dtype: str = "fp32", profile_repeats: int = 5):
+                 precision: str | None = None, reduce_dtype: str = "fp32", profile_repeats: int = 5,
+                 moe_imbalance: float = 1.0):
         if mode not in ("analytic", "profiled", None):
             raise ConfigError(f"cost mode must be 'analytic' or 'profiled', got {mode!r}")
         if precision is not None:
@@ -234,6 +235,10 @@ class CostModel:
         self.reserve_bytes = parse_bytes(reserve_bytes, "reserve") if reserve_bytes not in (0, "0", None) else 0
         self.bucket_bytes = parse_bytes(bucket_bytes, "bucket_bytes") if bucket_bytes else 0
         self.cache_dir, self.profile_sizes, self.profile_repeats = cache_dir, profile_sizes, profile_repeats
+        if not isinstance(moe_imbalance, (int, float)) or moe_imbalance < 1:
+            raise ConfigError(f"moe_imbalance must be a number >= 1 (the busiest expert-parallel rank's expert "
+                              f"work over the mean; 1 = a uniform router), got {moe_imbalance!r}")
+        self.moe_imbalance = float(moe_imbalance)
         info = gm.meta.get(META_KEY)
         if info is None or not info.layers:
             raise ConfigError("the cost model needs a layer-grouped graph: capture the model with gfx.capture() "
@@ -447,6 +452,16 @@ class CostModel:
         return fwd * (2 if s.ckpt else 1) + bwd
 
     def _compute_times(self, index: int, n: float, s: Strategy) -> tuple[float, float]:
+        fwd, bwd = self._plain_compute_times(index, n, s)
+        m = self.measure(index)
+        if self.moe_imbalance > 1 and self.ep_of(index, s) > 1:
+            # NOTE: the busiest EP rank sets the pace: its experts' share of the layer's work scaled
+            total = m.fwd_flops_sharded(n) + m.fwd_flops_rep(n)
+            k = 1 + (self.moe_imbalance - 1) * (m.fwd_flops_expert(n) / total if total else 0.0)
+            fwd, bwd = fwd * k, bwd * k
+        return fwd, bwd
+
+    def _plain_compute_times(self, index: int, n: float, s: Strategy) -> tuple[float, float]:
         m = self.measure(index)
         if self.mode == "analytic":
             fwd_f, bwd_f = self._fwd_flops(m, n, s)
@@ -616,7 +631,8 @@ class CostModel:
         fwd_rep = 2 if s.ckpt else 1
         gather = ct("all_gather", ep * T * (row + meta), group, calls=3) + ct("reduce_scatter", ep * T * row, group)
         allgather = gather * (fwd_rep + 1) + ct("all_gather", 8 * ep, group) * fwd_rep
-        sent = ep * ex.needing_fraction(ep) * T / s.tp * (row + meta + 8)
+        # NOTE: the busiest rank (moe_imbalance x the mean) receives that many more tokens
+        sent = ep * ex.needing_fraction(ep) * T / s.tp * (row + meta + 8) * self.moe_imbalance
         a2a = ct("all_to_all", sent, group, calls=4) + ct("all_to_all", sent * row / (row + meta + 8), group)
         alltoall = a2a * (fwd_rep + 1) + ct("all_to_all", 16 * ep, group) * fwd_rep
         best = min((allgather, "allgather"), (alltoall, "alltoall"))
