@@ -75,7 +75,35 @@ def coupling(node) -> str | None:
         training = node.kwargs.get("training", node.args[5] if len(node.args) > 5 else False)
         if training is True:
             return f"{node.name} ({_op(node)}) normalises with statistics over the batch (training mode)"
+    if node.op != "placeholder" and _base_op(node) in _PRODUCTS and sum(_batch_reduced(a) for a in set(node.all_input_nodes)) >= 2:
+        return (f"{node.name} ({_op(node)}) multiplies two statistics over the whole batch (a router's "
+                "load-balancing loss: token fractions x mean probabilities)")
     return None
+
+
+_PRODUCTS = ("mul", "mul_", "matmul", "mm", "bmm", "einsum")
+
+
+def _base_op(node) -> str:
+    """The op's name without overload (``aten.mul.Tensor`` -> ``mul``)."""
+    t = node.target
+    return t.overloadpacket.__name__ if isinstance(t, torch._ops.OpOverload) else _op(node)
+_REDUCED = "galvatron.batch_reduced"
+
+
+def _batch_reduced(node) -> bool:
+    """Whether ``node`` is a tensor computed from batched values but no longer indexed by the
+    batch (a mean or sum over it, or something computed from one): a statistic of the batch.
+    Products of two such are not sums over samples, so shards cannot add them up."""
+    if _REDUCED in node.meta:
+        return node.meta[_REDUCED]
+    node.meta[_REDUCED] = False   # NOTE: cycles cannot occur in a graph; this guards deep recursion re-entry
+    info = node.meta.get(META_KEY)
+    val = node.meta.get("val")
+    out = (isinstance(val, torch.Tensor) and val.is_floating_point() and not getattr(info, "batch_dims", ())
+           and any(getattr(a.meta.get(META_KEY), "batch_dims", ()) or _batch_reduced(a) for a in node.all_input_nodes))
+    node.meta[_REDUCED] = bool(out)
+    return node.meta[_REDUCED]
 
 
 def _op(node) -> str:

@@ -52,6 +52,20 @@ def test_shared_experts_stay_outside_the_block(qwen):
     assert all(".mlp.experts." in n for n in names)   # shared_expert / its gate: dense, outside
 
 
+def test_a_load_balancing_loss_couples_the_batch():
+    """A router's auxiliary loss multiplies two statistics of the whole batch (token fractions per
+    expert x mean router probabilities): split over DP ranks or micro-batches it is another loss
+    (measured: 3.5e-5 relative on this model at dp 2), so its layer is batch-coupled (runs on the
+    gathered batch; tests/test_training_loop_dist.py -k aux trains it exactly)."""
+    model = loops.moe("mixtral")
+    model.config.output_router_logits, model.config.router_aux_loss_coef = True, 0.5
+    gm = gfx.capture(model, (), kwargs=loops.collate(1)[0], method="export")
+    coupled = {r.name: r.batch_coupled for r in gm.meta["galvatron"].layers if r.batch_coupled}
+    assert list(coupled) == ["post"] and "load-balancing" in coupled["post"][0]
+    plain = gfx.capture(loops.moe("mixtral"), (), kwargs=loops.collate(1)[0], method="export")
+    assert not any(r.batch_coupled for r in plain.meta["galvatron"].layers)
+
+
 def test_ep_in_plans_applies_to_layers_with_experts(mixtral):
     plan = gfx.Plan.uniform(mixtral, 4, dp=4, ep=2, global_batch_size=8)
     assert [lp.ep for lp in plan.layers] == [1, 2, 2, 1]

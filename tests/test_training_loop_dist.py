@@ -91,6 +91,8 @@ CASES = {
                                 plan=dict(pp=2, dp=2, ep=2, micro_batches=2, sdp="zero2")),
     "mixtral-ep2-bf16": dict(matrix=True, model="mixtral", precision="bf16-mixed", plan=dict(dp=2, ep=2)),
     "mixtral-bf16-zero2": dict(matrix=True, model="mixtral", precision="bf16-mixed", plan=dict(dp=2, sdp="zero2")),
+    # the router's load-balancing loss is a product of batch statistics: its layer runs on the whole batch
+    "mixtral-aux-dp2-ep2-export": dict(model="mixtral-aux", method="export", plan=dict(dp=2, ep=2)),
     "mixtral-ep2-frozen-experts": dict(matrix=True, model="mixtral-frozen-experts", plan=dict(dp=2, ep=2)),
     "mixtral-ep2-frozen-router-zero3": dict(matrix=True, model="mixtral-frozen-router",
                                             plan=dict(dp=2, ep=2, sdp="zero3")),
@@ -114,6 +116,10 @@ def _model(kind: str):
         return loops.neox()
     if kind in ("mixtral", "qwen2-moe"):
         return loops.moe(kind)
+    if kind == "mixtral-aux":   # output_router_logits: the loss adds the load-balancing loss
+        model = loops.moe("mixtral")
+        model.config.output_router_logits, model.config.router_aux_loss_coef = True, 0.5
+        return model
     if kind.startswith("mixtral-frozen-"):   # expert weights or routers frozen
         model = loops.moe("mixtral")
         for name, p in model.named_parameters():
