@@ -257,8 +257,7 @@ class CostModel:
             if rec.signature in self.graphs:
                 continue
             graph = extract_layer(gm, rec, grad_nodes, batch)
-            graph.expert_nodes = frozenset(n.name for b in self._blocks().get(rec.index, ())
-                                           if isinstance(b, MoEBlock) for n in b.nodes)
+            graph.expert_nodes = self._moe()[1].get(rec.index, frozenset())
             # NOTE: which ops TP shards comes from the tensor-parallel pass's own analysis (at degree
             # 2, representative of any degree the layer admits), so FLOPs, activations and TP
             # traffic are priced for exactly what the rewrite does
@@ -274,21 +273,26 @@ class CostModel:
         self._profiles: dict[tuple, dict] = {}
 
     # ------------------------------------------------------------------ inputs
-    def _blocks(self) -> dict:
-        """Layer index -> its experts blocks (cached)."""
-        if "_moe" not in self.__dict__:
-            self._moe = layer_blocks(self.gm)
-        return self._moe
+    def _moe(self) -> tuple[dict, dict]:
+        """``(layer -> LayerExperts, layer -> names of its experts blocks' nodes)``, cached.
+        NOTE: no fx nodes are kept: the cost model lives in the graph's metadata, which the
+        rewrite passes deep-copy."""
+        if "_moe_info" not in self.__dict__:
+            experts, names = {}, {}
+            for i, blocks in layer_blocks(self.gm).items():
+                if not all(isinstance(b, MoEBlock) for b in blocks):
+                    continue
+                x = tensor_val(blocks[0].x)
+                experts[i] = LayerExperts(frozenset(p.target for b in blocks for p in b.params),
+                                          tuple(b.num_experts for b in blocks), blocks[0].top_k, int(x.shape[1]),
+                                          int(x.shape[0]) / capture_batch(self.gm))
+                names[i] = frozenset(n.name for b in blocks for n in b.nodes)
+            self._moe_info = (experts, names)
+        return self._moe_info
 
     def experts(self, index: int) -> LayerExperts | None:
         """Layer ``index``'s experts, or None when it has none expert parallelism can split."""
-        blocks = self._blocks().get(index, ())
-        if not blocks or not all(isinstance(b, MoEBlock) for b in blocks):
-            return None
-        x = tensor_val(blocks[0].x)
-        return LayerExperts(frozenset(p.target for b in blocks for p in b.params),
-                            tuple(b.num_experts for b in blocks), blocks[0].top_k, int(x.shape[1]),
-                            int(x.shape[0]) / capture_batch(self.gm))
+        return self._moe()[0].get(index)
 
     def ep_of(self, index: int, strategy: Strategy) -> int:
         """The expert-parallel degree layer ``index`` runs at under ``strategy`` (1 where it has no
