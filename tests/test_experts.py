@@ -135,3 +135,13 @@ def test_search_shards_experts_where_states_decide():
     base = gfx.search(gm, cluster="8xH100-80GB", global_batch_size=64, constraints={"ep": 1})
     assert max(lp.ep for lp in plan.layers) > 1 and all(lp.ep == 1 for lp in base.layers)
     assert plan.estimate["throughput_samples_s"] >= base.estimate["throughput_samples_s"]
+
+
+def test_a_cost_model_cached_in_the_graph_survives_the_rewrites_copy(mixtral):
+    """search / estimate cache their cost model in the graph's metadata, which transform's passes
+    deep-copy: it must hold no fx nodes (an MoE graph crashed in gfx.transform after gfx.search)."""
+    import copy
+
+    plan = gfx.Plan.uniform(mixtral, 4, dp=4, ep=2, global_batch_size=8)
+    gfx.estimate(mixtral, plan, gfx.Cluster.preset("4xA100-80GB"))
+    copy.deepcopy(mixtral.meta)
