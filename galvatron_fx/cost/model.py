@@ -512,8 +512,8 @@ class CostModel:
         full = ((m.saved_sharded_elems(n) / s.tp + m.saved_rep_elems(n) / rep_div + m.saved_gathered_elems(n))
                 * self.itemsize
                 + m.saved_other_bytes(n))
-        if ep > 1:
-            f = ep * self.experts(index).needing_fraction(ep)
+        if ep > 1:   # the busiest rank serves moe_imbalance x the mean
+            f = ep * self.experts(index).needing_fraction(ep) * self.moe_imbalance
             full += (f - 1) * m.saved_expert_elems(n) * self.itemsize / s.tp
         if s.ckpt:
             return m.input_elems(n) * self.itemsize / rep_div + m.input_other_bytes(n), full
