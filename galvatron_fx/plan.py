@@ -217,9 +217,6 @@ class Plan:
             if dp % ep:
                 raise ConfigError(f"plan {w} ({layer.name!r}): ep={ep} does not divide dp={dp}; the experts are "
                                   f"split over ep ranks of the data-parallel group: use an ep dividing {dp}")
-            if ep > 1 and layer.sp:
-                raise ConfigError(f"plan {w} ({layer.name!r}): ep > 1 with sequence parallelism is not supported "
-                                  "yet; set sp to false on this layer or ep to 1")
             if micro_batch % dp:
                 raise ConfigError(
                     f"plan {w} ({layer.name!r}): dp={dp} does not divide the micro-batch of "

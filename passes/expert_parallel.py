@@ -35,7 +35,7 @@ from ..runtime.experts import ExpertParallel, local_grouped_mm, op_key
 from ..runtime.groups import Layout, group
 from ..sharding.experts import MoEBlock, NotAnExpertsBlock, moe_blocks
 from .context import ContextPass
-from .tensor_parallel import _set_param
+from .tensor_parallel import TOKENS_KEY, _set_param
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +76,11 @@ class ExpertParallelPass(ContextPass):
         ctx, rank = self.ctx, self.ctx.rank
         ep_ranks = lay.ep_ranks(rank)
         ep_index = ep_ranks.index(rank)
-        tp_key = tp_ops.register_group(group(lay.tp_ranks(rank)), lay.tp) if lay.tp > 1 else None
+        # NOTE: TP ranks holding the same tokens split them (sequence-parallel shards are apart already)
+        tp = lay.tp if b.x.meta.get(TOKENS_KEY, "replicated") == "replicated" else 1
+        tp_key = tp_ops.register_group(group(lay.tp_ranks(rank)), lay.tp) if tp > 1 else None
         module = ExpertParallel(_extract(b), b.num_experts, ep_ranks, ep_index, group(ep_ranks),
-                                ctx.stage_plan.layers[i].extra.get("ep_dispatch", "allgather"), lay.tp,
+                                ctx.stage_plan.layers[i].extra.get("ep_dispatch", "allgather"), tp,
                                 lay.tp_index(rank), tp_key, sizes=len(b.sizes),
                                 compact=ctx.symbolic_batch and b.compactable())
         name = f"experts_{j}"

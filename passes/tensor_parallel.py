@@ -73,7 +73,7 @@ from ..sharding import (  # noqa: F401 (unshard: re-exported, it used to live he
     shard_tensor,
     unshard,
 )
-from ..sharding.experts import keep_whole
+from ..sharding.experts import MoEBlock, keep_whole, layer_blocks
 from ..sharding.linear import ADAPTER_WHY
 from ..sharding.report import layer_report
 from .context import ContextPass
@@ -119,6 +119,7 @@ def apply_tensor_parallel(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[in
     layer_tp = {int(k): (int(v[0]), bool(v[1])) for k, v in layer_tp.items() if int(v[0]) > 1}
     keep = keep_whole(gm, layer_ep or {})
     plans = analyze(gm, layer_tp, keep)
+    _mark_expert_tokens(gm, plans, layer_ep or {})
     _warn_shards_nothing(gm, plans)
     keys = {}
     for idx, (tp, _sp) in layer_tp.items():
@@ -151,6 +152,20 @@ def apply_tensor_parallel(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[in
             (log.warning if kinds[idx] == "block" else log.info)(
                 "layer %s (tp=%d): %s run replicated in the TP group", p.name, p.tp, ", ".join(forced))
     return gm
+
+
+TOKENS_KEY = "galvatron.ep_tokens"
+"""Node meta key on an experts block's tokens under TP: ``"replicated"`` (every TP rank holds them
+all: expert parallelism splits them over the TP ranks) or ``"sharded"`` (sequence-parallel shards)."""
+
+
+def _mark_expert_tokens(gm: torch.fx.GraphModule, plans: dict[int, LayerTP], layer_ep: dict[int, int]) -> None:
+    """Record how the TP analysis leaves each expert-parallel block's tokens (:data:`TOKENS_KEY`)."""
+    for idx, blocks in layer_blocks(gm).items():
+        if layer_ep.get(idx, 1) > 1 and idx in plans:
+            for b in blocks:
+                if isinstance(b, MoEBlock):
+                    b.x.meta[TOKENS_KEY] = "replicated" if plans[idx].states.get(b.x.name) is None else "sharded"
 
 
 def _warn_shards_nothing(gm: torch.fx.GraphModule, plans: dict[int, LayerTP]) -> None:

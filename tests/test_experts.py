@@ -78,8 +78,6 @@ def test_ep_in_plans_applies_to_layers_with_experts(mixtral):
     assert all(lp.ep == 1 for lp in gfx.Plan.from_dict(old).layers)   # plans without ep load as before
     with pytest.raises(ConfigError, match="ep=3 does not divide dp=4"):
         gfx.Plan.uniform(mixtral, 4, dp=4, ep=3, global_batch_size=8)
-    with pytest.raises(ConfigError, match="sequence parallelism"):
-        gfx.Plan.uniform(mixtral, 4, tp=2, dp=2, sp=True, ep=2, global_batch_size=8)
 
 
 def test_strategy_space_offers_ep_dividing_dp():

@@ -89,6 +89,7 @@ CASES = {
     "mixtral-ep2-zero3-ckpt": dict(matrix=True, model="mixtral", plan=dict(dp=2, ep=2, sdp="zero3", ckpt=True)),
     "mixtral-pp2xdp2-ep2": dict(matrix=True, world=4, model="mixtral", clip="dm",
                                 plan=dict(pp=2, dp=2, ep=2, micro_batches=2, sdp="zero2")),
+    "qwen2-moe-tp2xdp2-sp-ep2": dict(matrix=True, world=4, model="qwen2-moe", plan=dict(tp=2, dp=2, sp=True, ep=2)),
     "mixtral-ep2-bf16": dict(matrix=True, model="mixtral", precision="bf16-mixed", plan=dict(dp=2, ep=2)),
     "mixtral-bf16-zero2": dict(matrix=True, model="mixtral", precision="bf16-mixed", plan=dict(dp=2, sdp="zero2")),
     # the router's load-balancing loss is a product of batch statistics: its layer runs on the whole batch

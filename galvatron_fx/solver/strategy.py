@@ -149,10 +149,10 @@ def _sp_needs_tp(s: Strategy, o: SpaceOptions) -> bool:
     return s.tp > 1 or not s.sp
 
 
-def _ep_without_sp(s: Strategy, o: SpaceOptions) -> bool:
-    """Expert parallelism splits the experts of MoE layers over ``ep`` ranks of the DP group; the
-    runtime does not combine it with sequence parallelism yet, and offers the degrees ``ep`` lists."""
-    return s.ep == 1 or (not s.sp and s.ep in o.ep)
+def _ep_degrees(s: Strategy, o: SpaceOptions) -> bool:
+    """Expert parallelism splits the experts of MoE layers over ``ep`` ranks of the DP group: the
+    space offers the degrees ``ep`` lists (the search: those some layer's experts divide by)."""
+    return s.ep == 1 or s.ep in o.ep
 
 
 def _switches(s: Strategy, o: SpaceOptions) -> bool:
@@ -170,7 +170,7 @@ def _switches(s: Strategy, o: SpaceOptions) -> bool:
 RULES: tuple[Rule, ...] = tuple(
     Rule(fn.__name__.lstrip("_"), fn, (fn.__doc__ or "").strip())
     for fn in (_power_of_two, _tp_within_node, _tp_divides_heads, _tp_divides_hidden, _max_tp,
-               _sdp_needs_dp, _sp_needs_tp, _ep_without_sp, _switches)
+               _sdp_needs_dp, _sp_needs_tp, _ep_degrees, _switches)
 )
 """Every pruning rule of the space, in the order they are checked. ``tp * dp == devices_per_stage``
 holds by construction (the tree enumerates ``tp`` over divisors and sets ``dp`` from it)."""
