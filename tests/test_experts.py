@@ -20,9 +20,13 @@ from tests import loops
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module", params=["dynamo", "export"])
-def mixtral(request):
-    return gfx.capture(loops.moe("mixtral"), (), kwargs=loops.collate(1)[0], method=request.param)
+def _mixtral(method: str):
+    return gfx.capture(loops.moe("mixtral"), (), kwargs=loops.collate(1)[0], method=method)
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    return _mixtral("dynamo")
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +34,9 @@ def qwen():
     return gfx.capture(loops.moe("qwen2-moe"), (), kwargs=loops.collate(1)[0], method="dynamo")
 
 
-def test_experts_blocks_are_found_with_their_inputs(mixtral):
-    blocks = layer_blocks(mixtral)
+@pytest.mark.parametrize("method", ["dynamo", "export"])
+def test_experts_blocks_are_found_with_their_inputs(mixtral, method):
+    blocks = layer_blocks(mixtral if method == "dynamo" else _mixtral(method))
     assert sorted(blocks) == [1, 2]   # the two decoder layers; embeddings and head have none
     for i, (b,) in blocks.items():
         assert isinstance(b, MoEBlock)
@@ -52,6 +57,7 @@ def test_shared_experts_stay_outside_the_block(qwen):
     assert all(".mlp.experts." in n for n in names)   # shared_expert / its gate: dense, outside
 
 
+@pytest.mark.matrix   # CI time: tests/test_training_loop_dist.py -k aux trains it exactly in CI
 def test_a_load_balancing_loss_couples_the_batch():
     """A router's auxiliary loss multiplies two statistics of the whole batch (token fractions per
     expert x mean router probabilities): split over DP ranks or micro-batches it is another loss

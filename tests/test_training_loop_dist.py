@@ -82,7 +82,7 @@ CASES = {
                             plan=dict(pp=2, dp=1, micro_batches=2, schedule="zbv")),
     "qwen2-moe-tp2xdp2-sp": dict(matrix=True, world=4, model="qwen2-moe", plan=dict(tp=2, dp=2, sp=True)),
     # expert parallelism: each rank holds E / ep experts of every MoE layer (runtime/experts.py)
-    "mixtral-dp2-ep2": dict(model="mixtral", plan=dict(dp=2, ep=2)),
+    "mixtral-dp2-ep2": dict(matrix=True, model="mixtral", plan=dict(dp=2, ep=2)),   # CI: the dispatch test
     "mixtral-tp2xdp2-ep2-export": dict(world=4, model="mixtral", method="export", plan=dict(tp=2, dp=2, ep=2)),
     "qwen2-moe-dp2-ep2-export": dict(model="qwen2-moe", method="export", plan=dict(dp=2, ep=2)),
     "qwen2-moe-ep2-zero3-compile": dict(door="compile", model="qwen2-moe", plan=dict(dp=2, ep=2, sdp="zero3")),
