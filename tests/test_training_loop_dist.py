@@ -90,6 +90,13 @@ CASES = {
     "mixtral-pp2xdp2-ep2": dict(matrix=True, world=4, model="mixtral", clip="dm",
                                 plan=dict(pp=2, dp=2, ep=2, micro_batches=2, sdp="zero2")),
     "qwen2-moe-tp2xdp2-sp-ep2": dict(matrix=True, world=4, model="qwen2-moe", plan=dict(tp=2, dp=2, sp=True, ep=2)),
+    "mixtral-zbv-pp2xdp2-ep2-ckpt": dict(matrix=True, world=4, model="mixtral", clip="dm",
+                                         plan=dict(pp=2, dp=2, ep=2, micro_batches=2, schedule="zbv", ckpt=True)),
+    "mixtral-alltoall-pp2xdp2-ep2-zero3-ckpt": dict(matrix=True, world=4, model="mixtral", clip="dm", dispatch="alltoall",
+                                                    plan=dict(pp=2, dp=2, ep=2, micro_batches=2, sdp="zero3",
+                                                              ckpt=True)),
+    "qwen2-moe-alltoall-tp2xdp2-ep2-compile": dict(matrix=True, world=4, door="compile", model="qwen2-moe",
+                                                   dispatch="alltoall", plan=dict(tp=2, dp=2, ep=2)),
     "mixtral-ep2-bf16": dict(matrix=True, model="mixtral", precision="bf16-mixed", plan=dict(dp=2, ep=2)),
     "mixtral-bf16-zero2": dict(matrix=True, model="mixtral", precision="bf16-mixed", plan=dict(dp=2, sdp="zero2")),
     # the router's load-balancing loss is a product of batch statistics: its layer runs on the whole batch
@@ -159,6 +166,9 @@ def _run(rank, world, name):
     loss_of = (lambda out: out) if gpt else (lambda out: out.loss)
     gm = gfx.capture(model, (), kwargs=batches[0], method=case["method"])
     plan = gfx.Plan.uniform(gm, world, global_batch_size=loops.B, precision=case["precision"], **case["plan"])
+    for lp in plan.layers:   # the token dispatch of expert-parallel layers (default: all-gather)
+        if lp.ep > 1 and "dispatch" in case:
+            lp.extra["ep_dispatch"] = case["dispatch"]
     total_norms, handed = [], []
 
     def data(b, dm):
