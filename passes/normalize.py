@@ -15,7 +15,8 @@ Output (a new GraphModule), whatever the front end:
 * ``node.meta["val"]`` holds fake tensors from a FakeTensorProp run (no real memory is touched,
   so models on the meta device work);
 * ``gm.meta["galvatron"]`` is a :class:`GraphInfo` (layers still empty; see layer_grouping);
-* dropout calls follow the step (:mod:`galvatron_fx.runtime.dropout`: off in ``eval_step``).
+* dropout calls follow the step (:mod:`galvatron_fx.runtime.dropout`: off in ``eval_step``);
+* ``histc`` runs on integer input on every device (:func:`galvatron_fx.runtime.experts.histc`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ..batch_symbol import annotate, batch_symbols, factor
 from ..errors import CaptureError
 from ..ir import META_KEY, GraphInfo, NodeInfo, ParamInfo
 from ..runtime.dropout import dropout, scaled_dot_product_attention
+from ..runtime.experts import histc
 from .base import GraphPass, check
 
 CONSTANTS_PREFIX = "_constants"
@@ -193,6 +195,8 @@ class NormalizePass(GraphPass):
                     _follow_the_step(env[node])
                 elif node.target in _ATTENTIONS and _attention_dropout(env[node]):
                     env[node].target = scaled_dot_product_attention
+                elif node.target in _HISTCS:   # a device branch baked at capture (runtime/experts.py)
+                    env[node].target = histc
 
         _unpack_sizes(graph, raw_vals)
         for node in graph.nodes:
@@ -273,6 +277,7 @@ def _unpack_sizes(graph: torch.fx.Graph, raw_vals: dict) -> None:
 
 
 _DROPOUTS = {torch.nn.functional.dropout, torch.dropout, torch.ops.aten.dropout.default}
+_HISTCS = {torch.histc, torch.ops.aten.histc.default}
 
 
 _ATTENTIONS = {torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}

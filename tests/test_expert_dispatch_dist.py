@@ -183,3 +183,51 @@ def test_saved_activations_of_an_ep_plan_match_the_estimate():
         mean = sum(m for m, _ in res) / len(res)
         assert abs(mean - res[0][1]) <= 0.02 * res[0][1], (ep, res)
         assert all(abs(m - p) <= 0.15 * p for m, p in res), (ep, res)
+
+
+def _mixtral_config():
+    import transformers as tf
+
+    return tf.MixtralConfig(vocab_size=loops.V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                            max_position_embeddings=32, use_cache=False)
+
+
+def _meta_moe(rank, world):
+    """A Mixtral built on the meta device (captured there: transformers then bakes its off-CPU
+    ``.int()`` histogram input), DP2+EP2: this rank's parts initialised, three AdamW steps."""
+    import transformers as tf
+
+    import galvatron_fx as gfx
+
+    with torch.device("meta"):
+        meta = tf.MixtralForCausalLM(_mixtral_config())
+    batches = loops.collate(3)
+    gm = gfx.capture(meta, (), kwargs={k: v.to("meta") for k, v in batches[0].items()}, method="dynamo")
+    dm = gfx.transform(gm, plan=gfx.Plan.uniform(gm, world, global_batch_size=loops.B, dp=2, ep=2))
+    dm.init_weights(seed=7)
+    return dm.full_state_dict(), loops.step_losses(dm, batches, lr=1e-2)
+
+
+@pytest.mark.dist
+@pytest.mark.matrix
+def test_a_meta_device_moe_initialises_its_experts_and_trains():
+    import transformers as tf
+
+    ref = tf.MixtralForCausalLM(_mixtral_config())
+    for t in [*ref.modules(), *ref.parameters()]:
+        t.__dict__.pop("_is_hf_initialized", None)
+    torch.manual_seed(7)
+    ref.initialize_weights()
+    init = {k: p.detach().clone() for k, p in ref.named_parameters()}
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    losses = []
+    for b in loops.collate(3):
+        loss = ref(**b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    for full, got in run_distributed(_meta_moe, 2, timeout=300):
+        assert all(torch.equal(full[k], v) for k, v in init.items())   # the same whole experts
+        assert loops.rel(got, losses) < 1e-4, (got, losses)

@@ -80,6 +80,14 @@ def local_grouped_mm(key: str, x: torch.Tensor, w: torch.Tensor, *args, **kwargs
     return torch.cat([y, y.new_zeros((x.shape[0] - rows, *y.shape[1:]))])
 
 
+def histc(x: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:  # noqa: A002
+    """``torch.histc`` on any device (the normalise pass redirects every histc here): integer input
+    counted as float32 (exact below 2^24). transformers counts expert ids with ``.int()`` off the CPU
+    and ``.float()`` on it, a branch baked at capture: a meta-device capture then ran on the CPU,
+    which has no integer histc kernel."""
+    return torch.histc(x if x.is_floating_point() else x.float(), bins, min, max)
+
+
 def _sizes(n: int, group, size: int, device) -> list[int]:
     """Every rank's row count (a tiny all-gather): DP ranks may hold unequal batches."""
     mine = torch.tensor([n], dtype=torch.int64, device=device)
