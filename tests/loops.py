@@ -148,6 +148,18 @@ def plain_losses(model, batches, lr: float, opt=None) -> list[float]:
     return out
 
 
+def initialised_reference(model, seed: int, batches, lr: float) -> tuple[dict, list[float]]:
+    """One device: ``model`` re-initialised by its own initialiser under ``seed`` (what
+    ``dist_model.init_weights(seed=seed)`` reproduces) and its parameters, then the losses of the
+    plain AdamW loop over ``batches``."""
+    for t in [*model.modules(), *model.parameters()]:
+        t.__dict__.pop("_is_hf_initialized", None)
+    torch.manual_seed(seed)
+    model.initialize_weights()
+    init = {k: p.detach().clone() for k, p in model.named_parameters()}
+    return init, plain_losses(model, batches, lr)
+
+
 def step_losses(dm, batches, lr: float) -> list[float]:
     """The same plain loop on a distributed model (``dm.train_step``, AdamW over ``dm.parameters()``)."""
     opt = torch.optim.AdamW(dm.parameters(), lr=lr)

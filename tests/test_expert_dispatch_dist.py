@@ -214,20 +214,7 @@ def _meta_moe(rank, world):
 def test_a_meta_device_moe_initialises_its_experts_and_trains():
     import transformers as tf
 
-    ref = tf.MixtralForCausalLM(_mixtral_config())
-    for t in [*ref.modules(), *ref.parameters()]:
-        t.__dict__.pop("_is_hf_initialized", None)
-    torch.manual_seed(7)
-    ref.initialize_weights()
-    init = {k: p.detach().clone() for k, p in ref.named_parameters()}
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    losses = []
-    for b in loops.collate(3):
-        loss = ref(**b).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    init, losses = loops.initialised_reference(tf.MixtralForCausalLM(_mixtral_config()), 7, loops.collate(3), lr=1e-2)
     for full, got in run_distributed(_meta_moe, 2, timeout=300):
         assert all(torch.equal(full[k], v) for k, v in init.items())   # the same whole experts
         assert loops.rel(got, losses) < 1e-4, (got, losses)

@@ -503,20 +503,8 @@ def test_meta_device_model_initialises_and_loads_only_its_parts(tmp_path, spec):
     _meta, cfg = _meta_llama()
     torch.manual_seed(3)
     tf.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "pretrained")
-    ref = tf.LlamaForCausalLM(cfg)     # one device: the same seed, the same initialiser
-    for t in [*ref.modules(), *ref.parameters()]:
-        t.__dict__.pop("_is_hf_initialized", None)
-    torch.manual_seed(7)
-    ref.initialize_weights()
-    init = {k: p.detach().clone() for k, p in ref.named_parameters()}
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    losses = []
-    for b in loops.collate(3):
-        loss = ref(**b).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    # one device: the same seed, the same initialiser
+    init, losses = loops.initialised_reference(tf.LlamaForCausalLM(cfg), 7, loops.collate(3), lr=1e-2)
     pre = tf.LlamaForCausalLM.from_pretrained(tmp_path / "pretrained")
     with torch.no_grad():
         want_eval = pre(**loops.collate(1)[0]).loss.item()
