@@ -549,6 +549,11 @@ class CostModel:
             copies = self._copies(xe, xt, xs)
             pass_copy, step_copy = pass_copy + copies[0], step_copy + copies[1]
             ep_comm = self._ep_comm(index, n, s)
+            # NOTE: the dispatch's own ops (pads, slices, per-source id masks and row selections,
+            # index copies), counted from runtime/experts.py's all-gather path: 24 + 12 per source
+            c = self.cluster
+            ops = len(self.experts(index).num_experts) * (24 + 12 * s.ep)
+            overhead += ops * (c.op_launch_s * (2 if s.ckpt else 1) + c.op_launch_bwd_s)
         act, recompute = self._activations(m, n, s, ep, index)
         if s.ckpt:
             transient += recompute
