@@ -328,6 +328,7 @@ class Plan:
                          if row else "")
                 lines.append(f"  {i:>4}  {layer.name:<26} {layer.strategy.label:<24} {cells}")
         lines += _tp_lines(self.layers)
+        lines += _ep_lines(self.layers)
         return "\n".join(lines)
 
     # ---------------------------------------------------------- serialisation
@@ -480,6 +481,17 @@ def _schedule_lines(chosen: str, found: dict) -> list[str]:
                    f"{f['throughput_samples_s']:.2f} samples/s, bubble {100 * f['bubble_fraction']:.1f}%, "
                    f"peak activations {_gib(f['activation_bytes'])} per device")
     return out
+
+
+def _ep_lines(layers: list[LayerPlan]) -> list[str]:
+    """One line per distinct expert-parallel setting: the layers, ``ep`` and the token dispatch."""
+    groups: dict[tuple, list[str]] = {}
+    for lp in layers:
+        if lp.ep > 1:
+            groups.setdefault((lp.ep, lp.extra.get("ep_dispatch", "allgather")), []).append(lp.name)
+    return [f"expert parallelism: ep {ep} ({dispatch} dispatch) on {len(names)} layer(s): {', '.join(names[:3])}"
+            f"{' ...' if len(names) > 3 else ''} (applies to layers with experts; others run ep 1)"
+            for (ep, dispatch), names in groups.items()]
 
 
 def _tp_lines(layers: list[LayerPlan]) -> list[str]:
