@@ -97,7 +97,6 @@ def _batch_reduced(node) -> bool:
     Products of two such are not sums over samples, so shards cannot add them up."""
     if _REDUCED in node.meta:
         return node.meta[_REDUCED]
-    node.meta[_REDUCED] = False   # NOTE: cycles cannot occur in a graph; this guards deep recursion re-entry
     info = node.meta.get(META_KEY)
     val = node.meta.get("val")
     out = (isinstance(val, torch.Tensor) and val.is_floating_point() and not getattr(info, "batch_dims", ())

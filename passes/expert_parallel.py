@@ -34,6 +34,8 @@ from ..runtime import tp_ops
 from ..runtime.experts import ExpertParallel, local_grouped_mm, op_key
 from ..runtime.groups import Layout, group
 from ..sharding.experts import MoEBlock, NotAnExpertsBlock, moe_blocks
+from ..sharding.operands import GROUPED_MM
+from ..sharding.state import op_name
 from .context import ContextPass
 from .tensor_parallel import TOKENS_KEY, _set_param
 
@@ -120,14 +122,21 @@ def _extract(b: MoEBlock) -> torch.fx.GraphModule:
     for k, a in enumerate(b.inputs):
         env[a] = g.placeholder(f"{('x', 'index', 'weights')[k]}" if k < 3 else a.name)
         env[a].meta = dict(a.meta)
-    grouped = set(b.grouped)
     for n in b.nodes:
-        if n in grouped:
-            args = torch.fx.map_arg(n.args, env.__getitem__)
-            kwargs = torch.fx.map_arg(n.kwargs, env.__getitem__)
-            env[n] = g.call_function(local_grouped_mm, (op_key(n.target), *args), kwargs)
-            env[n].meta = dict(n.meta)
-        else:
-            env[n] = g.node_copy(n, env.__getitem__)
+        env[n] = g.node_copy(n, env.__getitem__)
     g.output(env[b.output])
+    as_local_grouped_mm(g)
     return torch.fx.GraphModule(nn.Module(), g, class_name="ExpertsBlock")
+
+
+def as_local_grouped_mm(graph: torch.fx.Graph) -> None:
+    """Every grouped matmul of ``graph`` as :func:`~galvatron_fx.runtime.experts.local_grouped_mm`:
+    the groups its weight holds (this rank's experts), tokens cast to the weight's dtype (a
+    mixed-precision working copy; the mixed-precision pass runs every layer's through it)."""
+    for n in list(graph.nodes):
+        if n.op == "call_function" and op_name(n) in GROUPED_MM and len(n.args) >= 2:
+            with graph.inserting_before(n):
+                new = graph.call_function(local_grouped_mm, (op_key(n.target), *n.args), dict(n.kwargs))
+            new.meta = dict(n.meta)
+            n.replace_all_uses_with(new)
+            graph.erase_node(n)

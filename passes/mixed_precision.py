@@ -27,13 +27,11 @@ import torch.fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..ir import StageInfo
-from ..runtime.experts import local_grouped_mm, op_key
 from ..runtime.pipeline import pass_on
 from ..runtime.precision import cast_input, enter_autocast, exit_autocast
-from ..sharding.operands import GROUPED_MM
-from ..sharding.state import op_name
 from .base import check
 from .context import ContextPass
+from .expert_parallel import as_local_grouped_mm
 from .split_layers import layer_calls, route_outputs
 
 
@@ -80,20 +78,9 @@ def autocast_layer(layer: torch.fx.GraphModule, device_type: str, dtype: torch.d
                 p.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
                 cast.meta = dict(p.meta)
     route_outputs(graph, exit_autocast, ac)
-    low_precision_grouped_mm(graph)
+    as_local_grouped_mm(graph)
     graph.lint()
     layer.recompile()
-
-
-def low_precision_grouped_mm(graph: torch.fx.Graph) -> None:
-    """Grouped matmuls of ``graph`` as :func:`local_grouped_mm` (tokens cast to the weights' dtype)."""
-    for n in list(graph.nodes):
-        if n.op == "call_function" and op_name(n) in GROUPED_MM and len(n.args) >= 2:
-            with graph.inserting_before(n):
-                new = graph.call_function(local_grouped_mm, (op_key(n.target), *n.args), dict(n.kwargs))
-            new.meta = dict(n.meta)
-            n.replace_all_uses_with(new)
-            graph.erase_node(n)
 
 
 def _layer_of(top: torch.fx.GraphModule, call: torch.fx.Node) -> torch.fx.GraphModule:

@@ -73,7 +73,7 @@ from ..sharding import (  # noqa: F401 (unshard: re-exported, it used to live he
     shard_tensor,
     unshard,
 )
-from ..sharding.experts import MoEBlock, keep_whole, layer_blocks
+from ..sharding.experts import keep_whole, split_blocks
 from ..sharding.linear import ADAPTER_WHY
 from ..sharding.report import layer_report
 from .context import ContextPass
@@ -117,9 +117,10 @@ def apply_tensor_parallel(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[in
             sp) not divisible by its tp, or ranks inconsistent with the groups.
     """
     layer_tp = {int(k): (int(v[0]), bool(v[1])) for k, v in layer_tp.items() if int(v[0]) > 1}
-    keep = keep_whole(gm, layer_ep or {})
+    split = split_blocks(gm, layer_ep or {})
+    keep = keep_whole(split, layer_ep or {})
     plans = analyze(gm, layer_tp, keep)
-    _mark_expert_tokens(gm, plans, layer_ep or {})
+    _mark_expert_tokens(split, plans)
     _warn_shards_nothing(gm, plans)
     keys = {}
     for idx, (tp, _sp) in layer_tp.items():
@@ -159,13 +160,11 @@ TOKENS_KEY = "galvatron.ep_tokens"
 all: expert parallelism splits them over the TP ranks) or ``"sharded"`` (sequence-parallel shards)."""
 
 
-def _mark_expert_tokens(gm: torch.fx.GraphModule, plans: dict[int, LayerTP], layer_ep: dict[int, int]) -> None:
+def _mark_expert_tokens(split: dict[int, list], plans: dict[int, LayerTP]) -> None:
     """Record how the TP analysis leaves each expert-parallel block's tokens (:data:`TOKENS_KEY`)."""
-    for idx, blocks in layer_blocks(gm).items():
-        if layer_ep.get(idx, 1) > 1 and idx in plans:
-            for b in blocks:
-                if isinstance(b, MoEBlock):
-                    b.x.meta[TOKENS_KEY] = "replicated" if plans[idx].states.get(b.x.name) is None else "sharded"
+    for idx, blocks in split.items():
+        for b in blocks if idx in plans else ():
+            b.x.meta[TOKENS_KEY] = "replicated" if plans[idx].states.get(b.x.name) is None else "sharded"
 
 
 def _warn_shards_nothing(gm: torch.fx.GraphModule, plans: dict[int, LayerTP]) -> None:

@@ -323,7 +323,7 @@ class CostModel:
         own buffers: :meth:`expert_shapes`)."""
         shapes = self.layer_shapes(index, tp, ep)
         experts = self.experts(index).fqns if ep > 1 else frozenset()
-        fqns = [f for f in self._owned_params(index)]
+        fqns = list(self._owned_params(index))
         train = [s for f, s in zip(fqns, shapes) if f not in self._frozen and f not in experts]
         return train, [s for f, s in zip(fqns, shapes) if f in self._frozen and f not in experts]
 
@@ -548,7 +548,7 @@ class CostModel:
             optimizer += held_x * 4 * self.cluster.optimizer_s_per_byte
             copies = self._copies(xe, xt, xs)
             pass_copy, step_copy = pass_copy + copies[0], step_copy + copies[1]
-            ep_comm = self._ep_comm(index, n, s)
+            ep_comm = self.ep_dispatch(index, n, s)[1]
             # NOTE: the dispatch's own ops (pads, slices, per-source id masks and row selections,
             # index copies), counted from runtime/experts.py's all-gather path: 24 + 12 per source
             c = self.cluster
@@ -646,9 +646,6 @@ class CostModel:
         alltoall = a2a * (fwd_rep + 1) + ct("all_to_all", 16 * ep, group) * fwd_rep
         best = min((allgather, "allgather"), (alltoall, "alltoall"))
         return best[1], best[0] + tp * (fwd_rep + 1)
-
-    def _ep_comm(self, index: int, n: float, s: Strategy) -> float:
-        return self.ep_dispatch(index, n, s)[1]
 
     def _whole_batch_gathers(self, m: LayerMeasure, n: float, s: Strategy) -> float:
         """Seconds per micro-batch of ``n`` samples for a batch-coupled layer under ``s`` (dp > 1)

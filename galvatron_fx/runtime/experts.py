@@ -220,11 +220,15 @@ class ExpertParallel(nn.Module):
         lo = self.first_expert
         keep = (ids >= lo) & (ids < lo + self.local_experts)
         if tp_split:
-            start, length = chunk_bounds(ids.shape[0], self.tp, self.tp_index)
-            rows = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-            rows[start:start + length] = True
-            keep &= rows.unsqueeze(-1)
+            keep &= self._tp_rows(ids).unsqueeze(-1)
         return torch.where(keep, ids - lo, torch.full_like(ids, self.num_experts))
+
+    def _tp_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` bools: the rows of this TP rank's chunk of the ``T`` tokens (:func:`chunk_bounds`)."""
+        start, length = chunk_bounds(ids.shape[0], self.tp, self.tp_index)
+        rows = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+        rows[start:start + length] = True
+        return rows
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, *rest):
         tp_split = self.tp > 1
@@ -266,16 +270,14 @@ class ExpertParallel(nn.Module):
 
     def _alltoall(self, x, index, weights, rest, tp_split):
         """Send each EP rank only the rows (of ``x`` [T, H], ``weights`` / ``index`` [T, k]) with an
-        id of its experts (with ``tp_split``: of this TP rank's chunk), run the block per source on
-        its ``T_j`` rows rebuilt around the received ones (others sentinel), send the received rows'
-        outputs back and sum them into ``y`` [T, H]."""
+        id of its experts (with ``tp_split``: of this TP rank's chunk), run the block on the received
+        rows (``compact``; else per source on its ``T_j`` rows rebuilt around them, others sentinel),
+        send the received rows' outputs back and sum them into ``y`` [T, H]."""
         T, k = index.shape
         owner = index // self.local_experts                                        # sentinel E -> ep
         hit = (owner.unsqueeze(-1) == torch.arange(self.ep, device=index.device)).any(1)   # [T, ep]
         if tp_split:
-            start, length = chunk_bounds(T, self.tp, self.tp_index)
-            hit[:start] = False
-            hit[start + length:] = False
+            hit &= self._tp_rows(index).unsqueeze(-1)
         dest, pos = hit.t().nonzero(as_tuple=True)                 # rows by destination, then position
         per_dest = torch.bincount(dest, minlength=self.ep)
         with torch.no_grad():   # per source: (rows it sends here, its T)
@@ -300,9 +302,3 @@ class ExpertParallel(nn.Module):
         back = _AllToAll.apply(torch.cat(outs), send, recv, self.group)
         return back.new_zeros((T, *back.shape[1:])).index_add(0, pos, back)
 
-
-def ep_rank_info(ranks: tuple[int, ...], rank: int) -> tuple[int, object]:
-    """``(index of rank in ranks, process group)`` of an EP group."""
-    from .groups import group
-
-    return ranks.index(rank), group(ranks) if dist.is_initialized() else None

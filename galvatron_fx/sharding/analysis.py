@@ -251,13 +251,14 @@ def analyze_layer(gm: torch.fx.GraphModule, index: int, tp: int, sp: bool = Fals
     split by expert, so left whole), analysed together with the layers sharing a weight with it (a
     tied weight is sharded only if every layer reading it is: what a uniform plan does): its
     :class:`LayerTP`, or the :class:`ConfigError` it raises."""
-    from .experts import keep_whole
+    from .experts import keep_whole, split_blocks
 
     layers = graph_info(gm).layers
     mine = set(layers[index].params)
     partners = [r.index for r in layers if mine & set(r.params)] or [index]
     try:
-        return analyze(gm, {j: (tp, bool(sp)) for j in partners}, keep_whole(gm, {index: ep})).get(index)
+        keep = keep_whole(split_blocks(gm, {index: ep}), {index: ep})
+        return analyze(gm, {j: (tp, bool(sp)) for j in partners}, keep).get(index)
     except ConfigError as exc:
         return exc
 

@@ -79,9 +79,6 @@ class MoEBlock:
         return kx is not None and all(
             (f := getattr(info(s), "batch_factor", None)) is not None and f % kx == 0 for s in self.sizes)
 
-    def param_numel(self) -> int:
-        return sum(tensor_val(p).numel() for p in self.params)
-
 
 class NotAnExpertsBlock(Exception):
     """Why a module with grouped expert weights cannot run expert-parallel."""
@@ -182,18 +179,23 @@ def expert_layers(gm: torch.fx.GraphModule) -> set[str]:
     return {layers[i].name for i in layer_blocks(gm)}
 
 
-def keep_whole(gm: torch.fx.GraphModule, layer_ep: dict[int, int]) -> dict[str, str]:
-    """Linear node name -> why tensor parallelism leaves it whole: the grouped matmuls and routers
-    of the experts blocks of layers with ``ep > 1`` (expert parallelism splits them by expert)."""
-    keep: dict[str, str] = {}
+def split_blocks(gm: torch.fx.GraphModule, layer_ep: dict[int, int]) -> dict[int, list[MoEBlock]]:
+    """Layer index -> the experts blocks expert parallelism splits (layers with ``ep > 1``)."""
     if not any(ep > 1 for ep in layer_ep.values()):
-        return keep
-    for idx, blocks in layer_blocks(gm).items():
-        ep = layer_ep.get(idx, 1)
-        for b in blocks:
-            if ep > 1 and isinstance(b, MoEBlock):
-                keep.update({g.name: f"experts split over ep={ep} ranks by expert" for g in b.grouped})
-                keep.update({r.name: f"router of experts split over ep={ep} ranks" for r in b.routers()})
+        return {}
+    return {idx: [b for b in blocks if isinstance(b, MoEBlock)] for idx, blocks in layer_blocks(gm).items()
+            if layer_ep.get(idx, 1) > 1}
+
+
+def keep_whole(blocks: dict[int, list[MoEBlock]], layer_ep: dict[int, int]) -> dict[str, str]:
+    """Linear node name -> why tensor parallelism leaves it whole: the grouped matmuls and routers
+    of ``blocks`` (:func:`split_blocks`: expert parallelism splits them by expert)."""
+    keep: dict[str, str] = {}
+    for idx, found in blocks.items():
+        ep = layer_ep[idx]
+        for b in found:
+            keep.update({g.name: f"experts split over ep={ep} ranks by expert" for g in b.grouped})
+            keep.update({r.name: f"router of experts split over ep={ep} ranks" for r in b.routers()})
     return keep
 
 
