@@ -19,7 +19,8 @@ Every constructor validates (:class:`ConfigError` naming the key, the value and 
 top-level keys (e.g. ``baselines``) and unknown per-layer keys are kept and written back.
 ``to_json`` is deterministic: sorted keys, 2-space indent, floats in Python's shortest round-trip
 form (``repr``), so identical plans give byte-identical files and ``load`` then ``save`` reproduces
-a file exactly.
+a file exactly. Per layer, ``ep`` (expert parallel), ``cp`` (context parallel) and ``cp_kind``
+(``"ring"`` | ``"ulysses"``) are optional: a plan written before them reads as 1, 1, ``"ring"``.
 
 Estimate values may be ``null`` (``None``): "not estimated" (hand-made plans before
 ``gfx.estimate``). An empty ``model_fingerprint`` means "not recorded".
@@ -37,11 +38,12 @@ from .cluster import PRECISIONS
 from .errors import ConfigError, PlanMismatchError
 from .solver.pipeline import even_split
 from .solver.schedules import check_schedule, chunk_rank, default_virtual_stages, rank_chunks
-from .solver.strategy import SDP_KINDS, Strategy
+from .solver.strategy import CP_KINDS, SDP_KINDS, Strategy
 
 FORMAT = "galvatron_fx.plan/1"
 ESTIMATE_KEYS = ("step_time_s", "throughput_samples_s", "memory_bytes_per_device")
 _LAYER_KEYS = ("name", "tp", "sp", "dp", "sdp", "ckpt")
+_OPTIONAL_LAYER_KEYS = ("ep", "cp", "cp_kind")   # plans written before they existed load with 1 / "ring"
 _TOP_KEYS = ("format", "world_size", "pp", "schedule", "micro_batches", "global_batch_size", "stages",
              "layers", "estimate", "model_fingerprint", "cluster")
 
@@ -77,15 +79,17 @@ class LayerPlan:
     ckpt: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     ep: int = 1
+    cp: int = 1
+    cp_kind: str = "ring"
 
     @property
     def strategy(self) -> Strategy:
         """The layer's :class:`~galvatron_fx.solver.strategy.Strategy`."""
-        return Strategy(self.tp, self.dp, self.sdp, self.sp, self.ckpt, self.ep)
+        return Strategy(self.tp, self.dp, self.sdp, self.sp, self.ckpt, self.ep, self.cp, self.cp_kind)
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.extra, "name": self.name, "tp": self.tp, "sp": self.sp, "dp": self.dp,
-                "sdp": self.sdp, "ckpt": self.ckpt, "ep": self.ep}
+                "sdp": self.sdp, "ckpt": self.ckpt, "ep": self.ep, "cp": self.cp, "cp_kind": self.cp_kind}
 
     @classmethod
     def from_dict(cls, d: Any, index: int) -> LayerPlan:
@@ -95,8 +99,9 @@ class LayerPlan:
         missing = [k for k in _LAYER_KEYS if k not in d]
         if missing:
             raise ConfigError(f"plan {where} is missing key(s) {missing}; every layer needs {list(_LAYER_KEYS)}")
-        extra = {k: v for k, v in d.items() if k not in _LAYER_KEYS and k != "ep"}
-        return cls(d["name"], d["tp"], d["dp"], d["sdp"], d["sp"], d["ckpt"], extra, ep=d.get("ep", 1))
+        extra = {k: v for k, v in d.items() if k not in _LAYER_KEYS + _OPTIONAL_LAYER_KEYS}
+        return cls(d["name"], d["tp"], d["dp"], d["sdp"], d["sp"], d["ckpt"], extra, ep=d.get("ep", 1),
+                   cp=d.get("cp", 1), cp_kind=d.get("cp_kind", "ring"))
 
 
 @dataclass
@@ -217,9 +222,15 @@ class Plan:
             if dp % ep:
                 raise ConfigError(f"plan {w} ({layer.name!r}): ep={ep} does not divide dp={dp}; the experts are "
                                   f"split over ep ranks of the data-parallel group: use an ep dividing {dp}")
-            if micro_batch % dp:
+            cp = _need_int(f"{w}.cp", layer.cp)
+            if dp % cp:
+                raise ConfigError(f"plan {w} ({layer.name!r}): cp={cp} does not divide dp={dp}; the sequence is "
+                                  f"split over cp ranks of the data-parallel group: use a cp dividing {dp}")
+            if layer.cp_kind not in CP_KINDS:
+                raise ConfigError(f"plan {w}.cp_kind must be one of {list(CP_KINDS)}, got {layer.cp_kind!r}")
+            if micro_batch % (dp // cp):
                 raise ConfigError(
-                    f"plan {w} ({layer.name!r}): dp={dp} does not divide the micro-batch of "
+                    f"plan {w} ({layer.name!r}): dp/cp = {dp // cp} does not divide the micro-batch of "
                     f"global_batch_size/micro_batches = {micro_batch} samples; change global_batch_size, "
                     "micro_batches or dp")
 
@@ -429,6 +440,8 @@ class Plan:
         virtual_stages: int | None = None,
         *,
         ep: int = 1,
+        cp: int = 1,
+        cp_kind: str = "ring",
         expert_layers: set[str] | None = None,
         model_fingerprint: str = "",
         cluster: dict[str, Any] | None = None,
@@ -455,7 +468,8 @@ class Plan:
         if pp * v > len(names):
             what = f"pp={pp}" if v == 1 else f"pp * virtual_stages = {pp} * {v}"
             raise ConfigError(f"{what} exceeds the {len(names)} layers; use {what.split('=')[0].strip()} <= {len(names)}")
-        layers = [LayerPlan(n, tp, dp, sdp, sp, ckpt, ep=ep if expert_layers is None or n in expert_layers else 1)
+        layers = [LayerPlan(n, tp, dp, sdp, sp, ckpt, ep=ep if expert_layers is None or n in expert_layers else 1,
+                            cp=cp, cp_kind=cp_kind)
                   for n in names]
         est = {"step_time_s": None, "throughput_samples_s": None, "memory_bytes_per_device": None}
         if precision is None:

@@ -18,6 +18,11 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
+CP_KINDS: tuple[str, ...] = ("ring", "ulysses")
+"""Context-parallel attention kinds: ``ring`` (key / value blocks passed around the CP group, merged
+by their log-sum-exp) and ``ulysses`` (all-to-alls trade sequence shards for head shards around the
+attention core); see :mod:`galvatron_fx.runtime.context_parallel`."""
+
 SDP_KINDS: tuple[str, ...] = ("none", "zero2", "zero3")
 """Data-parallel kinds, in enumeration order: plain DP (replicated states), ZeRO-2 (optimizer states
 and gradients sharded over the ``dp`` group), ZeRO-3 (parameters sharded too)."""
@@ -31,7 +36,10 @@ class Strategy:
     :data:`SDP_KINDS`; ``sp``: sequence parallelism inside the TP group (needs ``tp > 1``); ``ckpt``:
     activation checkpointing (recompute the layer's forward in backward); ``ep``: expert-parallel
     degree of the layer's experts (MoE layers; divides ``dp``: the experts are split over ``ep``
-    ranks of the DP group, :mod:`galvatron_fx.runtime.experts`).
+    ranks of the DP group, :mod:`galvatron_fx.runtime.experts`); ``cp``: context-parallel degree
+    (divides ``dp``: groups of ``cp`` consecutive DP ranks hold the same samples and split their
+    sequence, so a rank holds ``B / (dp / cp)`` samples of ``S / cp`` tokens); ``cp_kind``: how
+    attention runs over the sequence shards, one of :data:`CP_KINDS` (only meaningful for cp > 1).
     """
 
     tp: int
@@ -40,9 +48,11 @@ class Strategy:
     sp: bool = False
     ckpt: bool = False
     ep: int = 1
+    cp: int = 1
+    cp_kind: str = "ring"
 
     def __post_init__(self) -> None:
-        for key in ("tp", "dp", "ep"):
+        for key in ("tp", "dp", "ep", "cp"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"Strategy.{key} must be an int >= 1, got {v!r}")
@@ -53,6 +63,11 @@ class Strategy:
         if self.dp % self.ep:
             raise ConfigError(f"Strategy.ep={self.ep} must divide dp={self.dp} (the experts are split over ep "
                               "ranks of the data-parallel group)")
+        if self.dp % self.cp:
+            raise ConfigError(f"Strategy.cp={self.cp} must divide dp={self.dp} (the sequence is split over cp "
+                              "ranks of the data-parallel group)")
+        if self.cp_kind not in CP_KINDS:
+            raise ConfigError(f"Strategy.cp_kind must be one of {CP_KINDS}, got {self.cp_kind!r}")
 
     @property
     def devices(self) -> int:
@@ -61,8 +76,11 @@ class Strategy:
 
     @property
     def label(self) -> str:
-        """Short stable label, e.g. ``"tp2·dp4·zero3·sp·ckpt"``, ``"tp1·dp8"`` or ``"tp1·dp8·ep4"``."""
+        """Short stable label, e.g. ``"tp2·dp4·zero3·sp·ckpt"``, ``"tp1·dp8"``, ``"tp1·dp8·ep4"``,
+        ``"tp2·dp4·cp4"`` (ring) or ``"tp2·dp4·cp4u"`` (Ulysses)."""
         parts = [f"tp{self.tp}", f"dp{self.dp}"] + ([f"ep{self.ep}"] if self.ep > 1 else [])
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}" + ("u" if self.cp_kind == "ulysses" else ""))
         if self.sdp != "none":
             parts.append(self.sdp)
         if self.sp:
