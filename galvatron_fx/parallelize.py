@@ -38,6 +38,7 @@ from .passes.bind_parameters import BindParametersPass, release_unheld
 from .passes.checkpointing import CheckpointingPass
 from .passes.codegen import CodegenPass
 from .passes.context import ParallelContext
+from .passes.context_parallel import ContextParallelPass
 from .passes.data_parallel import DataParallelPass
 from .passes.expert_parallel import ExpertParallelPass
 from .passes.local_batch import LocalBatchPass
@@ -56,6 +57,7 @@ from .runtime.groups import GROUPS, Layout, batch_layout
 from .runtime.module import DistributedModel
 from .runtime.pipeline import PipelineModel
 from .runtime.precision import precision_policy
+from .sharding.sequence import sequence_length
 from .solver.schedules import check_schedule
 
 
@@ -72,6 +74,8 @@ def parallelize_passes(ctx: ParallelContext, bind: dict | None = None) -> list[G
     # NOTE: TP runs on the flat graph, before the layer split, so the layer submodules, the DP
     # buffers and the ZeRO shards are all built from the TP-local parameter shards.
     passes += [TensorParallelPass(ctx), SplitLayersPass(), LocalBatchPass(ctx)]
+    if any(lp.cp > 1 for lp in ctx.plan.layers):
+        passes.append(ContextParallelPass(ctx))
     if any(lp.ep > 1 for lp in ctx.plan.layers):
         passes.append(ExpertParallelPass(ctx))
     if pipelined:
@@ -137,7 +141,7 @@ def transform(gm: torch.fx.GraphModule, plan: Plan | None = None, loss_fn=None, 
                           symbolic_batch=info.symbolic_batch,
                           bucket_bytes=bucket_bytes, loss_fn=loss_fn,
                           precision=precision_policy(plan.precision, reduce_dtype), param_fqns=_param_fqns(gm),
-                          whole_batch=whole_batch)
+                          whole_batch=whole_batch, seq_len=sequence_length(gm))
     # NOTE: dist.new_group is collective over the whole world: every rank creates every group any
     # rank needs (every stage's, and the p2p groups), in one sorted order, before a pass uses one.
     GROUPS.ensure(_rank_sets(plan, world, whole_batch))
@@ -221,10 +225,10 @@ def _rank_sets(plan: Plan, world: int, whole_batch: frozenset = frozenset()) -> 
         sets |= {tuple(j + s * n for s in range(plan.pp)) for j in range(n)}
     for c, (first, last) in enumerate(plan.stages):
         base = plan.chunk_rank(c) * n
-        lays = [Layout(lp.tp, lp.dp, lp.sp, base, lp.ep) for lp in plan.layers[first:last + 1]]
+        lays = [Layout(lp.tp, lp.dp, lp.sp, base, lp.ep, lp.cp) for lp in plan.layers[first:last + 1]]
         lays += [batch_layout(lp.tp, lp.dp, lp.sp, base, whole_batch=True)
                  for i, lp in enumerate(plan.layers[first:last + 1], first) if i in whole_batch]
-        if plan.pp > 1:
+        if plan.pp > 1 or any(lp.cp > 1 for lp in plan.layers):   # the stage boundary / graph input layout
             lays.append(Layout(1, n, False, base))
         sets |= reshard.rank_sets(lays, world)
     return sets

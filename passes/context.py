@@ -22,6 +22,7 @@ from ..plan import Plan
 from ..runtime.data_parallel import DEFAULT_BUCKET_BYTES
 from ..runtime.groups import Layout, batch_layout
 from ..runtime.precision import Precision
+from ..sharding.sequence import is_sequence_activation
 from .base import GraphPass, check
 from .split_layers import is_split
 
@@ -41,6 +42,7 @@ class ParallelContext:
     precision: Precision = field(default_factory=Precision)  # runtime/precision.py: the plan's policy
     param_fqns: list = field(default_factory=list)  # every parameter of the whole model, graph order
     whole_batch: frozenset = frozenset()  # (global) layers mixing the samples of a batch (batch_symbol.coupling)
+    seq_len: int | None = None          # the captured sequence (sharding/sequence.py: what cp > 1 splits)
     chunk: int | None = None            # the chunk of plan.stages built (None: this rank's stage; for_chunk)
     # products
     token_loss: Any = None                       # token_loss: TokenLoss (count graph, scale buffer)
@@ -98,7 +100,7 @@ class ParallelContext:
         """Where every layer of this rank's stage holds its batched values (stage-local layer order;
         :func:`~galvatron_fx.runtime.groups.batch_layout`: a layer mixing the samples of a batch
         holds all of them)."""
-        return [batch_layout(lp.tp, lp.dp, lp.sp, self.base, whole_batch=self.holds_whole_batch(i))
+        return [batch_layout(lp.tp, lp.dp, lp.sp, self.base, whole_batch=self.holds_whole_batch(i), cp=lp.cp)
                 for i, lp in enumerate(self.stage_plan.layers)]
 
     def holds_whole_batch(self, i: int) -> bool:
@@ -109,6 +111,10 @@ class ParallelContext:
     def tp_layouts(self) -> list[Layout]:
         """Every layer's ``tp x dp`` layout as planned: its TP groups (stage-local layer order)."""
         return [Layout(lp.tp, lp.dp, lp.sp, self.base) for lp in self.stage_plan.layers]
+
+    def is_sequence(self, node: torch.fx.Node) -> bool:
+        """Whether ``node``'s value crosses layer boundaries in sequence shards under cp > 1."""
+        return is_sequence_activation(node.meta.get("val"), self.seq_len)
 
     def boundary_layout(self) -> Layout:
         """The layout batched values cross a stage boundary in (see

@@ -54,7 +54,7 @@ class LocalBatchPass(ContextPass):
         batch = ctx.global_batch
         if not batch or ctx.method not in BAKED_SHAPE_METHODS or ctx.symbolic_batch:
             return PassResult(graph_module, False)
-        local = [batch // (plan.micro_batches * lp.dp) for lp in plan.layers]
+        local = [batch // (plan.micro_batches * (lp.dp // lp.cp)) for lp in plan.layers]
         if any(b != batch for b in local):
             _refuse_if_ambiguous(graph_module, batch)
             _refuse_if_mixing(graph_module, batch, local)

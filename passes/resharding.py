@@ -13,7 +13,8 @@ between the layer calls):
 * replicated values that need a gradient (tied weights) cross to another layout through
   :func:`~galvatron_fx.runtime.reshard.replicated`;
 * a sequence-sharded graph output is gathered (``ctx.output_layout``: the output's layout, ``sp``
-  off).
+  off; under ``cp`` its sequence activations are gathered over the CP group, its batch slices stay
+  where :meth:`~galvatron_fx.runtime.groups.Layout.batch_slices` says).
 
 On a pipeline stage the values received from the previous stage are left alone here: the
 stage-inputs pass (:mod:`.stage_boundaries`) rebuilds them from the boundary layout.
@@ -28,6 +29,7 @@ import torch.fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..ir import carries_batch, layer_module_name
+from ..runtime import context_parallel as cp_ops
 from ..runtime import reshard
 from ..runtime.groups import Layout
 from .base import check
@@ -65,7 +67,7 @@ class ReshardingPass(ContextPass):
                     continue
                 if (a, i) not in cache:
                     cache[(a, i)] = _reshard(graph, call, a, batched[a], producer[a], layouts, layouts[i], rank,
-                                             ctx.input_layout)
+                                             ctx.input_layout, ctx.is_sequence(a))
                 args[j] = cache[(a, i)]
             call.args = tuple(args)
             flags = batched_outputs(getattr(top, layer_module_name(i)), [batched[a] for a in orig])
@@ -82,13 +84,18 @@ class ReshardingPass(ContextPass):
         last = max((producer.get(n) for n in out.all_input_nodes if producer.get(n) is not None),
                    default=len(layouts) - 1)
         src = layouts[last]
-        final = Layout(src.tp, src.dp, False, src.base)
-        if src.sp:
+        final = Layout(src.tp, src.dp, False, src.base, cp=src.cp)
+        if src.sp or src.cp > 1:
+            rank = self.ctx.rank
+
             def fix(n):
                 val = n.meta.get("val")
-                if batched.get(n) and isinstance(val, torch.Tensor) and val.dim() >= 2:
-                    return chain(graph, out, n, reshard.plan_batched(src, final, self.ctx.rank))
-                return n
+                if not (batched.get(n) and isinstance(val, torch.Tensor) and val.dim() >= 2):
+                    return n
+                if src.cp > 1:   # sequence shards gathered: the ranks of a CP group hold their batch slice whole
+                    gather = (cp_ops.boundary_gather, (src.cp_ranks(rank), src.cp_index(rank), 1))
+                    return chain(graph, out, n, [gather]) if self.ctx.is_sequence(n) else n
+                return chain(graph, out, n, reshard.plan_batched(src, final, rank))
             out.args = (torch.fx.node.map_arg(out.args[0], fix),)
         return final
 
@@ -99,12 +106,15 @@ class ReshardingPass(ContextPass):
               "resharding must record the input layout (tp = 1 over the stage)")
 
 
-def _reshard(graph, call, a, is_batched, src_layer, layouts, dst: Layout, rank: int, inputs: Layout):
+def _reshard(graph, call, a, is_batched, src_layer, layouts, dst: Layout, rank: int, inputs: Layout, seq: bool):
     if src_layer is None:  # a graph input: this rank's slice in the input layout
-        return chain(graph, call, a, reshard.plan_batched(inputs, dst, rank)) if is_batched else a
+        return chain(graph, call, a, reshard.plan_batched(inputs, dst, rank, seq)) if is_batched else a
     src = layouts[src_layer]
     if is_batched:
-        return chain(graph, call, a, reshard.plan_batched(src, dst, rank))
+        return chain(graph, call, a, reshard.plan_batched(src, dst, rank, seq))
+    if seq:   # a whole-batch sequence activation (rotary cos / sin): only its sequence moves
+        gather, take = reshard.sequence_steps(src, dst, rank)
+        a = chain(graph, call, a, gather + take)
     if (src.tp, src.dp) == (dst.tp, dst.dp):
         return a
     with graph.inserting_before(call):

@@ -56,9 +56,11 @@ class StageOutputsPass(_StagePass):
         new = []
         for node, cv in zip(out.args[0], info.sent):
             x = node
-            if node.op != "placeholder" and cv.batched:
-                x = chain(graph, out, x, reshard.plan_batched(layouts[cv.producer_layer - info.first],
-                                                              boundary, ctx.rank))
+            src = layouts[cv.producer_layer - info.first] if node.op != "placeholder" else None
+            if src is not None and cv.batched:
+                x = chain(graph, out, x, reshard.plan_batched(src, boundary, ctx.rank, ctx.is_sequence(node)))
+            elif src is not None and ctx.is_sequence(node):   # rotary tables: their sequence only
+                x = chain(graph, out, x, reshard.sequence_steps(src, boundary, ctx.rank)[0])
             with graph.inserting_before(out):
                 new.append(graph.call_function(pass_on, (x,)))
         out.args = (tuple(new),)
@@ -91,11 +93,15 @@ class StageInputsPass(_StagePass):
                 if (p, i) not in cache:
                     cv = received[p.name]
                     if cv.batched:
-                        x = chain(graph, call, p, reshard.plan_batched(boundary, layouts[i], ctx.rank))
+                        x = chain(graph, call, p, reshard.plan_batched(boundary, layouts[i], ctx.rank,
+                                                                       ctx.is_sequence(p)))
                     else:
+                        x = p
+                        if ctx.is_sequence(p):   # rotary tables: their sequence only
+                            x = chain(graph, call, p, reshard.sequence_steps(boundary, layouts[i], ctx.rank)[1])
                         with graph.inserting_before(call):
                             x = graph.call_function(reshard.replicated, (
-                                p, layouts[i].dp_ranks(ctx.rank), ctx.plan.layers[cv.producer_layer].dp))
+                                x, layouts[i].dp_ranks(ctx.rank), ctx.plan.layers[cv.producer_layer].dp))
                     cache[(p, i)] = x
                 args[j] = cache[(p, i)]
             call.args = tuple(args)

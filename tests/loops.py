@@ -41,6 +41,16 @@ def moe(kind: str):
                                                     decoder_sparse_step=1, **common))
 
 
+def mistral(window: int = 8):
+    """A tiny transformers Mistral (seeded) whose attention sees the last ``window`` tokens only."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    return tf.MistralForCausalLM(tf.MistralConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_key_value_heads=2,
+                                                  max_position_embeddings=32, sliding_window=window))
+
+
 def llama(lora: bool = False, freeze: tuple[str, ...] = (), layers: int = 2):
     """A tiny transformers Llama (seeded) of ``layers`` blocks, optionally with peft LoRA on q/v
     (r = 4; everything else frozen) or with the parameters whose names contain one of ``freeze`` frozen."""

@@ -104,6 +104,16 @@ CASES = {
     "mixtral-ep2-frozen-experts": dict(matrix=True, model="mixtral-frozen-experts", plan=dict(dp=2, ep=2)),
     "mixtral-ep2-frozen-router-zero3": dict(matrix=True, model="mixtral-frozen-router",
                                             plan=dict(dp=2, ep=2, sdp="zero3")),
+    # context parallelism: each rank of a CP group holds S / cp tokens (zig-zag) of the same samples
+    "cp2-ulysses": dict(plan=dict(dp=2, cp=2, cp_kind="ulysses")),
+    "cp2-ring-export": dict(method="export", plan=dict(dp=2, cp=2)),
+    "neox-cp2-compile": dict(door="compile", model="neox", plan=dict(dp=2, cp=2)),
+    "tp2xcp2-ring": dict(world=4, plan=dict(tp=2, dp=2, cp=2)),
+    "mistral-window-cp2-ring": dict(model="mistral", plan=dict(dp=2, cp=2)),
+    "dp4-cp2-zero3-ckpt-export": dict(matrix=True, world=4, method="export", plan=dict(dp=4, cp=2, sdp="zero3", ckpt=True)),
+    "cp2-ulysses-bf16": dict(matrix=True, precision="bf16-mixed", plan=dict(dp=2, cp=2, cp_kind="ulysses")),
+    "pp2xcp2-ring": dict(matrix=True, world=4, clip="dm", plan=dict(pp=2, dp=2, cp=2, micro_batches=2)),
+    "lora-cp2-ring-compile": dict(matrix=True, door="compile", model="lora", plan=dict(dp=2, cp=2)),
 }
 FROZEN = ("embed", "norm")
 
@@ -133,6 +143,8 @@ def _model(kind: str):
         for name, p in model.named_parameters():
             p.requires_grad_(("experts" if kind.endswith("experts") else "mlp.gate") not in name)
         return model
+    if kind == "mistral":   # a sliding window of 8 over the 16 tokens
+        return loops.mistral()
     if kind == "llama6":
         return loops.llama(layers=6)
     return loops.llama(lora=kind == "lora", freeze=FROZEN if kind == "frozen" else ())

@@ -9,7 +9,11 @@ Rank layout (fixed; the cost model and the search assume the same):
 * its DP group is the strided set ``{r % tp + k * tp  for k in range(dp)}``;
 * the batch slice a rank holds is number ``r // tp`` of ``dp`` equal slices along dim 0 (all ranks
   of one TP group hold the same samples); with sequence parallelism (``sp``) a rank of a TP group
-  also holds only slice ``r % tp`` of ``tp`` along the sequence dim 1.
+  also holds only slice ``r % tp`` of ``tp`` along the sequence dim 1;
+* with context parallelism (``cp``, dividing ``dp``) the DP ranks ``k`` of a TP position form CP
+  groups of ``cp`` consecutive members: ``k // cp`` picks the batch slice (``dp / cp`` of them),
+  ``k % cp`` the sequence shard (:func:`galvatron_fx.runtime.context_parallel.seq_positions`);
+  :meth:`Layout.batch_slices` is where the batch slices live (``tp * cp`` ranks share one).
 
 NOTE: TP innermost (consecutive ranks) is the Megatron / Galvatron convention: TP talks every
 layer, twice per pass, so it gets the closest devices (same node, NVLink); DP talks once per step.
@@ -43,6 +47,7 @@ class Layout:
     sp: bool = False
     base: int = 0
     ep: int = 1
+    cp: int = 1
 
     @property
     def size(self) -> int:
@@ -72,8 +77,24 @@ class Layout:
         e = self.batch_index(rank) % self.ep
         return tuple(self.base + t + b * self.tp for b in range(e, self.dp, self.ep) for t in range(self.tp))
 
+    def cp_ranks(self, rank: int) -> Ranks:
+        """Global ranks of ``rank``'s CP group: ``cp`` consecutive members of its DP group (the same
+        samples, one sequence shard each, in shard order)."""
+        dp = self.dp_ranks(rank)
+        start = self.batch_index(rank) // self.cp * self.cp
+        return dp[start:start + self.cp]
+
+    def cp_index(self, rank: int) -> int:
+        """Which sequence shard ``rank`` holds (0 without context parallelism)."""
+        return self.batch_index(rank) % self.cp
+
+    def batch_slices(self) -> Layout:
+        """Where the batch slices live: ``tp * cp`` consecutive ranks hold one of ``dp / cp``."""
+        return self if self.cp == 1 else Layout(self.tp * self.cp, self.dp // self.cp, self.sp, self.base)
+
     def batch_index(self, rank: int) -> int:
-        """Which of the ``dp`` batch slices ``rank`` holds."""
+        """``rank``'s position in its DP group: which of the ``dp`` batch slices it holds (without
+        context parallelism; :meth:`batch_slices` otherwise)."""
         return self.local(rank) // self.tp
 
     def tp_index(self, rank: int) -> int:
@@ -81,13 +102,14 @@ class Layout:
         return self.local(rank) % self.tp
 
 
-def batch_layout(tp: int, dp: int, sp: bool = False, base: int = 0, *, whole_batch: bool = False) -> Layout:
+def batch_layout(tp: int, dp: int, sp: bool = False, base: int = 0, *, whole_batch: bool = False,
+                 cp: int = 1) -> Layout:
     """Where a layer's batched values live: ``Layout(tp, dp, sp, base)``, or for a layer that mixes
     the samples of a batch (``whole_batch``: :func:`galvatron_fx.batch_symbol.coupling`) every
     sample on every rank of its ``tp * dp`` (``Layout(tp * dp, 1)``): it computes on the gathered
     batch, replicated over its DP group, its parameters still sharded and reduced over that group
     (each rank's gradient is the whole batch's: the store divides it by ``dp``)."""
-    return Layout(tp * dp, 1, sp, base) if whole_batch and dp > 1 else Layout(tp, dp, sp, base)
+    return Layout(tp * dp, 1, sp, base) if whole_batch and dp > 1 else Layout(tp, dp, sp, base, cp=cp)
 
 
 class ProcessGroups:

@@ -391,6 +391,7 @@ def gather_outputs(per_micro_batch: list, lay: Layout, rank: int):
 
     single = not isinstance(per_micro_batch[0], (tuple, list))
     rows = [[o] if single else list(o) for o in per_micro_batch]
+    lay = lay.batch_slices()    # under cp, the ranks of a CP group hold the same (gathered) slice
     ranks = lay.dp_ranks(rank)
     out = []
     for j in range(len(rows[0])):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import context_parallel as cp_ops
 from .groups import Layout, Ranks, all_gather_single, group
 
 
@@ -117,17 +118,34 @@ def replicated(x: torch.Tensor, consumer_dp_ranks: Ranks, producer_dp: int) -> t
 
 
 # ----------------------------------------------------------------------------------- planning
-def plan_batched(src: Layout, dst: Layout, rank: int) -> list[tuple[object, tuple]]:
+def plan_batched(src: Layout, dst: Layout, rank: int, seq: bool = False) -> list[tuple[object, tuple]]:
     """The calls turning a batched activation in layout ``src`` into layout ``dst`` on ``rank``.
 
     Returns ``[(fn, extra_args), ...]``, each applied as ``x = fn(x, *extra_args)``; the same list
-    on every rank of a group, so collectives match: only the batch slice changes here.
+    on every rank of a group, so collectives match. The batch slice changes between the layouts'
+    :meth:`~.groups.Layout.batch_slices`; a sequence activation (``seq``: see
+    :func:`galvatron_fx.sharding.sequence.is_sequence_activation`) leaving a context-parallel
+    layout is first gathered along its sequence (dim 1) and entering one is then sliced, unless
+    both layouts are the same (it stays in its shards).
 
     NOTE: sequence-parallel layouts are converted by the tensor-parallel pass itself, inside the
     layers (a gather at the end of the producer, a scatter at the start of the consumer), so what
     crosses a layer boundary is always whole along the sequence.
     """
-    return [_batch_step(src, dst, rank)] if src.dp != dst.dp else []
+    gather, take = sequence_steps(src, dst, rank) if seq else ([], [])
+    bs, bd = src.batch_slices(), dst.batch_slices()
+    return gather + ([_batch_step(bs, bd, rank)] if bs.dp != bd.dp else []) + take
+
+
+def sequence_steps(src: Layout, dst: Layout, rank: int) -> tuple[list, list]:
+    """``(gather, take)`` steps of a sequence activation (batched or not: rotary tables) moving
+    from ``src`` to ``dst``: gathered over ``src``'s CP group, then sliced for ``dst``'s; none when
+    both layouts split it alike."""
+    if (src.tp, src.dp, src.cp) == (dst.tp, dst.dp, dst.cp):
+        return [], []
+    gather = [(cp_ops.boundary_gather, (src.cp_ranks(rank), src.cp_index(rank), 1))] if src.cp > 1 else []
+    take = [(cp_ops.boundary_take, (dst.cp_ranks(rank), dst.cp_index(rank), 1))] if dst.cp > 1 else []
+    return gather, take
 
 
 def _batch_step(src: Layout, dst: Layout, rank: int) -> tuple[object, tuple]:
@@ -152,7 +170,10 @@ def rank_sets(layouts: list[Layout], world: int) -> set[Ranks]:
             if a.ep > 1:
                 sets.add(a.ep_ranks(r))
                 sets.add(a.expert_dp_ranks(r))
+            if a.cp > 1:
+                sets.add(a.cp_ranks(r))
+                sets.add(a.batch_slices().dp_ranks(r))
             for b in layouts:
-                for _fn, args in plan_batched(a, b, r):
+                for _fn, args in plan_batched(a, b, r, seq=True):
                     sets.add(tuple(args[0]))
     return sets

@@ -1,0 +1,541 @@
+"""Context parallelism (CP): a layer's activations split along the sequence over ``cp`` ranks.
+
+Layout (:func:`seq_positions`, the only one every function here uses): a sequence of ``S``
+positions is cut into ``2 * cp`` equal chunks and CP rank ``i`` holds chunk ``i`` followed by chunk
+``2 * cp - 1 - i`` (the zig-zag of Megatron / torch's context parallelism: under a causal mask every
+rank then has the same attention work, :func:`ring_block_pairs`). When ``S`` is a multiple of ``cp``
+but not of ``2 * cp``, rank ``i`` holds the contiguous chunk ``i`` (correct, not balanced). A rank
+holds its positions in that order, ``s = S / cp`` rows. A dim may carry the sequence *inside* a
+flattened dim (labels ``[B * S]``): it is viewed as ``[pre, S, post]`` and each of the ``pre * post``
+lines is split alike.
+
+``ranks`` is the CP group's global ranks in ascending order (the group's rank order) and ``index``
+this rank's position there; groups come from :func:`.groups.group`.
+
+=====================  =========================================  ================================
+function               forward                                    backward
+=====================  =========================================  ================================
+``local_seq(_of)``     this rank's positions of a whole value     the gradient scattered into zeros
+                       (no communication)                         (plain autograd)
+``gather_seq(_of)``    all-gather the shards, natural order       reduce-scatter: each rank's
+                       (inside a layer)                           gradient is partial (its queries)
+``boundary_take``      this rank's positions (layer boundary)     all-gather the gradient pieces
+``boundary_gather``    all-gather, natural order (boundary)       keep this rank's positions
+``cp_attention``       SDPA on the global sequence, this rank's   gradients of q, k, v, the k / v
+                       queries (``"ring"`` or ``"ulysses"``)      ones back to the ranks owning them
+=====================  =========================================  ================================
+
+The boundary pair follows :mod:`.reshard`'s invariant (after backward a rank holds the *true*
+gradient of what it holds), so neither sums; ``gather_seq`` is used where every CP rank consumes the
+whole value for its own queries only, so the true gradient is the sum over the CP ranks.
+
+``cp_attention(kind="ring")``: the k / v shards travel around the ring (``cp - 1`` shifts, each
+overlapped with the current block's work). For each (local query span, source key span) pair that
+is not entirely masked (causal positions, the explicit mask's slice: chunk granularity) one block is
+computed in fp32 and merged by online softmax (running row maximum and sum); rows masked in one
+block but not overall get no weight from it, rows masked everywhere give 0 (as SDPA). A mask *and*
+``is_causal`` are both applied. Backward is hand-written (flash-attention style): it recomputes each
+block's scores from the saved ``q, k, v``, output and row maximum / sum, circulates k / v once more,
+and the k / v gradient of each source travels with it, ``cp`` shifts, back home. So no ``[s, S]``
+score matrix is kept for backward, only ``s``-row tensors (and the caller's mask).
+
+``cp_attention(kind="ulysses")``: all-to-all turns the sequence shard ``[..., H, s, D]`` into a head
+shard ``[..., H / cp, S, D]`` (natural order), SDPA runs there with the whole mask (its head dim cut
+to those heads) and ``is_causal`` as given, and all-to-all turns the output back; each all-to-all's
+backward is the reverse all-to-all. Key / value heads not divisible by ``cp`` are repeated to ``H``.
+
+Exact up to float rounding: SDPA's formula on the whole sequence, dropout excepted (its RNG cannot
+be reproduced over shards: ``dropout_p`` must be 0). NOTE: ring follows SDPA's math definition;
+ulysses runs whichever SDPA kernel torch picks (they differ where a row's only keys carry HF's
+``finfo.min``: torch's CPU flash kernel then returns the wrong gradient, ring the math one).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .groups import Ranks, all_gather_single, group, reduce_scatter_single
+from .tp_ops import _is_fake
+from .vocab_parallel import SHARD_ATTR, shard_of
+
+__all__ = ["KINDS", "seq_positions", "ring_block_pairs", "local_seq", "gather_seq", "local_seq_of", "gather_seq_of",
+           "boundary_take", "boundary_gather", "cp_attention"]
+
+KINDS = ("ring", "ulysses")
+
+_NEG_INF = float("-inf")
+
+
+# ------------------------------------------------------------------------------------ layout
+@functools.lru_cache(maxsize=256)
+def _chunks(seq: int, cp: int, index: int) -> tuple[tuple[int, int, int], ...]:
+    """The layout: ``(start, length, offset)`` of each chunk CP rank ``index`` of ``cp`` holds, its
+    global start, its length, and where it begins among the rank's rows."""
+    if cp < 1 or not 0 <= index < cp:
+        raise ValueError(f"CP index {index} out of range for cp={cp}")
+    if seq % (2 * cp) == 0:
+        c, chunks = seq // (2 * cp), (index, 2 * cp - 1 - index)
+    elif seq % cp == 0:
+        c, chunks = seq // cp, (index,)
+    else:
+        raise ValueError(f"a sequence of {seq} positions cannot be split over cp={cp} ranks: its length "
+                         f"must be a multiple of cp ({cp}), best of 2 * cp ({2 * cp}, the load-balanced "
+                         "layout); pad the sequence or choose a cp dividing it")
+    return tuple((ch * c, c, i * c) for i, ch in enumerate(chunks))
+
+
+@functools.lru_cache(maxsize=256)
+def seq_positions(seq: int, cp: int, index: int) -> tuple[int, ...]:
+    """The global sequence positions CP rank ``index`` of ``cp`` holds, in its order (a cached
+    tuple of ``seq / cp`` ints; see the module docstring)."""
+    return tuple(p for a, n, _ in _chunks(seq, cp, index) for p in range(a, a + n))
+
+
+@functools.lru_cache(maxsize=64)
+def _pieces(seq: int, cp: int) -> tuple[tuple[int, int, int], ...]:
+    """``(rank, offset, length)`` of every chunk of every rank in natural (global) order."""
+    return tuple((r, off, n) for _, r, off, n in
+                 sorted((a, r, off, n) for r in range(cp) for a, n, off in _chunks(seq, cp, r)))
+
+
+@functools.lru_cache(maxsize=256)
+def _positions(seq: int, cp: int, index: int, device: torch.device) -> torch.Tensor:
+    """:func:`seq_positions` as a LongTensor on ``device`` (cached)."""
+    return torch.tensor(seq_positions(seq, cp, index), dtype=torch.long, device=device)
+
+
+def _cp(ranks: Ranks, index: int) -> int:
+    """``len(ranks)``, after checking ``index`` and that ``ranks`` are in the group's order."""
+    if list(ranks) != sorted(ranks) or not 0 <= index < len(ranks):
+        raise ValueError(f"CP ranks must be ascending global ranks with 0 <= index < cp, got {ranks}, {index}")
+    return len(ranks)
+
+
+def _seq_view(x: torch.Tensor, d: int, pre: int, post: int) -> torch.Tensor:
+    """``x`` with dim ``d`` viewed as ``[pre, S, post]`` (the sequence is then dim ``d + 1``)."""
+    n = x.shape[d]
+    if n % (pre * post):
+        raise ValueError(f"dim {d} of size {n} is not pre * S * post with pre={pre}, post={post}")
+    return x.unflatten(d, (pre, n // (pre * post), post))
+
+
+def _cat(pieces: list[torch.Tensor], d: int) -> torch.Tensor:
+    """``pieces`` (``[..., pre, n_i, post, ...]`` at dim ``d``) concatenated along the sequence, dims
+    ``d .. d + 2`` flattened: a contiguous copy, and not a view where no gradient is recorded (an
+    autograd Function's output that is a view could not be modified in place downstream)."""
+    if torch.is_grad_enabled() and any(p.requires_grad for p in pieces):
+        return torch.cat(pieces, d + 1).flatten(d, d + 2)
+    shape = list(pieces[0].shape)
+    shape[d + 1] = sum(p.shape[d + 1] for p in pieces)
+    out = pieces[0].new_empty((*shape[:d], math.prod(shape[d:d + 3]), *shape[d + 3:]))
+    torch.cat(pieces, d + 1, out=out.view(shape))
+    return out
+
+
+def _shard(x: torch.Tensor, d: int, cp: int, index: int, pre: int = 1, post: int = 1) -> torch.Tensor:
+    """Rank ``index``'s positions of the whole value ``x`` along dim ``d`` (a contiguous copy)."""
+    v = _seq_view(x, d, pre, post)
+    return _cat([v.narrow(d + 1, a, n) for a, n, _ in _chunks(v.shape[d + 1], cp, index)], d)
+
+
+def _split(x: torch.Tensor, d: int, cp: int, pre: int = 1, post: int = 1) -> torch.Tensor:
+    """``[cp, *shard]``: every rank's :func:`_shard` of the whole value ``x``."""
+    return torch.stack([_shard(x, d, cp, r, pre, post) for r in range(cp)])
+
+
+def _join(parts: torch.Tensor, d: int, pre: int = 1, post: int = 1) -> torch.Tensor:
+    """The whole value in natural order from ``parts`` ``[cp, *shard]`` (rank ``r``'s shard at
+    ``parts[r]``; ``d`` is the shard's dim): the inverse of :func:`_split`."""
+    cp = parts.shape[0]
+    v = _seq_view(parts, d + 1, pre, post)
+    return _cat([v[r].narrow(d + 1, off, n) for r, off, n in _pieces(v.shape[d + 2] * cp, cp)], d)
+
+
+# ------------------------------------------------------------------------------ collectives
+# Each on ``[cp, ...]`` stacks in CP-index order; on fake / meta tensors only the shape is computed.
+def _all_gather_stack(x: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    """``[cp, *x.shape]``: ``x`` of every rank of ``ranks``."""
+    out = x.new_empty((len(ranks), *x.shape))
+    if not _is_fake(x):
+        all_gather_single(out.view(-1), x.contiguous().view(-1), group=group(ranks))
+    return out
+
+
+def _reduce_scatter_stack(stack: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    """``stack[index]`` summed over the ranks of ``ranks`` (``stack``: ``[cp, ...]``)."""
+    out = stack.new_empty(stack.shape[1:])
+    if not _is_fake(stack):
+        reduce_scatter_single(out.view(-1), stack.contiguous().view(-1), group=group(ranks))
+    return out
+
+
+def _all_to_all_stack(stack: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    """``out[r]`` = rank ``r``'s ``stack[index]`` (``stack``: ``[cp, ...]``, ``stack[r]`` goes to
+    rank ``r``)."""
+    stack = stack.contiguous()
+    out = torch.empty_like(stack)
+    if not _is_fake(stack):
+        dist.all_to_all_single(out, stack, group=group(ranks))
+    return out
+
+
+class _Shift:
+    """One ring step, started at construction: send ``tensors`` to the next rank of ``ranks``,
+    receive the previous rank's into buffers alike; :meth:`wait` returns them."""
+
+    def __init__(self, tensors: list[torch.Tensor], ranks: Ranks, index: int):
+        cp, g = len(ranks), group(ranks)
+        self.sent = [t.contiguous() for t in tensors]      # alive until the sends complete
+        self.bufs = [torch.empty_like(t) for t in self.sent]
+        nxt, prv = ranks[(index + 1) % cp], ranks[(index - 1) % cp]
+        ops = [dist.P2POp(dist.isend, t, nxt, g) for t in self.sent]
+        ops += [dist.P2POp(dist.irecv, b, prv, g) for b in self.bufs]
+        self.works = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> list[torch.Tensor]:
+        for w in self.works:
+            w.wait()
+        return self.bufs
+
+
+# ----------------------------------------------------------------------- sequence reshards
+class _GatherSeq(torch.autograd.Function):
+    """All-gather the shards in natural order; backward: reduce-scatter (``reduce``) or keep this
+    rank's positions of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, ranks, index, d, pre, post, reduce):
+        ctx.args = ranks, index, d, pre, post, reduce
+        return _join(_all_gather_stack(x, ranks), d, pre, post)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ranks, index, d, pre, post, reduce = ctx.args
+        if reduce:
+            out = _reduce_scatter_stack(_split(grad, d, len(ranks), pre, post), ranks)
+        else:
+            out = _shard(grad, d, len(ranks), index, pre, post)
+        return out, None, None, None, None, None, None
+
+
+class _TakeSeq(torch.autograd.Function):
+    """This rank's positions (a copy); backward: all-gather the gradient pieces, natural order."""
+
+    @staticmethod
+    def forward(ctx, x, ranks, index, d):
+        ctx.ranks, ctx.d = ranks, d
+        return _shard(x, d, len(ranks), index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _join(_all_gather_stack(grad, ctx.ranks), ctx.d), None, None, None
+
+
+def local_seq(x: torch.Tensor, dim: int, cp: int, index: int, pre: int = 1, post: int = 1) -> torch.Tensor:
+    """CP rank ``index``'s part of a whole value ``x`` (every CP rank holds it all) along ``dim``,
+    of size ``pre * S * post``: ``[..., pre * (S / cp) * post, ...]``, contiguous. No communication;
+    backward scatters the gradient into zeros at the rank's positions."""
+    if cp == 1:
+        return x
+    return _shard(x, dim % x.ndim, cp, index, pre, post)
+
+
+def gather_seq(x: torch.Tensor, dim: int, ranks: Ranks, index: int, pre: int = 1, post: int = 1) -> torch.Tensor:
+    """The whole value (natural order) from every CP rank's shard ``x`` along ``dim`` (size
+    ``pre * s * post``). Backward: sum of the CP ranks' gradients of the whole value, this rank's
+    positions kept (each rank's is partial: it used the value for its own queries only)."""
+    if _cp(ranks, index) == 1:
+        return x
+    return _GatherSeq.apply(x, ranks, index, dim % x.ndim, pre, post, True)
+
+
+def _pre(n: int, seq: int, post: int) -> int:
+    """``pre`` of a dim of size ``n = pre * seq * post``."""
+    if n % (seq * post):
+        raise ValueError(f"a dim of size {n} does not hold a sequence of {seq} positions times post={post}")
+    return n // (seq * post)
+
+
+def local_seq_of(x: torch.Tensor, dim: int, seq: int, post: int, cp: int, index: int) -> torch.Tensor:
+    """:func:`local_seq` with ``pre`` read from the size (the graph pass's form: the batch merged
+    before the sequence is known at run time only): dim ``dim`` of ``x`` is ``pre * seq * post``."""
+    return local_seq(x, dim, cp, index, _pre(x.shape[dim], seq, post), post)
+
+
+def gather_seq_of(x: torch.Tensor, dim: int, seq: int, post: int, ranks: Ranks, index: int) -> torch.Tensor:
+    """:func:`gather_seq` with ``pre`` read from the size: dim ``dim`` of the shard ``x`` is
+    ``pre * (seq / cp) * post`` (``seq``: the whole sequence)."""
+    return gather_seq(x, dim, ranks, index, _pre(x.shape[dim] * len(ranks), seq, post), post)
+
+
+def boundary_take(x: torch.Tensor, ranks: Ranks, index: int, dim: int) -> torch.Tensor:
+    """Layer boundary: this rank's positions (a copy) of ``x``, whole along the sequence ``dim`` on
+    every rank of ``ranks``; backward all-gathers the gradient pieces (no sum)."""
+    if _cp(ranks, index) == 1:
+        return x
+    return _TakeSeq.apply(x, ranks, index, dim % x.ndim)
+
+
+def boundary_gather(x: torch.Tensor, ranks: Ranks, index: int, dim: int) -> torch.Tensor:
+    """Layer boundary: the whole value (natural order) from every rank's shard ``x`` along the
+    sequence ``dim``; backward keeps this rank's positions of the gradient (no sum). A graph
+    output marked vocabulary-sharded (:func:`.vocab_parallel.vocab_shard_output`) keeps its mark."""
+    if _cp(ranks, index) == 1:
+        return x
+    out = _GatherSeq.apply(x, ranks, index, dim % x.ndim, 1, 1, False)
+    mark = shard_of(x)
+    if mark is not None:
+        setattr(out, SHARD_ATTR, mark)
+    return out
+
+
+# ----------------------------------------------------------------------------- attention
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                 enable_gqa: bool = False, *, ranks: Ranks, index: int, kind: str = "ring") -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` over the global sequence, for this rank's queries.
+
+    ``q``: ``[..., Hq, s, D]``, ``k`` / ``v``: ``[..., Hkv, s, D(v)]``, ``s = S / cp`` rows in the
+    order of :func:`seq_positions`; ``attn_mask``: None or the whole mask (bool or additive float,
+    broadcastable to ``[..., Hq, S, S]``; no gradient); ``is_causal`` on global positions. Returns
+    ``[..., Hq, s, Dv]`` in ``q``'s dtype. ``kind``: ``"ring"`` or ``"ulysses"`` (module docstring).
+    """
+    if dropout_p:
+        raise ValueError(f"context-parallel attention cannot reproduce SDPA's dropout (dropout_p={dropout_p}): "
+                         "set the attention dropout to 0 or use cp=1")
+    if kind not in KINDS:
+        raise ValueError(f"unknown context-parallel attention kind {kind!r}; one of {KINDS}")
+    cp = _cp(ranks, index)
+    if cp == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if _is_fake(q):   # shapes only
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=enable_gqa)
+    if k.shape[-2] != q.shape[-2] or v.shape[-2] != q.shape[-2]:
+        raise ValueError(f"q, k, v must hold the same {q.shape[-2]} sequence rows, got {k.shape[-2]}, {v.shape[-2]}")
+    seq = q.shape[-2] * cp
+    seq_positions(seq, cp, index)   # the length check
+    hq, hkv = q.shape[-3], k.shape[-3]
+    if enable_gqa and hq != hkv and hq % hkv:
+        raise ValueError(f"enable_gqa needs the {hkv} key / value heads to divide the {hq} query heads")
+    groups = hq // hkv if enable_gqa and hq != hkv else 1
+    mask = None if attn_mask is None else attn_mask.detach()
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if kind == "ring":
+        return _RingAttention.apply(q, k, v, mask, is_causal, scale, groups, ranks, index)
+    return _ulysses(q, k, v, mask, is_causal, scale, groups, ranks, index)
+
+
+def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Key / value heads repeated for the query heads they serve (SDPA's ``enable_gqa``)."""
+    return t.repeat_interleave(groups, dim=-3) if groups > 1 else t
+
+
+def _fold(g: torch.Tensor, groups: int, shape: torch.Size) -> torch.Tensor:
+    """The adjoint of :func:`_expand` and of broadcasting: ``g`` summed down to ``shape``."""
+    if groups > 1:
+        g = g.unflatten(-3, (-1, groups)).sum(-3)
+    return g.sum_to_size(shape)
+
+
+# ---------------------------------------------------------------------------------- ulysses
+class _SeqHeads(torch.autograd.Function):
+    """``to_heads``: ``[..., H, s, D]`` (sequence shard) -> ``[..., H / cp, S, D]`` (head shard,
+    natural order), else the reverse; backward: the other direction."""
+
+    @staticmethod
+    def forward(ctx, x, ranks, to_heads):
+        ctx.ranks, ctx.to_heads = ranks, to_heads
+        return _seq_heads(x, ranks, to_heads)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_heads(grad, ctx.ranks, not ctx.to_heads), None, None
+
+
+def _seq_heads(x: torch.Tensor, ranks: Ranks, to_heads: bool) -> torch.Tensor:
+    cp, d = len(ranks), x.ndim - 2
+    if to_heads:   # head group r goes to rank r, which places the shards it receives by position
+        return _join(_all_to_all_stack(x.unflatten(-3, (cp, -1)).movedim(-4, 0), ranks), d)
+    out = _all_to_all_stack(_split(x, d, cp), ranks)    # rank r's positions go to rank r
+    return torch.cat(out.unbind(0), -3)                  # head group r came from rank r
+
+
+def _ulysses(q, k, v, mask, causal, scale, groups, ranks, index):
+    cp, hq, hkv = len(ranks), q.shape[-3], k.shape[-3]
+    if hq % cp:
+        raise ValueError(f"ulysses context parallelism splits the {hq} attention heads (after tensor "
+                         f"parallelism) over cp={cp} ranks: use kind='ring', or a cp dividing the heads")
+    if hkv != hq and hkv % cp:    # repeat the key / value heads so they split like the queries
+        if hq % hkv:
+            raise ValueError(f"ulysses cannot pair {hkv} key / value heads with {hq} query heads")
+        k, v, groups = _expand(k, hq // hkv), _expand(v, hq // hkv), 1
+    q, k, v = (_SeqHeads.apply(t, ranks, True) for t in (q, k, v))
+    if mask is not None and mask.ndim >= 3 and mask.shape[-3] > 1:
+        h = hq // cp
+        mask = mask.narrow(-3, index * h, h)
+    out = F.scaled_dot_product_attention(q, k, v, mask, 0.0, causal, scale=scale, enable_gqa=groups > 1)
+    return _SeqHeads.apply(out, ranks, False)
+
+
+# ------------------------------------------------------------------------------------- ring
+@dataclass(frozen=True)
+class _Block:
+    """One block of ring attention: local query rows ``q`` and source key rows ``k``, each
+    ``(offset, length)``, with their global positions."""
+
+    q: tuple[int, int]
+    k: tuple[int, int]
+    qpos: torch.Tensor
+    kpos: torch.Tensor
+
+
+def _mask_block(mask: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+    """The whole mask's rows ``qpos`` and columns ``kpos`` (broadcast dims kept)."""
+    if mask.ndim >= 2 and mask.shape[-2] != 1:
+        mask = mask.index_select(-2, qpos)
+    return mask.index_select(-1, kpos) if mask.shape[-1] != 1 else mask
+
+
+def _causal_skip(qc, kc) -> bool:
+    """Under a causal mask: every key of chunk ``kc`` comes after every query of chunk ``qc``."""
+    return kc[0] > qc[0] + qc[1] - 1
+
+
+def _needed(qc, kc, causal: bool, mask, qpos, kpos) -> bool:
+    """Whether the block of chunks ``qc`` x ``kc`` (``(start, length, offset)``) has an allowed entry."""
+    if causal and _causal_skip(qc, kc):
+        return False
+    if mask is None:
+        return True
+    qpos, kpos = qpos.narrow(0, qc[2], qc[1]), kpos.narrow(0, kc[2], kc[1])
+    m = _mask_block(mask, qpos, kpos)
+    allowed = m if m.dtype == torch.bool else m != _NEG_INF
+    if causal:
+        allowed = allowed & (kpos <= qpos[:, None])
+    return bool(allowed.any())
+
+
+def _spans(chunks) -> list[tuple[int, int]]:
+    """``(offset, length)`` of the row spans made by ``chunks`` (adjacent ones merged)."""
+    spans: list[list[int]] = []
+    for _, n, off in sorted(chunks, key=lambda c: c[2]):
+        if spans and spans[-1][0] + spans[-1][1] == off:
+            spans[-1][1] += n
+        else:
+            spans.append([off, n])
+    return [tuple(s) for s in spans]
+
+
+def _ring_blocks(seq: int, cp: int, index: int, src: int, causal: bool, mask, device) -> list[_Block]:
+    """The blocks rank ``index`` computes against source ``src``'s keys: query chunks needing the
+    same key chunks share a block (the whole shard when nothing is masked)."""
+    qpos, kpos = _positions(seq, cp, index, device), _positions(seq, cp, src, device)
+    by_keys: dict[tuple, list] = {}
+    for a in _chunks(seq, cp, index):
+        keys = tuple(b for b in _chunks(seq, cp, src) if _needed(a, b, causal, mask, qpos, kpos))
+        if keys:
+            by_keys.setdefault(keys, []).append(a)
+    return [_Block(qs, ks, qpos.narrow(0, *qs), kpos.narrow(0, *ks))
+            for keys, qcs in by_keys.items() for qs in _spans(qcs) for ks in _spans(keys)]
+
+
+def ring_block_pairs(seq: int, cp: int, index: int, causal: bool) -> int:
+    """How many (local query chunk, key chunk) pairs rank ``index`` computes in ring attention over
+    all ``cp`` sources, no explicit mask: ``4 cp`` (``cp`` when contiguous); causal: ``2 cp + 1`` on
+    every rank in the zig-zag layout (``index + 1`` when contiguous)."""
+    return sum(not (causal and _causal_skip(a, b))
+               for src in range(cp) for a in _chunks(seq, cp, index) for b in _chunks(seq, cp, src))
+
+
+def _scores(q, k, mask, blk: _Block, causal: bool, scale: float) -> torch.Tensor:
+    """fp32 ``q k^T * scale`` of a block with the mask's slice and the causal mask applied."""
+    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if mask is not None:
+        m = _mask_block(mask, blk.qpos, blk.kpos)
+        s = s.masked_fill(~m, _NEG_INF) if m.dtype == torch.bool else s + m.float()
+    if causal:
+        s = s.masked_fill(blk.kpos > blk.qpos[:, None], _NEG_INF)
+    return s
+
+
+def _rows(t: torch.Tensor, span: tuple[int, int], groups: int = 1) -> torch.Tensor:
+    """fp32 rows ``span`` of ``t`` (``[..., H, rows, D]``), heads expanded ``groups`` times."""
+    return _expand(t.narrow(-2, *span), groups).float()
+
+
+def _block_forward(q, k, v, mask, blk, causal, scale, groups, out, m, l) -> None:
+    """Merge one block into the running (online softmax) ``out`` (``[..., Hq, s, Dv]``, unnormalised),
+    row maximum ``m`` and row sum ``l`` (``[..., Hq, s, 1]``, relative to ``m``).
+
+    NOTE: ``m`` and ``l`` are kept apart, not as ``m + log(l)``: with HF's additive ``finfo.min``
+    masks a row's maximum can be ~-3e38, where adding ``log(l)`` would be lost in rounding."""
+    s = _scores(_rows(q, blk.q), _rows(k, blk.k, groups), mask, blk, causal, scale)
+    o, m_old, l_old = out.narrow(-2, *blk.q), m.narrow(-2, *blk.q), l.narrow(-2, *blk.q)
+    new = torch.maximum(m_old, s.amax(-1, keepdim=True))
+    new = new.masked_fill_(new == _NEG_INF, 0.0)      # rows masked so far: every weight below is 0
+    p = s.sub_(new).exp_()
+    decay = (m_old - new).exp_()
+    l_old.mul_(decay).add_(p.sum(-1, keepdim=True))
+    o.mul_(decay).add_(torch.matmul(p, _rows(v, blk.k, groups)))
+    m_old.copy_(new)
+
+
+def _block_backward(q, k, v, mask, blk, causal, scale, groups, grad, delta, m, l, dq, dk, dv) -> None:
+    """Add one block's gradients to ``dq`` (local rows) and ``dk`` / ``dv`` (source rows)."""
+    qb, kb, vb = _rows(q, blk.q), _rows(k, blk.k, groups), _rows(v, blk.k, groups)
+    g = grad.narrow(-2, *blk.q)
+    p = _scores(qb, kb, mask, blk, causal, scale).sub_(m.narrow(-2, *blk.q)).exp_().div_(l.narrow(-2, *blk.q))
+    dv.narrow(-2, *blk.k).add_(_fold(torch.matmul(p.transpose(-1, -2), g), groups, dv.narrow(-2, *blk.k).shape))
+    ds = p.mul_(torch.matmul(g, vb.transpose(-1, -2)).sub_(delta.narrow(-2, *blk.q))).mul_(scale)
+    dq.narrow(-2, *blk.q).add_(torch.matmul(ds, kb).sum_to_size(dq.narrow(-2, *blk.q).shape))
+    dk.narrow(-2, *blk.k).add_(_fold(torch.matmul(ds.transpose(-1, -2), qb), groups, dk.narrow(-2, *blk.k).shape))
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention (module docstring): saves ``q, k, v``, the output and its softmax rows'
+    maximum and sum."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, causal, scale, groups, ranks, index):
+        cp, seq = len(ranks), q.shape[-2] * len(ranks)
+        plan = [_ring_blocks(seq, cp, index, (index - t) % cp, causal, mask, q.device) for t in range(cp)]
+        batch = torch.broadcast_shapes(q.shape[:-2], (*k.shape[:-3], k.shape[-3] * groups))
+        out = q.new_zeros((*batch, q.shape[-2], v.shape[-1]), dtype=torch.float32)
+        m = q.new_full((*batch, q.shape[-2], 1), _NEG_INF, dtype=torch.float32)
+        l = torch.zeros_like(m)
+        kv = [k, v]
+        for t, blocks in enumerate(plan):
+            shift = _Shift(kv, ranks, index) if t < cp - 1 else None
+            for blk in blocks:
+                _block_forward(q, *kv, mask, blk, causal, scale, groups, out, m, l)
+            if shift is not None:
+                kv = shift.wait()
+        l.masked_fill_(l == 0, 1.0)                      # rows masked everywhere: out 0, as SDPA
+        res = out.div_(l).to(q.dtype)
+        ctx.save_for_backward(q, k, v, mask, res, m.masked_fill_(m == _NEG_INF, 0.0), l)
+        ctx.args = plan, causal, scale, groups, ranks, index
+        return res
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, mask, out, m, l = ctx.saved_tensors
+        plan, causal, scale, groups, ranks, index = ctx.args
+        grad = grad.float()
+        delta = (grad * out.float()).sum(-1, keepdim=True)
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        kv, dkv = [k, v], [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
+        for t, blocks in enumerate(plan):
+            shift = _Shift(kv, ranks, index) if t < len(plan) - 1 else None
+            for blk in blocks:
+                _block_backward(q, *kv, mask, blk, causal, scale, groups, grad, delta, m, l, dq, *dkv)
+            if shift is not None:
+                kv = shift.wait()
+            dkv = _Shift(dkv, ranks, index).wait()     # after cp shifts each source's is home
+        dk, dv = dkv
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
