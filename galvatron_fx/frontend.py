@@ -70,20 +70,19 @@ def input_names(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list, pytr
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     try:
         sig = inspect.signature(model.forward)
-        bound = sig.bind(*args, **kwargs)
-        arg_names, bound_values = [], []
-        for name, value in bound.arguments.items():
-            if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
-                # NOTE: ``forward(*args, **kwargs)`` (peft's PeftModel): name leaves by keyword
-                arg_names += list(value)
-                bound_values += list(value.values())
-            else:
-                arg_names.append(name)
-                bound_values.append(value)
+        sig.bind(*args, **kwargs)
+        positional = [p for p in sig.parameters.values()
+                      if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        star = next((p.name for p in sig.parameters.values() if p.kind is inspect.Parameter.VAR_POSITIONAL), "args")
+        arg_names = [positional[i].name if i < len(positional) else f"{star}_{i - len(positional)}"
+                     for i in range(len(args))] + list(kwargs)
+        bound_values = list(args) + list(kwargs.values())
     except (TypeError, ValueError):
         arg_names, bound_values = [], []
     names: list[str] = []
-    # Name leaves by walking the bound arguments in the same order pytree flattens them.
+    # NOTE: leaves named in the order pytree flattens ``(args, kwargs)``: positional arguments, then
+    # the keywords *as the caller ordered them* (not the signature's order: labels=..., then
+    # attention_mask=... would otherwise swap the two inputs' names)
     per_arg = [(n, pytree.tree_leaves(v)) for n, v in zip(arg_names, bound_values)]
     flat_names = []
     for n, lv in per_arg:

@@ -87,6 +87,22 @@ def test_kwargs_become_named_placeholders():
     torch.testing.assert_close(gm(ids, tgt), model(ids, targets=tgt))
 
 
+class TwoInputs(torch.nn.Module):
+    def forward(self, x, mask=None, scale=None):
+        return (x * mask + scale).sum(-1)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_keywords_in_another_order_than_forward_keep_their_names(method):
+    """``model(scale=..., x=..., mask=...)``: each placeholder is the keyword the caller gave (a
+    caller's order once swapped HF's ``labels`` and ``attention_mask``: a wrong loss, silently)."""
+    x, mask, scale = torch.randn(3, 4), torch.rand(3, 4), torch.randn(3, 4)
+    gm = gfx.capture(TwoInputs(), kwargs=dict(scale=scale, x=x, mask=mask), method=method)
+    names = gm.meta[META_KEY].input_names
+    assert sorted(names) == ["mask", "scale", "x"]
+    torch.testing.assert_close(gm(**dict(scale=scale, x=x, mask=mask)), TwoInputs()(x, mask, scale))
+
+
 class DataDependent(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -114,6 +114,16 @@ CASES = {
     "cp2-ulysses-bf16": dict(matrix=True, precision="bf16-mixed", plan=dict(dp=2, cp=2, cp_kind="ulysses")),
     "pp2xcp2-ring": dict(matrix=True, world=4, clip="dm", plan=dict(pp=2, dp=2, cp=2, micro_batches=2)),
     "lora-cp2-ring-compile": dict(matrix=True, door="compile", model="lora", plan=dict(dp=2, cp=2)),
+    # the zoo's GPT shifts its logits (not its labels) along the sequence: cp on its blocks only
+    "gpt-fx-blocks-cp2-ring": dict(model="gpt", method="fx", layer_cp={"blocks.": (2, "ring")}, plan=dict(dp=2)),
+    "padding-mask-cp2-ring-export": dict(method="export", attention_mask=True, plan=dict(dp=2, cp=2)),
+    "padding-mask-dp2": dict(attention_mask=True, plan=dict(dp=2)),   # keywords not in forward()'s order
+    "padding-mask-cp2-ulysses": dict(matrix=True, attention_mask=True, plan=dict(dp=2, cp=2, cp_kind="ulysses")),
+    # cp on the decoder blocks only (ring on the first, Ulysses on the second): sequence shards
+    # gathered / sliced where the layout changes
+    "blocks-cp2-mixed": dict(layer_cp={"layers.0": (2, "ring"), "layers.1": (2, "ulysses")}, plan=dict(dp=2)),
+    "blocks-dp4-cp2-export": dict(matrix=True, world=4, method="export", layer_cp={"layers.": (2, "ring")},
+                                  plan=dict(dp=4, sdp="zero2")),
 }
 FROZEN = ("embed", "norm")
 
@@ -161,7 +171,10 @@ def _batches(case):
         return _gpt_batches(STEPS)
     # per-rank data through gfx.transform: a last, smaller batch (drop_last=False) ends the run
     last = loops.collate(1, batch=8, seed=5) if case["shard"] and case["door"] == "transform" else []
-    return loops.collate(STEPS) + last
+    batches = loops.collate(STEPS) + last
+    if case.get("attention_mask"):   # the collator's padding mask too (right padding: token 0)
+        batches = [dict(b, attention_mask=(b["labels"] != -100).long()) for b in batches]
+    return batches
 
 
 def _run(rank, world, name):
@@ -181,6 +194,9 @@ def _run(rank, world, name):
     for lp in plan.layers:   # the token dispatch of expert-parallel layers (default: all-gather)
         if lp.ep > 1 and "dispatch" in case:
             lp.extra["ep_dispatch"] = case["dispatch"]
+        for part, (cp, kind) in case.get("layer_cp", {}).items():   # per-layer context parallelism
+            if part in lp.name:
+                lp.cp, lp.cp_kind = cp, kind
     total_norms, handed = [], []
 
     def data(b, dm):
