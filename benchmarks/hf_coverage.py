@@ -16,8 +16,9 @@ cache off. Inputs: batch 4, sequence 16 (targets of encoder-decoders 8), images 
 * ``head tp2``: the cost model's activation bytes of the LM head (the ``post`` layer) per sample at
   tp=2 over tp=1, for the language models with the vocabulary ``HEAD_VOCAB`` (32 x hidden, the
   ratio of real LMs; the vocabulary-parallel loss keeps 1/tp of the logits' bytes);
-* ``tp2`` / ``tp2sp`` / ``zero3`` / ``pp2``: on 2 gloo ranks, 5 AdamW steps (lr 1e-3, eps 1e-6) of
-  ``Plan.uniform(tp=2)`` / ``(tp=2, sp=True)`` / ``(sdp="zero3")`` / ``(pp=2, micro_batches=2)`` from a dynamo capture:
+* ``tp2`` / ``tp2sp`` / ``zero3`` / ``pp2`` / ``cp2`` / ``cp2u``: on 2 gloo ranks, 5 AdamW steps (lr
+  1e-3, eps 1e-6) of ``Plan.uniform(tp=2)`` / ``(tp=2, sp=True)`` / ``(sdp="zero3")`` /
+  ``(pp=2, micro_batches=2)`` / ``(dp=2, cp=2)`` ring / Ulysses from a dynamo capture:
   the largest relative loss error over the steps against the eager model on one device (``ok``
   below ``--tol``), or the error's first line. The three plans run in one spawned world per model.
   NOTE: CLIP's contrastive loss is not a mean over samples (every sample is a negative of the
@@ -54,6 +55,8 @@ TRAIN_PLANS = {  # column -> Plan.uniform keywords on 2 ranks
     "tp2sp": dict(tp=2, dp=1, sp=True),
     "zero3": dict(sdp="zero3"),
     "pp2": dict(pp=2, dp=1, micro_batches=2),
+    "cp2": dict(dp=2, cp=2),                         # context parallel, ring attention
+    "cp2u": dict(dp=2, cp=2, cp_kind="ulysses"),     # context parallel, Ulysses all-to-alls
 }
 NO_DROPOUT = ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout", "resid_pdrop",
               "embd_pdrop", "attn_pdrop", "dropout_rate", "hidden_dropout_prob", "attention_probs_dropout_prob",
