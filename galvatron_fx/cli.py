@@ -187,17 +187,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _pipeline_constraints(args: argparse.Namespace) -> dict:
-    """Search constraints from ``--pp`` / ``--schedule`` / ``--virtual-stages`` / ``--ep`` (those given)."""
+    """Search constraints from ``--pp`` / ``--schedule`` / ``--virtual-stages`` / ``--ep`` / ``--cp`` /
+    ``--cp-kind`` (those given)."""
     out = {k: getattr(args, k) for k in ("pp", "schedule", "virtual_stages") if getattr(args, k, None) is not None}
-    if getattr(args, "ep", None):
-        try:
-            out["ep"] = [int(e) for e in str(args.ep).split(",")]
-        except ValueError:
-            raise ConfigError(f"--ep takes degrees like 4 or 1,2,4,8, got {args.ep!r}") from None
+    for key, example in (("ep", "4 or 1,2,4,8"), ("cp", "4 or 1,2,4,8")):
+        if getattr(args, key, None):
+            try:
+                out[key] = [int(e) for e in str(getattr(args, key)).split(",")]
+            except ValueError:
+                raise ConfigError(f"--{key} takes degrees like {example}, got {getattr(args, key)!r}") from None
+    if getattr(args, "cp_kind", None):
+        out["cp_kind"] = args.cp_kind
     return out
 
 
 def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    from .planner import CP_MIN_SEQ
     from .solver.schedules import SCHEDULES
 
     p.add_argument("--pp", type=int, metavar="N", help="pin the pipeline degree of the search")
@@ -207,6 +212,13 @@ def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
                    help="pin the chunks per pipeline rank (interleaved schedules; default: searched)")
     p.add_argument("--ep", metavar="N[,N...]",
                    help="expert-parallel degrees the MoE layers may take (e.g. 8, or 1,2,4,8; default: searched)")
+    p.add_argument("--cp", metavar="N[,N...]",
+                   help="context-parallel degrees the layers may take (e.g. 4: every layer that can splits its "
+                        "sequence over 4 ranks; 1,2,4: searched per layer; default: searched from sequences of "
+                        f"{CP_MIN_SEQ} positions, else 1)")
+    p.add_argument("--cp-kind", choices=["ring", "ulysses"],
+                   help="context-parallel attention: ring (key / value shards passed around) or ulysses "
+                        "(all-to-alls over heads); default: both searched")
 
 
 def _maybe_plot(plan, path: str | None) -> None:

@@ -229,8 +229,9 @@ class Plan:
             if layer.cp_kind not in CP_KINDS:
                 raise ConfigError(f"plan {w}.cp_kind must be one of {list(CP_KINDS)}, got {layer.cp_kind!r}")
             if micro_batch % (dp // cp):
+                what = f"dp={dp}" if cp == 1 else f"dp/cp = {dp}/{cp} = {dp // cp}"
                 raise ConfigError(
-                    f"plan {w} ({layer.name!r}): dp/cp = {dp // cp} does not divide the micro-batch of "
+                    f"plan {w} ({layer.name!r}): {what} does not divide the micro-batch of "
                     f"global_batch_size/micro_batches = {micro_batch} samples; change global_batch_size, "
                     "micro_batches or dp")
 
@@ -340,6 +341,7 @@ class Plan:
                 lines.append(f"  {i:>4}  {layer.name:<26} {layer.strategy.label:<24} {cells}")
         lines += _tp_lines(self.layers)
         lines += _ep_lines(self.layers)
+        lines += _cp_lines(self.layers)
         return "\n".join(lines)
 
     # ---------------------------------------------------------- serialisation
@@ -525,4 +527,29 @@ def _tp_lines(layers: list[LayerPlan]) -> list[str]:
         seen[key] = len(out)
         out.append(f"  tp={layer.tp} {rep['summary']}: layers {i}")
         out += [f"      whole  {fqn}: {why}" for fqn, why in rep.get("whole", {}).items()]
+    return out
+
+
+def _cp_lines(layers: list[LayerPlan]) -> list[str]:
+    """explain(): one line per context-parallel setting (``cp``, ``cp_kind``): its layers and how their
+    attention exchanges the sequence shards (``extra["cp_exchange_s"]``: the search's seconds per
+    micro-batch, when recorded)."""
+    groups: dict[tuple, list[LayerPlan]] = {}
+    for lp in layers:
+        if lp.cp > 1:
+            groups.setdefault((lp.cp, lp.cp_kind), []).append(lp)
+    out = []
+    for (cp, kind), lps in groups.items():
+        how = (f"key / value shards passed around a ring of {cp} ranks" if kind == "ring"
+               else f"all-to-alls of query / key / value / output over {cp} ranks")
+        names = [lp.name for lp in lps]
+        line = (f"context parallelism: cp {cp} ({kind}: {how}) on {len(names)} layer(s): {', '.join(names[:3])}"
+                f"{' ...' if len(names) > 3 else ''}")
+        spent = sum(lp.extra.get("cp_exchange_s", 0.0) for lp in lps)
+        if spent:
+            line += f"; exchanges {spent * 1e3:.3f} ms per micro-batch"
+        out.append(line)
+    if out:
+        out.append("  (a CP group's ranks hold the same samples, 1/cp of the sequence each; leaving for another "
+                   "layout the sequence is all-gathered)")
     return out

@@ -27,8 +27,8 @@ from .units import parse_bytes
 _OUTER = ("pp", "micro_batches", "schedule", "virtual_stages", "global_batch_size")
 _SPACE = ("ckpt", "sp", "zero2", "zero3", "max_tp", "allow_cross_node_tp", "power_of_two")
 _COST = ("precision", "dtype", "mode", "mixed_precision", "reserve_bytes", "optimizer")
-CONSTRAINT_KEYS = _OUTER + _SPACE + ("tp", "sdp", "ep", "granularity", "uniform", "max_global_batch_size",
-                                     "max_micro_batches", "max_micro_batch_size")
+CONSTRAINT_KEYS = _OUTER + _SPACE + ("tp", "sdp", "ep", "cp", "cp_kind", "granularity", "uniform",
+                                     "max_global_batch_size", "max_micro_batches", "max_micro_batch_size")
 """Keys ``gfx.search(..., constraints={...})`` accepts: ``pp``, ``micro_batches``, ``schedule``,
 ``virtual_stages`` pin the outer loop; ``tp`` (int) pins the TP degree of every layer; ``sdp`` (list of "none",
 "zero2", "zero3") limits data-parallel kinds; ``ckpt``/``sp``/``zero2``/``zero3`` (bool) switch
@@ -38,7 +38,17 @@ options off, ``ckpt="all"`` checkpoints every layer; ``max_tp``, ``allow_cross_n
 ``max_micro_batch_size`` the samples one device runs per micro-batch; ``granularity`` (bytes) sets
 the memory relaxation's unit (speed only); ``uniform`` (bool) searches uniform plans only; ``ep``
 (int or list of ints) limits the expert-parallel degrees of the layers with experts (1 among them
-keeps them unsplit; other layers always run ``ep = 1``)."""
+keeps them unsplit; other layers always run ``ep = 1``); ``cp`` (int or list of ints) the
+context-parallel degrees every layer the context-parallel pass takes at them may run (``{"cp": 4}``:
+those layers run cp 4, the others cp 1; ``[1, 4]``: searched per layer; given, it offers cp > 1 at
+any sequence length, :data:`CP_MIN_SEQ`), ``cp_kind`` (``"ring"``, ``"ulysses"`` or a list) the
+context-parallel attention kinds."""
+
+CP_MIN_SEQ = 16384
+"""Without a ``cp`` constraint the search offers context parallelism only when the captured
+sequence is at least this long (positions): below it the attention's share of a layer is small and
+splitting the sequence only adds exchanges, while every degree and kind multiplies the per-layer
+space (106 strategies on 8 devices instead of 34), and so the search time."""
 
 
 def resolve_precision(cluster: Cluster, precision: str | None = None, dtype=None, mixed_precision=None) -> str:
@@ -157,6 +167,67 @@ def ep_degrees(cost_model, world_size: int) -> list[int]:
     return [d for d in range(1, min(g, world_size) + 1) if g % d == 0]
 
 
+def _as_list(value, what: str, cast=int) -> list | None:
+    """A constraint given as one value or a list, as a list (None when not given)."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, (int, str)) and not isinstance(value, bool) else value
+    try:
+        out = [cast(v) for v in items]
+    except (TypeError, ValueError):
+        raise ConfigError(f"constraint {what} must be one value or a list of them, got {value!r}") from None
+    if not out:
+        raise ConfigError(f"constraint {what} must not be empty")
+    return out
+
+
+def cp_kinds_of(constraints: dict | None) -> list[str]:
+    """The context-parallel kinds the search offers: the ``cp_kind`` constraint's, else all."""
+    from .solver.strategy import CP_KINDS
+
+    kinds = _as_list((constraints or {}).get("cp_kind"), "cp_kind", str) or list(CP_KINDS)
+    bad = [k for k in kinds if k not in CP_KINDS]
+    if bad:
+        raise ConfigError(f"constraint cp_kind must be among {list(CP_KINDS)}, got {bad}")
+    return kinds
+
+
+def cp_degrees(cost_model, world_size: int, constraints: dict | None = None) -> list[int]:
+    """Context-parallel degrees the search offers: the ``cp`` constraint's, else (a captured
+    sequence of at least :data:`CP_MIN_SEQ` positions) every divisor of the world size that divides
+    the sequence, else ``[1]`` (the default search keeps its speed on short sequences)."""
+    asked = _as_list((constraints or {}).get("cp"), "cp")
+    if asked is not None:
+        if any(c < 1 for c in asked):
+            raise ConfigError(f"constraint cp must hold degrees >= 1, got {asked}")
+        return sorted(set(asked))
+    seq = cost_model.sequence_length()
+    if seq < CP_MIN_SEQ:
+        return [1]
+    return [d for d in range(1, world_size + 1) if world_size % d == 0 and seq % d == 0]
+
+
+def cp_admissible(cost_model, allowed=None, kinds=None) -> Callable[[int, int, str, int], bool]:
+    """``(layer, cp, kind, tp) -> bool``: whether layer ``layer`` may run at context-parallel degree
+    ``cp`` with attention ``kind`` under TP degree ``tp``: the context-parallel pass takes it
+    (:meth:`~galvatron_fx.cost.CostModel.cp_refuses`), ``cp`` is among ``allowed`` and ``kind``
+    among ``kinds`` (constraints, when given). ``cp == 1`` is allowed where ``allowed`` has 1 or the
+    layer takes none of its degrees at all (at ``tp = 1``; it then runs whole), so ``allowed = {4}``
+    pins cp 4 on every layer that can take it."""
+    allowed = None if allowed is None else set(allowed)
+    kinds = None if kinds is None else set(kinds)
+
+    def takes(layer: int, cp: int, kind: str, tp: int) -> bool:
+        return not cost_model.cp_refuses(layer, cp, kind, tp)
+
+    def ok(layer: int, cp: int, kind: str, tp: int) -> bool:
+        if cp == 1:
+            return allowed is None or 1 in allowed or not any(
+                takes(layer, c, k, 1) for c in allowed if c > 1 for k in (kinds or ("ring", "ulysses")))
+        return (allowed is None or cp in allowed) and (kinds is None or kind in kinds) and takes(layer, cp, kind, tp)
+    return ok
+
+
 def tp_useful(cost_model) -> Callable[[int, int], bool]:
     """``(layer, tp) -> bool``: whether TP at degree ``tp`` shards any parameter of layer ``layer``
     (:mod:`galvatron_fx.sharding.report`); the search does not offer degrees that shard nothing."""
@@ -196,11 +267,15 @@ def _options(constraints: dict | None, global_batch_size, reserve: float) -> Sea
 
 def _plan(result: SearchResult, names: list[str], world_size: int, fingerprint: str, cluster: Cluster,
           precision: str, cost_options: dict, cm=None) -> Plan:
-    layers = [LayerPlan(n, s.tp, s.dp, s.sdp, s.sp, s.ckpt, ep=s.ep) for n, s in zip(names, result.strategies)]
+    layers = [LayerPlan(n, s.tp, s.dp, s.sdp, s.sp, s.ckpt, ep=s.ep, cp=s.cp, cp_kind=s.cp_kind)
+              for n, s in zip(names, result.strategies)]
     for i, (lp, s) in enumerate(zip(layers, result.strategies)):
         if s.ep > 1 and cm is not None:   # the token exchange the cost model found cheaper
             n = result.global_batch_size / result.micro_batches / s.dp
             lp.extra["ep_dispatch"] = cm.ep_dispatch(i, n, s)[0]
+        if s.cp > 1 and cm is not None:   # explain(): the attention exchanges, seconds per micro-batch
+            n = result.global_batch_size / result.micro_batches / s.dp
+            lp.extra["cp_exchange_s"] = float(f"{cm.cp_terms(i, n, s)[0]:.6g}")
     return Plan(world_size, result.pp, result.schedule, result.micro_batches, result.global_batch_size,
                 [tuple(s) for s in result.stages], layers, _json_estimate(result.estimate), fingerprint,
                 cluster.to_dict(), {"cost_model": dict(cost_options)}, precision=precision,
@@ -226,9 +301,12 @@ def _engine(gm, cluster, world_size, budget, global_batch_size, constraints, cos
     sigs = [rec.signature for rec in cm.layers]
     reads = [set(rec.params) for rec in cm.layers]
     tied = [i for i, r in enumerate(reads) if any(r & other for j, other in enumerate(reads) if j != i)]
+    cps, kinds = cp_degrees(cm, world_size, constraints), cp_kinds_of(constraints)
+    asked = (constraints or {}).get("cp") is not None
     return Engine(cm, cluster, sigs, world_size, budget, opt, allowed_tp=tp_admissible(cm), useful_tp=tp_useful(cm),
                   allowed_sp=sp_admissible(cm), allowed_ep=ep_admissible(cm, (constraints or {}).get("ep")),
                   ep_degrees=ep_degrees(cm, world_size),
+                  allowed_cp=cp_admissible(cm, cps if asked else None, kinds), cp_degrees=cps, cp_kinds=kinds,
                   tied_layers=tied, batch_coupled=[i for i, rec in enumerate(cm.layers) if rec.batch_coupled],
                   progress=stderr_progress if progress is True else (progress or None),
                   layer_names=[rec.name for rec in cm.layers])
@@ -352,6 +430,8 @@ BASELINES: dict[str, dict[str, Any]] = {
     "dp+pp": {"tp": 1, "sdp": ["none"], "ckpt": False, "sp": False, "schedule": "1f1b"},
     "megatron": {"uniform": True, "sdp": ["none"], "ckpt": "all", "schedule": "1f1b", "max_micro_batch_size": 8},
 }
+for _cons in BASELINES.values():   # NOTE: the paper's limited strategies: no context parallelism
+    _cons["cp"] = 1
 """Baseline name -> search constraints. ``tp``: TP over a whole node (or the world, if smaller) then
 DP; ``pp``: one stage per device (or per layer), GPipe; ``3d``: the best uniform DP x TP x PP grid;
 ``dp+tp`` / ``dp+pp``: the paper's limited Galvatron variants (per-layer search in two dimensions);

@@ -55,7 +55,9 @@ starts (seconds)."""
 def label(plan: Plan) -> str:
     """A short description: ``pp2 m2 1f1b | tp1, tp2 zero3 ckpt``."""
     kinds = sorted({f"tp{lp.tp}·dp{lp.dp}" + (f" {lp.sdp}" if lp.sdp != "none" else "") + (" ckpt" if lp.ckpt else "")
-                    + (" sp" if lp.sp else "") for lp in plan.layers})
+                    + (" sp" if lp.sp else "") + (f" ep{lp.ep}" if lp.ep > 1 else "")
+                    + (f" cp{lp.cp}{'u' if lp.cp_kind == 'ulysses' else ''}" if lp.cp > 1 else "")
+                    for lp in plan.layers})
     return f"pp{plan.pp} m{plan.micro_batches} {plan.schedule} | " + ", ".join(kinds)
 
 
@@ -70,7 +72,7 @@ def measured_lines(records: list[dict]) -> list[str]:
 
 def _key(plan: Plan) -> tuple:
     return (plan.pp, plan.micro_batches, plan.schedule if plan.pp > 1 else "", tuple(map(tuple, plan.stages)),
-            tuple((lp.tp, lp.dp, lp.sdp, lp.sp, lp.ckpt) for lp in plan.layers))
+            tuple((lp.tp, lp.dp, lp.sdp, lp.sp, lp.ckpt, lp.ep, lp.cp, lp.cp_kind) for lp in plan.layers))
 
 
 def candidates(search, best: Plan, k: int, gm: torch.fx.GraphModule, cluster, world: int,

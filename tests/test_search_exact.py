@@ -20,6 +20,11 @@ Budgets per setup: just below the least memory any plan needs (the search must r
 least memory), 1.02x, 1.1x, 1.5x and 3x of it, and the whole device: 6 budgets x 8 setups = 48
 instances; the searched plan's throughput equals the enumerated best (relative 1e-9: float
 round-off only). A longer matrix (5 layers on 8 devices, more batches) runs with ``--run-matrix``.
+
+Context parallelism (:data:`CP_SETUPS`): the same check with a ``cp`` constraint widening both the
+search's and the enumeration's space (ring and Ulysses strategies whose ``dp / cp`` batch slices
+divide the micro-batch, on the layers the context-parallel pass takes), on instances where the
+enumerated best uses ``cp > 1`` at some budget.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import pytest
 
 import galvatron_fx as gfx
 from galvatron_fx.plan import LayerPlan, Plan
-from galvatron_fx.planner import cost_model_for, sp_admissible, tp_admissible, tp_useful
+from galvatron_fx.planner import cost_model_for, cp_admissible, sp_admissible, tp_admissible, tp_useful
 from galvatron_fx.solver.objective import layer_step_time, layer_terms, p2p_time_per_microbatch, step_constant
 from galvatron_fx.solver.pipeline import even_split, in_flight_microbatches
 from galvatron_fx.solver.schedules import step_slots
@@ -80,18 +85,24 @@ class Frontier:
         return float(self.mem[0])
 
 
-def enumerate_space(gm, cluster, gbs: int, precision: str):
+def enumerate_space(gm, cluster, gbs: int, precision: str, cps: tuple[int, ...] = (1,),
+                    cp_kinds: tuple[str, ...] = ("ring", "ulysses"), sp: bool = True):
     """Every configuration's per-stage frontiers: ``{(p, m, schedule): {(i, j, k): Frontier}}`` plus
-    the per-configuration strategy lists."""
+    the per-configuration strategy lists. ``cps`` / ``cp_kinds``: the context-parallel degrees and
+    kinds in the space (a ``cp`` constraint's), each layer taking those the context-parallel pass
+    takes (a CP group shares its samples: ``dp / cp`` must divide the micro-batch); ``sp``: the
+    constraint switching sequence parallelism off."""
     cm = cost_model_for(gm, cluster, precision=precision, reserve_bytes=0)
     L, N = len(cm.layers), cluster.world_size
     tp_ok, useful, sp_ok = tp_admissible(cm), tp_useful(cm), sp_admissible(cm)
+    cp_ok = cp_admissible(cm, cps if cps != (1,) else None, cp_kinds)
     experts = [cm.experts(i) for i in range(L)]   # expert parallelism: ep > 1 where it divides the experts
     eps = sorted({e for ex in experts if ex for e in _divisors(min(ex.num_experts)) if e <= N} | {1})
 
     def admits(i, s):
         return tp_ok(i, s.tp) and (not s.sp or sp_ok(i, s.tp)) and (
-            s.ep == 1 or experts[i] is not None and all(e % s.ep == 0 for e in experts[i].num_experts))
+            s.ep == 1 or experts[i] is not None and all(e % s.ep == 0 for e in experts[i].num_experts)) and (
+            cp_ok(i, s.cp, s.cp_kind, s.tp))
     coupled = {i for i, r in enumerate(cm.layers) if r.batch_coupled}   # whole batch: one micro-batch
     reads = [set(r.params) for r in cm.layers]
     tied = {i for i, r in enumerate(reads) if any(r & o for j, o in enumerate(reads) if j != i)}
@@ -101,7 +112,9 @@ def enumerate_space(gm, cluster, gbs: int, precision: str):
         for m in [x for x in _divisors(gbs) if p == 1 or x >= p]:
             b = gbs // m
             space = [s for s in strategy_space(d, devices_per_node=cluster.devices_per_node, power_of_two=False,
-                                               ep=tuple(e for e in eps if d % e == 0)) if b % s.dp == 0]
+                                               ep=tuple(e for e in eps if d % e == 0),
+                                               cp=tuple(c for c in cps if d % c == 0), cp_kinds=cp_kinds, sp=sp)
+                     if b % (s.dp // s.cp) == 0]
             if not space:
                 continue
             plain = [[layer_terms(cm.layer_cost(i, s, b), cluster) for s in space] for i in range(L)]
@@ -302,7 +315,8 @@ def _as_plan(gm, cluster, gbs, precision, config, stages, seqs, spaces) -> Plan:
              or len(stages) > p and _placement(sched, c, p) == k for i in range(stages[c][0], stages[c][1] + 1)]
     picked = dict(zip(order, (space[int(s)] for seq in seqs for s in seq)))
     strategies = [picked[i] for i in range(len(info.layers))]
-    layers = [LayerPlan(r.name, s.tp, s.dp, s.sdp, s.sp, s.ckpt, ep=s.ep) for r, s in zip(info.layers, strategies)]
+    layers = [LayerPlan(r.name, s.tp, s.dp, s.sdp, s.sp, s.ckpt, ep=s.ep, cp=s.cp, cp_kind=s.cp_kind)
+              for r, s in zip(info.layers, strategies)]
     est = {"step_time_s": None, "throughput_samples_s": None, "memory_bytes_per_device": None}
     return Plan(cluster.world_size, p, sched, m, gbs, stages, layers, est, info.fingerprint, cluster.to_dict(),
                 precision=precision, virtual_stages=v)
@@ -329,26 +343,33 @@ MATRIX = [  # NOTE: the slowest setups (CI time): 3 tied blocks on 4 devices too
 FACTORS = (1.02, 1.1, 1.5, 3.0)
 
 
-def _check_setup(blocks, tied, preset, gbs, precision, calibration=None):
+def _check_setup(blocks, tied, preset, gbs, precision, calibration=None, constraints=None, chosen=None):
+    """The search against the enumeration at 6 budgets; ``constraints``: a context-parallel one
+    (``cp``, ``cp_kind``) widening both spaces alike; ``chosen``: collects each enumerated best."""
     gm = _graph(blocks, tied)
     cluster = gfx.Cluster.preset(preset)
     for k, v in (calibration or {}).items():   # per-step constants fitted by measured selection
         setattr(cluster, k, v)
     precision = precision or gfx.cluster.default_precision(cluster)
-    fronts, spaces, L = enumerate_space(gm, cluster, gbs, precision)
+    cons = dict(constraints or {})
+    kinds = cons.get("cp_kind", ("ring", "ulysses"))
+    fronts, spaces, L = enumerate_space(gm, cluster, gbs, precision, tuple(cons.get("cp", (1,))),
+                                        (kinds,) if isinstance(kinds, str) else tuple(kinds), cons.get("sp", True))
     least = least_memory(fronts, L)
     assert math.isfinite(least)
     with pytest.raises(gfx.InfeasibleError) as err:
-        gfx.search(gm, cluster, int(least) - 1, gbs, precision=precision, reserve_bytes=0)
+        gfx.search(gm, cluster, int(least) - 1, gbs, precision=precision, reserve_bytes=0, constraints=cons or None)
     assert abs(err.value.min_memory_bytes - least) <= 2, (err.value.min_memory_bytes, least)
     checked = 0
     for budget in [int(least * f) for f in FACTORS] + [cluster.device_memory]:
         thr, config, stages, seqs = best_plan(fronts, L, gbs, budget, cluster)
         ref = _as_plan(gm, cluster, gbs, precision, config, stages, seqs, spaces)
+        if chosen is not None:
+            chosen.append(ref)
         ref_est = gfx.estimate(gm, ref, cluster, reserve_bytes=0)
         assert ref_est["throughput_samples_s"] == pytest.approx(thr, rel=1e-9)  # the scoring is the estimate's
         assert max(ref_est["memory_bytes_per_device"]) <= budget
-        plan = gfx.search(gm, cluster, budget, gbs, precision=precision, reserve_bytes=0)
+        plan = gfx.search(gm, cluster, budget, gbs, precision=precision, reserve_bytes=0, constraints=cons or None)
         got = gfx.estimate(gm, plan, cluster)
         assert max(got["memory_bytes_per_device"]) <= budget
         assert got["throughput_samples_s"] == pytest.approx(thr, rel=1e-9), (
@@ -414,3 +435,19 @@ def test_search_equals_the_enumerated_best_with_calibrated_step_constants(calibr
 @pytest.mark.parametrize("blocks, tied, preset, gbs, precision", MATRIX)
 def test_search_equals_the_enumerated_best_matrix(blocks, tied, preset, gbs, precision):
     assert _check_setup(blocks, tied, preset, gbs, precision) == len(FACTORS) + 2
+
+
+CP_SETUPS = [  # blocks, cluster, global batch, precision, constraints: context parallelism in the space
+    # one sample per step on 2 devices: cp = 1 needs tp = 2 (or a pipeline), cp = 2 splits the sequence;
+    # gpt-tiny's last layer (its loss shifts the labels along the sequence) refuses cp
+    (2, "2xA100-80GB", 1, "fp32", {"cp": [1, 2]}),
+    (2, "4xA100-80GB", 2, None, {"cp": [1, 2, 4]}),   # ring and Ulysses, degrees 2 and 4 (4 heads)
+]
+
+
+@pytest.mark.parametrize("blocks, preset, gbs, precision, constraints", CP_SETUPS)
+def test_search_equals_the_enumerated_best_with_context_parallelism(blocks, preset, gbs, precision, constraints):
+    chosen: list = []
+    assert _check_setup(blocks, False, preset, gbs, precision, constraints=constraints,
+                        chosen=chosen) == len(FACTORS) + 2
+    assert any(lp.cp > 1 for plan in chosen for lp in plan.layers)   # the instance exercises cp

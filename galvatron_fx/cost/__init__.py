@@ -7,9 +7,11 @@
     cm.layer_cost(3, Strategy(tp=2, dp=4), micro_batch_size=8)   # -> LayerCost (seconds, bytes)
 
 See :mod:`galvatron_fx.cost.model` for the scaling rules, :mod:`.memory` for model states,
-:mod:`.measure` for the fake-tensor measurement and :mod:`.profile` for profiled mode.
+:mod:`.measure` for the fake-tensor measurement, :mod:`.profile` for profiled mode and
+:mod:`.context` for context parallelism's terms.
 """
 
+from .context import LayerAttention, cp_attention_time, cp_messages, find_attention, layout_time
 from .extract import LayerGraph, extract_layer, retarget_devices, roles_from_analysis
 from .measure import SDPA_FORMULAS, Affine, LayerMeasure, flop_counter, measure_layer
 from .memory import OPTIMIZER_STATES, StatesBytes, states_bytes
@@ -20,5 +22,6 @@ __all__ = [
     "Affine", "B", "CostModel", "LayerCost", "LayerGraph", "LayerMeasure", "OPTIMIZER_STATES",
     "PROFILE_CALLS", "SDPA_FORMULAS", "StatesBytes", "cache_dir", "dp_group", "extract_layer",
     "flop_counter", "measure_layer", "profile_layer", "retarget_devices", "states_bytes", "tp_group",
-    "roles_from_analysis",
+    "roles_from_analysis", "LayerAttention", "cp_messages", "cp_attention_time", "find_attention",
+    "layout_time",
 ]

@@ -24,6 +24,12 @@ Scaling rules (per device, per micro-batch unless noted), from the fake-tensor m
   in backward.
   DP group: ``dp`` ranks strided by ``tp``. How these overlap with compute, and how layers add up
   to a step and a device's memory, is :mod:`galvatron_fx.solver.objective` (one place for both).
+* **Context parallelism** (``cp > 1``, :mod:`.context`): a rank runs ``n = b / dp`` samples' tokens
+  as at ``cp = 1`` (``n`` may be a fraction of a sample), so FLOPs, activations, TP traffic and
+  states are ``cp = 1``'s at ``n``; the attention's ring shifts or Ulysses all-to-alls over the CP
+  group join ``tp_comm_s`` (not overlapped unless ``cp_overlap``), their launches ``overhead_s``,
+  their buffers the transient; :meth:`CostModel.reshard_time` gathers a ``cp`` layer's sequence
+  at a layout boundary.
 * **Overheads** (the cluster's fixed costs, :data:`galvatron_fx.cluster.OVERHEAD_FIELDS`): in
   analytic mode ``overhead_s`` adds ``op_launch_s`` + ``op_launch_bwd_s`` per op of the layer graph
   (the forward's twice under checkpointing; ``fwd_s``/``bwd_s`` stay FLOPs over the compute rate;
@@ -70,6 +76,20 @@ from ..sharding.experts import MoEBlock, layer_blocks
 from ..sharding.state import tensor_val
 from ..solver.strategy import Strategy
 from ..units import parse_bytes
+from .context import (
+    NO_ATTENTION,
+    LayerAttention,
+    LayerSequenceTerms,
+    SplitIntercepts,
+    attention_flops,
+    cp_attention_ops,
+    cp_attention_time,
+    cp_group,
+    cp_transient_bytes,
+    layer_attention,
+    layer_sequence_terms,
+    layout_time,
+)
 from .extract import LayerGraph, capture_batch, extract_layer, needs_grad, roles_from_analysis
 from .measure import LayerMeasure, measure_layer
 from .memory import StatesBytes, states_bytes
@@ -213,7 +233,7 @@ class CostModel:
                  optimizer: str = "adam", mixed_precision: bool = False, reserve_bytes: int | str = "1GiB",
                  bucket_bytes: int | str = "25MiB", cache_dir=None, profile_sizes: tuple[int, ...] | None = None,
                  precision: str | None = None, reduce_dtype: str = "fp32", profile_repeats: int = 5,
-                 moe_imbalance: float = 1.0):
+                 moe_imbalance: float = 1.0, cp_overlap: bool = False):
         if mode not in ("analytic", "profiled", None):
             raise ConfigError(f"cost mode must be 'analytic' or 'profiled', got {mode!r}")
         if precision is not None:
@@ -239,6 +259,10 @@ class CostModel:
             raise ConfigError(f"moe_imbalance must be a number >= 1 (the busiest expert-parallel rank's expert "
                               f"work over the mean; 1 = a uniform router), got {moe_imbalance!r}")
         self.moe_imbalance = float(moe_imbalance)
+        if not isinstance(cp_overlap, bool):
+            raise ConfigError(f"cp_overlap must be true or false (whether the ring's key / value exchanges "
+                              f"overlap the attention compute), got {cp_overlap!r}")
+        self.cp_overlap = cp_overlap
         info = gm.meta.get(META_KEY)
         if info is None or not info.layers:
             raise ConfigError("the cost model needs a layer-grouped graph: capture the model with gfx.capture() "
@@ -293,6 +317,49 @@ class CostModel:
     def experts(self, index: int) -> LayerExperts | None:
         """Layer ``index``'s experts, or None when it has none expert parallelism can split."""
         return self._moe()[0].get(index)
+
+    def attention(self, index: int) -> LayerAttention:
+        """Layer ``index``'s attention as context parallelism prices it (:mod:`.context`), cached
+        for every layer at once (no fx nodes kept)."""
+        if "_attention" not in self.__dict__:
+            self._attention = layer_attention(self.gm, capture_batch(self.gm))
+        return self._attention.get(index, NO_ATTENTION)
+
+    def sequence_length(self) -> int:
+        """The captured sequence length as the context-parallel pass reads it: dim 1 of the first
+        graph input with two or more dims (0 when there is none)."""
+        if "_seq_len" not in self.__dict__:
+            from ..sharding.sequence import sequence_length
+
+            self._seq_len = sequence_length(self.gm) or 0
+        return self._seq_len
+
+    def cp_sequence(self, index: int, cp: int) -> LayerSequenceTerms:
+        """The context-parallel pass's analysis of layer ``index`` at degree ``cp``, as costs
+        (:func:`.context.layer_sequence_terms`; cached per signature and degree)."""
+        key = (self.layers[index].signature, cp)
+        cache = self.__dict__.setdefault("_cp_seq", {})
+        if key not in cache:
+            graph = self.graphs[self.layers[index].signature]
+            cache[key] = layer_sequence_terms(graph.gm, self.sequence_length(), cp, graph.batch,
+                                              self.layers[index].name)
+        return cache[key]
+
+    def cp_refuses(self, index: int, cp: int, kind: str = "ring", tp: int = 1) -> str:
+        """Why layer ``index`` cannot run at context-parallel degree ``cp`` with ``kind`` under TP
+        degree ``tp`` ("" when it can), as the context-parallel pass would refuse it: no sequence
+        to split or one ``cp`` does not divide, a layer mixing the samples of a batch (it runs on
+        the whole batch), the sequence analysis' reason, or its attention's
+        (:meth:`.context.LayerAttention.refuses`)."""
+        if cp == 1:
+            return ""
+        seq = self.sequence_length()
+        if seq < 2 or seq % cp:
+            return f"its inputs' sequence of {seq} positions does not split into cp={cp} shards"
+        if self.layers[index].batch_coupled:
+            return "it mixes the samples of a batch (it runs on the whole batch)"
+        refused = self.cp_sequence(index, cp).refused
+        return refused or self.attention(index).refuses(cp, kind, tp)
 
     def ep_of(self, index: int, strategy: Strategy) -> int:
         """The expert-parallel degree layer ``index`` runs at under ``strategy`` (1 where it has no
@@ -507,6 +574,8 @@ class CostModel:
         parallelism a rank's experts blocks run on the tokens of its EP group that need one of its
         experts (:meth:`LayerExperts.needing_fraction`), its TP rank's share of them."""
         rep_div = s.tp if s.sp else 1
+        if s.cp > 1:
+            m = SplitIntercepts(m, s.cp)
         # NOTE: integer tensors (token ids, labels, masks) are saved whole: the runtime does not
         # split them along the sequence
         full = ((m.saved_sharded_elems(n) / s.tp + m.saved_rep_elems(n) / rep_div + m.saved_gathered_elems(n))
@@ -515,8 +584,12 @@ class CostModel:
         if ep > 1:   # the busiest rank serves moe_imbalance x the mean
             f = ep * self.experts(index).needing_fraction(ep) * self.moe_imbalance
             full += (f - 1) * m.saved_expert_elems(n) * self.itemsize / s.tp
+        if index is not None and s.cp > 1:
+            # NOTE: the ring keeps the whole mask of its b = n * cp samples (cp - 1 samples' more)
+            full += (s.cp - 1) * n * self.attention(index).mask_bytes
         if s.ckpt:
-            return m.input_elems(n) * self.itemsize / rep_div + m.input_other_bytes(n), full
+            extra = (s.cp - 1) * n * self.attention(index).mask_bytes if index is not None and s.cp > 1 else 0.0
+            return m.input_elems(n) * self.itemsize / rep_div + m.input_other_bytes(n) + extra, full
         return full, full
 
     def layer_cost(self, index: int, strategy: Strategy, micro_batch_size: float) -> LayerCost:
@@ -557,15 +630,25 @@ class CostModel:
         act, recompute = self._activations(m, n, s, ep, index)
         if s.ckpt:
             transient += recompute
+        cp_comm = 0.0
+        if s.cp > 1:   # the attention exchanges over the CP group (.context); the rest is cp = 1's at n
+            cp_comm, ops, cp_buffers = self.cp_terms(index, n, s)
+            c = self.cluster
+            overhead += ops[0] * c.op_launch_s * (2 if s.ckpt else 1) + ops[1] * c.op_launch_bwd_s
+            transient += cp_buffers
         out = m.output_elems(n) * self.itemsize / (s.tp if s.sp else 1)
         overhead, optimizer = overhead + pass_copy, optimizer + step_copy
-        tp_comm = self._tp_comm(m, n, s) + (self._whole_batch_gathers(m, n, s) if whole else 0.0) + ep_comm
+        tp_comm = (self._tp_comm(m, n, s) + (self._whole_batch_gathers(m, n, s) if whole else 0.0) + ep_comm
+                   + cp_comm)
         # split backward (zero-bubble): the split's own work per op, and a checkpointed layer's second
         # recomputation (its forward and forward TP collectives; the ZeRO-3 buffer is still held);
         # ZeRO-3's whole buffer held between the passes
         split_extra = self.op_counts[self.layers[index].signature] * getattr(self.cluster, "split_backward_op_s", 0.0)
         if s.ckpt:
-            split_extra += fwd + self._tp_comm(m, n, s) - self._tp_comm(m, n, dataclasses.replace(s, ckpt=False))
+            plain = dataclasses.replace(s, ckpt=False)
+            split_extra += fwd + self._tp_comm(m, n, s) - self._tp_comm(m, n, plain)
+            if s.cp > 1:   # and its attention's forward exchanges
+                split_extra += cp_comm - self.cp_terms(index, n, plain)[0]
         rep_div = s.tp if s.sp else 1
         wgrad = (m.wgrad_sharded_elems(n) / s.tp + m.wgrad_rep_elems(n) / rep_div
                  + m.wgrad_whole_elems(n) + (m.wgrad_row_bias_elems(n) / rep_div if s.tp > 1 else 0.0)
@@ -647,6 +730,26 @@ class CostModel:
         best = min((allgather, "allgather"), (alltoall, "alltoall"))
         return best[1], best[0] + tp * (fwd_rep + 1)
 
+    def cp_terms(self, index: int, n: float, s: Strategy) -> tuple[float, tuple[int, int], float]:
+        """``(seconds per micro-batch, (forward ops, backward ops), transient bytes)`` of context
+        parallelism's attention exchanges in layer ``index`` under ``s`` with ``n`` samples' tokens
+        per rank (:mod:`.context`; 0 without attention or with ``cp == 1``)."""
+        att = self.attention(index)
+        core = 0.0
+        if self.cp_overlap and att.calls:
+            core = 3 * self.cluster.compute_time(attention_flops(att, n, s.tp), self.dtype)   # forward + backward
+        t = cp_attention_time(self.cluster, att, n, s, self.itemsize, core, self.cp_overlap)
+        # the analysis' gathers: shards an op needs whole (forward all-gather, backward reduce-scatter;
+        # checkpointing repeats the forward) and shards leaving the layer whole (forward all-gather)
+        seq = self.cp_sequence(index, s.cp)
+        ct, group = self.cluster.collective_time, cp_group(s)
+        whole = n * s.cp   # samples a CP rank holds whole after a gather: b / (dp / cp)
+        inner = (seq.gather_elems * self.itemsize + seq.gather_other_bytes) * whole
+        leaving = (seq.out_elems * self.itemsize + seq.out_other_bytes) * whole
+        t += (ct("all_gather", inner, group) * (2 if s.ckpt else 1) + ct("reduce_scatter", inner, group)
+              + ct("all_gather", leaving, group) * (2 if s.ckpt else 1))
+        return t, cp_attention_ops(att, s), cp_transient_bytes(att, n, s, self.itemsize) + inner
+
     def _whole_batch_gathers(self, m: LayerMeasure, n: float, s: Strategy) -> float:
         """Seconds per micro-batch of ``n`` samples for a batch-coupled layer under ``s`` (dp > 1)
         to all-gather its inputs over its DP group (forward) and its outputs' gradients (backward:
@@ -714,11 +817,13 @@ class CostModel:
         """Seconds per micro-batch to move the activation after layer ``index`` from ``prev``'s layout
         (batch split over its ``dp`` groups, replicated or sequence-split in its TP groups) to
         ``next``'s: an all-gather where ``next`` needs data ``prev`` spread out, a local slice
-        otherwise; the backward moves the gradient the other way. 0 when the layouts match."""
-        if (prev.tp, prev.dp, prev.sp) == (next.tp, next.dp, next.sp):
+        otherwise; the backward moves the gradient the other way. 0 when the layouts match. Context
+        parallelism: :func:`.context.layout_time` (a ``cp`` layer's sequence shards gathered over its
+        CP group on the way out, sliced on the way in)."""
+        if (prev.tp, prev.dp, prev.sp, prev.cp) == (next.tp, next.dp, next.sp, next.cp):
             return 0.0
         nbytes = self.boundary_bytes(index, micro_batch_size)
-        return self._gather_time(nbytes, prev, next) + self._gather_time(nbytes, next, prev)
+        return layout_time(self, nbytes, prev, next) + layout_time(self, nbytes, next, prev)
 
     # ------------------------------------------------------------------ symbolic form
     def symbolic(self, index: int, strategy: Strategy) -> dict[str, sympy.Expr]:

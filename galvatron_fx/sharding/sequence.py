@@ -160,6 +160,8 @@ class SequenceAnalyzer:
         shards = [a for a in ins if isinstance(self.st(a), SeqShard) or isinstance(self.st(a), tuple)]
         if name in _SIZES or (name == "getattr" and n.args[1:] == ("shape",)):
             return self._size(n, name)
+        if name == "getattr":       # .dtype, .device, ...: no data
+            return None
         if name == "getitem" and isinstance(n.args[0], torch.fx.Node) and n.args[0] in self.local_sizes:
             self._local_shape_item(n)
             return None

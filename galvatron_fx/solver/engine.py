@@ -18,7 +18,9 @@
   ``c % p`` (the V shapes: ``c`` or ``2p - 1 - c``);
 * per layer, every strategy of :func:`~.strategy.strategy_space` for ``N / p`` devices (TP degrees
   dividing the node's devices and the layer's heads and widths, any DP degree, DP / ZeRO-2 / ZeRO-3,
-  SP, checkpointing) whose DP degree divides the micro-batch, minus what the constraints exclude.
+  SP, checkpointing; the expert- and context-parallel degrees where the engine is given them) whose
+  batch slices (``dp / cp``: a CP group shares its samples) divide the micro-batch, minus what the
+  constraints exclude.
 
 A plan fits when every stage's ``sum(states + in-flight activations) + max(transient) + reserve``
 is at most the budget, in bytes; its step time is :func:`~.objective.estimate_plan`'s.
@@ -142,6 +144,9 @@ class Engine:
                  allowed_sp: Callable[[int, int], bool] | None = None,
                  allowed_ep: Callable[[int, int], bool] | None = None,
                  ep_degrees: Iterable[int] = (1,),
+                 allowed_cp: Callable[[int, int, str, int], bool] | None = None,
+                 cp_degrees: Iterable[int] = (1,),
+                 cp_kinds: Iterable[str] = ("ring",),
                  tied_layers: Iterable[int] = (),
                  batch_coupled: Iterable[int] = (),
                  progress: Callable[[str], None] | None = None,
@@ -157,6 +162,11 @@ class Engine:
         # NOTE: expert parallelism: ep > 1 only on layers with experts it can split (allowed_ep)
         self.allowed_ep = functools.lru_cache(maxsize=None)(allowed_ep or (lambda layer, ep: ep == 1))
         self.ep_degrees = tuple(sorted(set(ep_degrees) | {1}))
+        # NOTE: context parallelism: cp > 1 on layers the context-parallel pass takes at that degree,
+        # kind and TP degree (allowed_cp(layer, cp, kind, tp)); the degrees and kinds the space offers
+        self.allowed_cp = functools.lru_cache(maxsize=None)(allowed_cp or (lambda layer, cp, kind, tp: cp == 1))
+        self.cp_degrees = tuple(sorted(set(cp_degrees) | {1}))
+        self.cp_kinds = tuple(cp_kinds)
         self.tied_layers = frozenset(tied_layers)
         # NOTE: layers mixing the samples of a batch run on the whole batch: one micro-batch (under
         # dp > 1 replicated over the DP group, priced by the cost model)
@@ -242,10 +252,14 @@ class Engine:
         d = self.N // p
         kw = {"devices_per_node": getattr(self.cluster, "devices_per_node", 8), "power_of_two": False,
               "ep": tuple(e for e in self.ep_degrees if d % e == 0), **self.opt.space}
+        if len(self.cp_degrees) > 1:
+            kw.update(cp=tuple(c for c in self.cp_degrees if d % c == 0), cp_kinds=self.cp_kinds)
         out = strategy_space(d, **kw)
         if not out:
             return out, f"no strategy for {d} devices under the space options {kw}"
-        out = [s for s in out if b % s.dp == 0]
+        # NOTE: a CP group of cp ranks shares its samples: dp / cp batch slices (a rank may hold a
+        # fraction of a sample's tokens)
+        out = [s for s in out if b % (s.dp // s.cp) == 0]
         if not out:
             return out, f"no data-parallel degree on {d} devices divides the micro-batch of {b} samples"
         cap = self.opt.max_micro_batch_size
@@ -280,6 +294,8 @@ class Engine:
         tps = np.array([s.tp for s in space])
         sps = np.array([s.sp for s in space])
         eps = np.array([s.ep for s in space])
+        cps = np.array([s.cp for s in space])
+        kinds = np.array([s.cp_kind for s in space])
         whole = np.array([s.tp == 1 and not (s.sdp == "zero3" and s.ckpt) for s in space])
         by_sig: dict[int, np.ndarray] = {}
         for i in range(self.L):
@@ -287,23 +303,26 @@ class Engine:
             if sig not in by_sig:
                 by_sig[sig] = self.tables.rows(i, space, b)
             only = np.full(len(space), m == 1) if i in self.batch_coupled else None
-            ok = self._admissible(i, tps, sps, only, eps)
+            ok = self._admissible(i, tps, sps, only, eps, cps, kinds)
             if p > 1 and i in self.tied_layers:
                 ok = ok & whole
             out[:, i, :] = np.where(ok[None, :], by_sig[sig], np.inf)
         return tuple(out)
 
     def _admissible(self, layer: int, tps: np.ndarray, sps: np.ndarray, only: np.ndarray | None = None,
-                    eps: np.ndarray | None = None) -> np.ndarray:
+                    eps: np.ndarray | None = None, cps: np.ndarray | None = None,
+                    kinds: np.ndarray | None = None) -> np.ndarray:
         """Whether layer ``layer`` is offered each (TP degree, SP) of ``tps`` / ``sps``: the TP pass
         accepts it (``allowed_tp``, ``allowed_sp``) and it shards something there (``useful_tp``).
         A degree that shards nothing only repeats the layer on every TP rank; it is offered only
         where nothing else is (a tp constraint) or every layer must share one strategy
         (``uniform_only``). ``only``: the strategies the layer may take at all (a layer mixing the
         samples of a batch: none under micro-batches), applied first. ``eps``: the strategies'
-        expert-parallel degrees, ``ep > 1`` offered where ``allowed_ep`` says."""
+        expert-parallel degrees, ``ep > 1`` offered where ``allowed_ep`` says; ``cps`` / ``kinds``:
+        their context-parallel degrees and kinds, ``cp > 1`` offered where ``allowed_cp`` says."""
         key = (layer, tps.tobytes(), sps.tobytes(), None if only is None else only.tobytes(),
-               None if eps is None else eps.tobytes())
+               None if eps is None else eps.tobytes(), None if cps is None else cps.tobytes(),
+               None if kinds is None else tuple(kinds))
         hit = self._adm.get(key)
         if hit is None:
             hit = np.array([bool(self.allowed_tp(layer, int(tp))) and (not sp or bool(self.allowed_sp(layer, int(tp))))
@@ -312,6 +331,9 @@ class Engine:
                 hit = hit & only
             if eps is not None:
                 hit = hit & np.array([bool(self.allowed_ep(layer, int(e))) for e in eps])
+            if cps is not None:
+                hit = hit & np.array([bool(self.allowed_cp(layer, int(c), str(k), int(tp)))
+                                      for c, k, tp in zip(cps, kinds, tps)])
             if not self.opt.uniform_only:
                 useful = hit & np.array([tp == 1 or bool(self.useful_tp(layer, int(tp))) for tp in tps])
                 hit = useful if useful.any() else hit

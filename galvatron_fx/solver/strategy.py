@@ -7,7 +7,7 @@ The pipeline degree is *not* part of a strategy: it is chosen outside this space
 over pipeline degrees and partitions layers with :mod:`galvatron_fx.solver.pipeline`).
 
 :func:`strategy_space` walks the decision tree (TP degree, then data-parallel kind, then SP, then
-checkpointing) and keeps the strategies that pass every rule in :data:`RULES`. Every pruning rule
+checkpointing, then the expert- and context-parallel degrees) and keeps the strategies that pass every rule in :data:`RULES`. Every pruning rule
 lives there, once, as a named :class:`Rule` with a docstring; nothing else filters strategies.
 """
 
@@ -109,6 +109,8 @@ class SpaceOptions:
     zero3: bool = True
     max_tp: int | None = None
     ep: tuple[int, ...] = (1,)
+    cp: tuple[int, ...] = (1,)
+    cp_kinds: tuple[str, ...] = CP_KINDS
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,33 @@ def _ep_degrees(s: Strategy, o: SpaceOptions) -> bool:
     return s.ep == 1 or s.ep in o.ep
 
 
+def _cp_degrees(s: Strategy, o: SpaceOptions) -> bool:
+    """Context parallelism splits the sequence over ``cp`` ranks of the DP group: the space offers
+    the degrees ``cp`` lists and the attention kinds ``cp_kinds`` lists (the search: cp > 1 only for
+    long sequences or when a constraint asks, :func:`galvatron_fx.planner.cp_degrees`)."""
+    return s.cp == 1 or (s.cp in o.cp and s.cp_kind in o.cp_kinds)
+
+
+def _cp_kind_needs_cp(s: Strategy, o: SpaceOptions) -> bool:
+    """The attention kind only matters with ``cp > 1``: a ``cp == 1`` strategy is canonicalised to
+    ``cp_kind="ring"`` and its Ulysses twin (same time, same memory) pruned."""
+    return s.cp > 1 or s.cp_kind == "ring"
+
+
+def _cp_alone(s: Strategy, o: SpaceOptions) -> bool:
+    """A layer with ``cp > 1`` runs without sequence parallelism and without expert parallelism: the
+    context-parallel pass refuses both on the same layer (SP would split the sequence dim the CP
+    group already splits; EP's token exchange is not written for sequence shards)."""
+    return s.cp == 1 or (not s.sp and s.ep == 1)
+
+
+def _ulysses_divides_heads(s: Strategy, o: SpaceOptions) -> bool:
+    """Ulysses trades sequence shards for head shards: the ``heads / tp`` heads of a TP rank split
+    over the ``cp`` ranks, so ``cp`` divides ``heads / tp`` (when ``heads`` is given; the search
+    asks each layer's attention, :meth:`galvatron_fx.cost.CostModel.cp_admits`)."""
+    return s.cp == 1 or s.cp_kind != "ulysses" or o.heads is None or (o.heads // s.tp) % s.cp == 0
+
+
 def _switches(s: Strategy, o: SpaceOptions) -> bool:
     """The on/off switches of the space: ``ckpt=False`` drops checkpointed strategies, ``sp=False``
     drops SP, ``zero2=False`` / ``zero3=False`` drop that data-parallel kind."""
@@ -188,7 +217,9 @@ def _switches(s: Strategy, o: SpaceOptions) -> bool:
 RULES: tuple[Rule, ...] = tuple(
     Rule(fn.__name__.lstrip("_"), fn, (fn.__doc__ or "").strip())
     for fn in (_power_of_two, _tp_within_node, _tp_divides_heads, _tp_divides_hidden, _max_tp,
-               _sdp_needs_dp, _sp_needs_tp, _ep_degrees, _switches)
+               _sdp_needs_dp, _sp_needs_tp, _ep_degrees, _cp_degrees, _cp_kind_needs_cp, _cp_alone,
+               _ulysses_divides_heads,
+               _switches)
 )
 """Every pruning rule of the space, in the order they are checked. ``tp * dp == devices_per_stage``
 holds by construction (the tree enumerates ``tp`` over divisors and sets ``dp`` from it)."""
@@ -204,6 +235,10 @@ def _options(devices_per_stage: int, **kwargs) -> SpaceOptions:
         v = getattr(o, key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ConfigError(f"{key} must be None or an int >= 1, got {v!r}")
+    for key in ("ep", "cp"):
+        bad = [v for v in getattr(o, key) if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+        if bad:
+            raise ConfigError(f"{key} degrees must be ints >= 1, got {bad}")
     return o
 
 
@@ -231,19 +266,29 @@ def strategy_space(
     zero3: bool = True,
     max_tp: int | None = None,
     ep: tuple[int, ...] = (1,),
+    cp: tuple[int, ...] = (1,),
+    cp_kinds: tuple[str, ...] = CP_KINDS,
 ) -> list[Strategy]:
     """All strategies for ``devices_per_stage`` devices that pass every rule in :data:`RULES`.
 
     Decision tree: TP degree ``tp`` (a divisor of ``devices_per_stage``; ``dp = devices_per_stage /
     tp``), then the data-parallel kind (``"none"``, ``"zero2"``, ``"zero3"``), then SP, then
     checkpointing, then the expert-parallel degree among ``ep`` (dividing ``dp``; MoE layers: the
-    search offers ``ep > 1`` only to layers with experts). The order is deterministic (ascending
-    ``tp``, then kinds in :data:`SDP_KINDS` order, ``sp`` False before True, ``ckpt`` False before
-    True, ascending ``ep``), so strategy indices are stable.
+    search offers ``ep > 1`` only to layers with experts), then the context-parallel degree among
+    ``cp`` (dividing ``dp``) and, for ``cp > 1``, the attention kind among ``cp_kinds``
+    (:data:`CP_KINDS`). The order is deterministic (ascending ``tp``, then kinds in
+    :data:`SDP_KINDS` order, ``sp`` False before True, ``ckpt`` False before True, ascending ``ep``,
+    ascending ``cp``, kinds in :data:`CP_KINDS` order), so strategy indices are stable; with the
+    default ``cp=(1,)`` the space is the one without context parallelism.
     """
+    kinds = tuple(k for k in CP_KINDS if k in set(cp_kinds))
+    bad = sorted(set(cp_kinds) - set(CP_KINDS))
+    if bad:
+        raise ConfigError(f"cp_kinds must be among {CP_KINDS}, got {bad}")
     o = _options(devices_per_stage, heads=heads, hidden=hidden, devices_per_node=devices_per_node,
                  allow_cross_node_tp=allow_cross_node_tp, power_of_two=power_of_two, ckpt=ckpt, sp=sp,
-                 zero2=zero2, zero3=zero3, max_tp=max_tp, ep=tuple(sorted({1, *ep})))
+                 zero2=zero2, zero3=zero3, max_tp=max_tp, ep=tuple(sorted({1, *ep})), cp=tuple(sorted({1, *cp})),
+                 cp_kinds=kinds)
     n = o.devices_per_stage
     out = []
     for tp in (d for d in range(1, n + 1) if n % d == 0):
@@ -251,9 +296,11 @@ def strategy_space(
             for use_sp in (False, True):
                 for use_ckpt in (False, True):
                     for e in (e for e in o.ep if (n // tp) % e == 0):
-                        s = Strategy(tp, n // tp, sdp, use_sp, use_ckpt, e)
-                        if all(r.allows(s, o) for r in RULES):
-                            out.append(s)
+                        for c in (c for c in o.cp if (n // tp) % c == 0):
+                            for kind in (o.cp_kinds if c > 1 else ("ring",)):
+                                s = Strategy(tp, n // tp, sdp, use_sp, use_ckpt, e, c, kind)
+                                if all(r.allows(s, o) for r in RULES):
+                                    out.append(s)
     return out
 
 

@@ -7,8 +7,8 @@ global batch; :class:`ConfigTables` then holds, for layers ``l`` and the configu
 * ``t``: the layer's share of its stage's step time, :func:`~.objective.layer_step_time`;
 * ``states`` / ``act`` / ``trans``: bytes per device of model states, of one micro-batch's saved
   activations, and of the layer's largest transient buffer;
-* ``gid``: each strategy's activation layout group (``(tp, dp, sp)``: resharding depends on nothing
-  else), with the resharding (:meth:`reshard`) and stage-boundary send (:meth:`p2p`) times per group.
+* ``gid``: each strategy's activation layout group (``(tp, dp, sp, cp)``: resharding depends on
+  nothing else), with the resharding (:meth:`reshard`) and stage-boundary send (:meth:`p2p`) times per group.
 
 Every figure is the same float the objective (:func:`~.objective.estimate_plan`) computes, so a
 solved stage's cost equals the estimate of the plan it belongs to. :func:`least_memory` is the
@@ -68,8 +68,8 @@ class CachedCosts:
         return self._rows[key]
 
     def reshard_time(self, layer: int, prev: Strategy, nxt: Strategy, b: int) -> float:
-        # NOTE: resharding moves the activation between layouts; only (tp, dp, sp) matter.
-        key = (self.signatures[layer], (prev.tp, prev.dp, prev.sp), (nxt.tp, nxt.dp, nxt.sp), b)
+        # NOTE: resharding moves the activation between layouts; only (tp, dp, sp, cp) matter.
+        key = (self.signatures[layer], (prev.tp, prev.dp, prev.sp, prev.cp), (nxt.tp, nxt.dp, nxt.sp, nxt.cp), b)
         if key not in self._reshard:
             self._reshard[key] = self.costs.reshard_time(layer, prev, nxt, b)
         return self._reshard[key]
@@ -196,12 +196,13 @@ class ConfigTables:
 
 
 def layout_groups(space: list[Strategy]) -> tuple[np.ndarray, list[Strategy]]:
-    """Group index of each strategy by activation layout ``(tp, dp, sp)``, and one strategy per group."""
+    """Group index of each strategy by activation layout ``(tp, dp, sp, cp)`` (the context-parallel
+    kind changes no layout), and one strategy per group."""
     index: dict[tuple, int] = {}
     reps: list[Strategy] = []
     gid = []
     for s in space:
-        key = (s.tp, s.dp, s.sp)
+        key = (s.tp, s.dp, s.sp, s.cp)
         if key not in index:
             index[key] = len(reps)
             reps.append(s)

@@ -1,0 +1,338 @@
+"""Context parallelism's costs: a layer's attention, the ring / Ulysses exchanges, the sequence gathers.
+
+Under a strategy with ``cp > 1`` (:class:`~galvatron_fx.solver.strategy.Strategy`) groups of ``cp``
+consecutive DP ranks (global ranks ``tp`` apart: the *CP group*) hold the same ``B / (dp / cp)``
+samples of a micro-batch of ``B`` and split their sequence ``S`` into ``cp`` shards, as
+:mod:`galvatron_fx.runtime.context_parallel` runs it. Per rank that is ``n = B / dp`` samples'
+worth of tokens, exactly as ``cp = 1`` at the same ``dp``, except that ``n`` may be a fraction of
+one sample (``cp = 1`` needs whole samples). So:
+
+* **FLOPs, saved activations, TP traffic, states**: the cost model's ``cp = 1`` figures at ``n``
+  samples (affine fits in ``n``, fractions welcome; the activations' constant part, sequence-long
+  values shared by the batch such as rotary tables, split over ``cp`` too: :class:`SplitIntercepts`).
+  Attention FLOPs per rank are the same as ``cp = 1`` at the same tokens (zig-zag sharding balances a causal mask; the ring's per-block
+  log-sum-exp merge is element-wise: its ops are priced as launches, :data:`RING_STEP_OPS`).
+  Parameters are replicated over the CP ranks as over DP and gradients are reduced over the whole
+  ``dp`` group: states and their communication do not depend on ``cp``.
+* **Attention exchanges** (:func:`cp_attention_time`, per micro-batch, per SDPA call of the layer,
+  on the CP group's link, alpha-beta as the other collectives):
+
+  - ``ring``: forward ``cp - 1`` ring shifts of this rank's key and value shards (each
+    ``b * S/cp * kv_heads/tp * head_dim`` elements, ``b = B / (dp / cp)``); backward ``cp - 1``
+    shifts of the key and value shards again, each beside the shift of the key / value gradients
+    accumulated so far (fp32, as the runtime accumulates them), and a last gradient shift home
+    (:func:`cp_messages`). A shift is one
+    point-to-point send per rank, all at once: the slowest hop of the ring paces it (a ring
+    spanning nodes crosses the inter-node link). Priced on the critical path by default: the
+    runtime starts each shift before a block's work and waits for it after, but its blocks run as
+    separate eager ops in fp32 (no fused kernel hiding a transfer is assumed); ``overlap=True``
+    (``CostModel(cp_overlap=True)``) prices a runtime whose shifts hide behind the layer's attention
+    FLOPs (:meth:`Cluster.overlap_time`).
+  - ``ulysses``: forward four all-to-alls over the CP group (query, key, value before the
+    attention core, its output after), each this rank's ``b * S/cp * heads/tp * head_dim``
+    elements (key / value with the key / value heads, or the query heads when ``kv_heads / tp``
+    does not divide by ``cp``: the runtime repeats them first); backward four more. Needs ``cp``
+    to divide ``heads / tp``.
+
+  Activation checkpointing repeats the forward's exchanges.
+* **Layout boundaries** (:func:`layout_time`): an activation leaving a ``cp`` layer for a layer
+  with another ``(tp, dp, cp)`` is all-gathered along the sequence over the CP group (each rank
+  gets its ``b`` samples whole: ``B * cp / dp`` samples' bytes); into a ``cp`` layer it is sliced,
+  after gathering the samples the ``cp`` layer's group holds where the previous layout spread them
+  over ranks (the tensor-parallel rule, :meth:`CostModel._gather_time`, with the CP group counted
+  as ranks holding the same samples). Between two layers of the same ``(tp, dp, cp)`` only sequence
+  parallelism can differ (priced as without CP). Backward moves the gradient the other way.
+
+Attention is found in the captured graph (:func:`find_attention`): the layer's
+``scaled_dot_product_attention`` calls, their query heads, the key / value heads SDPA receives (the
+model's key / value heads when it passes them un-repeated, ``enable_gqa``; the query heads when it
+repeats them before SDPA, since the runtime then ships the repeated ones), head dims, sequence and
+the bytes per sample of a batched mask tensor (the ring keeps the whole mask of its samples:
+``cp - 1`` more samples' worth than ``n``). Whether a layer takes ``cp > 1`` at all, and which of
+its values it must gather whole, is the context-parallel pass's own analysis
+(:func:`galvatron_fx.sharding.sequence.analyze_layer`, :func:`layer_sequence_terms`), so the search
+never emits a layer the pass refuses; each gathered shard costs an all-gather over the CP group in
+forward (whole sequence of the rank's samples) and a reduce-scatter in backward, a shard leaving
+the layer whole an all-gather in forward. A layer without attention and without gathers pays only
+its boundaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from ..ir import META_KEY
+from ..sharding.state import node_arg, op_name, tensor_val
+from ..solver.strategy import Strategy
+from .measure import Affine
+
+RING_STEP_OPS = 6
+"""Ops per extra ring step of one attention call and pass (the block's kernel, the log-sum-exp merge
+of its output, the send / receive pair): launches the cost model adds for ``cp - 1`` steps."""
+ULYSSES_OPS = 12
+"""Ops per attention call and pass of Ulysses' reshapes around its four all-to-alls."""
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """A layer's attention as context parallelism prices it: ``calls`` SDPA calls of ``heads`` query
+    heads and ``kv_heads`` key / value heads as SDPA receives them, of ``head_dim`` (``v_head_dim``
+    for values) over ``seq`` query positions (``kv_seq`` key positions) at capture; ``mask_bytes``:
+    bytes per sample of a batched attention-mask tensor (0 without one, or a mask shared by the
+    batch)."""
+
+    calls: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    seq: int
+    kv_seq: int
+    mask_bytes: float = 0.0
+
+    def refuses(self, cp: int, kind: str, tp: int) -> str:
+        """Why the attention cannot run at context-parallel degree ``cp`` with ``kind`` under TP
+        degree ``tp`` ("" when it can): the sequence must split into ``cp`` shards (``2 * cp``
+        balances a causal mask; the runtime falls back to contiguous shards otherwise) and Ulysses
+        must split the ``heads / tp`` heads of a TP rank over ``cp``."""
+        if cp == 1 or not self.calls:
+            return ""
+        if self.seq % cp:
+            return f"its sequence of {self.seq} positions does not split into cp={cp} shards"
+        if kind == "ulysses" and (self.heads % tp or (self.heads // tp) % cp):
+            return f"Ulysses needs cp={cp} to divide its {self.heads} heads / tp={tp}"
+        return ""
+
+    def shard_elems(self, n: float, tp: int, heads: int, head_dim: int) -> float:
+        """Elements of one rank's ``[b, S/cp, heads/tp, head_dim]`` shard with ``n`` samples' tokens
+        per rank (it holds ``b = n * cp`` samples of ``S / cp`` positions): ``n * S * heads / tp *
+        head_dim`` (the ``cp`` cancels)."""
+        return n * self.seq * heads / tp * head_dim
+
+
+NO_ATTENTION = LayerAttention(0, 0, 0, 0, 0, 0, 0)
+
+
+def layer_attention(gm: torch.fx.GraphModule, batch: int) -> dict[int, LayerAttention]:
+    """Layer index -> its attention (:func:`find_attention`) for every layer of a captured graph
+    captured with ``batch`` samples."""
+    by_layer: dict[int, list[torch.fx.Node]] = {i: [] for i in range(len(gm.meta[META_KEY].layers))}
+    for n in gm.graph.nodes:
+        layer = getattr(n.meta.get(META_KEY), "layer", None)
+        if layer is not None:
+            by_layer.setdefault(layer, []).append(n)
+    return {i: find_attention(nodes, batch) for i, nodes in by_layer.items()}
+
+
+def find_attention(nodes: list[torch.fx.Node], batch: int) -> LayerAttention:
+    """The attention of a layer made of ``nodes`` (module docstring), :data:`NO_ATTENTION` when it
+    has none."""
+    calls = [n for n in nodes if _is_sdpa(n)]
+    heads = kv_heads = head_dim = v_dim = seq = kv_seq = 0
+    mask = 0.0
+    for n in calls:
+        q, k, v = (tensor_val(a) for a in n.args[:3])
+        if q is None or k is None or v is None or q.dim() < 3:
+            continue
+        heads = max(heads, int(q.shape[-3]) if q.dim() >= 4 else 1)
+        kv_heads = max(kv_heads, int(k.shape[-3]) if k.dim() >= 4 else 1)
+        head_dim, seq = max(head_dim, int(q.shape[-1])), max(seq, int(q.shape[-2]))
+        kv_seq, v_dim = max(kv_seq, int(k.shape[-2])), max(v_dim, int(v.shape[-1]))
+        m = tensor_val(node_arg(n, 3, "attn_mask"))
+        if m is not None and m.dim() >= 3 and batch > 1 and int(m.shape[0]) == batch:
+            mask = max(mask, m.numel() * m.element_size() / batch)
+    return LayerAttention(len(calls), heads, kv_heads, head_dim, v_dim, seq, kv_seq, mask) if heads else NO_ATTENTION
+
+
+def _is_sdpa(n: torch.fx.Node) -> bool:
+    name = op_name(n)
+    return name == "sdpa" or (name.startswith("scaled_dot_product") and "backward" not in name)
+
+
+@dataclass(frozen=True)
+class LayerSequenceTerms:
+    """What the context-parallel pass's analysis of one layer at one ``cp`` costs (no fx nodes):
+    ``refused`` (the analysis' reason, "" when it takes ``cp``), and per sample of the whole
+    sequence the floating elements / other bytes of the shards it all-gathers inside the layer
+    (forward all-gather, backward reduce-scatter) and of those leaving it whole (forward all-gather)."""
+
+    refused: str = ""
+    gather_elems: float = 0.0
+    gather_other_bytes: float = 0.0
+    out_elems: float = 0.0
+    out_other_bytes: float = 0.0
+
+
+def layer_sequence_terms(layer_gm: torch.fx.GraphModule, seq: int, cp: int, batch: int,
+                         name: str = "layer") -> LayerSequenceTerms:
+    """:class:`LayerSequenceTerms` of an extracted layer graph (:mod:`.extract`) captured with
+    ``batch`` samples of ``seq`` positions, from :func:`galvatron_fx.sharding.sequence.analyze_layer`."""
+    from ..sharding.sequence import Unsupported, analyze_layer
+
+    try:
+        res = analyze_layer(layer_gm, seq, cp, name)
+    except Unsupported as why:
+        return LayerSequenceTerms(refused=str(why) or "the sequence analysis refuses it")
+    except Exception as e:  # noqa: BLE001 - an analysis crash refuses cp for the layer, with the reason
+        return LayerSequenceTerms(refused=f"the sequence analysis failed ({type(e).__name__}: {e})")
+
+    def per_sample(nodes) -> tuple[float, float]:
+        fl = other = 0.0
+        for n in dict.fromkeys(nodes):
+            v = tensor_val(n)
+            if v is None:
+                continue
+            k = batch if v.dim() and batch > 1 and int(v.shape[0]) % batch == 0 else 1
+            if v.dtype.is_floating_point:
+                fl += v.numel() / k
+            else:
+                other += v.numel() * v.element_size() / k
+        return fl, other
+
+    g = per_sample(a for (_user, a) in res.gathers)
+    o = per_sample(n for n, _dim in res.out_gathers)
+    return LayerSequenceTerms("", g[0], g[1], o[0], o[1])
+
+
+# ---------------------------------------------------------------------------------------- groups
+def cp_group(s: Strategy) -> list[int]:
+    """Ranks of the first CP group of a stage: ``cp`` consecutive DP ranks (``tp`` apart)."""
+    return [c * s.tp for c in range(s.cp)]
+
+
+def cp_block(s: Strategy) -> list[int]:
+    """Ranks of the first block of ``tp * cp`` consecutive ranks: one CP group's TP groups, all
+    holding the same samples."""
+    return list(range(s.tp * s.cp))
+
+
+def samples_layout(s: Strategy) -> Strategy:
+    """``s`` as a plain layout of whole samples: the CP group's TP groups act as one group of
+    ``tp * cp`` ranks holding the same samples (the activation replicated over it)."""
+    return Strategy(s.tp * s.cp, s.dp // s.cp) if s.cp > 1 else s
+
+
+# ---------------------------------------------------------------------------------------- times
+def ring_shift_time(cluster, nbytes: float, group: list[int]) -> float:
+    """Seconds of one ring shift of ``nbytes`` per rank around ``group`` (every rank sends to the
+    next at once): the slowest hop's point-to-point time."""
+    if len(group) <= 1 or nbytes <= 0:
+        return 0.0
+    return max(cluster.p2p_time(nbytes, a, b) for a, b in zip(group, group[1:] + group[:1]))
+
+
+GRAD_ITEMSIZE = 4
+"""Bytes per element of the key / value gradients the ring sends home: the runtime accumulates them
+in fp32 (:class:`galvatron_fx.runtime.context_parallel._RingAttention`)."""
+
+
+def cp_messages(att: LayerAttention, n: float, s: Strategy, itemsize: int) -> dict[str, list[float]]:
+    """The messages one rank sends per micro-batch for the layer's attention under ``s`` with ``n``
+    samples' tokens per rank, in bytes, forward and backward (once each; checkpointing repeats the
+    forward): ``{"fwd": [...], "bwd": [...]}``, one entry per ring shift or all-to-all, every SDPA
+    call of the layer included.
+
+    * ring: forward ``cp - 1`` shifts of the key and value shards; backward ``cp - 1`` shifts of
+      them again, each beside the shift of the key / value gradients accumulated so far (fp32,
+      :data:`GRAD_ITEMSIZE`), and one last gradient shift (after ``cp`` shifts each source's
+      gradients are home);
+    * ulysses: forward the query, key, value and output all-to-alls, backward their reverses
+      (key / value at the query heads when their ``kv_heads / tp`` does not split over ``cp``).
+    """
+    if s.cp == 1 or not att.calls:
+        return {"fwd": [], "bwd": []}
+    k = att.shard_elems(n, s.tp, att.kv_heads, att.head_dim)
+    v = att.shard_elems(n, s.tp, att.kv_heads, att.v_head_dim)
+    if s.cp_kind == "ring":
+        steps = s.cp - 1
+        fwd = [(k + v) * itemsize] * steps
+        bwd = [(k + v) * (itemsize + GRAD_ITEMSIZE)] * steps + [(k + v) * GRAD_ITEMSIZE]
+        return {"fwd": fwd * att.calls, "bwd": bwd * att.calls}
+    q = att.shard_elems(n, s.tp, att.heads, att.head_dim)
+    out = att.shard_elems(n, s.tp, att.heads, att.v_head_dim)
+    if att.kv_heads != att.heads and (att.kv_heads % s.tp or (att.kv_heads // s.tp) % s.cp):
+        k, v = q, out   # NOTE: too few key / value heads to split over the CP group: repeated first
+    one = [x * itemsize for x in (q, k, v, out)]
+    return {"fwd": one * att.calls, "bwd": one * att.calls}
+
+
+def cp_attention_time(cluster, att: LayerAttention, n: float, s: Strategy, itemsize: int,
+                      attention_s: float = 0.0, overlap: bool = False) -> float:
+    """Seconds per micro-batch of the layer's attention exchanges under ``s`` (:func:`cp_messages`),
+    checkpointing's repeat of the forward included. ``attention_s``: the attention cores' compute
+    seconds (forward + backward) the ring's shifts hide behind when ``overlap`` (module docstring)."""
+    msgs = cp_messages(att, n, s, itemsize)
+    if not msgs["fwd"]:
+        return 0.0
+    rep = 2 if s.ckpt else 1
+    group = cp_group(s)
+    if s.cp_kind == "ring":
+        def one(b):
+            return ring_shift_time(cluster, b, group)
+    else:
+        def one(b):
+            return cluster.collective_time("all_to_all", b, group)
+    t = rep * sum(map(one, msgs["fwd"])) + sum(map(one, msgs["bwd"]))
+    if overlap and s.cp_kind == "ring":
+        t = max(0.0, cluster.overlap_time(attention_s, t) - attention_s)
+    return t
+
+
+def cp_attention_ops(att: LayerAttention, s: Strategy) -> tuple[int, int]:
+    """``(forward ops, backward ops)`` context parallelism adds to the layer per micro-batch."""
+    if s.cp == 1 or not att.calls:
+        return 0, 0
+    per = RING_STEP_OPS * (s.cp - 1) if s.cp_kind == "ring" else ULYSSES_OPS
+    return att.calls * per, att.calls * per
+
+
+def cp_transient_bytes(att: LayerAttention, n: float, s: Strategy, itemsize: int) -> float:
+    """The exchange's own buffers at their peak (bytes): the ring's backward step holds the received
+    key / value shards and the key / value gradients in flight, send and receive side (the fp32
+    accumulators are the gradients themselves); Ulysses the four head-sharded tensors of one pass."""
+    msgs = cp_messages(att, n, s, itemsize)
+    if not msgs["fwd"]:
+        return 0.0
+    if s.cp_kind == "ring":
+        return 2 * max(msgs["bwd"])
+    return sum(msgs["fwd"]) / att.calls
+
+
+class SplitIntercepts:
+    """A layer's measure (:class:`~.measure.LayerMeasure`) under context parallelism: each fit's
+    constant part (what does not grow with the samples: rotary tables ``[1, S, d]`` and other
+    sequence-long values shared by the batch) divided by ``cp``, since the context-parallel pass
+    hands every sequence activation over in ``S / cp`` shards too."""
+
+    def __init__(self, measure, cp: int):
+        self.measure, self.cp = measure, cp
+
+    def __getattr__(self, name: str):
+        f = getattr(self.measure, name)
+        return Affine(f.a, f.c / self.cp) if isinstance(f, Affine) else f
+
+
+def attention_flops(att: LayerAttention, n: float, tp: int) -> float:
+    """Forward FLOPs of the layer's attention cores on one rank (``4 n heads/tp S^2 d``, the
+    :data:`~galvatron_fx.cost.measure.SDPA_FORMULAS` count; backward is twice this)."""
+    return att.calls * 2 * n * att.heads / tp * att.seq * att.kv_seq * (att.head_dim + att.v_head_dim)
+
+
+def layout_time(cm, nbytes: float, have: Strategy, want: Strategy) -> float:
+    """Seconds to give each rank of layout ``want`` its part of an activation of ``nbytes`` per
+    micro-batch (all samples) held in layout ``have`` (module docstring, "Layout boundaries")."""
+    if have.cp == 1 and want.cp == 1:
+        return cm._gather_time(nbytes, have, want)
+    if (have.tp, have.dp, have.cp) == (want.tp, want.dp, want.cp):
+        # same groups: a rank holds nbytes / dp either way; only SP's split over TP can differ
+        plain = (Strategy(have.tp, have.dp, sp=have.sp), Strategy(want.tp, want.dp, sp=want.sp))
+        return cm._gather_time(nbytes, *plain)
+    t = 0.0
+    if have.cp > 1:
+        # NOTE: with SP the TP ranks hold sequence slices too: one all-gather over the whole block
+        group = cp_block(have) if have.sp else cp_group(have)
+        t = cm.cluster.collective_time("all_gather", nbytes * have.cp / have.dp, group)
+    return t + cm._gather_time(nbytes, samples_layout(have) if have.cp > 1 else have, samples_layout(want))

@@ -1,0 +1,323 @@
+"""Context parallelism in the cost model and the search: the attention exchanges (ring vs Ulysses
+bytes, intra- vs inter-node), boundary gathers, activations at fractional samples per rank, the
+strategy space and its rules, constraints, the command line, and the meta-device acceptance
+(Llama-3-8B at 128k / 256k tokens on 8 H100s: context parallelism wins)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import galvatron_fx as gfx
+from galvatron_fx.cost.context import (
+    GRAD_ITEMSIZE,
+    LayerAttention,
+    cp_attention_time,
+    cp_group,
+    cp_messages,
+    ring_shift_time,
+)
+from galvatron_fx.errors import ConfigError
+from galvatron_fx.planner import CP_MIN_SEQ, cost_model_for, cp_degrees
+from galvatron_fx.solver.strategy import Strategy, rejecting_rules, strategy_space
+
+S, HEADS, KV, D = 1024, 32, 8, 128
+ATT = LayerAttention(calls=1, heads=HEADS, kv_heads=KV, head_dim=D, v_head_dim=D, seq=S, kv_seq=S)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """gpt-tiny (2 blocks, 4 heads, sequence 32) and its bf16 cost model on 4 A100s."""
+    model, args = gfx.models.build("gpt-tiny", device="meta", layers=2, hidden=64, heads=4, seq_len=32, vocab=128,
+                                   batch=8)
+    gm = gfx.capture(model, args, method="fx")
+    cluster = gfx.Cluster.preset("4xA100-80GB")
+    return gm, cluster, cost_model_for(gm, cluster, precision="bf16-mixed")
+
+
+# ------------------------------------------------------------------------------- exchanges
+def test_ring_sends_key_value_shards_cp_minus_one_times():
+    n, s = 0.25, Strategy(2, 8, cp=4)       # a quarter sample's tokens per rank: 256 positions
+    shard = n * S * KV / 2 * D              # [b, S/cp, kv_heads/tp, d] with b = n * cp
+    msgs = cp_messages(ATT, n, s, 2)
+    assert msgs["fwd"] == [2 * shard * 2] * 3                        # k and v, bf16, cp - 1 shifts
+    assert msgs["bwd"] == [2 * shard * (2 + GRAD_ITEMSIZE)] * 3 + [2 * shard * GRAD_ITEMSIZE]
+
+
+def test_ulysses_moves_query_key_value_and_output_each_way():
+    n, s = 0.25, Strategy(1, 8, cp=4, cp_kind="ulysses")
+    q, kv = n * S * HEADS * D, n * S * KV * D
+    msgs = cp_messages(ATT, n, s, 2)
+    assert msgs["fwd"] == [2 * q, 2 * kv, 2 * kv, 2 * q] and msgs["bwd"] == msgs["fwd"]
+    # 8 key / value heads over tp 2 leave 4, which cp 8 cannot split: repeated to the query heads
+    rep = cp_messages(ATT, n, Strategy(2, 8, cp=8, cp_kind="ulysses"), 2)["fwd"]
+    assert rep[1] == rep[0] == 2 * n * S * HEADS / 2 * D
+    # ring's total bytes grow with cp, Ulysses' do not
+    ring = [sum(cp_messages(ATT, 1 / c, Strategy(1, 8, cp=c), 2)["fwd"]) for c in (2, 4, 8)]
+    uly = [sum(cp_messages(ATT, 1 / c, Strategy(1, 8, cp=c, cp_kind="ulysses"), 2)["fwd"]) for c in (2, 4, 8)]
+    assert ring[0] < ring[1] < ring[2] and uly[0] > uly[1] > uly[2]
+
+
+def test_no_exchange_without_attention_or_cp():
+    assert cp_messages(ATT, 1.0, Strategy(1, 8), 2) == {"fwd": [], "bwd": []}
+    none = LayerAttention(0, 0, 0, 0, 0, 0, 0)
+    assert cp_attention_time(gfx.Cluster.preset("8xH100-80GB"), none, 1.0, Strategy(1, 8, cp=8), 2) == 0.0
+
+
+def test_exchanges_pay_the_cp_groups_link():
+    cluster = gfx.Cluster.preset("2x8xH100-80GB")
+    inside, across = Strategy(4, 4, cp=2), Strategy(8, 2, cp=2)   # CP ranks 4 apart (one node) / 8 apart
+    assert cp_group(inside) == [0, 4] and cp_group(across) == [0, 8]
+    assert cluster.node_of(8) == 1
+    for kind in ("ring", "ulysses"):   # NVLink vs one NIC's share: bandwidth-bound messages
+        a = cp_attention_time(cluster, ATT, 8.0, Strategy(4, 4, cp=2, cp_kind=kind), 2)
+        b = cp_attention_time(cluster, ATT, 8.0, Strategy(8, 2, cp=2, cp_kind=kind), 2) * 2   # per-tp bytes halve
+        assert b > 5 * a, kind
+    nbytes = 1e8   # a shift: the slowest hop's point-to-point time
+    assert ring_shift_time(cluster, nbytes, [0, 8]) == pytest.approx(cluster.p2p_time(nbytes, 0, 8))
+    assert ring_shift_time(cluster, nbytes, [0]) == 0.0
+
+
+def test_checkpointing_repeats_the_forward_exchanges():
+    cluster = gfx.Cluster.preset("8xH100-80GB")
+    for kind in ("ring", "ulysses"):
+        s = Strategy(1, 8, cp=8, cp_kind=kind)
+        plain = cp_attention_time(cluster, ATT, 1 / 8, s, 2)
+        ckpt = cp_attention_time(cluster, ATT, 1 / 8, Strategy(1, 8, ckpt=True, cp=8, cp_kind=kind), 2)
+        group = cp_group(s)
+        fwd = sum(ring_shift_time(cluster, x, group) if kind == "ring" else
+                  cluster.collective_time("all_to_all", x, group) for x in cp_messages(ATT, 1 / 8, s, 2)["fwd"])
+        assert plain < ckpt < 2 * plain
+        assert ckpt - plain == pytest.approx(fwd)
+
+
+def test_overlap_option_hides_the_ring_behind_attention(tiny):
+    gm, cluster, _cm = tiny
+    cm = cost_model_for(gm, cluster, precision="bf16-mixed", cp_overlap=True)
+    s = Strategy(1, 4, cp=4)
+    plain = cost_model_for(gm, cluster, precision="bf16-mixed").cp_terms(1, 1.0, s)[0]
+    assert 0.0 <= cm.cp_terms(1, 1.0, s)[0] <= plain
+    with pytest.raises(ConfigError):
+        cost_model_for(gm, cluster, precision="bf16-mixed", cp_overlap="yes")
+
+
+# ------------------------------------------------------------------------------ layer costs
+def test_attention_found_in_the_graph(tiny):
+    _gm, _cluster, cm = tiny
+    att = [cm.attention(i) for i in range(len(cm.layers))]
+    assert [a.calls for a in att] == [0, 1, 1, 0]
+    assert (att[1].heads, att[1].kv_heads, att[1].head_dim, att[1].seq) == (4, 4, 16, 32)
+    assert cm.sequence_length() == 32
+    # the post layer shifts labels along the sequence: the context-parallel pass refuses it
+    assert cm.cp_refuses(3, 2) and not cm.cp_refuses(1, 2) and not cm.cp_refuses(0, 4)
+    assert "Ulysses" in cm.cp_refuses(1, 4, "ulysses", 2) and not cm.cp_refuses(1, 4, "ulysses", 1)
+    assert "does not split" in cm.cp_refuses(1, 3)
+
+
+def test_grouped_query_heads_as_sdpa_receives_them():
+    pytest.importorskip("transformers")
+    import torch
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=8, num_key_value_heads=2, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(cfg)
+    ids = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    gm = gfx.capture(model, (), kwargs=dict(input_ids=ids, labels=ids), method="dynamo")
+    cm = cost_model_for(gm, gfx.Cluster.preset("8xH100-80GB"))
+    att = cm.attention(1)
+    # transformers' SDPA path repeats the key / value heads before SDPA: the runtime ships 8 heads
+    # (with enable_gqa SDPA gets the 2: test_llama3_8b_long_context_prefers_cp_small)
+    assert (att.calls, att.heads, att.kv_heads, att.seq) == (1, 8, 8, 32)
+
+
+def test_cp_layer_cost_is_cp1_at_the_same_tokens_plus_exchanges(tiny):
+    _gm, _cluster, cm = tiny
+    b = 4
+    base, cp = Strategy(1, 4), Strategy(1, 4, cp=4)
+    c0, c1 = cm.layer_cost(1, base, b), cm.layer_cost(1, cp, b)
+    assert (c1.fwd_s, c1.bwd_s) == (c0.fwd_s, c0.bwd_s)
+    # activations: the same per sample, the part shared by the batch (sequence-long) split over cp
+    m = cm.measure(1)
+    shared = (m.saved_sharded_elems.c + m.saved_rep_elems.c + m.saved_gathered_elems.c) * 2 + m.saved_other_bytes.c
+    assert c1.activation_bytes == pytest.approx(c0.activation_bytes - shared * 3 / 4)
+    assert c1.states_bytes == c0.states_bytes and c1.grad_sync_s == c0.grad_sync_s   # states: as DP
+    assert c1.tp_comm_s - c0.tp_comm_s == pytest.approx(cm.cp_terms(1, b / 4, cp)[0])
+    assert c1.tp_comm_s > c0.tp_comm_s and c1.overhead_s > c0.overhead_s and c1.transient_bytes > c0.transient_bytes
+    # a layer without attention pays nothing inside (only its boundaries)
+    assert cm.layer_cost(0, cp, b).tp_comm_s == cm.layer_cost(0, base, b).tp_comm_s
+
+
+def test_fractional_samples_per_rank_scale_activations(tiny):
+    """One sample over 4 ranks (cp 4): a quarter sample's activations each, which cp = 1 cannot run."""
+    _gm, _cluster, cm = tiny
+    quarter = cm.layer_cost(1, Strategy(1, 4, cp=4), 1)
+    whole = cm.layer_cost(1, Strategy(1, 4), 4)          # one sample per rank
+    assert quarter.activation_bytes == pytest.approx(whole.activation_bytes / 4)
+    assert quarter.fwd_s == pytest.approx(whole.fwd_s / 4, rel=0.02)
+    assert cm.activation_bytes(1, Strategy(1, 4, cp=4), 1) == quarter.activation_bytes
+
+
+# ------------------------------------------------------------------------------- boundaries
+def test_boundary_gathers_and_slices(tiny):
+    _gm, cluster, cm = tiny
+    b = 4
+    nbytes = cm.boundary_bytes(1, b)
+    cp, plain = Strategy(1, 4, cp=2), Strategy(1, 4)
+    ag = cluster.collective_time("all_gather", nbytes * 2 / 4, [0, 1])
+    # out of a cp layer into cp = 1 at the same (tp, dp): the sequence all-gathered over the CP group
+    # in forward, the batch slices' gradient gathered back in backward (and the other way into it)
+    assert cm.reshard_time(1, cp, plain, b) == pytest.approx(2 * ag)
+    assert cm.reshard_time(1, plain, cp, b) == pytest.approx(2 * ag)
+    # the same (tp, dp, cp): nothing moves, whatever the attention kind
+    assert cm.reshard_time(1, cp, Strategy(1, 4, cp=2, cp_kind="ulysses"), b) == 0.0
+    assert cm.reshard_time(1, cp, Strategy(1, 4, "zero3", ckpt=True, cp=2), b) == 0.0
+    # from a layout already holding a CP group's samples (tp 4 = tp * cp): a slice forward, the
+    # gradient's sequence gathered backward
+    whole = Strategy(4, 1)
+    into = cm.reshard_time(1, whole, Strategy(1, 4, cp=4), b)
+    assert into == pytest.approx(cluster.collective_time("all_gather", nbytes, [0, 1, 2, 3]))
+
+
+# ---------------------------------------------------------------------------------- space
+def test_strategy_space_with_cp():
+    assert len(strategy_space(8)) == 34                            # default: no context parallelism
+    space = strategy_space(8, cp=(2, 4, 8))
+    assert len(space) == 106 and len(space) == len(set(space))
+    cps = [s for s in space if s.cp > 1]
+    assert all(not s.sp and s.ep == 1 and s.dp % s.cp == 0 for s in cps)
+    assert {s.cp_kind for s in space if s.cp == 1} == {"ring"}
+    assert Strategy(1, 8, cp=8, cp_kind="ulysses") in space
+    assert [s for s in strategy_space(8, cp=(2,), cp_kinds=("ulysses",)) if s.cp > 1][0].cp_kind == "ulysses"
+    assert Strategy(2, 4, cp=4, cp_kind="ulysses") not in strategy_space(8, cp=(4,), heads=4)
+    # deterministic order: cp ascending, then kinds in CP_KINDS order, after ckpt
+    tp1 = [s for s in space if s.tp == 1 and s.sdp == "none" and not s.ckpt]
+    assert [(s.cp, s.cp_kind) for s in tp1] == [(1, "ring"), (2, "ring"), (2, "ulysses"), (4, "ring"),
+                                                (4, "ulysses"), (8, "ring"), (8, "ulysses")]
+    with pytest.raises(ConfigError):
+        strategy_space(8, cp=(2,), cp_kinds=("zigzag",))
+
+
+@pytest.mark.parametrize("strategy, kwargs, rule", [
+    (Strategy(1, 8, cp=2), {}, "cp_degrees"),
+    (Strategy(1, 8, cp=2, cp_kind="ulysses"), {"cp": (2,), "cp_kinds": ("ring",)}, "cp_degrees"),
+    (Strategy(1, 8, cp_kind="ulysses"), {}, "cp_kind_needs_cp"),
+    (Strategy(2, 4, sp=True, cp=2), {"cp": (2,)}, "cp_alone"),
+    (Strategy(1, 8, ep=2, cp=2), {"cp": (2,), "ep": (2,)}, "cp_alone"),
+    (Strategy(2, 4, cp=4, cp_kind="ulysses"), {"cp": (4,), "heads": 4}, "ulysses_divides_heads"),
+])
+def test_each_cp_rule_prunes(strategy, kwargs, rule):
+    assert rejecting_rules(strategy, **kwargs) == [rule]
+
+
+def test_default_search_offers_cp_only_for_long_sequences():
+    class Stub:
+        def __init__(self, seq):
+            self.seq = seq
+
+        def sequence_length(self):
+            return self.seq
+
+    assert cp_degrees(Stub(CP_MIN_SEQ // 2), 8) == [1]
+    assert cp_degrees(Stub(CP_MIN_SEQ), 8) == [1, 2, 4, 8]
+    assert cp_degrees(Stub(CP_MIN_SEQ + 2), 8) == [1, 2]            # only degrees dividing the sequence
+    assert cp_degrees(Stub(64), 8, {"cp": 4}) == [4]
+    assert cp_degrees(Stub(64), 8, {"cp": [1, 2]}) == [1, 2]
+
+
+# ---------------------------------------------------------------------------- constraints
+def test_constraints_pin_and_limit_cp(tiny):
+    gm, cluster, _cm = tiny
+    default = gfx.search(gm, cluster, "80GB", 4)
+    assert all(lp.cp == 1 for lp in default.layers)                  # a 32-position sequence: no CP offered
+    pinned = gfx.search(gm, cluster, "80GB", 4, constraints={"cp": 2, "cp_kind": "ulysses"})
+    assert [lp.cp for lp in pinned.layers] == [2, 2, 2, 1]           # the post layer refuses cp: whole
+    assert {lp.cp_kind for lp in pinned.layers if lp.cp > 1} == {"ulysses"}
+    assert all(lp.dp % lp.cp == 0 and lp.tp == 1 for lp in pinned.layers if lp.cp > 1)
+    assert "context parallelism: cp 2 (ulysses" in pinned.explain()
+    assert all(lp.extra["cp_exchange_s"] >= 0 for lp in pinned.layers if lp.cp > 1)
+    free = gfx.search(gm, cluster, "80GB", 4, constraints={"cp": [1, 2, 4]})
+    assert free.estimate["throughput_samples_s"] >= pinned.estimate["throughput_samples_s"] * (1 - 1e-9)
+    again = gfx.Plan.from_dict(json.loads(pinned.to_json()))
+    assert gfx.estimate(gm, again, cluster)["step_time_s"] == pytest.approx(pinned.estimate["step_time_s"])
+    with pytest.raises(ConfigError):
+        gfx.search(gm, cluster, "80GB", 4, constraints={"cp_kind": "zigzag"})
+    with pytest.raises(ConfigError):
+        gfx.search(gm, cluster, "80GB", 4, constraints={"cp": "two"})
+
+
+def test_one_sample_on_four_devices_needs_cp_or_tp(tiny):
+    """Global batch 1 on 4 devices: cp = 1 layers need dp = 1 (tp 4 or a pipeline); cp 4 splits the
+    sequence of the one sample over the 4 ranks."""
+    gm, cluster, cm = tiny
+    plan = gfx.search(gm, cluster, "80GB", 1, constraints={"cp": [1, 4], "pp": 1})
+    for lp in plan.layers:
+        assert lp.dp // lp.cp == 1
+    est = gfx.estimate(gm, gfx.Plan.uniform(gm, 4, tp=1, dp=4, cp=4, global_batch_size=1), cluster)
+    assert est["step_time_s"] > 0
+    with pytest.raises(ConfigError):   # cp = 1 at dp 4 would need 4 samples
+        gfx.Plan.uniform(gm, 4, tp=1, dp=4, global_batch_size=1)
+
+
+def test_cli_cp_flags(tmp_path, capsys):
+    from galvatron_fx.cli import main
+
+    path = tmp_path / "plan.json"
+    argv = ["plan", "gpt-tiny", "--set", "layers=2", "--set", "hidden=32", "--set", "heads=4", "--set", "seq_len=16",
+            "--cluster", "4xA100-80GB", "--global-batch-size", "4", "--json", str(path)]
+    assert main([*argv, "--cp", "4", "--cp-kind", "ring"]) == 0
+    assert "context parallelism: cp 4 (ring" in capsys.readouterr().out
+    layers = json.loads(path.read_text())["layers"]
+    assert [lp["cp"] for lp in layers] == [4, 4, 4, 1] and {lp["cp_kind"] for lp in layers[:3]} == {"ring"}
+    with pytest.raises(SystemExit):
+        main([*argv, "--cp-kind", "zigzag"])
+    assert main([*argv, "--cp", "x"]) != 0
+    assert "--cp takes degrees" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------- meta acceptance
+def llama3_8b(seq: int, layers: int = 32):
+    """Llama-3-8B on the meta device, causal SDPA without a materialised mask (what flash attention
+    runs), captured with dynamo at ``seq`` positions."""
+    pytest.importorskip("transformers")
+    import torch
+    import transformers as tf
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register("sdpa_causal", sdpa_attention_forward)
+    cfg = tf.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=seq,
+                         rope_theta=500000.0, use_cache=False, attn_implementation="sdpa_causal")
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(cfg)
+    ids = torch.zeros(2, seq, dtype=torch.long, device="meta")
+    return gfx.capture(model, (), kwargs=dict(input_ids=ids, labels=ids), method="dynamo")
+
+
+def _acceptance(seq: int, layers: int) -> None:
+    gm = llama3_8b(seq, layers)
+    cluster = gfx.Cluster.preset("8xH100-80GB")
+    att = cost_model_for(gm, cluster).attention(1)
+    assert (att.heads, att.kv_heads, att.head_dim, att.seq) == (32, 8, 128, seq)   # enable_gqa: 8 kv heads
+    plan = gfx.search(gm, cluster, global_batch_size=8)
+    assert any(lp.cp > 1 for lp in plan.layers)
+    try:
+        cp1 = gfx.search(gm, cluster, global_batch_size=8, constraints={"cp": 1})
+    except gfx.InfeasibleError:
+        return
+    assert plan.estimate["throughput_samples_s"] > cp1.estimate["throughput_samples_s"]
+
+
+def test_llama3_8b_long_context_prefers_cp_small():
+    """4 of the 32 blocks at 131072 tokens (seconds): context parallelism wins already."""
+    _acceptance(131072, 4)
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("seq", [131072, 262144])
+def test_llama3_8b_long_context_prefers_cp(seq):
+    _acceptance(seq, 32)
