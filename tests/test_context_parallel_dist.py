@@ -134,3 +134,24 @@ def test_a_meta_device_llama_trains_under_cp():
     for full, got in run_distributed(_meta_llama, 2, timeout=300):
         assert all(torch.equal(full[k], v) for k, v in init.items())
         assert loops.rel(got, losses) < 1e-4, (got, losses)
+
+
+def _searched(rank, world):
+    import galvatron_fx as gfx
+
+    model = loops.llama()
+    batches = loops.collate(3)
+    gm = gfx.capture(model, kwargs=batches[0], method="export")
+    plan = gfx.search(gm, cluster=f"{world}xA100-80GB", global_batch_size=loops.B, constraints={"cp": 2},
+                      precision="fp32")
+    dm = gfx.transform(gm, plan=plan)
+    return [lp.cp for lp in plan.layers], loops.step_losses(dm, batches, lr=1e-2)
+
+
+def test_a_searched_cp_plan_trains_like_one_device():
+    """``constraints={"cp": 2}``: the search pins cp 2 where the pass can apply it (admissibility is
+    the pass's own analysis), and that plan trains to one device's losses."""
+    losses = loops.plain_losses(loops.llama(), loops.collate(3), lr=1e-2)
+    for cps, got in run_distributed(_searched, 2):
+        assert any(c == 2 for c in cps), cps
+        assert loops.rel(got, losses) < 1e-5, (got, losses)
