@@ -218,3 +218,35 @@ def test_a_meta_device_moe_initialises_its_experts_and_trains():
     for full, got in run_distributed(_meta_moe, 2, timeout=300):
         assert all(torch.equal(full[k], v) for k, v in init.items())   # the same whole experts
         assert loops.rel(got, losses) < 1e-4, (got, losses)
+
+
+def _meta_moe_pretrained(rank, world, directory):
+    """A Mixtral built on the meta device, DP2+EP2, loaded from a ``save_pretrained`` directory
+    (transformers writes its experts one tensor each: ``block_sparse_moe.experts.3.w1.weight``)."""
+    import transformers as tf
+
+    import galvatron_fx as gfx
+
+    with torch.device("meta"):
+        meta = tf.MixtralForCausalLM(_mixtral_config())
+    batch = loops.collate(1)[0]
+    gm = gfx.capture(meta, (), kwargs={k: v.to("meta") for k, v in batch.items()}, method="dynamo")
+    dm = gfx.transform(gm, plan=gfx.Plan.uniform(gm, world, global_batch_size=loops.B, dp=2, ep=2))
+    dm.load_pretrained(directory)
+    return dm.full_state_dict(), float(dm.eval_step(**batch))
+
+
+@pytest.mark.dist
+def test_load_pretrained_converts_per_expert_checkpoints(tmp_path):
+    import transformers as tf
+
+    torch.manual_seed(3)
+    model = tf.MixtralForCausalLM(_mixtral_config())
+    model.save_pretrained(tmp_path)
+    batch = loops.collate(1)[0]
+    with torch.no_grad():
+        ref = float(model(**batch).loss)
+    for full, loss in run_distributed(_meta_moe_pretrained, 2, str(tmp_path), timeout=300):
+        for k, v in model.state_dict().items():
+            assert torch.equal(full[k], v), k      # the experts stacked, gate and up concatenated
+        assert abs(loss - ref) < 1e-5, (loss, ref)

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .hf_conversion import conversions, load_converted
 
 
 def _stage(dist_model):
@@ -166,8 +167,22 @@ def load_pretrained(dist_model, model: nn.Module, directory: str) -> None:
         first = seen.setdefault(id(p), fqn)
         aliases.setdefault(first, []).append(fqn)
     missing = []
+    renamed = converted = None
+
+    def read(key):
+        with safe_open(where[key], framework="pt", device="cpu") as f:
+            return f.get_tensor(key)
     for fqn in stage.params.params:
-        key = next((k for k in aliases.get(fqn, [fqn]) if k in where), None)
+        names = aliases.get(fqn, [fqn])
+        key = next((k for k in names if k in where), None)
+        if key is None:   # saved under another name or in pieces (transformers' MoE experts)
+            if converted is None:
+                renamed, converted = conversions(model, where)
+            key = next((renamed[k] for k in names if k in renamed), None)
+            entry = next((converted[k] for k in names if k in converted), None)
+            if entry is not None:
+                stage.params.load_one(fqn, load_converted(entry, read, model))
+                continue
         if key is None:
             missing.append(fqn)
             continue
