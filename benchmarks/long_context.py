@@ -1,5 +1,5 @@
 """Context parallelism at long sequences: searched plans vs the best cp = 1 plan and a torchtitan-style
-FSDP + TP + CP baseline (estimates only).
+FSDP + TP + CP baseline (estimated), and a measured 2-rank check of the CP cost model.
 
 Llama-3-8B and Llama-3-70B (transformers ``LlamaConfig``, built on the meta device: no weights, no
 downloads; causal SDPA without a materialised mask, as flash attention runs it: ``attn_implementation``
@@ -16,12 +16,22 @@ memory as budget, on each cluster:
   no pipeline, every micro-batch count whose batch slices divide it; the best that fits by
   ``gfx.estimate``.
 
+Measured part (on by default; ``--no-measure`` skips it, ``--measure-only`` runs it alone): a small
+transformers Llama (``LlamaConfig`` from :data:`SMALL`: hidden 128, 4 heads, 2 key/value heads, 2
+layers, vocabulary 256; seeded, no downloads; the same ``sdpa_causal`` attention) captured once with
+dynamo at :data:`SMALL_SEQ` tokens, global batch :data:`SMALL_GBS`, fp32, on 2 gloo ranks of this
+CPU under three uniform plans: DP2, DP2 + CP2 ring and DP2 + CP2 Ulysses. Per plan: the median step
+(``train_step`` + AdamW, slowest rank, interleaved rounds after 2 warm-up rounds, as
+``benchmarks/moe.py``) and the estimate of the profiled cost model on the profiled live cluster
+(``Cluster.profile()``, layer costs profiled at 1 / 2 / 4 samples: what the search uses there).
+
 Acceptance (reported in the summary): Llama-3-8B at 131072 and 262144 tokens on 8xH100-80GB with
 global batch 8: the searched plan uses cp > 1 in some layer and is estimated faster than the best
 cp = 1 plan (or cp = 1 finds none).
 
     python benchmarks/long_context.py [--models llama3-8b] [--seqs 131072 262144]
                                       [--clusters 8xH100-80GB] [--layers N] [--json PATH]
+                                      [--no-measure | --measure-only] [--steps N]
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import parser, print_table, write_json  # noqa: E402
+from _dist import interleaved, profiled_cluster, rel_err, spawn, uniform  # noqa: E402
 
 GBS = 8
 SEQS = (32768, 131072, 262144, 524288)
@@ -48,17 +59,31 @@ NAMES = {"llama3-8b": "Llama-3-8B", "llama3-70b": "Llama-3-70B"}
 ACCEPTANCE = [("llama3-8b", 131072, "8xH100-80GB"), ("llama3-8b", 262144, "8xH100-80GB")]
 
 
-def capture(key: str, seq: int, layers: int | None):
-    """The model on the meta device, captured with dynamo at ``seq`` positions (2 sequences)."""
-    import transformers as tf
+SMALL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+"""The measured part's Llama: attention FLOPs about those of the linear layers at :data:`SMALL_SEQ`."""
+SMALL_SEQ, SMALL_GBS = 512, 4
+MEASURED = ("dp2", "dp2 cp2 ring", "dp2 cp2 ulysses")
+
+
+def register_causal_sdpa() -> None:
+    """Register ``attn_implementation="sdpa_causal"``: transformers' SDPA function under a name with
+    no mask function."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    import galvatron_fx as gfx
 
     # NOTE: an attention name without a mask function: transformers then passes no mask and SDPA runs
     # is_causal (its default "sdpa" path materialises a [B, 1, S, S] mask: 17 GB per sample at 128k)
     AttentionInterface.register("sdpa_causal", sdpa_attention_forward)
+
+
+def capture(key: str, seq: int, layers: int | None):
+    """The model on the meta device, captured with dynamo at ``seq`` positions (2 sequences)."""
+    import transformers as tf
+
+    import galvatron_fx as gfx
+
+    register_causal_sdpa()
     kw = dict(MODELS[key], max_position_embeddings=seq, use_cache=False, attn_implementation="sdpa_causal")
     if layers:
         kw["num_hidden_layers"] = min(layers, kw["num_hidden_layers"])
@@ -175,6 +200,77 @@ def table(rows: list[dict]) -> None:
                   f"cp=1 [{r.get('cp1_plan', '-')}]; torchtitan [{r.get('torchtitan_plan', '-')}]")
 
 
+# ------------------------------------------------------------------------------ measured part
+def _stepper(dm, opt, batches):
+    """A training step (``train_step`` on the next batch, cycling, then AdamW)."""
+    k = [0]
+
+    def step():
+        dm.train_step(**batches[k[0] % len(batches)])
+        opt.step()
+        k[0] += 1
+    return step
+
+
+def _small_batches(n: int) -> list[dict]:
+    """``n`` batches of :data:`SMALL_GBS` random sequences of :data:`SMALL_SEQ` tokens (no padding:
+    labels = inputs), the same on every rank."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, SMALL["vocab_size"], (SMALL_GBS, SMALL_SEQ), generator=g)
+        out.append(dict(input_ids=ids, labels=ids.clone()))
+    return out
+
+
+def _measure_rank(rank, world, steps):
+    """On each rank: the median step of DP2, DP2 + CP2 ring and DP2 + CP2 Ulysses and their estimates."""
+    import tempfile
+
+    import transformers as tf
+
+    import galvatron_fx as gfx
+
+    register_causal_sdpa()
+    cluster = profiled_cluster()
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL, max_position_embeddings=SMALL_SEQ, use_cache=False,
+                                               attn_implementation="sdpa_causal"))
+    batches = _small_batches(4)
+    gm = gfx.capture(model, (), kwargs=batches[0], method="dynamo")
+    plans = {"dp2": uniform(gm, world, SMALL_GBS, dp=world),
+             "dp2 cp2 ring": uniform(gm, world, SMALL_GBS, dp=world, cp=2, cp_kind="ring"),
+             "dp2 cp2 ulysses": uniform(gm, world, SMALL_GBS, dp=world, cp=2, cp_kind="ulysses")}
+    steps_fn = {}
+    for name, plan in plans.items():
+        dm = gfx.transform(gm, plan=plan)
+        steps_fn[name] = _stepper(dm, dm.optimizer(torch.optim.AdamW, lr=1e-4), batches)
+    with tempfile.TemporaryDirectory() as cache:
+        cost = {"mode": "profiled", "reserve_bytes": 0, "cache_dir": cache, "profile_sizes": (1, 2, 4),
+                "profile_repeats": 9}
+        ests = {k: gfx.estimate(gm, p, cluster, **cost) for k, p in plans.items()}
+    times = interleaved(steps_fn, steps)
+    return {k: {"step_s": times[k], "pred_step_s": ests[k]["step_time_s"],
+                "pred_memory_bytes": max(ests[k]["memory_bytes_per_device"])} for k in plans}
+
+
+def measured(steps: int) -> dict:
+    """The 2-rank measured steps vs the estimates, printed as a table."""
+    t0 = time.perf_counter()
+    res = spawn(_measure_rank, 2, steps)[0]
+    res["wall_s"] = time.perf_counter() - t0
+    base = res["dp2"]
+    rows = [[k, v["pred_step_s"] * 1e3, v["step_s"] * 1e3, f"{v['step_s'] / v['pred_step_s']:.2f}",
+             f"{100 * rel_err(v['pred_step_s'], v['step_s']):+.0f}%", f"{v['step_s'] / base['step_s']:.2f}",
+             f"{v['pred_step_s'] / base['pred_step_s']:.2f}"] for k, v in res.items() if k in MEASURED]
+    print(f"\nsmall Llama (hidden {SMALL['hidden_size']}, {SMALL['num_attention_heads']} heads / "
+          f"{SMALL['num_key_value_heads']} kv, {SMALL['num_hidden_layers']} layers, vocab {SMALL['vocab_size']}) "
+          f"on 2 gloo ranks, seq {SMALL_SEQ}, global batch {SMALL_GBS}, fp32; median of {steps} interleaved "
+          f"steps (train_step + AdamW); profiled cluster and layers; {res['wall_s']:.0f} s")
+    print_table(["plan", "est ms", "meas ms", "meas/est", "err", "meas/dp2", "est/dp2"], rows)
+    return res
+
+
 def geomean(xs: list[float]) -> float | None:
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
@@ -192,11 +288,17 @@ def main() -> None:
     p.add_argument("--seqs", nargs="+", type=int, default=list(SEQS), help="sequence lengths (tokens)")
     p.add_argument("--clusters", default="8xH100-80GB,4x8xH100-80GB", help="comma-separated cluster presets")
     p.add_argument("--layers", type=int, default=None, help="cap num_hidden_layers (default: the real count)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per measured plan (after 2 warm-up rounds)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--no-measure", action="store_true", help="skip the measured 2-rank part")
+    g.add_argument("--measure-only", action="store_true", help="run only the measured 2-rank part")
     args = p.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    rows = run(args.models, args.seqs, args.clusters.split(","), args.layers)
-    table(rows)
+    meas = {} if args.no_measure else measured(args.steps)
+    rows = [] if args.measure_only else run(args.models, args.seqs, args.clusters.split(","), args.layers)
+    if rows:
+        table(rows)
     ok = [r for r in rows if "searched" in r]
 
     def short(preset):   # "4x8xH100-80GB" -> "4x8", "8xH100-80GB" -> "8"
@@ -207,7 +309,7 @@ def main() -> None:
     summary: dict = {f"{case(r)}_speedup_vs_cp1": r.get("speedup_vs_cp1") for r in ok}
     summary.update({f"{case(r)}_speedup_vs_torchtitan": r.get("speedup_vs_torchtitan") for r in ok})
     find = {(r["model"], r["seq"], r["cluster"]): r for r in rows}
-    for key, seq, preset in ACCEPTANCE:
+    for key, seq, preset in ACCEPTANCE if rows else ():   # none when --measure-only
         summary[f"acceptance_{key.replace('-', '_')}_{seq // 1024}k_{short(preset)}"] = accepted(find.get((key, seq, preset)))
     summary.update({
         "cases": len(rows), "cases_planned": len(ok), "cases_with_cp_gt_1": sum(r["cp_max"] > 1 for r in ok),
@@ -218,9 +320,20 @@ def main() -> None:
         "cases_below_cp1_or_torchtitan": sum(min(r.get("speedup_vs_cp1", 1), r.get("speedup_vs_torchtitan", 1))
                                              < 1 - 1e-9 for r in ok),
         "search_s_max": max((r["search_s"] for r in ok), default=None),
-        "layers_cap": args.layers, "wall_s": time.perf_counter() - t0})
+        "layers_cap": args.layers})
+    for k in MEASURED if meas else ():
+        short_k = k.split()[-1]   # dp2, ring, ulysses
+        summary[f"measured_over_estimated_{short_k}"] = meas[k]["step_s"] / meas[k]["pred_step_s"]
+        if k != "dp2":
+            summary[f"cp_{short_k}_over_dp2_measured"] = meas[k]["step_s"] / meas["dp2"]["step_s"]
+            summary[f"cp_{short_k}_over_dp2_estimated"] = meas[k]["pred_step_s"] / meas["dp2"]["pred_step_s"]
+    if meas:
+        summary["measured_s"] = meas["wall_s"]
+    summary["wall_s"] = time.perf_counter() - t0
     print(f"\nsummary: {summary}")
-    write_json(args.json, {"global_batch_size": GBS, "rows": rows, "summary": summary})
+    write_json(args.json, {"global_batch_size": GBS, "rows": rows, "measured": meas,
+                           "measured_model": dict(SMALL, seq=SMALL_SEQ, global_batch_size=SMALL_GBS),
+                           "summary": summary})
 
 
 if __name__ == "__main__":

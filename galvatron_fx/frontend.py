@@ -74,9 +74,10 @@ def input_names(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list, pytr
         positional = [p for p in sig.parameters.values()
                       if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
         star = next((p.name for p in sig.parameters.values() if p.kind is inspect.Parameter.VAR_POSITIONAL), "args")
-        arg_names = [positional[i].name if i < len(positional) else f"{star}_{i - len(positional)}"
-                     for i in range(len(args))] + list(kwargs)
-        bound_values = list(args) + list(kwargs.values())
+        k = min(len(args), len(positional))
+        extra = [(star, tuple(args[k:]))] if len(args) > k else []   # *args: one group, as bound
+        arg_names = [p.name for p in positional[:k]] + [n for n, _ in extra] + list(kwargs)
+        bound_values = list(args[:k]) + [v for _, v in extra] + list(kwargs.values())
     except (TypeError, ValueError):
         arg_names, bound_values = [], []
     names: list[str] = []
