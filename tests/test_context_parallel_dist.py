@@ -68,7 +68,7 @@ def _outputs(rank, world, kind):
     return float(loss), outs[1] if isinstance(outs, tuple) else outs
 
 
-@pytest.mark.parametrize("kind", ["ring", "ulysses"])
+@pytest.mark.parametrize("kind", ["ring", pytest.param("ulysses", marks=pytest.mark.matrix)])
 def test_eval_step_assembles_the_whole_sequence(kind):
     model = loops.llama()
     batch = loops.collate(1)[0]

@@ -117,11 +117,11 @@ CASES = {
     # the zoo's GPT shifts its logits (not its labels) along the sequence: cp on its blocks only
     "gpt-fx-blocks-cp2-ring": dict(model="gpt", method="fx", layer_cp={"blocks.": (2, "ring")}, plan=dict(dp=2)),
     "padding-mask-cp2-ring-export": dict(method="export", attention_mask=True, plan=dict(dp=2, cp=2)),
-    "padding-mask-dp2": dict(attention_mask=True, plan=dict(dp=2)),   # keywords not in forward()'s order
+    "padding-mask-dp2": dict(matrix=True, attention_mask=True, plan=dict(dp=2)),   # keywords not in forward()'s order
     "padding-mask-cp2-ulysses": dict(matrix=True, attention_mask=True, plan=dict(dp=2, cp=2, cp_kind="ulysses")),
     # cp on the decoder blocks only (ring on the first, Ulysses on the second): sequence shards
     # gathered / sliced where the layout changes
-    "blocks-cp2-mixed": dict(layer_cp={"layers.0": (2, "ring"), "layers.1": (2, "ulysses")}, plan=dict(dp=2)),
+    "blocks-cp2-mixed": dict(matrix=True, layer_cp={"layers.0": (2, "ring"), "layers.1": (2, "ulysses")}, plan=dict(dp=2)),
     "blocks-dp4-cp2-export": dict(matrix=True, world=4, method="export", layer_cp={"layers.": (2, "ring")},
                                   plan=dict(dp=4, sdp="zero2")),
 }
