@@ -53,7 +53,7 @@ from .passes.token_loss import TokenLossPass
 from .plan import Plan
 from .runtime import reshard
 from .runtime.data_parallel import DEFAULT_BUCKET_BYTES
-from .runtime.groups import GROUPS, Layout, batch_layout
+from .runtime.groups import GROUPS, Layout, batch_layout, input_layout
 from .runtime.module import DistributedModel
 from .runtime.pipeline import PipelineModel
 from .runtime.precision import precision_policy
@@ -229,6 +229,6 @@ def _rank_sets(plan: Plan, world: int, whole_batch: frozenset = frozenset()) -> 
         lays += [batch_layout(lp.tp, lp.dp, lp.sp, base, whole_batch=True)
                  for i, lp in enumerate(plan.layers[first:last + 1], first) if i in whole_batch]
         if plan.pp > 1 or any(lp.cp > 1 for lp in plan.layers):   # the stage boundary / graph input layout
-            lays.append(Layout(1, n, False, base))
+            lays.append(input_layout(n, plan.global_batch_size // plan.micro_batches, base))
         sets |= reshard.rank_sets(lays, world)
     return sets

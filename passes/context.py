@@ -20,7 +20,7 @@ import torch.fx
 from ..ir import StageInfo
 from ..plan import Plan
 from ..runtime.data_parallel import DEFAULT_BUCKET_BYTES
-from ..runtime.groups import Layout, batch_layout
+from ..runtime.groups import Layout, batch_layout, input_layout
 from ..runtime.precision import Precision
 from ..sharding.sequence import is_sequence_activation
 from .base import GraphPass, check
@@ -118,8 +118,10 @@ class ParallelContext:
 
     def boundary_layout(self) -> Layout:
         """The layout batched values cross a stage boundary in (see
-        :mod:`galvatron_fx.passes.stage_boundaries`): ``tp=1, dp=N`` over the stage's N ranks."""
-        return Layout(1, self.stage_size, False, self.base)
+        :mod:`galvatron_fx.passes.stage_boundaries`) and graph inputs arrive in:
+        :func:`~galvatron_fx.runtime.groups.input_layout` (``tp=1, dp=N`` over the stage's N ranks
+        unless the micro-batch has fewer samples than N)."""
+        return input_layout(self.stage_size, self.plan.global_batch_size // self.plan.micro_batches, self.base)
 
 
 class ContextPass(GraphPass):

@@ -102,8 +102,8 @@ class ReshardingPass(ContextPass):
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:
         check(self.ctx.output_layout is not None and not self.ctx.output_layout.sp,
               "resharding must leave the graph output with its sequence gathered")
-        check(self.ctx.input_layout is not None and self.ctx.input_layout.tp == 1,
-              "resharding must record the input layout (tp = 1 over the stage)")
+        check(self.ctx.input_layout is not None and self.ctx.input_layout.size == self.ctx.stage_size,
+              "resharding must record the input layout (over the stage's ranks)")
 
 
 def _reshard(graph, call, a, is_batched, src_layer, layouts, dst: Layout, rank: int, inputs: Layout, seq: bool):

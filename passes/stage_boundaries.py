@@ -1,7 +1,8 @@
 """Stage boundary passes (pp > 1): values cross pipeline stages in one fixed layout.
 
 Boundary layout. A batched value crossing a stage boundary travels in the layout
-``Layout(tp=1, dp=N)`` of both stages (``ctx.boundary_layout()``): local rank ``j`` of stage ``k``
+``Layout(tp=1, dp=N)`` of both stages (``ctx.boundary_layout()``; ``Layout(k, N / k)`` when a
+micro-batch has fewer samples than the stage has ranks, context parallelism): local rank ``j`` of stage ``k``
 holds batch slice ``j`` of ``N`` of the micro-batch and sends it to local rank ``j`` of stage
 ``k+1`` (one p2p group per ``j``: ranks ``{j, N+j, 2N+j, ...}``), so each rank sends ``1/N`` of the
 micro-batch, whatever the layers on either side do. Replicated values (a tied weight, T5's

@@ -155,3 +155,22 @@ def test_a_searched_cp_plan_trains_like_one_device():
     for cps, got in run_distributed(_searched, 2):
         assert any(c == 2 for c in cps), cps
         assert loops.rel(got, losses) < 1e-5, (got, losses)
+
+
+def _one_sample_micro_batches(rank, world):
+    import galvatron_fx as gfx
+
+    batches = loops.collate(3, batch=2)
+    gm = gfx.capture(loops.llama(), kwargs=batches[0], method="export")
+    plan = gfx.Plan.uniform(gm, world, global_batch_size=2, dp=world, cp=world, micro_batches=2)
+    dm = gfx.transform(gm, plan=plan)
+    return dm.input_shard, loops.step_losses(dm, batches, lr=1e-2)
+
+
+def test_micro_batches_of_one_sample_split_over_the_cp_group():
+    """What CP is for: 2 micro-batches of 1 sample on 2 ranks (each holds half a sample's tokens);
+    the inputs arrive whole on both ranks (``input_shard`` (0, 1)) and the loss is one device's."""
+    ref = loops.plain_losses(loops.llama(), loops.collate(3, batch=2), lr=1e-2)
+    for shard, losses in run_distributed(_one_sample_micro_batches, 2):
+        assert shard == (0, 1)
+        assert loops.rel(losses, ref) < 1e-5, (losses, ref)

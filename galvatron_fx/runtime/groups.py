@@ -112,6 +112,17 @@ def batch_layout(tp: int, dp: int, sp: bool = False, base: int = 0, *, whole_bat
     return Layout(tp * dp, 1, sp, base) if whole_batch and dp > 1 else Layout(tp, dp, sp, base, cp=cp)
 
 
+def input_layout(stage_size: int, micro_batch: int, base: int = 0) -> Layout:
+    """Where graph inputs (and values crossing a pipeline-stage boundary) arrive: each of the
+    stage's ranks holds one slice of a micro-batch (``Layout(1, N)``, ``DistributedSampler``'s
+    split), or, when the micro-batch has fewer samples than the stage has ranks (context
+    parallelism: a rank may hold a fraction of a sample), groups of ``k`` consecutive ranks share
+    one slice (``Layout(k, N / k)``, the smallest ``k`` that divides the micro-batch)."""
+    k = next((k for k in range(1, stage_size + 1) if stage_size % k == 0 and micro_batch % (stage_size // k) == 0),
+             stage_size)
+    return Layout(k, stage_size // k, False, base)
+
+
 class ProcessGroups:
     """One process group per distinct rank set, created collectively and cached.
 
