@@ -14,15 +14,20 @@ pytest.importorskip("transformers")
 
 
 def _saved_bytes(dm, batch) -> dict[str, int]:
-    """Bytes each layer saves for backward in one forward of ``batch`` (distinct storages)."""
+    """Bytes each layer saves for backward in one forward of ``batch`` (distinct storages, not the
+    layer's flat parameter buffers, which linears save views of)."""
     out: dict[str, int] = {}
+    flat = {t.untyped_storage().data_ptr() for m in dm.modules() for t in vars(m).values()
+            if isinstance(t, torch.Tensor)}
+    flat |= {t.untyped_storage().data_ptr() for t in list(dm.buffers()) + [getattr(p, "_local_tensor", p)
+                                                                           for p in dm.parameters()]}
     for name, layer in dm.named_children():
         if not name.startswith("layers_"):
             continue
         seen: dict[int, int] = {}
 
         def pack(t, seen=seen):
-            if t.device.type != "meta" and not isinstance(t, torch.nn.Parameter):
+            if t.device.type != "meta" and t.untyped_storage().data_ptr() not in flat:
                 seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
@@ -47,13 +52,13 @@ def _activations(rank, world, cp):
 
 def test_cp2_layer_saves_half_the_activations():
     """Per rank, a decoder block under cp = 2 saves half of what it saves at cp = 1 holding the same
-    samples (12 samples of 8 tokens vs 12 of 16). Measured 0.553 (export Llama): the ring keeps its
-    running max and sum rows and the whole-sequence mask besides what SDPA saves."""
+    samples (12 samples of 8 tokens vs 12 of 16)."""
     whole = run_distributed(_activations, 2, 1)[0]
     split = run_distributed(_activations, 2, 2)[0]
     for name in ("layers_1", "layers_2"):
         ratio = split[name] / whole[name]
-        assert 0.45 < ratio < 0.6, (name, split[name], whole[name])
+        print(name, split[name], whole[name], round(ratio, 3))
+        assert 0.45 < ratio < 0.55, (name, split[name], whole[name])
 
 
 def _outputs(rank, world, kind):

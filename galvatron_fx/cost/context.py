@@ -69,20 +69,48 @@ from ..sharding.state import node_arg, op_name, tensor_val
 from ..solver.strategy import Strategy
 from .measure import Affine
 
-RING_STEP_OPS = 6
-"""Ops per extra ring step of one attention call and pass (the block's kernel, the log-sum-exp merge
-of its output, the send / receive pair): launches the cost model adds for ``cp - 1`` steps."""
-ULYSSES_OPS = 12
-"""Ops per attention call and pass of Ulysses' reshapes around its four all-to-alls."""
-
-
+# Launches (ops that run a kernel or allocate; views not counted) of the runtime's context-parallel
+# attention, counted from :mod:`galvatron_fx.runtime.context_parallel` (a TorchDispatchMode over its
+# functions agrees). All run as plain eager ops inside autograd Functions, backward ones included.
+RING_BLOCK_OPS = {"fwd": 17, "bwd": 15}
+"""Per ring block and pass, no mask, no GQA, fp32 operands: ``_block_forward`` (2 matmuls, scale,
+row max, the merge's maximum / -inf fix / subtract / exp / decay / sum / rescales and adds, the
+max copy) and ``_block_backward`` (5 matmuls, scale, subtract max, exp, divide by the sum, subtract
+delta, product, scale, the three gradient adds)."""
+RING_CAUSAL_OPS = 2
+"""Per block and pass under ``is_causal``: the position comparison and its ``masked_fill``."""
+RING_MASK_OPS = 3
+"""Per block and pass with an explicit mask: its rows / columns selected, cast or inverted, applied."""
+RING_GQA_OPS = {"fwd": 2, "bwd": 4}
+"""Per block and pass when key / value heads are repeated for the query heads: the two repeats;
+backward also the two folds of the key / value gradients."""
+RING_CAST_OPS = 3
+"""Per block and pass when the operands are not fp32: ``q``, ``k``, ``v`` rows cast to fp32."""
+RING_SHIFT_OPS = 2
+"""Per shift: the two receive buffers (the sends themselves are priced as calls: :func:`ring_shift_time`)."""
+RING_CALL_OPS = {"fwd": 8, "bwd": 7}
+"""Per attention call and pass: the running output / maximum / sum (forward) or the gradient
+accumulators and ``delta`` (backward), and the final normalisation / casts."""
+RING_SCORE_PASSES = {"fwd": 4.0, "bwd": 7.5}
+"""Element-wise passes over a block's fp32 scores, in copies (read + write once; a reduction, read
+only, is half; a product of two score tensors 1.5): forward scale, row max, subtract, exp, row sum;
+backward scale, subtract the max, exp, divide by the sum, subtract delta, the product with the
+probabilities, scale. ``is_causal`` and an explicit mask add one pass each."""
+ULYSSES_SEQ_HEADS = {"to_heads": (3, 2), "to_seq": (2, 3)}
+"""One ``_seq_heads`` reshuffle: ``(launches beyond 2 per CP rank for to_seq, copies of the tensor)``:
+``to_heads`` makes the send stack contiguous, allocates the output and concatenates the received
+shards by position (3 launches, 2 copies); ``to_seq`` cuts each rank's positions (an allocation and
+a concatenation per CP rank) and stacks them, then concatenates the received head groups (2 + 2 cp
+launches, 3 copies)."""
 @dataclass(frozen=True)
 class LayerAttention:
     """A layer's attention as context parallelism prices it: ``calls`` SDPA calls of ``heads`` query
     heads and ``kv_heads`` key / value heads as SDPA receives them, of ``head_dim`` (``v_head_dim``
     for values) over ``seq`` query positions (``kv_seq`` key positions) at capture; ``mask_bytes``:
     bytes per sample of a batched attention-mask tensor (0 without one, or a mask shared by the
-    batch)."""
+    batch); ``causal``: SDPA's ``is_causal`` (the ring then skips the chunk pairs above the
+    diagonal); ``masked``: an explicit mask (whose skipped chunk pairs are unknown at planning:
+    none assumed)."""
 
     calls: int
     heads: int
@@ -92,6 +120,8 @@ class LayerAttention:
     seq: int
     kv_seq: int
     mask_bytes: float = 0.0
+    causal: bool = False
+    masked: bool = False
 
     def refuses(self, cp: int, kind: str, tp: int) -> str:
         """Why the attention cannot run at context-parallel degree ``cp`` with ``kind`` under TP
@@ -133,6 +163,7 @@ def find_attention(nodes: list[torch.fx.Node], batch: int) -> LayerAttention:
     calls = [n for n in nodes if _is_sdpa(n)]
     heads = kv_heads = head_dim = v_dim = seq = kv_seq = 0
     mask = 0.0
+    causal = masked = False
     for n in calls:
         q, k, v = (tensor_val(a) for a in n.args[:3])
         if q is None or k is None or v is None or q.dim() < 3:
@@ -141,10 +172,15 @@ def find_attention(nodes: list[torch.fx.Node], batch: int) -> LayerAttention:
         kv_heads = max(kv_heads, int(k.shape[-3]) if k.dim() >= 4 else 1)
         head_dim, seq = max(head_dim, int(q.shape[-1])), max(seq, int(q.shape[-2]))
         kv_seq, v_dim = max(kv_seq, int(k.shape[-2])), max(v_dim, int(v.shape[-1]))
-        m = tensor_val(node_arg(n, 3, "attn_mask"))
+        sdpa = op_name(n) == "sdpa"
+        m = tensor_val(node_arg(n, 3, "attn_mask")) if sdpa else None
+        masked |= m is not None
+        causal |= bool(node_arg(n, 5, "is_causal", False) if sdpa else n.kwargs.get("is_causal", False))
         if m is not None and m.dim() >= 3 and batch > 1 and int(m.shape[0]) == batch:
             mask = max(mask, m.numel() * m.element_size() / batch)
-    return LayerAttention(len(calls), heads, kv_heads, head_dim, v_dim, seq, kv_seq, mask) if heads else NO_ATTENTION
+    if not heads:
+        return NO_ATTENTION
+    return LayerAttention(len(calls), heads, kv_heads, head_dim, v_dim, seq, kv_seq, mask, causal, masked)
 
 
 def _is_sdpa(n: torch.fx.Node) -> bool:
