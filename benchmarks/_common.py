@@ -37,3 +37,14 @@ def write_json(path: str | None, data: dict) -> None:
             json.dump({"machine": machine(), **data}, f, indent=2, sort_keys=True)
             f.write("\n")
         print(f"wrote {path}")
+
+
+def train_stepper(dm, opt, batches):
+    """A training step: ``dm.train_step`` on the next batch (cycling), then ``opt.step()``."""
+    k = [0]
+
+    def step():
+        dm.train_step(**batches[k[0] % len(batches)])
+        opt.step()
+        k[0] += 1
+    return step

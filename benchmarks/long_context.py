@@ -44,7 +44,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import parser, print_table, write_json  # noqa: E402
+from _common import parser, print_table, train_stepper, write_json  # noqa: E402
 from _dist import interleaved, profiled_cluster, rel_err, spawn, uniform  # noqa: E402
 
 GBS = 8
@@ -201,17 +201,6 @@ def table(rows: list[dict]) -> None:
 
 
 # ------------------------------------------------------------------------------ measured part
-def _stepper(dm, opt, batches):
-    """A training step (``train_step`` on the next batch, cycling, then AdamW)."""
-    k = [0]
-
-    def step():
-        dm.train_step(**batches[k[0] % len(batches)])
-        opt.step()
-        k[0] += 1
-    return step
-
-
 def _small_batches(n: int) -> list[dict]:
     """``n`` batches of :data:`SMALL_GBS` random sequences of :data:`SMALL_SEQ` tokens (no padding:
     labels = inputs), the same on every rank."""
@@ -244,7 +233,7 @@ def _measure_rank(rank, world, steps):
     steps_fn = {}
     for name, plan in plans.items():
         dm = gfx.transform(gm, plan=plan)
-        steps_fn[name] = _stepper(dm, dm.optimizer(torch.optim.AdamW, lr=1e-4), batches)
+        steps_fn[name] = train_stepper(dm, dm.optimizer(torch.optim.AdamW, lr=1e-4), batches)
     with tempfile.TemporaryDirectory() as cache:
         cost = {"mode": "profiled", "reserve_bytes": 0, "cache_dir": cache, "profile_sizes": (1, 2, 4),
                 "profile_repeats": 9}

@@ -30,7 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import parser, print_table, write_json  # noqa: E402
+from _common import parser, print_table, train_stepper, write_json  # noqa: E402
 from _dist import interleaved, profiled_cluster, rel_err, spawn, uniform  # noqa: E402
 
 SEQ, GBS = 4096, 64
@@ -181,17 +181,6 @@ def table(rows: list[dict]) -> None:
 
 
 # ------------------------------------------------------------------------------ part 2: measured
-def _stepper(dm, opt, batches):
-    """A training step (``train_step`` on the next batch, cycling, then AdamW)."""
-    k = [0]
-
-    def step():
-        dm.train_step(**batches[k[0] % len(batches)])
-        opt.step()
-        k[0] += 1
-    return step
-
-
 def _rank(rank, world, steps):
     """On each rank: median step of DP2 and DP2+EP2 (allgather, alltoall) and their estimates."""
     import galvatron_fx as gfx
@@ -211,7 +200,7 @@ def _rank(rank, world, steps):
         for m in dm.modules():
             if isinstance(m, ExpertParallel):
                 m.dispatch = dispatch
-        steps_fn[name] = _stepper(dm, dm.optimizer(torch.optim.AdamW, lr=1e-4), batches)
+        steps_fn[name] = train_stepper(dm, dm.optimizer(torch.optim.AdamW, lr=1e-4), batches)
     with tempfile.TemporaryDirectory() as cache:
         cost = {"mode": "profiled", "reserve_bytes": 0, "cache_dir": cache, "profile_sizes": (1, 2, 4),
                 "profile_repeats": 9}

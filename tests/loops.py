@@ -184,3 +184,18 @@ def step_losses(dm, batches, lr: float) -> list[float]:
 def rel(a, b) -> float:
     """Largest relative difference of two sequences of numbers."""
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def meta_training(build, world: int, **plan) -> tuple[dict, list[float]]:
+    """On every rank: ``build()`` on the meta device, captured (dynamo) on meta batches, a
+    ``Plan.uniform(**plan)`` over ``world`` ranks, ``init_weights(seed=7)``, 3 AdamW steps (lr 1e-2):
+    ``(full state dict, losses)`` (compare with :func:`initialised_reference` at seed 7)."""
+    import galvatron_fx as gfx
+
+    with torch.device("meta"):
+        meta = build()
+    batches = collate(3)
+    gm = gfx.capture(meta, (), kwargs={k: v.to("meta") for k, v in batches[0].items()}, method="dynamo")
+    dm = gfx.transform(gm, plan=gfx.Plan.uniform(gm, world, global_batch_size=B, **plan))
+    dm.init_weights(seed=7)
+    return dm.full_state_dict(), step_losses(dm, batches, lr=1e-2)

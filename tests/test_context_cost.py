@@ -12,11 +12,24 @@ import pytest
 import galvatron_fx as gfx
 from galvatron_fx.cost.context import (
     GRAD_ITEMSIZE,
+    RING_BLOCK_OPS,
+    RING_CALL_OPS,
+    RING_CAUSAL_OPS,
+    RING_GQA_OPS,
+    RING_SCORE_PASSES,
+    RING_SHIFT_OPS,
+    RING_TENSORS,
     LayerAttention,
+    attention_flops,
+    cp_attention_ops,
     cp_attention_time,
+    cp_compute_time,
     cp_group,
     cp_messages,
+    cp_transient_bytes,
+    ring_blocks,
     ring_shift_time,
+    ring_work,
 )
 from galvatron_fx.errors import ConfigError
 from galvatron_fx.planner import CP_MIN_SEQ, cost_model_for, cp_degrees
@@ -42,7 +55,8 @@ def test_ring_sends_key_value_shards_cp_minus_one_times():
     shard = n * S * KV / 2 * D              # [b, S/cp, kv_heads/tp, d] with b = n * cp
     msgs = cp_messages(ATT, n, s, 2)
     assert msgs["fwd"] == [2 * shard * 2] * 3                        # k and v, bf16, cp - 1 shifts
-    assert msgs["bwd"] == [2 * shard * (2 + GRAD_ITEMSIZE)] * 3 + [2 * shard * GRAD_ITEMSIZE]
+    # backward: k and v again (cp - 1), then after each step the fp32 gradients (cp: back home)
+    assert msgs["bwd"] == [2 * shard * 2] * 3 + [2 * shard * GRAD_ITEMSIZE] * 4
 
 
 def test_ulysses_moves_query_key_value_and_output_each_way():
@@ -74,9 +88,27 @@ def test_exchanges_pay_the_cp_groups_link():
         a = cp_attention_time(cluster, ATT, 8.0, Strategy(4, 4, cp=2, cp_kind=kind), 2)
         b = cp_attention_time(cluster, ATT, 8.0, Strategy(8, 2, cp=2, cp_kind=kind), 2) * 2   # per-tp bytes halve
         assert b > 5 * a, kind
-    nbytes = 1e8   # a shift: the slowest hop's point-to-point time
+    nbytes = 1e8   # a shift on an unmeasured link: the slowest hop's one-way time (full duplex)
     assert ring_shift_time(cluster, nbytes, [0, 8]) == pytest.approx(cluster.p2p_time(nbytes, 0, 8))
+    assert ring_shift_time(cluster, nbytes, [0, 4, 8]) == pytest.approx(cluster.p2p_time(nbytes, 0, 8))
     assert ring_shift_time(cluster, nbytes, [0]) == 0.0
+
+
+def test_ring_shift_is_two_way_as_the_cluster_measures_it():
+    """Every rank sends and receives at once: the two-rank all-to-all fit (both directions of the
+    pair) prices a shift, not the one-way point-to-point fit."""
+    fits = {"all_to_all": {"2": {"bandwidth": 1e9, "latency": 1e-4}}, "p2p": {"2": {"bandwidth": 4e9, "latency": 1e-5}}}
+    cluster = gfx.Cluster(memory_bytes="16GiB", peak_flops={"fp32": 1e11, "bf16": 1e11, "fp16": 1e11},
+                          intra_bandwidth=1e10, intra_latency=1e-6, devices_per_node=2, fits=fits,
+                          collective_latency_s=3e-5)
+    nbytes = 256 * 1024
+    two_way = nbytes / 1e9 + 1e-4 + 2 * 3e-5
+    assert ring_shift_time(cluster, nbytes, [0, 1], calls=RING_TENSORS) == pytest.approx(two_way)
+    assert ring_shift_time(cluster, nbytes, [0, 1]) > cluster.p2p_time(nbytes, 0, 1)
+    s = Strategy(1, 2, cp=2)
+    msgs = cp_messages(ATT, 1.0, s, 4)
+    assert cp_attention_time(cluster, ATT, 1.0, s, 4) == pytest.approx(
+        sum(ring_shift_time(cluster, b, [0, 1], RING_TENSORS) for b in msgs["fwd"] + msgs["bwd"]))
 
 
 def test_checkpointing_repeats_the_forward_exchanges():
@@ -86,7 +118,7 @@ def test_checkpointing_repeats_the_forward_exchanges():
         plain = cp_attention_time(cluster, ATT, 1 / 8, s, 2)
         ckpt = cp_attention_time(cluster, ATT, 1 / 8, Strategy(1, 8, ckpt=True, cp=8, cp_kind=kind), 2)
         group = cp_group(s)
-        fwd = sum(ring_shift_time(cluster, x, group) if kind == "ring" else
+        fwd = sum(ring_shift_time(cluster, x, group, RING_TENSORS) if kind == "ring" else
                   cluster.collective_time("all_to_all", x, group) for x in cp_messages(ATT, 1 / 8, s, 2)["fwd"])
         assert plain < ckpt < 2 * plain
         assert ckpt - plain == pytest.approx(fwd)
@@ -139,7 +171,11 @@ def test_cp_layer_cost_is_cp1_at_the_same_tokens_plus_exchanges(tiny):
     b = 4
     base, cp = Strategy(1, 4), Strategy(1, 4, cp=4)
     c0, c1 = cm.layer_cost(1, base, b), cm.layer_cost(1, cp, b)
-    assert (c1.fwd_s, c1.bwd_s) == (c0.fwd_s, c0.bwd_s)
+    # compute: cp = 1's, the ring's eager blocks in place of the attention cores
+    extra = cm.cp_compute(1, b / 4, cp)
+    assert (c1.fwd_s, c1.bwd_s) == pytest.approx((c0.fwd_s + extra[0], c0.bwd_s + extra[1]))
+    uly = Strategy(1, 4, cp=4, cp_kind="ulysses")
+    assert cm.layer_cost(1, uly, b).fwd_s == pytest.approx(c0.fwd_s + cm.cp_compute(1, b / 4, uly)[0])
     # activations: the same per sample, the part shared by the batch (sequence-long) split over cp
     m = cm.measure(1)
     shared = (m.saved_sharded_elems.c + m.saved_rep_elems.c + m.saved_gathered_elems.c) * 2 + m.saved_other_bytes.c
@@ -157,7 +193,8 @@ def test_fractional_samples_per_rank_scale_activations(tiny):
     quarter = cm.layer_cost(1, Strategy(1, 4, cp=4), 1)
     whole = cm.layer_cost(1, Strategy(1, 4), 4)          # one sample per rank
     assert quarter.activation_bytes == pytest.approx(whole.activation_bytes / 4)
-    assert quarter.fwd_s == pytest.approx(whole.fwd_s / 4, rel=0.02)
+    own = cm.cp_compute(1, 0.25, Strategy(1, 4, cp=4))[0]   # the ring's blocks beyond the cores
+    assert quarter.fwd_s - own == pytest.approx(whole.fwd_s / 4, rel=0.02)
     assert cm.activation_bytes(1, Strategy(1, 4, cp=4), 1) == quarter.activation_bytes
 
 

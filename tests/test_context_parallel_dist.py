@@ -118,17 +118,9 @@ def _meta_llama(rank, world):
     """A Llama built on the meta device, DP2 x CP2 ring: this rank's parts initialised, 3 AdamW steps."""
     import transformers as tf
 
-    import galvatron_fx as gfx
-
     config = loops.llama().config
     config.use_cache = False    # transformers' cache cannot be captured on the meta device
-    with torch.device("meta"):
-        meta = tf.LlamaForCausalLM(config)
-    batches = loops.collate(3)
-    gm = gfx.capture(meta, (), kwargs={k: v.to("meta") for k, v in batches[0].items()}, method="dynamo")
-    dm = gfx.transform(gm, plan=gfx.Plan.uniform(gm, world, global_batch_size=loops.B, dp=2, cp=2))
-    dm.init_weights(seed=7)
-    return dm.full_state_dict(), loops.step_losses(dm, batches, lr=1e-2)
+    return loops.meta_training(lambda: tf.LlamaForCausalLM(config), world, dp=2, cp=2)
 
 
 @pytest.mark.matrix

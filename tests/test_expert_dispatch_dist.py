@@ -198,15 +198,7 @@ def _meta_moe(rank, world):
     ``.int()`` histogram input), DP2+EP2: this rank's parts initialised, three AdamW steps."""
     import transformers as tf
 
-    import galvatron_fx as gfx
-
-    with torch.device("meta"):
-        meta = tf.MixtralForCausalLM(_mixtral_config())
-    batches = loops.collate(3)
-    gm = gfx.capture(meta, (), kwargs={k: v.to("meta") for k, v in batches[0].items()}, method="dynamo")
-    dm = gfx.transform(gm, plan=gfx.Plan.uniform(gm, world, global_batch_size=loops.B, dp=2, ep=2))
-    dm.init_weights(seed=7)
-    return dm.full_state_dict(), loops.step_losses(dm, batches, lr=1e-2)
+    return loops.meta_training(lambda: tf.MixtralForCausalLM(_mixtral_config()), world, dp=2, ep=2)
 
 
 @pytest.mark.dist
