@@ -34,7 +34,8 @@ def _reset_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name", CAPTURE)
+@pytest.mark.parametrize("name", [n if n not in ("t5-large-32", "swin-huge-32") else pytest.param(n, marks=pytest.mark.matrix)
+                                  for n in CAPTURE])   # CI time: T5 / Swin captured three ways in the matrix
 def test_three_methods_agree_on_layers_and_match_eager(name):
     model, args = zoo.build(name, device="cpu", **SMALL[name])
     expected = _expected_layers(name)

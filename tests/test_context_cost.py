@@ -5,6 +5,7 @@ strategy space and its rules, constraints, the command line, and the meta-device
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -85,8 +86,8 @@ def test_exchanges_pay_the_cp_groups_link():
     assert cp_group(inside) == [0, 4] and cp_group(across) == [0, 8]
     assert cluster.node_of(8) == 1
     for kind in ("ring", "ulysses"):   # NVLink vs one NIC's share: bandwidth-bound messages
-        a = cp_attention_time(cluster, ATT, 8.0, Strategy(4, 4, cp=2, cp_kind=kind), 2)
-        b = cp_attention_time(cluster, ATT, 8.0, Strategy(8, 2, cp=2, cp_kind=kind), 2) * 2   # per-tp bytes halve
+        a = cp_attention_time(cluster, ATT, 32.0, Strategy(4, 4, cp=2, cp_kind=kind), 2)
+        b = cp_attention_time(cluster, ATT, 32.0, Strategy(8, 2, cp=2, cp_kind=kind), 2) * 2   # per-tp bytes halve
         assert b > 5 * a, kind
     nbytes = 1e8   # a shift on an unmeasured link: the slowest hop's one-way time (full duplex)
     assert ring_shift_time(cluster, nbytes, [0, 8]) == pytest.approx(cluster.p2p_time(nbytes, 0, 8))
@@ -124,6 +125,60 @@ def test_checkpointing_repeats_the_forward_exchanges():
         assert ckpt - plain == pytest.approx(fwd)
 
 
+# ------------------------------------------------------------------------- attention compute
+CAUSAL = dataclasses.replace(ATT, causal=True)
+
+
+def test_ring_blocks_follow_the_runtime_plan():
+    from galvatron_fx.runtime.context_parallel import ring_block_pairs
+
+    for cp in (2, 4, 8):
+        c = S // (2 * cp)   # zig-zag chunk
+        blocks, area, rows, cols, largest = ring_blocks(S, cp, True)
+        assert blocks == cp + 1 and area == (2 * cp + 1) * c * c == ring_block_pairs(S, cp, 0, True) * c * c
+        assert largest == 2 * c * c and rows + cols == (3 * cp + 2) * c   # c x c, then c x 2c or 2c x c
+        assert ring_blocks(S, cp, False)[:2] == (cp, S * S // cp)         # the whole shard per source
+
+
+def test_ring_work_is_eager_fp32_blocks():
+    s, n = Strategy(1, 8, cp=4), 0.5
+    w = ring_work(CAUSAL, n, s, 2)
+    full = attention_flops(CAUSAL, n, 1)
+    assert w.flops["fwd"] == pytest.approx(full * 9 / 16)        # (2 cp + 1) / (4 cp) of the square
+    assert w.flops["bwd"] == pytest.approx(w.flops["fwd"] * 2.5)  # scores again + 4 products (d = dv)
+    entries = n * 4 * HEADS * ring_blocks(S, 4, True)[1]
+    assert w.copy_bytes["fwd"] > entries * 4 * (RING_SCORE_PASSES["fwd"] + 1)   # + is_causal's pass
+    assert w.copy_bytes["bwd"] > entries * 4 * (RING_SCORE_PASSES["bwd"] + 1)
+    assert w.block_bytes == n * 4 * HEADS * 2 * (S // 8) ** 2 * 4
+    h100 = gfx.Cluster.preset("8xH100-80GB")
+    fwd, bwd = cp_compute_time(h100, CAUSAL, n, s, 2, "bf16")
+    # the blocks' fp32 matmuls and memory passes in place of the fused bf16 cores
+    assert fwd == pytest.approx(h100.compute_time(w.flops["fwd"], "fp32") + w.copy_bytes["fwd"] * h100.copy_s_per_byte
+                                - h100.compute_time(full, "bf16"))
+    assert bwd == pytest.approx(h100.compute_time(w.flops["bwd"], "fp32") + w.copy_bytes["bwd"] * h100.copy_s_per_byte
+                                - 2 * h100.compute_time(full, "bf16"))
+    uly = cp_compute_time(h100, CAUSAL, n, Strategy(1, 8, cp=4, cp_kind="ulysses"), 2, "bf16")
+    assert 0 < uly[0] < fwd and 0 < uly[1] < bwd
+    # launches: per block (GQA repeats, the causal mask), per shift, per call
+    per = {p: RING_BLOCK_OPS[p] + RING_CAUSAL_OPS + RING_GQA_OPS[p] for p in ("fwd", "bwd")}
+    assert cp_attention_ops(CAUSAL, s, 4) == (5 * per["fwd"] + 3 * RING_SHIFT_OPS + RING_CALL_OPS["fwd"],
+                                              5 * per["bwd"] + 7 * RING_SHIFT_OPS + RING_CALL_OPS["bwd"])
+    # memory: the shifts' buffers and a block's two fp32 score tensors
+    kv = cp_messages(CAUSAL, n, s, 2)
+    assert cp_transient_bytes(CAUSAL, n, s, 2) == pytest.approx(2 * (kv["fwd"][0] + max(kv["bwd"])) + 2 * w.block_bytes)
+
+
+def test_ulysses_copies_around_its_all_to_alls():
+    cluster = gfx.Cluster.preset("8xH100-80GB")
+    s, n = Strategy(1, 8, cp=4, cp_kind="ulysses"), 0.5
+    q, k, v, out = cp_messages(ATT, n, s, 2)["fwd"]
+    fwd, bwd = cp_compute_time(cluster, ATT, n, s, 2, "bf16")
+    assert fwd == pytest.approx((2 * (q + k + v) + 3 * out) * cluster.copy_s_per_byte)
+    assert bwd == pytest.approx((3 * (q + k + v) + 2 * out) * cluster.copy_s_per_byte)
+    f, b = cp_attention_ops(ATT, s)
+    assert f == 3 * 3 + 2 + 2 * 4 + 4 and b == 3 * (2 + 2 * 4) + 3 + 4
+
+
 def test_overlap_option_hides_the_ring_behind_attention(tiny):
     gm, cluster, _cm = tiny
     cm = cost_model_for(gm, cluster, precision="bf16-mixed", cp_overlap=True)
@@ -140,6 +195,7 @@ def test_attention_found_in_the_graph(tiny):
     att = [cm.attention(i) for i in range(len(cm.layers))]
     assert [a.calls for a in att] == [0, 1, 1, 0]
     assert (att[1].heads, att[1].kv_heads, att[1].head_dim, att[1].seq) == (4, 4, 16, 32)
+    assert att[1].causal and not att[1].masked          # is_causal, no explicit mask
     assert cm.sequence_length() == 32
     # the post layer shifts labels along the sequence: the context-parallel pass refuses it
     assert cm.cp_refuses(3, 2) and not cm.cp_refuses(1, 2) and not cm.cp_refuses(0, 4)
@@ -340,6 +396,7 @@ def _acceptance(seq: int, layers: int) -> None:
     cluster = gfx.Cluster.preset("8xH100-80GB")
     att = cost_model_for(gm, cluster).attention(1)
     assert (att.heads, att.kv_heads, att.head_dim, att.seq) == (32, 8, 128, seq)   # enable_gqa: 8 kv heads
+    assert att.causal and not att.masked
     plan = gfx.search(gm, cluster, global_batch_size=8)
     assert any(lp.cp > 1 for lp in plan.layers)
     try:

@@ -145,7 +145,8 @@ def _assemble(parts, cp: int) -> list[torch.Tensor]:
 
 @pytest.mark.dist
 @pytest.mark.parametrize("kind", ["ring", "ulysses"])
-@pytest.mark.parametrize("world,cps", [(2, (2,)), (4, (4, 2))], ids=["world2", "world4"])
+@pytest.mark.parametrize("world,cps", [(2, (2,)), pytest.param(4, (4, 2), marks=pytest.mark.matrix)],
+                         ids=["world2", "world4"])
 def test_attention_matches_sdpa(world, cps, kind):
     results = run_distributed(_attention, world, kind, cps)
     for cp in cps:
@@ -209,7 +210,7 @@ def _layout(rank, world):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.matrix)])
 def test_layout_ops(world):
     run_distributed(_layout, world)
 

@@ -10,31 +10,45 @@ one sample (``cp = 1`` needs whole samples). So:
 * **FLOPs, saved activations, TP traffic, states**: the cost model's ``cp = 1`` figures at ``n``
   samples (affine fits in ``n``, fractions welcome; the activations' constant part, sequence-long
   values shared by the batch such as rotary tables, split over ``cp`` too: :class:`SplitIntercepts`).
-  Attention FLOPs per rank are the same as ``cp = 1`` at the same tokens (zig-zag sharding balances a causal mask; the ring's per-block
-  log-sum-exp merge is element-wise: its ops are priced as launches, :data:`RING_STEP_OPS`).
   Parameters are replicated over the CP ranks as over DP and gradients are reduced over the whole
   ``dp`` group: states and their communication do not depend on ``cp``.
+* **Attention compute** (:func:`cp_compute_time`, added to the layer's forward / backward seconds
+  in place of ``cp = 1``'s attention cores, :func:`attention_flops` at the compute rate):
+
+  - ``ring``: the runtime computes each (query span, key span) block of its plan
+    (:func:`ring_blocks`: zig-zag under ``is_causal`` skips the chunk pairs above the diagonal) as
+    eager fp32 ops on every device, no fused kernel, and recomputes the blocks in backward
+    (:func:`ring_work`): its matmul FLOPs at the cluster's fp32 rate, the element-wise passes over
+    each block's scores (scale, mask, row max, exp, sums, the merge; backward's softmax gradient)
+    and the operand casts / repeats as memory traffic at the cluster's ``copy_s_per_byte`` (a
+    pass reads and writes a block as a copy does), and its launches (:data:`RING_BLOCK_OPS` per
+    block, per shift, per call: :func:`cp_attention_ops`, ``op_launch_s`` each, both passes).
+    A block's two fp32 score-sized tensors join the transient memory.
+  - ``ulysses``: SDPA on head shards does the cores' work; the reshuffles around its all-to-alls
+    copy each tensor 2-3 times (:data:`ULYSSES_SEQ_HEADS`), at ``copy_s_per_byte``, plus their
+    launches.
 * **Attention exchanges** (:func:`cp_attention_time`, per micro-batch, per SDPA call of the layer,
   on the CP group's link, alpha-beta as the other collectives):
 
   - ``ring``: forward ``cp - 1`` ring shifts of this rank's key and value shards (each
     ``b * S/cp * kv_heads/tp * head_dim`` elements, ``b = B / (dp / cp)``); backward ``cp - 1``
-    shifts of the key and value shards again, each beside the shift of the key / value gradients
-    accumulated so far (fp32, as the runtime accumulates them), and a last gradient shift home
-    (:func:`cp_messages`). A shift is one
-    point-to-point send per rank, all at once: the slowest hop of the ring paces it (a ring
-    spanning nodes crosses the inter-node link). Priced on the critical path by default: the
-    runtime starts each shift before a block's work and waits for it after, but its blocks run as
-    separate eager ops in fp32 (no fused kernel hiding a transfer is assumed); ``overlap=True``
-    (``CostModel(cp_overlap=True)``) prices a runtime whose shifts hide behind the layer's attention
-    FLOPs (:meth:`Cluster.overlap_time`).
+    shifts of the key and value shards again, each followed by a shift of the key / value
+    gradients accumulated so far (fp32, as the runtime accumulates them), and a last gradient
+    shift home (:func:`cp_messages`). In a shift every rank sends to the next and receives from
+    the previous at once (``batch_isend_irecv``, one send / receive pair per tensor): priced as
+    the two-rank all-to-all of each hop (both directions at once, as the cluster measures it), the
+    slowest hop pacing the ring (a ring spanning nodes crosses the inter-node link). Priced on the
+    critical path by default: the runtime starts each shift before a block's work and waits for
+    it after, but its blocks run as separate eager ops (no fused kernel hiding a transfer is
+    assumed); ``overlap=True`` (``CostModel(cp_overlap=True)``) prices a runtime whose shifts hide
+    behind the layer's attention compute (:meth:`Cluster.overlap_time`).
   - ``ulysses``: forward four all-to-alls over the CP group (query, key, value before the
     attention core, its output after), each this rank's ``b * S/cp * heads/tp * head_dim``
     elements (key / value with the key / value heads, or the query heads when ``kv_heads / tp``
     does not divide by ``cp``: the runtime repeats them first); backward four more. Needs ``cp``
     to divide ``heads / tp``.
 
-  Activation checkpointing repeats the forward's exchanges.
+  Activation checkpointing repeats the forward's exchanges and compute.
 * **Layout boundaries** (:func:`layout_time`): an activation leaving a ``cp`` layer for a layer
   with another ``(tp, dp, cp)`` is all-gathered along the sequence over the CP group (each rank
   gets its ``b`` samples whole: ``B * cp / dp`` samples' bytes); into a ``cp`` layer it is sliced,
@@ -59,6 +73,7 @@ its boundaries.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -175,7 +190,7 @@ def find_attention(nodes: list[torch.fx.Node], batch: int) -> LayerAttention:
         sdpa = op_name(n) == "sdpa"
         m = tensor_val(node_arg(n, 3, "attn_mask")) if sdpa else None
         masked |= m is not None
-        causal |= bool(node_arg(n, 5, "is_causal", False) if sdpa else n.kwargs.get("is_causal", False))
+        causal |= (node_arg(n, 5, "is_causal", False) if sdpa else n.kwargs.get("is_causal", False)) is True
         if m is not None and m.dim() >= 3 and batch > 1 and int(m.shape[0]) == batch:
             mask = max(mask, m.numel() * m.element_size() / batch)
     if not heads:
@@ -252,17 +267,24 @@ def samples_layout(s: Strategy) -> Strategy:
 
 
 # ---------------------------------------------------------------------------------------- times
-def ring_shift_time(cluster, nbytes: float, group: list[int]) -> float:
-    """Seconds of one ring shift of ``nbytes`` per rank around ``group`` (every rank sends to the
-    next at once): the slowest hop's point-to-point time."""
+def ring_shift_time(cluster, nbytes: float, group: list[int], calls: float = 1.0) -> float:
+    """Seconds of one ring shift of ``nbytes`` per rank around ``group``: every rank sends ``nbytes``
+    to the next and receives as many from the previous at once (the runtime's ``batch_isend_irecv``),
+    priced as the two-rank all-to-all of each hop (each rank of a pair sending ``nbytes`` to the other
+    while receiving as many: both directions of the link at once, as the cluster's all-to-all fit of
+    two ranks measured it; on an unmeasured link ``nbytes / B + alpha``, a one-way send's time); the
+    slowest hop paces the ring. ``calls``: the messages of the shift (one per tensor sent)."""
     if len(group) <= 1 or nbytes <= 0:
         return 0.0
-    return max(cluster.p2p_time(nbytes, a, b) for a, b in zip(group, group[1:] + group[:1]))
+    return max(cluster.collective_time("all_to_all", 2 * nbytes, [a, b], calls=calls)
+               for a, b in zip(group, group[1:] + group[:1]))
 
 
 GRAD_ITEMSIZE = 4
 """Bytes per element of the key / value gradients the ring sends home: the runtime accumulates them
 in fp32 (:class:`galvatron_fx.runtime.context_parallel._RingAttention`)."""
+RING_TENSORS = 2
+"""Tensors per ring shift (key and value, or their gradients): one send / receive pair each."""
 
 
 def cp_messages(att: LayerAttention, n: float, s: Strategy, itemsize: int) -> dict[str, list[float]]:
@@ -272,9 +294,9 @@ def cp_messages(att: LayerAttention, n: float, s: Strategy, itemsize: int) -> di
     call of the layer included.
 
     * ring: forward ``cp - 1`` shifts of the key and value shards; backward ``cp - 1`` shifts of
-      them again, each beside the shift of the key / value gradients accumulated so far (fp32,
-      :data:`GRAD_ITEMSIZE`), and one last gradient shift (after ``cp`` shifts each source's
-      gradients are home);
+      them again, then (after each step's blocks, once the key / value shift is in) ``cp`` shifts of
+      the key / value gradients accumulated so far (fp32, :data:`GRAD_ITEMSIZE`; after ``cp`` shifts
+      each source's gradients are home), one after the other;
     * ulysses: forward the query, key, value and output all-to-alls, backward their reverses
       (key / value at the query heads when their ``kv_heads / tp`` does not split over ``cp``).
     """
@@ -285,21 +307,27 @@ def cp_messages(att: LayerAttention, n: float, s: Strategy, itemsize: int) -> di
     if s.cp_kind == "ring":
         steps = s.cp - 1
         fwd = [(k + v) * itemsize] * steps
-        bwd = [(k + v) * (itemsize + GRAD_ITEMSIZE)] * steps + [(k + v) * GRAD_ITEMSIZE]
+        bwd = [(k + v) * itemsize] * steps + [(k + v) * GRAD_ITEMSIZE] * s.cp
         return {"fwd": fwd * att.calls, "bwd": bwd * att.calls}
     q = att.shard_elems(n, s.tp, att.heads, att.head_dim)
     out = att.shard_elems(n, s.tp, att.heads, att.v_head_dim)
-    if att.kv_heads != att.heads and (att.kv_heads % s.tp or (att.kv_heads // s.tp) % s.cp):
+    if _ulysses_repeats(att, s):
         k, v = q, out   # NOTE: too few key / value heads to split over the CP group: repeated first
     one = [x * itemsize for x in (q, k, v, out)]
     return {"fwd": one * att.calls, "bwd": one * att.calls}
 
 
+def _ulysses_repeats(att: LayerAttention, s: Strategy) -> bool:
+    """Whether Ulysses repeats the key / value heads to the query heads (too few to split over cp)."""
+    return att.kv_heads != att.heads and bool(att.kv_heads % s.tp or (att.kv_heads // s.tp) % s.cp)
+
+
 def cp_attention_time(cluster, att: LayerAttention, n: float, s: Strategy, itemsize: int,
                       attention_s: float = 0.0, overlap: bool = False) -> float:
     """Seconds per micro-batch of the layer's attention exchanges under ``s`` (:func:`cp_messages`),
-    checkpointing's repeat of the forward included. ``attention_s``: the attention cores' compute
-    seconds (forward + backward) the ring's shifts hide behind when ``overlap`` (module docstring)."""
+    checkpointing's repeat of the forward included: ring shifts (:func:`ring_shift_time`, one call
+    per tensor) or all-to-alls over the CP group. ``attention_s``: the compute seconds (forward +
+    backward) the ring's shifts hide behind when ``overlap`` (module docstring)."""
     msgs = cp_messages(att, n, s, itemsize)
     if not msgs["fwd"]:
         return 0.0
@@ -307,7 +335,7 @@ def cp_attention_time(cluster, att: LayerAttention, n: float, s: Strategy, items
     group = cp_group(s)
     if s.cp_kind == "ring":
         def one(b):
-            return ring_shift_time(cluster, b, group)
+            return ring_shift_time(cluster, b, group, calls=RING_TENSORS)
     else:
         def one(b):
             return cluster.collective_time("all_to_all", b, group)
@@ -317,23 +345,138 @@ def cp_attention_time(cluster, att: LayerAttention, n: float, s: Strategy, items
     return t
 
 
-def cp_attention_ops(att: LayerAttention, s: Strategy) -> tuple[int, int]:
-    """``(forward ops, backward ops)`` context parallelism adds to the layer per micro-batch."""
+# ------------------------------------------------------------------------------ ring block work
+@functools.lru_cache(maxsize=1024)
+def ring_blocks(seq: int, cp: int, causal: bool) -> tuple[int, int, int, int, int]:
+    """The blocks of ring attention on the busiest CP rank over all ``cp`` sources, from the
+    runtime's own plan (:func:`galvatron_fx.runtime.context_parallel._ring_blocks`, no explicit
+    mask): ``(blocks, sum of rows x key columns, sum of rows, sum of key columns, largest rows x
+    columns)`` per (sample, head). Zig-zag under ``is_causal``: ``cp + 1`` blocks of ``(2 cp + 1) c^2``
+    entries in all (``c = S / 2cp``); without: ``cp`` blocks of ``(S / cp)^2``."""
+    from ..runtime.context_parallel import _ring_blocks
+
+    best = (0, 0, 0, 0, 0)
+    for index in range(cp):
+        dims = [(b.q[1], b.k[1]) for src in range(cp)
+                for b in _ring_blocks(seq, cp, index, src, causal, None, torch.device("cpu"))]
+        here = (len(dims), sum(r * c for r, c in dims), sum(r for r, _ in dims), sum(c for _, c in dims),
+                max((r * c for r, c in dims), default=0))
+        best = max(best, here, key=lambda t: (t[1], t[0]))
+    return best
+
+
+@dataclass(frozen=True)
+class RingWork:
+    """One rank's ring attention work per micro-batch and pass (every SDPA call of the layer):
+    matmul FLOPs (fp32), bytes written by element-wise passes and operand copies (in copies: read +
+    write once), launches, and the largest block's fp32 score bytes."""
+
+    flops: dict
+    copy_bytes: dict
+    ops: dict
+    block_bytes: float
+
+
+def ring_work(att: LayerAttention, n: float, s: Strategy, itemsize: int) -> RingWork:
+    """What the runtime's ring attention computes on one rank with ``n`` samples' tokens per rank
+    (it holds ``b = n cp`` samples of ``S / cp`` positions), :func:`ring_blocks` blocks each:
+
+    * FLOPs: forward ``q k^T`` and ``p v`` (``2 (d + dv)`` per score entry), backward the scores
+      again, ``p^T g``, ``g v^T``, ``ds k``, ``ds^T q`` (``2 (3 d + 2 dv)``), all in fp32;
+    * memory traffic: :data:`RING_SCORE_PASSES` over each block's fp32 scores (+1 each under
+      ``is_causal`` / with a mask), the running output's rescale and add (forward) and the three
+      gradient adds (backward) over their rows, the operand rows' fp32 casts (non-fp32 operands) and
+      repeats (GQA), the key / value gradients' folds (GQA);
+    * launches: :data:`RING_BLOCK_OPS` per block (and the causal / mask / GQA / cast extras),
+      :data:`RING_SHIFT_OPS` per shift, :data:`RING_CALL_OPS` per call.
+    """
+    if att.seq % s.cp:   # NOTE: a degree the runtime refuses (cp_refuses); priced as whole shards
+        side = att.seq / s.cp
+        blocks, area, rows, cols, largest = s.cp, s.cp * side * side, s.cp * side, s.cp * side, side * side
+    else:
+        blocks, area, rows, cols, largest = ring_blocks(att.seq, s.cp, att.causal)
+    bh = n * s.cp * att.heads / s.tp   # (sample, query head) pairs of the rank
+    d, dv = att.head_dim, att.v_head_dim
+    gqa = att.kv_heads != att.heads
+    cast = itemsize != 4
+    e = bh * area                      # score entries of all blocks
+    extra = float(att.causal) + float(att.masked)
+    flops = {"fwd": e * 2 * (d + dv), "bwd": e * 2 * (3 * d + 2 * dv)}
+    operands = bh * (rows * d * cast + cols * (d + dv) * (gqa or cast))
+    copies = {"fwd": e * (RING_SCORE_PASSES["fwd"] + extra) + bh * rows * dv * 2.5 + operands,
+              "bwd": e * (RING_SCORE_PASSES["bwd"] + extra) + bh * 1.5 * (rows * d + cols * (d + dv))
+              + operands + bh * cols * (d + dv) * 0.5 * gqa}
+    per_block = {p: RING_BLOCK_OPS[p] + RING_CAUSAL_OPS * att.causal + RING_MASK_OPS * att.masked
+                 + RING_GQA_OPS[p] * gqa + RING_CAST_OPS * cast for p in ("fwd", "bwd")}
+    shifts = {"fwd": s.cp - 1, "bwd": 2 * s.cp - 1}
+    ops = {p: att.calls * (blocks * per_block[p] + RING_SHIFT_OPS * shifts[p] + RING_CALL_OPS[p])
+           for p in ("fwd", "bwd")}
+    return RingWork({p: att.calls * f for p, f in flops.items()},
+                    {p: att.calls * 4 * c for p, c in copies.items()}, ops, bh * largest * 4)
+
+
+def cp_compute_time(cluster, att: LayerAttention, n: float, s: Strategy, itemsize: int,
+                    dtype: str) -> tuple[float, float]:
+    """``(forward, backward)`` seconds per micro-batch the layer's context-parallel attention computes
+    beyond what ``cp = 1``'s attention costs in the layer's time (the attention cores' FLOPs,
+    :func:`attention_flops`, at the ``dtype`` rate; backward twice), checkpointing's repeat not
+    included (the cost model adds it as for the rest of the forward).
+
+    * ring: :func:`ring_work`'s FLOPs at the fp32 matmul rate plus its memory traffic at the
+      cluster's ``copy_s_per_byte`` (the runtime's blocks are eager fp32 ops on every device, no
+      fused kernel), less the cores. May be negative where the fused cores were priced above the
+      ring's causal blocks (their FLOP count ignores the causal half).
+    * ulysses: SDPA on head shards is the cores' work; the reshuffles around each all-to-all copy
+      (:data:`ULYSSES_SEQ_HEADS`: forward 2 copies of each of q, k, v and 3 of the output, backward
+      the reverse), plus the key / value repeats when their heads do not split over ``cp``.
+    """
+    if s.cp == 1 or not att.calls:
+        return 0.0, 0.0
+    per_byte = getattr(cluster, "copy_s_per_byte", 0.0)
+    if s.cp_kind == "ring":
+        w = ring_work(att, n, s, itemsize)
+        core = cluster.compute_time(attention_flops(att, n, s.tp), dtype)
+        return tuple(cluster.compute_time(w.flops[p], "fp32") + w.copy_bytes[p] * per_byte - k * core
+                     for p, k in (("fwd", 1), ("bwd", 2)))
+    q, k, v, out = (x / itemsize for x in cp_messages(att, n, s, itemsize)["fwd"][:4])
+    qkv = q + k + v
+    to_h, to_s = ULYSSES_SEQ_HEADS["to_heads"][1], ULYSSES_SEQ_HEADS["to_seq"][1]
+    fwd = (to_h * qkv + to_s * out) * itemsize
+    bwd = (to_s * qkv + to_h * out) * itemsize
+    if _ulysses_repeats(att, s):   # the repeats (forward) and their gradients' sums (backward, reads)
+        fwd, bwd = fwd + (k + v) * itemsize, bwd + (k + v) * itemsize / 2
+    return att.calls * fwd * per_byte, att.calls * bwd * per_byte
+
+
+def cp_attention_ops(att: LayerAttention, s: Strategy, itemsize: int = 4) -> tuple[int, int]:
+    """``(forward ops, backward ops)`` context parallelism adds to the layer per micro-batch: the ring's
+    block, shift and call launches (:func:`ring_work`), or Ulysses' reshuffles
+    (:data:`ULYSSES_SEQ_HEADS`: three ``to_heads`` and one ``to_seq`` forward, the reverse backward)
+    with its four autograd Functions and its key / value repeats. Every one is a plain eager op
+    (the backward ones run inside the Functions' backward: no autograd node of their own)."""
     if s.cp == 1 or not att.calls:
         return 0, 0
-    per = RING_STEP_OPS * (s.cp - 1) if s.cp_kind == "ring" else ULYSSES_OPS
-    return att.calls * per, att.calls * per
+    if s.cp_kind == "ring":
+        ops = ring_work(att, 1.0, s, itemsize).ops
+        return int(ops["fwd"]), int(ops["bwd"])
+    to_h = ULYSSES_SEQ_HEADS["to_heads"][0]
+    to_s = ULYSSES_SEQ_HEADS["to_seq"][0] + 2 * s.cp
+    rep = 2 if _ulysses_repeats(att, s) else 0
+    return att.calls * (3 * to_h + to_s + 4 + rep), att.calls * (3 * to_s + to_h + 4 + rep)
 
 
 def cp_transient_bytes(att: LayerAttention, n: float, s: Strategy, itemsize: int) -> float:
     """The exchange's own buffers at their peak (bytes): the ring's backward step holds the received
     key / value shards and the key / value gradients in flight, send and receive side (the fp32
-    accumulators are the gradients themselves); Ulysses the four head-sharded tensors of one pass."""
+    accumulators are the gradients themselves), and a block's two fp32 score-sized tensors (scores /
+    probabilities and their gradient: the runtime materialises each block); Ulysses the four
+    head-sharded tensors of one pass."""
     msgs = cp_messages(att, n, s, itemsize)
     if not msgs["fwd"]:
         return 0.0
     if s.cp_kind == "ring":
-        return 2 * max(msgs["bwd"])
+        kv = msgs["fwd"][0] if msgs["fwd"] else 0.0
+        return 2 * (kv + max(msgs["bwd"])) + 2 * ring_work(att, n, s, itemsize).block_bytes
     return sum(msgs["fwd"]) / att.calls
 
 

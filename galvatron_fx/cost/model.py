@@ -26,10 +26,11 @@ Scaling rules (per device, per micro-batch unless noted), from the fake-tensor m
   to a step and a device's memory, is :mod:`galvatron_fx.solver.objective` (one place for both).
 * **Context parallelism** (``cp > 1``, :mod:`.context`): a rank runs ``n = b / dp`` samples' tokens
   as at ``cp = 1`` (``n`` may be a fraction of a sample), so FLOPs, activations, TP traffic and
-  states are ``cp = 1``'s at ``n``; the attention's ring shifts or Ulysses all-to-alls over the CP
-  group join ``tp_comm_s`` (not overlapped unless ``cp_overlap``), their launches ``overhead_s``,
-  their buffers the transient; :meth:`CostModel.reshard_time` gathers a ``cp`` layer's sequence
-  at a layout boundary.
+  states are ``cp = 1``'s at ``n``, except the attention: the ring's eager fp32 blocks (or Ulysses'
+  reshuffling copies) replace the attention cores in ``fwd_s`` / ``bwd_s`` (:meth:`CostModel.cp_compute`);
+  the ring shifts or Ulysses all-to-alls over the CP group join ``tp_comm_s`` (not overlapped unless
+  ``cp_overlap``), their launches ``overhead_s``, their buffers (and the ring's score blocks) the
+  transient; :meth:`CostModel.reshard_time` gathers a ``cp`` layer's sequence at a layout boundary.
 * **Overheads** (the cluster's fixed costs, :data:`galvatron_fx.cluster.OVERHEAD_FIELDS`): in
   analytic mode ``overhead_s`` adds ``op_launch_s`` + ``op_launch_bwd_s`` per op of the layer graph
   (the forward's twice under checkpointing; ``fwd_s``/``bwd_s`` stay FLOPs over the compute rate;
@@ -84,6 +85,7 @@ from .context import (
     attention_flops,
     cp_attention_ops,
     cp_attention_time,
+    cp_compute_time,
     cp_group,
     cp_transient_bytes,
     layer_attention,
@@ -600,6 +602,9 @@ class CostModel:
         # over its DP group (galvatron_fx/batch_symbol.py): activations and FLOPs of all its samples
         n = micro_batch_size if whole else micro_batch_size / s.dp
         fwd, bwd = self._compute_times(index, n, s)
+        if s.cp > 1:   # the CP attention's own work beyond cp = 1's cores (.context: ring blocks, Ulysses copies)
+            cf, cb = self.cp_compute(index, n, s)
+            fwd, bwd = fwd + cf, bwd + cb + (cf if s.ckpt else 0.0)
         st = self.states_bytes(index, s)
         ep = self.ep_of(index, s)
         p, t = self.layer_params(index, s.tp, ep=ep), self.layer_params(index, s.tp, trainable_only=True, ep=ep)
@@ -633,8 +638,8 @@ class CostModel:
         cp_comm = 0.0
         if s.cp > 1:   # the attention exchanges over the CP group (.context); the rest is cp = 1's at n
             cp_comm, ops, cp_buffers = self.cp_terms(index, n, s)
-            c = self.cluster
-            overhead += ops[0] * c.op_launch_s * (2 if s.ckpt else 1) + ops[1] * c.op_launch_bwd_s
+            # NOTE: plain eager ops in both passes (inside autograd Functions): op_launch_s each
+            overhead += (ops[0] * (2 if s.ckpt else 1) + ops[1]) * self.cluster.op_launch_s
             transient += cp_buffers
         out = m.output_elems(n) * self.itemsize / (s.tp if s.sp else 1)
         overhead, optimizer = overhead + pass_copy, optimizer + step_copy
@@ -736,8 +741,9 @@ class CostModel:
         per rank (:mod:`.context`; 0 without attention or with ``cp == 1``)."""
         att = self.attention(index)
         core = 0.0
-        if self.cp_overlap and att.calls:
-            core = 3 * self.cluster.compute_time(attention_flops(att, n, s.tp), self.dtype)   # forward + backward
+        if self.cp_overlap and att.calls:   # what the shifts hide behind: the attention's compute, both passes
+            core = (3 * self.cluster.compute_time(attention_flops(att, n, s.tp), self.dtype)
+                    + sum(self.cp_compute(index, n, s)))
         t = cp_attention_time(self.cluster, att, n, s, self.itemsize, core, self.cp_overlap)
         # the analysis' gathers: shards an op needs whole (forward all-gather, backward reduce-scatter;
         # checkpointing repeats the forward) and shards leaving the layer whole (forward all-gather)
@@ -748,7 +754,13 @@ class CostModel:
         leaving = (seq.out_elems * self.itemsize + seq.out_other_bytes) * whole
         t += (ct("all_gather", inner, group) * (2 if s.ckpt else 1) + ct("reduce_scatter", inner, group)
               + ct("all_gather", leaving, group) * (2 if s.ckpt else 1))
-        return t, cp_attention_ops(att, s), cp_transient_bytes(att, n, s, self.itemsize) + inner
+        return t, cp_attention_ops(att, s, self.itemsize), cp_transient_bytes(att, n, s, self.itemsize) + inner
+
+    def cp_compute(self, index: int, n: float, s: Strategy) -> tuple[float, float]:
+        """``(forward, backward)`` seconds per micro-batch that context parallelism's attention computes
+        in layer ``index`` under ``s`` beyond ``cp = 1``'s attention cores (:func:`.context.cp_compute_time`:
+        the ring's eager fp32 blocks, Ulysses' reshuffling copies), checkpointing's repeat not included."""
+        return cp_compute_time(self.cluster, self.attention(index), n, s, self.itemsize, self.dtype)
 
     def _whole_batch_gathers(self, m: LayerMeasure, n: float, s: Strategy) -> float:
         """Seconds per micro-batch of ``n`` samples for a batch-coupled layer under ``s`` (dp > 1)
