@@ -110,7 +110,10 @@ RING_SCORE_PASSES = {"fwd": 4.0, "bwd": 7.5}
 """Element-wise passes over a block's fp32 scores, in copies (read + write once; a reduction, read
 only, is half; a product of two score tensors 1.5): forward scale, row max, subtract, exp, row sum;
 backward scale, subtract the max, exp, divide by the sum, subtract delta, the product with the
-probabilities, scale. ``is_causal`` and an explicit mask add one pass each."""
+probabilities, scale. ``is_causal`` and an explicit mask add :data:`RING_MASK_PASSES` each."""
+RING_MASK_PASSES = 2.0
+"""Passes per block and pass of ``is_causal`` (or of an explicit mask): its out-of-place
+``masked_fill`` (or ``+ mask``) copies the scores, then fills them."""
 ULYSSES_SEQ_HEADS = {"to_heads": (3, 2), "to_seq": (2, 3)}
 """One ``_seq_heads`` reshuffle: ``(launches beyond 2 per CP rank for to_seq, copies of the tensor)``:
 ``to_heads`` makes the send stack contiguous, allocates the output and concatenates the received
@@ -383,10 +386,10 @@ def ring_work(att: LayerAttention, n: float, s: Strategy, itemsize: int) -> Ring
 
     * FLOPs: forward ``q k^T`` and ``p v`` (``2 (d + dv)`` per score entry), backward the scores
       again, ``p^T g``, ``g v^T``, ``ds k``, ``ds^T q`` (``2 (3 d + 2 dv)``), all in fp32;
-    * memory traffic: :data:`RING_SCORE_PASSES` over each block's fp32 scores (+1 each under
-      ``is_causal`` / with a mask), the running output's rescale and add (forward) and the three
-      gradient adds (backward) over their rows, the operand rows' fp32 casts (non-fp32 operands) and
-      repeats (GQA), the key / value gradients' folds (GQA);
+    * memory traffic: :data:`RING_SCORE_PASSES` over each block's fp32 scores (and
+      :data:`RING_MASK_PASSES` under ``is_causal`` / with a mask), the running output's rescale
+      and add (forward) and the three gradient adds (backward) over their rows, the operand rows'
+      fp32 casts (non-fp32 operands) and repeats (GQA), the key / value gradients' folds (GQA);
     * launches: :data:`RING_BLOCK_OPS` per block (and the causal / mask / GQA / cast extras),
       :data:`RING_SHIFT_OPS` per shift, :data:`RING_CALL_OPS` per call.
     """
@@ -400,7 +403,7 @@ def ring_work(att: LayerAttention, n: float, s: Strategy, itemsize: int) -> Ring
     gqa = att.kv_heads != att.heads
     cast = itemsize != 4
     e = bh * area                      # score entries of all blocks
-    extra = float(att.causal) + float(att.masked)
+    extra = RING_MASK_PASSES * (att.causal + att.masked)
     flops = {"fwd": e * 2 * (d + dv), "bwd": e * 2 * (3 * d + 2 * dv)}
     operands = bh * (rows * d * cast + cols * (d + dv) * (gqa or cast))
     copies = {"fwd": e * (RING_SCORE_PASSES["fwd"] + extra) + bh * rows * dv * 2.5 + operands,
