@@ -161,7 +161,7 @@ def _hf_encoder_decoder(family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["dynamo", "export"])
+@pytest.mark.parametrize("method", [pytest.param("dynamo", marks=pytest.mark.matrix), "export"])
 @pytest.mark.parametrize("family", ["t5", *(pytest.param(f, marks=pytest.mark.matrix) for f in ("t5-encoder", "bart"))])
 def test_huggingface_encoder_decoders_yield_encoder_and_decoder_blocks(family, method):
     model, enc, dec = _hf_encoder_decoder(family)

@@ -85,7 +85,7 @@ CASES = {
     "mixtral-dp2-ep2": dict(matrix=True, model="mixtral", plan=dict(dp=2, ep=2)),   # CI: the dispatch test
     "mixtral-tp2xdp2-ep2-export": dict(world=4, model="mixtral", method="export", plan=dict(tp=2, dp=2, ep=2)),
     "qwen2-moe-dp2-ep2-export": dict(model="qwen2-moe", method="export", plan=dict(dp=2, ep=2)),
-    "qwen2-moe-ep2-zero3-compile": dict(door="compile", model="qwen2-moe", plan=dict(dp=2, ep=2, sdp="zero3")),
+    "qwen2-moe-ep2-zero3-compile": dict(matrix=True, door="compile", model="qwen2-moe", plan=dict(dp=2, ep=2, sdp="zero3")),
     "mixtral-ep2-zero3-ckpt": dict(matrix=True, model="mixtral", plan=dict(dp=2, ep=2, sdp="zero3", ckpt=True)),
     "mixtral-pp2xdp2-ep2": dict(matrix=True, world=4, model="mixtral", clip="dm",
                                 plan=dict(pp=2, dp=2, ep=2, micro_batches=2, sdp="zero2")),
