@@ -31,7 +31,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from ..errors import ConfigError
 from ..ir import META_KEY, NodeInfo, layer_module_name, node_info
 from ..runtime import context_parallel as cp_ops
-from ..sharding.sequence import LayerSequence, Unsupported, analyze_layer
+from ..sharding.sequence import LayerSequence, SeqShard, Unsupported, analyze_layer
 from ..sharding.state import node_arg, set_arg
 from .base import check
 from .context import ContextPass
@@ -63,7 +63,7 @@ class ContextParallelPass(ContextPass):
             except Unsupported as why:
                 raise ConfigError(f"layer {lp.name}: cp={lp.cp} cannot split its sequence exactly: {why}; "
                                   "use cp=1 for this layer") from None
-            if not (res.attention or res.out_slices or any(isinstance(s, tuple) or s for s in res.states.values())):
+            if not (res.out_slices or any(isinstance(s, SeqShard) for s in res.states.values())):
                 log.info("layer %s: cp=%d finds no sequence activation; it runs whole on each CP rank", lp.name, lp.cp)
             lay = layouts[i]
             _Writer(layer, i, res, lp.cp, lp.cp_kind, lay.cp_ranks(ctx.rank), lay.cp_index(ctx.rank)).write()

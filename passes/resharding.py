@@ -29,7 +29,6 @@ import torch.fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..ir import carries_batch, layer_module_name
-from ..runtime import context_parallel as cp_ops
 from ..runtime import reshard
 from ..runtime.groups import Layout
 from .base import check
@@ -93,8 +92,8 @@ class ReshardingPass(ContextPass):
                 if not (batched.get(n) and isinstance(val, torch.Tensor) and val.dim() >= 2):
                     return n
                 if src.cp > 1:   # sequence shards gathered: the ranks of a CP group hold their batch slice whole
-                    gather = (cp_ops.boundary_gather, (src.cp_ranks(rank), src.cp_index(rank), 1))
-                    return chain(graph, out, n, [gather]) if self.ctx.is_sequence(n) else n
+                    gather = reshard.sequence_steps(src, Layout(src.tp, src.dp, False, src.base), rank)[0]
+                    return chain(graph, out, n, gather) if self.ctx.is_sequence(n) else n
                 return chain(graph, out, n, reshard.plan_batched(src, final, rank))
             out.args = (torch.fx.node.map_arg(out.args[0], fix),)
         return final

@@ -1,8 +1,9 @@
 """Moving activations between layers whose layouts differ (the batch slice).
 
 Invariant (see :mod:`.groups` for the layout): a rank holds, for every activation crossing a layer
-boundary, its batch slice, whole along the sequence (the tensor-parallel pass converts sequence
-shards inside the layers), and after backward the gradient it holds for that
+boundary, its batch slice, whole along the sequence (the tensor-parallel pass converts SP's sequence
+shards inside the layers) except the sequence activations of a context-parallel layer, which stay
+in its CP shards (:func:`sequence_steps`), and after backward the gradient it holds for that
 activation is the *true* gradient of the global loss with respect to those elements. So a change
 of layout never needs a sum: in forward, ranks either all-gather (the new slice is larger) or
 take a sub-slice (smaller); in backward, the adjoint: take the own sub-slice of the gradient, or
@@ -128,9 +129,9 @@ def plan_batched(src: Layout, dst: Layout, rank: int, seq: bool = False) -> list
     layout is first gathered along its sequence (dim 1) and entering one is then sliced, unless
     both layouts are the same (it stays in its shards).
 
-    NOTE: sequence-parallel layouts are converted by the tensor-parallel pass itself, inside the
-    layers (a gather at the end of the producer, a scatter at the start of the consumer), so what
-    crosses a layer boundary is always whole along the sequence.
+    NOTE: sequence-parallel (SP) layouts are converted by the tensor-parallel pass itself, inside
+    the layers (a gather at the end of the producer, a scatter at the start of the consumer), so
+    only CP shards cross a layer boundary.
     """
     gather, take = sequence_steps(src, dst, rank) if seq else ([], [])
     bs, bd = src.batch_slices(), dst.batch_slices()

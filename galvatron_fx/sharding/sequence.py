@@ -157,7 +157,7 @@ class SequenceAnalyzer:
                 self.local_sizes.add(n)
             return None
         ins = [a for a in n.all_input_nodes if a.op != "get_attr" or not is_param(a)]
-        shards = [a for a in ins if isinstance(self.st(a), SeqShard) or isinstance(self.st(a), tuple)]
+        shards = [a for a in ins if isinstance(self.st(a), SeqShard) or _split_state(self.st(a))]
         if name in _SIZES or (name == "getattr" and n.args[1:] == ("shape",)):
             return self._size(n, name)
         if name == "getattr":       # .dtype, .device, ...: no data
@@ -165,10 +165,9 @@ class SequenceAnalyzer:
         if name == "getitem" and isinstance(n.args[0], torch.fx.Node) and n.args[0] in self.local_sizes:
             self._local_shape_item(n)
             return None
-        if name in _FACTORIES or (name in ("expand", "view", "reshape") and not shards):
-            if any(a in self.local_sizes for a in n.all_input_nodes) and name in _FACTORIES:
-                raise Unsupported(f"{n.name} ({name}) is built from the local sequence length: positions or masks "
-                                  "computed inside this layer would be those of the first shard")
+        if name in _FACTORIES and any(a in self.local_sizes for a in n.all_input_nodes):
+            raise Unsupported(f"{n.name} ({name}) is built from the local sequence length: positions or masks "
+                              "computed inside this layer would be those of the first shard")
         if not shards:
             return GATHERED if any(self.st(a) == GATHERED for a in ins) else None
         try:
@@ -217,7 +216,7 @@ class SequenceAnalyzer:
                     self.local_sizes.add(n)
             elif name in ("size", "getattr"):
                 self.local_sizes.add(n)      # the whole shape: items picked later (_local_shape_item)
-                self.res.states[n] = ("shape", s.dim)
+                return ("shape", s.dim)
             elif name in ("numel", "sym_numel"):
                 self.local_sizes.add(n)
         return None
@@ -234,7 +233,7 @@ class SequenceAnalyzer:
     def _gather_all(self, n, shards, why: str):
         for a in shards:
             s = self.st(a)
-            if isinstance(s, tuple):
+            if not isinstance(s, SeqShard):
                 raise Unsupported(f"{n.name}: {why}")
             self.res.gathers[(n, a)] = (s.dim, s.post)
         self.res.why_gathered[n.name] = why
@@ -360,7 +359,7 @@ class SequenceAnalyzer:
     def _select(self, n, name):
         x = n.args[0]
         s = self.st(x)
-        if isinstance(s, tuple) and s[0] == "tuple":
+        if _split_state(s):
             return s[1]
         if not isinstance(s, SeqShard):
             raise _Fallback("selection from a sharded value")
@@ -467,6 +466,11 @@ class SequenceAnalyzer:
 
 class _Fallback(Exception):
     """No rule keeps ``node`` on shards: gather them (the message is the reason)."""
+
+
+def _split_state(s) -> bool:
+    """A tuple of shards (split / chunk / unbind output), as opposed to a whole shape ``("shape", dim)``."""
+    return isinstance(s, tuple) and s[0] == "tuple"
 
 
 def _is_tp_op(n) -> bool:
