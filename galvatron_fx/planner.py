@@ -214,6 +214,8 @@ def cp_admissible(cost_model, allowed=None, kinds=None) -> Callable[[int, int, s
     among ``kinds`` (constraints, when given). ``cp == 1`` is allowed where ``allowed`` has 1 or the
     layer takes none of its degrees at all (at ``tp = 1``; it then runs whole), so ``allowed = {4}``
     pins cp 4 on every layer that can take it."""
+    from .solver.strategy import CP_KINDS
+
     allowed = None if allowed is None else set(allowed)
     kinds = None if kinds is None else set(kinds)
 
@@ -223,7 +225,7 @@ def cp_admissible(cost_model, allowed=None, kinds=None) -> Callable[[int, int, s
     def ok(layer: int, cp: int, kind: str, tp: int) -> bool:
         if cp == 1:
             return allowed is None or 1 in allowed or not any(
-                takes(layer, c, k, 1) for c in allowed if c > 1 for k in (kinds or ("ring", "ulysses")))
+                takes(layer, c, k, 1) for c in allowed if c > 1 for k in (kinds or CP_KINDS))
         return (allowed is None or cp in allowed) and (kinds is None or kind in kinds) and takes(layer, cp, kind, tp)
     return ok
 
@@ -430,14 +432,14 @@ BASELINES: dict[str, dict[str, Any]] = {
     "dp+pp": {"tp": 1, "sdp": ["none"], "ckpt": False, "sp": False, "schedule": "1f1b"},
     "megatron": {"uniform": True, "sdp": ["none"], "ckpt": "all", "schedule": "1f1b", "max_micro_batch_size": 8},
 }
-for _cons in BASELINES.values():   # NOTE: the paper's limited strategies: no context parallelism
-    _cons["cp"] = 1
 """Baseline name -> search constraints. ``tp``: TP over a whole node (or the world, if smaller) then
 DP; ``pp``: one stage per device (or per layer), GPipe; ``3d``: the best uniform DP x TP x PP grid;
 ``dp+tp`` / ``dp+pp``: the paper's limited Galvatron variants (per-layer search in two dimensions);
 ``megatron``: the best Megatron-LM-style configuration, a uniform TP (within a node) x PP x DP grid
 with full activation recomputation, SP on or off, 1F1B and 1 to 8 samples per device per
-micro-batch (layers split evenly over the stages)."""
+micro-batch (layers split evenly over the stages). None uses context parallelism (``cp = 1``)."""
+for _cons in BASELINES.values():   # NOTE: the paper's limited strategies: no context parallelism
+    _cons["cp"] = 1
 
 
 def baselines(gm: torch.fx.GraphModule, cluster=None, memory_budget=None, global_batch_size: int | None = None,

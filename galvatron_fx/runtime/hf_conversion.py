@@ -65,7 +65,7 @@ def load_converted(entry: Converted, read, model) -> torch.Tensor:
         tensors = op.convert(tensors, source_patterns=conv.source_patterns, target_patterns=conv.target_patterns,
                              full_layer_name=entry.target, model=model, config=getattr(model, "config", None),
                              missing_keys=None)
-    values = [v for v in tensors.values()]
+    values = list(tensors.values())
     if len(values) != 1:
         raise ValueError(f"{entry.target}: the checkpoint conversion gave {len(values)} tensors, expected one")
     value = values[0]
