@@ -14,8 +14,12 @@ says what changes and this pass writes it, with the calls of
   (``boundary_gather``), so the layer keeps the boundary convention of
   :mod:`galvatron_fx.sharding.sequence` (the resharding pass moves them between layouts).
 
+With ``sp`` on the layer the tensor-parallel pass ran first: the layer's sequence-parallel regions
+hold TP chunks of this rank's CP shard (the analysis slices whole values before the TP scatter
+makes chunks of them, and writes the gathers' whole length as the shard's).
+
 Refused with the reason (:class:`ConfigError`): a layer the analysis cannot prove exact, ``cp``
-with ``sp`` or ``ep`` on the same layer, a layer mixing the samples of a batch, ``cp`` on the last
+with ``ep`` on the same layer, a layer mixing the samples of a batch, ``cp`` on the last
 layer with a ``loss_fn`` outside the graph (the loss must be computed on the sequence shards). A
 layer with ``cp > 1`` and no sequence activation runs whole on every rank of its CP group (logged).
 """
@@ -59,7 +63,7 @@ class ContextParallelPass(ContextPass):
             self._refuse(i, lp, last)
             layer = getattr(graph_module, layer_module_name(i))
             try:
-                res = analyze_layer(layer, ctx.seq_len, lp.cp, lp.name)
+                res = analyze_layer(layer, ctx.seq_len, lp.cp, lp.name, lp.tp if lp.sp else 1)
             except Unsupported as why:
                 raise ConfigError(f"layer {lp.name}: cp={lp.cp} cannot split its sequence exactly: {why}; "
                                   "use cp=1 for this layer") from None
@@ -78,7 +82,7 @@ class ContextParallelPass(ContextPass):
         if ctx.seq_len % lp.cp:
             raise ConfigError(f"layer {lp.name}: the sequence of {ctx.seq_len} tokens does not split into cp={lp.cp} "
                               "shards; use a sequence length divisible by cp (by 2 * cp to balance causal masks)")
-        for key, why in (("sp", "sequence parallelism"), ("ep", "expert parallelism")):
+        for key, why in (("ep", "expert parallelism"),):
             if getattr(lp, key) not in (False, 1):
                 raise ConfigError(f"layer {lp.name}: cp={lp.cp} together with {why} ({key}={getattr(lp, key)}) is not "
                                   f"supported yet; set {key} off on this layer or cp=1")
@@ -111,7 +115,10 @@ class _Writer:
         for (user, a), (dim, post) in res.gathers.items():
             self._replace_input(user, a, cp_ops.gather_seq_of, (a, dim, seq, post, self.ranks, self.shard))
         for node, path, value in res.shape_args:
-            set_arg(node, path, value)
+            if path == (len(node.args),):       # an optional argument not written yet (a gather's length)
+                node.args = (*node.args, value)
+            else:
+                set_arg(node, path, value)
         for node in res.attention:
             self._attention(node)
         out = next(n for n in self.graph.nodes if n.op == "output")

@@ -103,7 +103,8 @@ def apply_tensor_parallel(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[in
                           tp_rank_of: Callable[[int], int],
                           tp_group_of: Callable[[int], object],
                           gather_outputs: bool = False,
-                          layer_ep: dict[int, int] | None = None) -> torch.fx.GraphModule:
+                          layer_ep: dict[int, int] | None = None,
+                          layer_cp: dict[int, int] | None = None) -> torch.fx.GraphModule:
     """Shard the layers of ``layer_tp`` (layer index -> (tp degree, sp flag)); see the module docstring.
 
     ``tp_rank_of(layer)`` is this rank's index in the layer's TP group, ``tp_group_of(layer)`` the
@@ -111,6 +112,8 @@ def apply_tensor_parallel(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[in
     outputs (for a ``loss_fn`` reading them) instead of leaving them marked shards. Edits ``gm`` in
     place and returns it. ``layer_ep`` (layer index -> ep): the experts of layers with ``ep > 1``
     stay whole (expert parallelism splits them by expert instead, :mod:`.expert_parallel`).
+    ``layer_cp`` (layer index -> cp): sequence-parallel chunks cross a boundary only between layers
+    of the same cp (they are chunks of a CP shard); elsewhere they are gathered and re-scattered.
 
     Raises:
         ConfigError: heads / key-value heads / ffn width of a block (or the sequence length under
@@ -134,7 +137,7 @@ def apply_tensor_parallel(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[in
             if size != tp or torch.distributed.get_rank(group) != rank:
                 raise ConfigError(f"layer {plans[idx].name}: its TP group has {size} ranks (this one is "
                                   f"{torch.distributed.get_rank(group)}), but tp={tp}, tp_rank={rank}")
-    _Rewriter(gm, plans, keys, tp_rank_of, layer_tp, gather_outputs).run()
+    _Rewriter(gm, plans, keys, tp_rank_of, layer_tp, gather_outputs, layer_cp or {}).run()
     gm.meta[REPORT_KEY] = {idx: _report(p) for idx, p in plans.items()}
     for p in plans.values():
         if p.sharded_outputs and not gather_outputs:
@@ -201,9 +204,10 @@ def _report(p: LayerTP) -> dict:
 
 
 class _Rewriter:
-    def __init__(self, gm, plans: dict[int, LayerTP], keys, tp_rank_of, layer_tp, gather_outputs=False):
+    def __init__(self, gm, plans: dict[int, LayerTP], keys, tp_rank_of, layer_tp, gather_outputs=False,
+                 layer_cp=None):
         self.gm, self.plans, self.keys, self.rank_of, self.layer_tp = gm, plans, keys, tp_rank_of, layer_tp
-        self.gather_outputs = gather_outputs
+        self.gather_outputs, self.layer_cp = gather_outputs, layer_cp or {}
         self.graph = gm.graph
         self.by_name = {n.name: n for n in gm.graph.nodes}
         self.cache: dict[tuple, torch.fx.Node] = {}
@@ -371,7 +375,12 @@ class _Rewriter:
         plan = self.plans.get(layer)
         if plan is None or node.op == "get_attr":
             return None, None
-        return plan.outputs.get(node.name), layer
+        return plan.outputs.get(self.original(node).name), layer
+
+    def original(self, node) -> torch.fx.Node:
+        """The analysed node a replacement stands for (a reduce's sum for its linear or lookup)."""
+        name = self.alias.get(node.name)
+        return self.by_name.get(name, node) if name is not None else node
 
     def convert_boundaries(self):
         order = {n: i for i, n in enumerate(self.graph.nodes)}
@@ -387,9 +396,11 @@ class _Rewriter:
                     continue
                 if user.op != "output" and node_info(user).layer is None:
                     continue
-                want = boundary_layout(self.gm, node, dst_layer, self.layer_tp)
+                want = boundary_layout(self.gm, self.original(node), dst_layer, self.layer_tp)
                 x, before = node, user
-                same = src_layout == want and (want is None or self.keys[src_layer] == self.keys[dst_layer])
+                same = src_layout == want and (want is None or (self.keys[src_layer] == self.keys[dst_layer] and
+                                                                self.layer_cp.get(src_layer, 1) ==
+                                                                self.layer_cp.get(dst_layer, 1)))
                 producer = self.plans.get(src_layer)
                 marked = (user.op == "output" and not self.gather_outputs and producer is not None
                           and node.name in producer.sharded_outputs)
@@ -527,7 +538,8 @@ class TensorParallelPass(ContextPass):
                                    tp_rank_of=lambda i: layouts[i].tp_index(rank),
                                    tp_group_of=lambda i: process_group(layouts[i].tp_ranks(rank)),
                                    gather_outputs=ctx.loss_fn is not None,
-                                   layer_ep={i: lp.ep for i, lp in enumerate(ctx.stage_plan.layers)})
+                                   layer_ep={i: lp.ep for i, lp in enumerate(ctx.stage_plan.layers)},
+                                   layer_cp={i: lp.cp for i, lp in enumerate(ctx.stage_plan.layers)})
         ctx.tp_shards = {fqn: (shard, layouts[layer].tp_ranks(rank))
                          for fqn, (shard, layer) in _shards(gm).items()}
         return PassResult(gm, True)

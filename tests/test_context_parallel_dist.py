@@ -171,3 +171,21 @@ def test_micro_batches_of_one_sample_split_over_the_cp_group():
     for shard, losses in run_distributed(_one_sample_micro_batches, 2):
         assert shard == (0, 1)
         assert loops.rel(losses, ref) < 1e-5, (losses, ref)
+
+
+def _uneven_sp_chunks(rank, world, seq):
+    import galvatron_fx as gfx
+
+    batches = [{k: v[:, :seq] for k, v in b.items()} for b in loops.collate(3)]
+    gm = gfx.capture(loops.llama(), kwargs=batches[0], method="export")
+    plan = gfx.Plan.uniform(gm, world, global_batch_size=loops.B, tp=2, sp=True, dp=2, cp=2)
+    return loops.step_losses(gfx.transform(gm, plan=plan), batches, lr=1e-2)
+
+
+def test_sequence_parallel_chunks_of_an_odd_cp_shard():
+    """14 tokens, cp 2, tp 2 with sp: each rank's 7 positions split 4 / 3 over its TP group (the
+    gathers' whole length is this rank's shard, not the captured sequence)."""
+    batches = [{k: v[:, :14] for k, v in b.items()} for b in loops.collate(3)]
+    ref = loops.plain_losses(loops.llama(), batches, lr=1e-2)
+    for got in run_distributed(_uneven_sp_chunks, 4, 14):
+        assert loops.rel(got, ref) < 1e-5, (got, ref)

@@ -109,6 +109,15 @@ CASES = {
     "cp2-ring-export": dict(method="export", plan=dict(dp=2, cp=2)),
     "neox-cp2-compile": dict(door="compile", model="neox", plan=dict(dp=2, cp=2)),
     "tp2xcp2-ring": dict(world=4, plan=dict(tp=2, dp=2, cp=2)),
+    # sequence parallelism inside a CP group: TP rank chunks of this rank's CP shard
+    "tp2-sp-xcp2-ring": dict(world=4, plan=dict(tp=2, sp=True, dp=2, cp=2)),
+    "tp2-sp-xcp2-ulysses-export": dict(matrix=True, world=4, method="export",
+                                       plan=dict(tp=2, sp=True, dp=2, cp=2, cp_kind="ulysses")),
+    "neox-tp2-sp-xcp2-compile": dict(matrix=True, world=4, door="compile", model="neox",
+                                     plan=dict(tp=2, sp=True, dp=2, cp=2)),
+    # cp on the blocks only, sp everywhere: SP chunks are gathered and re-scattered where cp changes
+    "blocks-tp2-sp-xcp2-export": dict(world=4, method="export", layer_cp={"layers.": (2, "ring")},
+                                      plan=dict(tp=2, sp=True, dp=2)),
     "mistral-window-cp2-ring": dict(model="mistral", plan=dict(dp=2, cp=2)),
     "dp4-cp2-zero3-ckpt-export": dict(matrix=True, world=4, method="export", plan=dict(dp=4, cp=2, sdp="zero3", ckpt=True)),
     "cp2-ulysses-bf16": dict(matrix=True, precision="bf16-mixed", plan=dict(dp=2, cp=2, cp_kind="ulysses")),

@@ -9,9 +9,11 @@ values on in the same form; every other value (token ids, labels, masks, positio
 
 The analysis walks the layer in graph order with one state per node:
 
-* :class:`SeqShard` ``(dim, post)``: dim ``dim`` holds this rank's positions; its full size is
-  ``pre * S * post`` (``pre``: the dims merged before the sequence, e.g. the batch of a
-  ``[B * S, V]`` view, read at run time; ``post``: those merged after it);
+* :class:`SeqShard` ``(dim, post, chunks)``: dim ``dim`` holds this rank's positions; its full size
+  is ``pre * S * post`` (``pre``: the dims merged before the sequence, e.g. the batch of a
+  ``[B * S, V]`` view, read at run time; ``post``: those merged after it); ``chunks > 1`` inside
+  a sequence-parallel region: this TP rank's contiguous ``1 / chunks`` of the CP shard (the
+  tensor-parallel ops between regions change ``chunks``, never the CP positions);
 * ``None``: whole, computed alike on every rank of the CP group from whole inputs;
 * :data:`GATHERED`: whole, computed from gathered shards: usable only where it meets a shard (it is
   sliced there), since each rank's gradient for it is partial.
@@ -20,7 +22,12 @@ Where a whole operand meets a shard it is sliced (``slices``: no communication; 
 partial, summed by the data-parallel reduction the CP ranks take part in); a shard reaching an op
 that needs the whole sequence is all-gathered (``gathers``; backward reduce-scatters);
 scaled-dot-product attention becomes a context-parallel attention (``attention``); shape
-arguments written for ``S`` become ``S / cp`` (``shape_args``). A cross entropy over sharded
+arguments written for ``S`` (or ``S / tp`` in a sequence-parallel region) are divided by ``cp``
+(``shape_args``). With sequence parallelism on the layer (the tensor-parallel pass ran first:
+meta shapes are TP-local), a whole value entering a sequence-parallel region (the TP scatter /
+reduce-scatter along its sequence) is sliced to this rank's CP positions first, so the region's
+chunks are chunks of the CP shard; a whole value meeting such chunks, or chunks an op needs whole,
+is refused. A cross entropy over sharded
 logits gives this rank's partial loss (the token-loss scale makes the sum over ranks exact). What
 cannot be proven exact raises :class:`Unsupported` with the reason.
 """
@@ -63,9 +70,10 @@ class SeqShard:
 
     dim: int
     post: int = 1
+    chunks: int = 1
 
     def at(self, dim: int) -> SeqShard:
-        return SeqShard(dim, self.post)
+        return SeqShard(dim, self.post, self.chunks)
 
 
 @dataclass
@@ -109,8 +117,8 @@ def _full(s) -> bool:
 class SequenceAnalyzer:
     """Propagate :class:`SeqShard` states through one layer graph (the module docstring)."""
 
-    def __init__(self, layer: torch.fx.GraphModule, seq: int, cp: int, name: str = "layer"):
-        self.gm, self.cp, self.name = layer, cp, name
+    def __init__(self, layer: torch.fx.GraphModule, seq: int, cp: int, name: str = "layer", sp_tp: int = 1):
+        self.gm, self.cp, self.name, self.sp_tp = layer, cp, name, sp_tp
         self.res = LayerSequence(seq)
         self.local_sizes: set = set()     # int nodes holding a local (per-shard) sequence length
 
@@ -119,7 +127,7 @@ class SequenceAnalyzer:
         st = self.res.states
         for n in self.gm.graph.nodes:
             if n.op == "placeholder":
-                st[n] = SeqShard(1) if is_sequence_activation(n.meta.get("val"), self.res.seq) else None
+                st[n] = self._input(n.meta.get("val"))
             elif n.op == "get_attr":
                 st[n] = None
             elif n.op == "output":
@@ -128,12 +136,26 @@ class SequenceAnalyzer:
                 st[n] = self.visit(n)
         return self.res
 
+    def _input(self, val):
+        """A layer input's state: a sequence activation arrives in shards, in sequence-parallel
+        chunks of them when the layer has sp (the TP boundary convention: 3-D floating values)."""
+        if is_sequence_activation(val, self.res.seq):
+            return SeqShard(1)
+        t, seq = self.sp_tp, self.res.seq
+        c = -(-seq // t)     # TP chunks of ceil(S / tp) positions, the last ones shorter (tp_ops.chunk_bounds)
+        if (t > 1 and isinstance(val, torch.Tensor) and val.is_floating_point() and val.dim() == 3
+                and int(val.shape[1]) in {min(c, max(seq - r * c, 0)) for r in range(t)} and val.shape[1] < seq):
+            return SeqShard(1, chunks=t)
+        return None
+
     def _outputs(self, out: torch.fx.Node) -> None:
         for v in dict.fromkeys(out.all_input_nodes):
             s, val = self.res.states.get(v), v.meta.get("val")
             seq_act = is_sequence_activation(val, self.res.seq)
+            if s is None and self._input(val) is not None and not seq_act:
+                raise Unsupported(f"{v.name} leaves the layer as sequence-parallel chunks of the whole sequence")
             if isinstance(s, SeqShard):
-                if not (seq_act and s == SeqShard(1)):
+                if not (s.dim == 1 and s.post == 1 and (seq_act or s.chunks > 1)):
                     if s.post != 1:
                         raise Unsupported(f"{v.name} leaves the layer with its sequence merged into dim {s.dim}")
                     self.res.out_gathers.append((v, s.dim))
@@ -168,6 +190,8 @@ class SequenceAnalyzer:
         if name in _FACTORIES and any(a in self.local_sizes for a in n.all_input_nodes):
             raise Unsupported(f"{n.name} ({name}) is built from the local sequence length: positions or masks "
                               "computed inside this layer would be those of the first shard")
+        if not shards and _is_tp_op(n) and self._enters_sp(n):
+            return self._sp_entry(n)
         if not shards:
             return GATHERED if any(self.st(a) == GATHERED for a in ins) else None
         try:
@@ -202,7 +226,9 @@ class SequenceAnalyzer:
             return self._split(n, name)
         if name in ("cat", "stack"):
             return self._cat(n, name)
-        if name in _POINTWISE or _is_tp_op(n) or name == "vocab_shard_output":
+        if _is_tp_op(n):
+            return self._tp_op(n)
+        if name in _POINTWISE or name == "vocab_shard_output":
             return self._pointwise(n)
         raise _Fallback(f"{name} has no sequence-sharding rule")
 
@@ -230,16 +256,33 @@ class SequenceAnalyzer:
                 return
         self.local_sizes.add(n)
 
+    def _enters_sp(self, n) -> bool:
+        """A TP scatter / reduce-scatter of a whole value along a sequence dim (into an SP region)."""
+        x = n.args[0]
+        return (op_name(n) in ("tp_scatter_to_region", "tp_reduce_scatter_sequence") and isinstance(x, torch.fx.Node)
+                and self.st(x) is None and _shape(x)[n.args[1] % tensor_val(x).dim()] == self.res.seq)
+
+    def _sp_entry(self, n):
+        """Slice the whole value to this rank's CP positions before the TP op chunks it."""
+        x, dim = n.args[0], n.args[1] % tensor_val(n.args[0]).dim()
+        self._slice_whole(n, x, dim, 1)
+        return SeqShard(dim, 1, _shape(x)[dim] // _shape(n)[dim])
+
     def _gather_all(self, n, shards, why: str):
         for a in shards:
             s = self.st(a)
+            if isinstance(s, SeqShard) and s.chunks > 1:
+                raise Unsupported(f"{n.name}: {why}, inside a sequence-parallel region (use sp=False with cp)")
             if not isinstance(s, SeqShard):
                 raise Unsupported(f"{n.name}: {why}")
             self.res.gathers[(n, a)] = (s.dim, s.post)
         self.res.why_gathered[n.name] = why
         return GATHERED
 
-    def _slice_whole(self, n, a, dim: int, post: int) -> None:
+    def _slice_whole(self, n, a, dim: int, post: int, chunks: int = 1) -> None:
+        if chunks > 1:
+            raise Unsupported(f"{n.name}: the whole value {a.name} meets sequence-parallel chunks (use sp=False "
+                              "with cp)")
         self.res.slices[(n, a)] = (dim, post)
 
     def _pointwise(self, n):
@@ -262,8 +305,23 @@ class SequenceAnalyzer:
                 continue
             if int(val.shape[ax]) != out[state.dim]:
                 raise _Fallback(f"{a.name} broadcasts against the sequence dim")
-            self._slice_whole(n, a, ax, state.post)
+            self._slice_whole(n, a, ax, state.post, state.chunks)
         return state
+
+    def _tp_op(self, n):
+        """A tensor-parallel collective: along the sequence dim it changes the sequence-parallel
+        chunks (scatter / reduce-scatter: more, gathers: fewer), never the CP positions."""
+        s = self._pointwise(n)
+        x = n.args[0]
+        if isinstance(s, SeqShard) and isinstance(x, torch.fx.Node) and self.st(x) == s:
+            before, after = _shape(x)[s.dim], _shape(n)[s.dim]
+            if before != after:
+                if after > before:     # a gather: its whole length is this rank's shard (the TP chunks
+                    if after % self.cp:   # of S / cp may be uneven where those of S were not)
+                        raise Unsupported(f"{n.name}: its whole length {after} does not split into cp={self.cp}")
+                    self.res.shape_args.append((n, (3,), after // self.cp))
+                return SeqShard(s.dim, s.post, s.chunks * before // after)
+        return s
 
     def _view(self, n, name):
         x = n.args[0]
@@ -272,7 +330,7 @@ class SequenceAnalyzer:
         if name == "expand":
             new = s.at(s.dim + len(dout) - len(din))
         else:
-            new = _view_state(din, dout, s, self.res.seq)
+            new = _view_state(din, dout, s, self.res.seq // s.chunks)
             if new is None:
                 raise _Fallback(f"{name} {list(din)} -> {list(dout)} splits the sequence dim")
         if name in ("view", "reshape", "unflatten", "expand"):
@@ -425,7 +483,7 @@ class SequenceAnalyzer:
                     continue                  # an empty KV cache: nothing to join
                 if name == "stack" or dim == state.dim:
                     raise _Fallback(f"{name} of shards and whole values")
-                self._slice_whole(n, p, state.dim, state.post)
+                self._slice_whole(n, p, state.dim, state.post, state.chunks)
         if name == "cat" and dim == state.dim and any(_full(self.st(p)) and tensor_val(p).numel() for p in parts):
             raise _Fallback("cat along the sequence dim")
         return state
@@ -435,7 +493,7 @@ class SequenceAnalyzer:
         nd = tensor_val(q).dim()
         for x in (q, k, v):
             s = self.st(x)
-            if not isinstance(s, SeqShard) or s.dim != nd - 2 or s.post != 1:
+            if not isinstance(s, SeqShard) or s.dim != nd - 2 or s.post != 1 or s.chunks != 1:
                 raise Unsupported(f"{n.name}: attention whose query, key and value are not all split along "
                                   "the sequence")
         mask = node_arg(n, 3, "attn_mask")
@@ -458,7 +516,7 @@ class SequenceAnalyzer:
         if isinstance(target, torch.fx.Node):
             ts = self.st(target)
             if _full(ts):
-                self._slice_whole(n, target, 0, s.post)
+                self._slice_whole(n, target, 0, s.post, s.chunks)
             elif ts != s:
                 raise _Fallback("targets sharded unlike the logits")
         return s if reduction == "none" else None
@@ -497,7 +555,7 @@ def _view_state(din, dout, s: SeqShard, seq: int) -> SeqShard | None:
     for k in range(len(dout)):
         r = _prod(dout[k + 1:])
         if r <= stride and stride % r == 0 and (dout[k] * r) % extent == 0:
-            return SeqShard(k, stride // r)
+            return SeqShard(k, stride // r, s.chunks)
     return None
 
 
@@ -508,6 +566,8 @@ def _prod(xs) -> int:
     return out
 
 
-def analyze_layer(layer: torch.fx.GraphModule, seq: int, cp: int, name: str = "layer") -> LayerSequence:
-    """The :class:`LayerSequence` of ``layer`` under ``cp`` (raises :class:`Unsupported`)."""
-    return SequenceAnalyzer(layer, seq, cp, name).run()
+def analyze_layer(layer: torch.fx.GraphModule, seq: int, cp: int, name: str = "layer",
+                  sp_tp: int = 1) -> LayerSequence:
+    """The :class:`LayerSequence` of ``layer`` under ``cp`` (raises :class:`Unsupported`);
+    ``sp_tp``: the layer's TP degree when it has sequence parallelism (its graph already TP-local)."""
+    return SequenceAnalyzer(layer, seq, cp, name, sp_tp).run()

@@ -188,11 +188,11 @@ def _cp_kind_needs_cp(s: Strategy, o: SpaceOptions) -> bool:
     return s.cp > 1 or s.cp_kind == "ring"
 
 
-def _cp_alone(s: Strategy, o: SpaceOptions) -> bool:
-    """A layer with ``cp > 1`` runs without sequence parallelism and without expert parallelism: the
-    context-parallel pass refuses both on the same layer (SP would split the sequence dim the CP
-    group already splits; EP's token exchange is not written for sequence shards)."""
-    return s.cp == 1 or (not s.sp and s.ep == 1)
+def _cp_without_ep(s: Strategy, o: SpaceOptions) -> bool:
+    """A layer with ``cp > 1`` runs without expert parallelism: the context-parallel pass refuses
+    both on the same layer (EP's token exchange is not written for sequence shards). Sequence
+    parallelism composes: its TP chunks are chunks of the rank's CP shard."""
+    return s.cp == 1 or s.ep == 1
 
 
 def _ulysses_divides_heads(s: Strategy, o: SpaceOptions) -> bool:
@@ -217,7 +217,7 @@ def _switches(s: Strategy, o: SpaceOptions) -> bool:
 RULES: tuple[Rule, ...] = tuple(
     Rule(fn.__name__.lstrip("_"), fn, (fn.__doc__ or "").strip())
     for fn in (_power_of_two, _tp_within_node, _tp_divides_heads, _tp_divides_hidden, _max_tp,
-               _sdp_needs_dp, _sp_needs_tp, _ep_degrees, _cp_degrees, _cp_kind_needs_cp, _cp_alone,
+               _sdp_needs_dp, _sp_needs_tp, _ep_degrees, _cp_degrees, _cp_kind_needs_cp, _cp_without_ep,
                _ulysses_divides_heads,
                _switches)
 )
