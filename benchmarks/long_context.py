@@ -11,8 +11,7 @@ memory as budget, on each cluster:
   positions: ring and Ulysses, every degree dividing the devices and the sequence, per layer);
 * **best cp = 1**: the same search with ``constraints={"cp": 1}`` ("no plan" where nothing fits:
   one sequence per device is already too many tokens);
-* **torchtitan-style**: uniform layers, FSDP (ZeRO-3) + TP (within a node; SP with it where
-  cp = 1, as our runtime refuses SP beside CP) + CP ring, activation checkpointing on every layer,
+* **torchtitan-style**: uniform layers, FSDP (ZeRO-3) + TP (within a node, with SP) + CP ring, activation checkpointing on every layer,
   no pipeline, every micro-batch count whose batch slices divide it; the best that fits by
   ``gfx.estimate``.
 
@@ -103,7 +102,7 @@ def torchtitan(gm, cluster, precision: str):
         dp = world // tp
         for cp in (c for c in range(1, dp + 1) if dp % c == 0):
             for m in (m for m in range(1, GBS + 1) if GBS % m == 0 and (GBS // m) % (dp // cp) == 0):
-                plan = gfx.Plan.uniform(gm, world, tp=tp, dp=dp, sdp="zero3", ckpt=True, sp=tp > 1 and cp == 1,
+                plan = gfx.Plan.uniform(gm, world, tp=tp, dp=dp, sdp="zero3", ckpt=True, sp=tp > 1,
                                         cp=cp, cp_kind="ring", micro_batches=m, global_batch_size=GBS,
                                         precision=precision)
                 est = gfx.estimate(gm, plan, cluster)

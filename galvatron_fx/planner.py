@@ -147,7 +147,7 @@ def sp_admissible(cost_model) -> Callable[[int, int], bool]:
 def ep_admissible(cost_model, allowed=None) -> Callable[[int, int], bool]:
     """``(layer, ep) -> bool``: ``ep == 1`` on layers without experts; on layers with experts the
     degrees dividing each block's experts (and in ``allowed``, a constraint, when given)."""
-    allowed = None if allowed is None else {int(e) for e in ([allowed] if isinstance(allowed, int) else allowed)}
+    allowed = None if allowed is None else set(_as_list(allowed, "ep"))
 
     def ok(layer: int, ep: int) -> bool:
         ex = cost_model.experts(layer)

@@ -252,9 +252,14 @@ def layer_sequence_terms(layer_gm: torch.fx.GraphModule, seq: int, cp: int, batc
 
 
 # ---------------------------------------------------------------------------------------- groups
+def dp_ranks(s: Strategy, k: int) -> list[int]:
+    """Ranks of the first ``k`` consecutive DP ranks of a stage (``tp`` apart): a CP or EP group."""
+    return [c * s.tp for c in range(k)]
+
+
 def cp_group(s: Strategy) -> list[int]:
-    """Ranks of the first CP group of a stage: ``cp`` consecutive DP ranks (``tp`` apart)."""
-    return [c * s.tp for c in range(s.cp)]
+    """Ranks of the first CP group of a stage (:func:`dp_ranks`)."""
+    return dp_ranks(s, s.cp)
 
 
 def cp_block(s: Strategy) -> list[int]:

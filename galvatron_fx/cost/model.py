@@ -88,6 +88,7 @@ from .context import (
     cp_compute_time,
     cp_group,
     cp_transient_bytes,
+    dp_ranks,
     layer_attention,
     layer_sequence_terms,
     layout_time,
@@ -187,8 +188,8 @@ def expert_dp_group(strategy: Strategy) -> list[int]:
 
 
 def ep_group(strategy: Strategy) -> list[int]:
-    """Ranks of the first EP group: ``ep`` consecutive DP ranks (strided by ``tp``)."""
-    return [b * strategy.tp for b in range(strategy.ep)]
+    """Ranks of the first EP group: ``ep`` consecutive DP ranks (:func:`.context.dp_ranks`)."""
+    return dp_ranks(strategy, strategy.ep)
 
 
 def tp_group(strategy: Strategy) -> list[int]:
