@@ -100,9 +100,26 @@ def _batch_reduced(node) -> bool:
     info = node.meta.get(META_KEY)
     val = node.meta.get("val")
     out = (isinstance(val, torch.Tensor) and val.is_floating_point() and not getattr(info, "batch_dims", ())
+           and not _routed(node)
            and any(getattr(a.meta.get(META_KEY), "batch_dims", ()) or _batch_reduced(a) for a in node.all_input_nodes))
     node.meta[_REDUCED] = bool(out)
     return node.meta[_REDUCED]
+
+
+_ROUTED = "galvatron.routed"
+
+
+def _routed(node) -> bool:
+    """Whether ``node`` holds rows a loop over experts picked (``x[torch.where(mask[e])]``: the
+    normalise pass's ``routed_rows``), or values computed from them until the batch is a dim
+    again (their sum into ``[T, H]``): some of the batch's tokens, not a statistic of it."""
+    if _ROUTED not in node.meta:
+        from .sharding.experts import is_routed_rows
+
+        node.meta[_ROUTED] = is_routed_rows(node) or (
+            not getattr(node.meta.get(META_KEY), "batch_dims", ()) and any(
+                _routed(a) for a in node.all_input_nodes if a.op != "placeholder"))
+    return node.meta[_ROUTED]
 
 
 def _op(node) -> str:

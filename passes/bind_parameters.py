@@ -34,7 +34,10 @@ def build_registry(ctx: ParallelContext, stores, user: dict[str, nn.Parameter] |
     slots = {fqn: i for i, fqn in enumerate(ctx.param_fqns)}
     device = stores[0].flat_param.device if stores else torch.device("cpu")
     stage = tuple(range(ctx.base, ctx.base + ctx.stage_size))
-    registry = ParamRegistry(ctx.rank, max(len(slots), 1), ctx.plan.pp > 1, device, stage)
+    # NOTE: a loop's experts split over EP ranks are, like other stages' parameters, held elsewhere:
+    # the norms then add what other ranks asked for
+    registry = ParamRegistry(ctx.rank, max(len(slots), 1), ctx.plan.pp > 1 or bool(ctx.held_experts), device, stage)
+    registry.elsewhere = {f for f, held in ctx.held_experts.items() if not held}
     user = user or {}
     for store in stores:
         for i, (fqn, shape) in enumerate(zip(store.fqns, store.shapes)):

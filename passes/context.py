@@ -49,6 +49,7 @@ class ParallelContext:
     stage_info: StageInfo | None = None          # stage_split
     tp_shards: dict = field(default_factory=dict)  # tensor_parallel: fqn -> (ShardInfo, TP ranks)
     expert_params: dict = field(default_factory=dict)  # expert_parallel: layer -> fqns split by expert
+    held_experts: dict = field(default_factory=dict)   # expert_parallel, loop form: fqn -> held by this rank
     stores: list = field(default_factory=list)     # data_parallel: this rank's FlatParams, layer order
     output_layout: Layout | None = None          # resharding: layout of the graph output
     input_layout: Layout | None = None           # resharding: layout the graph inputs arrive in
@@ -72,7 +73,7 @@ class ParallelContext:
         """The same inputs, no products, building chunk ``chunk`` (a multi-chunk schedule runs
         several per rank: :mod:`galvatron_fx.solver.schedules`)."""
         return dataclasses.replace(self, chunk=chunk, token_loss=None, stage_info=None, tp_shards={}, stores=[],
-                                   expert_params={},
+                                   expert_params={}, held_experts={},
                                    output_layout=None, input_layout=None)
 
     @property

@@ -11,7 +11,9 @@ states, which they have none of); see :mod:`galvatron_fx.runtime.data_parallel`.
 in ``ctx.stores`` (layer order; per layer trainable first). An expert-parallel layer's expert weights
 (``ctx.expert_params``, :mod:`.expert_parallel`) go into two more buffers, ``expert_params`` and
 ``frozen_expert_params``, reduced / sharded over the ranks holding the same experts
-(:meth:`~galvatron_fx.runtime.groups.Layout.expert_dp_ranks`), their ``tp_ranks`` the EP group. A layer that mixes the samples of a
+(:meth:`~galvatron_fx.runtime.groups.Layout.expert_dp_ranks`), their ``tp_ranks`` the EP group; a
+loop-form block's experts (``ctx.held_experts``: whole parameters) into ``held_expert_params`` /
+``frozen_held_expert_params``, reduced alike, ``held_over`` the EP group. A layer that mixes the samples of a
 batch computes on the whole batch on every DP rank (``ctx.whole_batch``): its store scales the
 gradients by ``1 / dp`` before they are summed over the group.
 Layers with ``sdp="none"`` of one DP group share DDP-style gradient buckets
@@ -67,21 +69,31 @@ class DataParallelPass(ContextPass):
             layer = getattr(graph_module, layer_module_name(i))
             lay = Layout(lp.tp, lp.dp, base=ctx.base, ep=lp.ep)
             experts = ctx.expert_params.get(i, set())
+
+            def kind(fqn, experts=experts):
+                return "" if fqn not in experts else "held" if fqn in ctx.held_experts else "split"
+
             frozen_mode = "zero3" if lp.sdp == "zero3" else "none"
-            for trainable, attr, mode, expert in ((True, "flat_params", lp.sdp, False),
-                                                  (False, "frozen_params", frozen_mode, False),
-                                                  (True, "expert_params", lp.sdp, True),
-                                                  (False, "frozen_expert_params", frozen_mode, True)):
+            for trainable, attr, mode, expert in ((True, "flat_params", lp.sdp, ""),
+                                                  (False, "frozen_params", frozen_mode, ""),
+                                                  (True, "expert_params", lp.sdp, "split"),
+                                                  (False, "frozen_expert_params", frozen_mode, "split"),
+                                                  (True, "held_expert_params", lp.sdp, "held"),
+                                                  (False, "frozen_held_expert_params", frozen_mode, "held")):
                 nodes = [n for n in layer.graph.nodes if is_param_node(n) and is_trainable_param(n) == trainable
-                         and (n.target in experts) == expert]
+                         and kind(n.target) == expert]
                 dp_ranks = lay.expert_dp_ranks(ctx.rank) if expert else lay.dp_ranks(ctx.rank)
                 store = flatten_layer_params(layer, mode, dp_ranks, ctx.rank, ctx.bucket_bytes,
                                              ckpt=lp.ckpt, compute_dtype=ctx.precision.compute_dtype,
                                              reduce_dtype=ctx.precision.reduce_dtype, nodes=nodes, attr=attr)
                 if store is None:
                     continue
-                # NOTE: an expert weight is a dim-0 shard over its EP group (ctx.tp_shards), whole over TP
-                store.layer, store.tp_ranks = i, lay.ep_ranks(ctx.rank) if expert else lay.tp_ranks(ctx.rank)
+                # NOTE: a grouped expert weight is a dim-0 shard over its EP group (ctx.tp_shards), whole
+                # over TP; a loop's experts are whole on the EP rank holding them (the others' gathered
+                # from the EP group by full_state_dict)
+                store.layer, store.tp_ranks = i, lay.ep_ranks(ctx.rank) if expert == "split" else lay.tp_ranks(ctx.rank)
+                if expert == "held":
+                    store.held_over = lay.ep_ranks(ctx.rank)
                 if ctx.holds_whole_batch(i):   # every DP rank computes the whole batch's gradient
                     store.grad_scale = 1.0 / lp.dp
                 if store.trainable and store.mode == "none" and store.dp > 1:

@@ -15,6 +15,15 @@ every layer whose plan entry has ``ep > 1`` and every experts block in it
   TP shard) and in ``ctx.expert_params`` (the data-parallel pass reduces its gradient over the
   ranks holding the same experts).
 
+A loop-form block (``kind="loop"``: an unrolled loop over a module list of experts) runs the same
+way, its GraphModule holding only this rank's iterations (experts ``[e * E / ep, (e + 1) * E / ep)``,
+renumbered from 0; the expert mask gets one more class, the sentinel's). The other experts'
+parameters leave the rank: their ``get_attr`` nodes and attributes are removed, so no buffer,
+state dict or optimizer here sees them. This rank's are whole parameters under their own names,
+recorded in ``ctx.expert_params`` (reduced over the ranks holding the same experts) and with
+``ctx.held_experts`` (every split loop expert's fqn -> whether this rank holds it: where
+``full_state_dict`` and the norms look for the others).
+
 A layer with ``ep > 1`` and no experts block keeps running as planned (``ep`` does not apply to
 it; the plan's explanation says so); a block that cannot be split raises with the reason.
 """
@@ -35,7 +44,7 @@ from ..runtime.experts import ExpertParallel, local_grouped_mm, op_key
 from ..runtime.groups import Layout, group
 from ..sharding.experts import MoEBlock, NotAnExpertsBlock, moe_blocks
 from ..sharding.operands import GROUPED_MM
-from ..sharding.state import op_name
+from ..sharding.state import op_name, set_arg
 from .context import ContextPass
 from .tensor_parallel import TOKENS_KEY, _set_param
 
@@ -81,7 +90,13 @@ class ExpertParallelPass(ContextPass):
         # NOTE: TP ranks holding the same tokens split them (sequence-parallel shards are apart already)
         tp = lay.tp if b.x.meta.get(TOKENS_KEY, "replicated") == "replicated" else 1
         tp_key = tp_ops.register_group(group(lay.tp_ranks(rank)), lay.tp) if tp > 1 else None
-        module = ExpertParallel(_extract(b), b.num_experts, ep_ranks, ep_index, group(ep_ranks),
+        per = b.num_experts // lay.ep
+        lo = ep_index * per
+        mine = range(lo, lo + per)
+        inputs = b.inputs if b.kind == "grouped" else [
+            b.x, b.index, b.weights, *(p for e in mine for p in b.loop.params[e]), *b.sizes]
+        block = _extract(b) if b.kind == "grouped" else _extract_loop(b, inputs, lo, per)
+        module = ExpertParallel(block, b.num_experts, ep_ranks, ep_index, group(ep_ranks),
                                 ctx.stage_plan.layers[i].extra.get("ep_dispatch", "allgather"), tp,
                                 lay.tp_index(rank), tp_key, sizes=len(b.sizes),
                                 compact=ctx.symbolic_batch and b.compactable())
@@ -89,18 +104,30 @@ class ExpertParallelPass(ContextPass):
         layer.add_module(name, module)
         graph = layer.graph
         order = {n: k for k, n in enumerate(graph.nodes)}
-        last_input = max((a for a in b.inputs if a.op != "get_attr"), key=order.__getitem__)
+        last_input = max((a for a in inputs if a.op != "get_attr"), key=order.__getitem__)
         with graph.inserting_after(last_input):
-            call = graph.call_module(name, tuple(b.inputs))
+            call = graph.call_module(name, tuple(inputs))
+        for a in inputs:   # NOTE: a loop's expert weights are read (get_attr) where its iteration began
+            if a.op == "get_attr" and order[a] > order[last_input]:
+                call.prepend(a)
         call.meta = dict(b.output.meta)
         if any(order[u] < order[last_input] for u in b.output.users):
             raise ConfigError(f"internal: the experts block {b.path} is used before all its inputs exist")
         b.output.replace_all_uses_with(call)
         for n in reversed(b.nodes):
             graph.erase_node(n)
-        per = b.num_experts // lay.ep
-        lo = ep_index * per
         fqns = ctx.expert_params.setdefault(i, set())
+        if b.kind == "loop":
+            for e, params in enumerate(b.loop.params):
+                for p in params:
+                    ctx.held_experts[p.target] = e in mine
+                    if e in mine:
+                        fqns.add(p.target)
+                    else:   # another EP rank's expert: it does not exist here
+                        owner, _, attr = p.target.rpartition(".")
+                        delattr(layer.get_submodule(owner), attr)
+                        graph.erase_node(p)
+            return
         for p in b.params:
             full = layer.get_parameter(p.target)
             with torch.no_grad():
@@ -118,15 +145,45 @@ def _extract(b: MoEBlock) -> torch.fx.GraphModule:
     """The block's nodes as a GraphModule of its inputs (:attr:`MoEBlock.inputs`), each grouped
     matmul computing only this rank's experts."""
     g = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    for k, a in enumerate(b.inputs):
-        env[a] = g.placeholder(f"{('x', 'index', 'weights')[k]}" if k < 3 else a.name)
-        env[a].meta = dict(a.meta)
+    env = _placeholders(g, b.inputs)
     for n in b.nodes:
         env[n] = g.node_copy(n, env.__getitem__)
     g.output(env[b.output])
     as_local_grouped_mm(g)
     return torch.fx.GraphModule(nn.Module(), g, class_name="ExpertsBlock")
+
+
+def _placeholders(g: torch.fx.Graph, inputs) -> dict[torch.fx.Node, torch.fx.Node]:
+    """The block's inputs as placeholders: ``x, index, weights``, then under their own names."""
+    env = {}
+    for k, a in enumerate(inputs):
+        env[a] = g.placeholder(f"{('x', 'index', 'weights')[k]}" if k < 3 else a.name)
+        env[a].meta = dict(a.meta)
+    return env
+
+
+def _extract_loop(b: MoEBlock, inputs, lo: int, per: int) -> torch.fx.GraphModule:
+    """A loop-form block as a GraphModule of ``inputs`` (this rank's experts' parameters only)
+    running experts ``[lo, lo + per)`` as ``0 .. per-1`` (the ids :class:`ExpertParallel` hands
+    it), the other iterations dropped; the mask's extra class ``E`` holds the sentinel."""
+    loop, g = b.loop, torch.fx.Graph()
+    env = _placeholders(g, inputs)
+    dropped = {n for e, it in enumerate(loop.iterations) if not lo <= e < lo + per for n in it}
+    skip = {u: e for e, u in enumerate(loop.accumulate) if not lo <= e < lo + per}
+    for n in b.nodes:
+        if n in dropped:
+            continue
+        if n in skip:   # another rank's expert adds nothing here: the running sum goes on
+            env[n] = env[n.args[0]]
+            continue
+        env[n] = g.node_copy(n, env.__getitem__)
+        if n is loop.one_hot:
+            set_arg(env[n], (1,) if len(n.args) > 1 else ("num_classes",), b.num_experts + 1)
+        elif n in loop.selectors:
+            e = loop.selectors.index(n)
+            set_arg(env[n], (1,) if op_name(n) == "getitem" else (2,), e - lo)
+    g.output(env[b.output])
+    return torch.fx.GraphModule(nn.Module(), g, class_name="ExpertsLoop")
 
 
 def as_local_grouped_mm(graph: torch.fx.Graph) -> None:

@@ -14,7 +14,9 @@ Output: the same GraphModule with ``node.meta["galvatron"].layer`` set on every 
   only child is the list ``layer`` of mixed sub-layers, is a block. Nodes before the first block form
   the ``pre`` layer, after the last block the ``post`` layer, and code between two block lists an
   ``other`` layer (Swin's patch merging, T5's encoder final norm); glue between two blocks of the
-  same list is folded into the preceding block.
+  same list is folded into the preceding block. The experts of a loop over a module list
+  (:func:`galvatron_fx.sharding.experts.expert_lists`: elements running on routed rows) are no
+  blocks: they stay in the layer that loops over them.
 * **cut-points** (no module information): the graph is cut wherever a single activation tensor
   crosses (graph inputs and parameters are available everywhere and do not count); segments without
   parameters are merged into their successor; the longest periodic run of segment signatures
@@ -36,6 +38,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from ..batch_symbol import coupling
 from ..ir import META_KEY, GraphInfo, LayerRecord, NodeInfo, short_hash, tensor_meta
+from ..sharding.experts import expert_lists
 from .base import GraphPass, check
 from .layer_sizes import localize_sizes
 
@@ -122,7 +125,9 @@ def block_list_elements(types: dict[str, str]) -> dict[str, list[str]]:
 
 def block_paths(gm: torch.fx.GraphModule) -> dict[str, str]:
     """block element path -> its container path, for every block found in ``gm``."""
-    lists = block_list_elements(_module_types(gm))
+    routed = expert_lists(gm.graph)   # NOTE: a loop's experts are no blocks: they run on routed rows
+    types = {p: t for p, t in _module_types(gm).items() if not any(p.startswith(e + ".") for e in routed)}
+    lists = block_list_elements(types)
     return {elem: parent for parent, elems in lists.items() for elem in elems}
 
 

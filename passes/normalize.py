@@ -16,7 +16,13 @@ Output (a new GraphModule), whatever the front end:
   so models on the meta device work);
 * ``gm.meta["galvatron"]`` is a :class:`GraphInfo` (layers still empty; see layer_grouping);
 * dropout calls follow the step (:mod:`galvatron_fx.runtime.dropout`: off in ``eval_step``);
-* ``histc`` runs on integer input on every device (:func:`galvatron_fx.runtime.experts.histc`).
+* ``histc`` runs on integer input on every device (:func:`galvatron_fx.runtime.experts.histc`);
+* a loop over experts (``torch.where(one_hot(ids, E)...[e])``, a data-dependent row count) calls
+  :func:`galvatron_fx.runtime.experts.routed_rows`, whose fake value has a uniform router's count,
+  and an accumulation into a fresh buffer (``out.index_add_(0, rows, y)`` after
+  ``out = torch.zeros_like(x)``) is functional (``out_e = torch.index_add(out_{e-1}, ...)``), as
+  export writes it: :mod:`galvatron_fx.sharding.experts` then reads one graph of it from every
+  front end.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import re
 import torch
 import torch.fx
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.infra.pass_base import PassResult
 
@@ -35,7 +41,7 @@ from ..batch_symbol import annotate, batch_symbols, factor
 from ..errors import CaptureError
 from ..ir import META_KEY, GraphInfo, NodeInfo, ParamInfo
 from ..runtime.dropout import dropout, scaled_dot_product_attention
-from ..runtime.experts import histc
+from ..runtime.experts import histc, routed_rows
 from .base import GraphPass, check
 
 CONSTANTS_PREFIX = "_constants"
@@ -198,6 +204,8 @@ class NormalizePass(GraphPass):
                 elif node.target in _HISTCS:   # a device branch baked at capture (runtime/experts.py)
                     env[node].target = histc
 
+        _route_expert_rows(graph, raw_vals)
+        _functional_accumulation(graph, raw_vals)
         _unpack_sizes(graph, raw_vals)
         for node in graph.nodes:
             if "nn_module_stack" in node.meta:
@@ -283,6 +291,83 @@ _HISTCS = {torch.histc, torch.ops.aten.histc.default}
 _ATTENTIONS = {torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
 
 
+_NONZEROS = {torch.nonzero: False, torch.ops.aten.nonzero.default: False, torch.argwhere: False,
+             torch.where: True, torch.ops.aten.where.default: True, torch.ops.aten.nonzero_numpy.default: True}
+"""Data-dependent row lookups -> whether they return a tuple of index vectors (``torch.where(cond)``)."""
+_ONE_HOTS = {torch.nn.functional.one_hot, torch.ops.aten.one_hot.default}
+_FRESH = {torch.zeros_like, torch.zeros, torch.ops.aten.zeros_like.default, torch.ops.aten.zeros.default,
+          torch.ops.aten.new_zeros.default, "new_zeros"}
+_ACCUMULATE = {"index_add_", torch.ops.aten.index_add_.default}
+
+
+def _one_hot_classes(node: torch.fx.Node, depth: int = 6) -> int | None:
+    """``E`` when ``node`` is (a view / selection of) ``F.one_hot(ids, E)``, else None."""
+    for _ in range(depth):
+        if not isinstance(node, torch.fx.Node):
+            return None
+        if node.target in _ONE_HOTS:
+            e = node.args[1] if len(node.args) > 1 else node.kwargs.get("num_classes", -1)
+            return e if isinstance(e, int) and e > 0 else None
+        node = node.args[0] if node.args else None
+    return None
+
+
+def _route_expert_rows(graph: torch.fx.Graph, raw_vals: dict) -> None:
+    """``torch.where(mask[e])`` / ``nonzero`` over a one-hot expert mask ->
+    :func:`~galvatron_fx.runtime.experts.routed_rows` (a static fake row count); other
+    data-dependent lookups stay (shape propagation then says where)."""
+    for n in list(graph.nodes):
+        if n.op == "call_method" and n.target == "nonzero":
+            as_tuple = bool(n.kwargs.get("as_tuple", False))
+        elif n.op == "call_function" and n.target in _NONZEROS and len(n.args) == 1:
+            as_tuple = bool(n.kwargs.get("as_tuple", _NONZEROS[n.target]))
+        else:
+            continue
+        classes = _one_hot_classes(n.args[0])
+        if classes is None:
+            continue
+        with graph.inserting_before(n):
+            new = graph.call_function(routed_rows, (n.args[0], classes, as_tuple))
+        # NOTE: the front end's unbacked symbols are no part of the static propagation
+        new.meta = {k: v for k, v in n.meta.items() if k != "unbacked_bindings"}
+        if n in raw_vals:
+            raw_vals[new] = raw_vals[n]
+        n.replace_all_uses_with(new)
+        graph.erase_node(n)
+
+
+def _target(n: torch.fx.Node):
+    return n.target if n.op in ("call_function", "call_method") else None
+
+
+def _functional_accumulation(graph: torch.fx.Graph, raw_vals: dict) -> None:
+    """``buf.index_add_(dim, rows, y)`` into a fresh buffer (``zeros_like`` ...) whose other uses
+    all come after its last accumulation -> ``torch.index_add(prev, dim, rows, y)``, later uses
+    reading the last one (export's functional form)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for buf in list(graph.nodes):
+        if _target(buf) not in _FRESH:
+            continue
+        adds = sorted((u for u in buf.users if _target(u) in _ACCUMULATE and u.args and u.args[0] is buf),
+                      key=order.__getitem__)
+        if not adds or any(order[u] < order[adds[-1]] for u in buf.users if u not in adds) \
+                or any(a is buf for u in adds for a in u.args[1:]):
+            continue
+        prev = buf
+        for u in adds:
+            with graph.inserting_before(u):
+                new = graph.call_function(torch.index_add, (prev, *u.args[1:]), dict(u.kwargs))
+            new.meta = dict(u.meta)
+            if u in raw_vals:
+                raw_vals[new] = raw_vals[u]
+            u.replace_all_uses_with(new)
+            graph.erase_node(u)
+            prev = new
+        for user in [u for u in buf.users if u in order and order[u] > order[adds[-1]]]:
+            user.args = torch.fx.node.map_arg(user.args, lambda a: prev if a is buf else a)
+            user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a: prev if a is buf else a)
+
+
 def _attention_dropout(node: torch.fx.Node) -> bool:
     p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
     return not (isinstance(p, (int, float)) and p == 0)
@@ -354,6 +439,13 @@ def _propagate_fake(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Non
     fake_inputs = [mode.from_tensor(t, static_shapes=True) for t in inputs]
     try:
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+    except DynamicOutputShapeException as exc:
+        raise CaptureError(
+            f"the captured graph computes a data-dependent shape ({exc.func}): galvatron_fx plans with static "
+            "shapes and estimates only the rows of one expert in a loop over experts, "
+            "rows = torch.where(F.one_hot(top_k_ids, num_classes=E).permute(2, 1, 0)[e]); fix: write the "
+            "expert mask that way, or compute the value with static shapes (grouped experts, a mask "
+            "multiply)") from exc
     except Exception as exc:  # noqa: BLE001
         raise CaptureError(f"shape propagation of the captured graph failed: {type(exc).__name__}: "
                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc

@@ -110,7 +110,7 @@ CASES = {
     "neox-cp2-compile": dict(door="compile", model="neox", plan=dict(dp=2, cp=2)),
     "tp2xcp2-ring": dict(world=4, plan=dict(tp=2, dp=2, cp=2)),
     # sequence parallelism inside a CP group: TP rank chunks of this rank's CP shard
-    "tp2-sp-xcp2-ring": dict(world=4, plan=dict(tp=2, sp=True, dp=2, cp=2)),
+    "tp2-sp-xcp2-ring": dict(matrix=True, world=4, plan=dict(tp=2, sp=True, dp=2, cp=2)),
     "tp2-sp-xcp2-ulysses-export": dict(matrix=True, world=4, method="export",
                                        plan=dict(tp=2, sp=True, dp=2, cp=2, cp_kind="ulysses")),
     "neox-tp2-sp-xcp2-compile": dict(matrix=True, world=4, door="compile", model="neox",

@@ -170,6 +170,12 @@ class LayerExperts:
     top_k: int
     hidden: int
     tokens_per_sample: float
+    loops: tuple = ()   # loop-form blocks: per block, per expert, its parameters' names (whole, not [E, ...])
+
+    def held(self, ep: int) -> dict[str, bool]:
+        """Loop experts' parameter name -> whether EP rank 0 of ``ep`` holds it (the first ``E / ep``
+        experts; every EP rank holds as many of one shape)."""
+        return {f: e < len(block) // ep for block in self.loops for e, names in enumerate(block) for f in names}
 
     def allows(self, ep: int) -> bool:
         return all(e % ep == 0 for e in self.num_experts)
@@ -310,9 +316,10 @@ class CostModel:
                 if not all(isinstance(b, MoEBlock) for b in blocks):
                     continue
                 x = tensor_val(blocks[0].x)
+                loops = tuple(tuple(tuple(p.target for p in ps) for ps in b.loop.params) for b in blocks if b.loop)
                 experts[i] = LayerExperts(frozenset(p.target for b in blocks for p in b.params),
                                           tuple(b.num_experts for b in blocks), blocks[0].top_k, int(x.shape[1]),
-                                          int(x.shape[0]) / capture_batch(self.gm))
+                                          int(x.shape[0]) / capture_batch(self.gm), loops)
                 names[i] = frozenset(n.name for b in blocks for n in b.nodes)
             self._moe_info = (experts, names)
         return self._moe_info
@@ -400,9 +407,11 @@ class CostModel:
     def expert_shapes(self, index: int, ep: int) -> tuple[list, list]:
         """This rank's expert weights of layer ``index`` under ``ep`` (``E / ep`` experts each, whole
         over TP), trainable and frozen: the shapes of its expert buffers."""
-        experts = self.experts(index).fqns
+        ex = self.experts(index)
+        held = ex.held(ep)   # a loop's experts: whole, E / ep of them
         self._owned_params(index)
-        shapes = {f: (s[0] // ep, *s[1:]) for f, s in self._shapes[index].items() if f in experts}
+        shapes = {f: s if f in held else (s[0] // ep, *s[1:]) for f, s in self._shapes[index].items()
+                  if f in ex.fqns and held.get(f, True)}
         return ([s for f, s in shapes.items() if f not in self._frozen],
                 [s for f, s in shapes.items() if f in self._frozen])
 

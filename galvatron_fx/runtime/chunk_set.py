@@ -27,6 +27,7 @@ class ChunkSet(nn.Module):
         self.params = ParamRegistry(first.rank, first.slots, first.pipelined, first.device, first.stage_ranks)
         for c in chunks:
             self.params.params.update(c.params.params)
+            self.params.elsewhere |= c.params.elsewhere
 
     # ------------------------------------------------------------- the stage
     @property

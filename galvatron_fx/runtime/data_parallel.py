@@ -96,6 +96,7 @@ class FlatParams(nn.Module):
         self.trainable = bool(trainable)   # False: frozen parameters (no gradient, no reduction)
         self.layer: int | None = None      # stage-local layer index (set by the data-parallel pass)
         self.tp_ranks: Ranks = (rank,)     # the layer's TP group (set by the data-parallel pass)
+        self.held_over: Ranks = ()         # a loop's experts: the EP group holding the others (same pass)
         self.dp = len(self.dp_ranks)
         self.dp_index = self.dp_ranks.index(rank)
         self.fqns = list(tensors)

@@ -88,6 +88,20 @@ def histc(x: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> t
     return torch.histc(x if x.is_floating_point() else x.float(), bins, min, max)
 
 
+def routed_rows(cond: torch.Tensor, num_experts: int, as_tuple: bool = True):
+    """``torch.nonzero(cond, as_tuple=as_tuple)``: the rows routed to one expert of a loop-form
+    experts block (``torch.where(mask[e])``, the normalise pass redirects it here). Under fake
+    tensors (shape propagation, the cost model's probe) its count is data-dependent: a uniform
+    router's ``ceil(cond.numel() / num_experts)`` rows (the ``k`` of every token spread evenly over
+    ``num_experts`` experts)."""
+    if not _is_fake(cond):
+        return torch.nonzero(cond, as_tuple=as_tuple)
+    n = -(-cond.numel() // max(int(num_experts), 1))
+    if as_tuple:
+        return tuple(torch.zeros(n, dtype=torch.long, device=cond.device) for _ in range(cond.dim()))
+    return torch.zeros((n, cond.dim()), dtype=torch.long, device=cond.device)
+
+
 def _sizes(n: int, group, size: int, device) -> list[int]:
     """Every rank's row count (a tiny all-gather): DP ranks may hold unequal batches."""
     mine = torch.tensor([n], dtype=torch.int64, device=device)

@@ -114,9 +114,11 @@ def _root(value: torch.Tensor, p: float) -> torch.Tensor:
 def global_norms(tensors, norm_type=2.0, *, others: bool = False, dtype=None,
                  stage_only: bool = False) -> list[torch.Tensor]:
     """The whole-parameter ``norm_type``-norm of each of ``tensors`` (module docstring), same on
-    every rank; with ``others``, followed by the norms of the parameters other ranks asked for and
-    this one did not (other pipeline stages'). ``stage_only``: reduce over this rank's pipeline
-    stage, not the world (a single tensor's norm: the stages call it for different parameters)."""
+    every rank; with ``others`` (torch's total, which only stacks them), the plain tensors' norms
+    then those of every parameter some rank asked for (other pipeline stages', other EP ranks'
+    experts), in slot order: the same list, so the same total, on every rank. ``stage_only``:
+    reduce over this rank's pipeline stage, not the world (a single tensor's norm: the stages call
+    it for different parameters)."""
     p = _order(norm_type)
     tensors = list(tensors)
     out: list = [None] * len(tensors)
@@ -139,9 +141,9 @@ def global_norms(tensors, norm_type=2.0, *, others: bool = False, dtype=None,
         for pos, spec, _t in items:
             out[pos] = norms[spec.slot]
         if others:
-            mine = torch.zeros_like(asked, dtype=torch.bool)
-            mine[torch.tensor([s.slot for _, s, _ in items], device=asked.device, dtype=torch.long)] = True
-            extra += list(norms[(asked > 0) & ~mine])
+            extra += list(norms[asked > 0])
+    if others:
+        out, tensors = [out[i] for i in plain], [tensors[i] for i in plain] + [tensors[0]] * len(extra)
     result = []
     for n, t in zip(out + extra, tensors + [None] * len(extra)):
         want = dtype or (t.dtype if t is not None and t.is_floating_point() else torch.float32)
@@ -181,8 +183,9 @@ def _whole_norm(x, ord_, dim, dtype, fallback):
         with torch._C.DisableTorchFunctionSubclass():
             return fallback()
     if x._gfx.registry.pipelined and _called_by_total_norm():
-        raise ConfigError("torch.nn.utils.clip_grad_norm_(..., foreach=False) sees only this pipeline stage's "
-                          "gradients; use dist_model.clip_grad_norm_(max_norm), which covers every stage")
+        raise ConfigError("torch.nn.utils.clip_grad_norm_(..., foreach=False) sees only this rank's gradients (its "
+                          "pipeline stage's, its experts'); use dist_model.clip_grad_norm_(max_norm), which covers "
+                          "every parameter")
     return global_norms([x], ord_, dtype=dtype, stage_only=True)[0]
 
 

@@ -333,11 +333,19 @@ class DistributedModel(torch.fx.GraphModule):
         self.sync_params()
         out: dict[str, torch.Tensor] = {}
         for s in self._stores:
+            mine = {}
             for fqn, t in s.unsharded().items():
                 if fqn in self._tp_shards:
                     info, ranks = self._tp_shards[fqn]
                     t = _unshard(t, info, ranks)
-                out[fqn] = t.detach().clone()
+                mine[fqn] = t.detach().clone()
+            if len(s.held_over) > 1:   # a loop's experts: every EP rank holds its own
+                from .groups import group
+
+                held: list = [None] * len(s.held_over)
+                dist.all_gather_object(held, mine, group=group(s.held_over))
+                mine = {k: v.to(s.flat_param.device) for d in held for k, v in d.items()}
+            out.update(mine)
         return out
 
     def states_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:

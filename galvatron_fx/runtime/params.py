@@ -311,7 +311,8 @@ class ParamRegistry:
 
     ``params``: fqn -> :class:`ShardedParameter` (new objects, or the user's own under
     torch.compile); ``slots``: the number of parameters of the whole model (every stage's) and
-    ``pipelined``: whether other ranks hold other stages (see :mod:`.grad_norm`).
+    ``pipelined``: whether other ranks hold parameters this one does not (other stages', other EP
+    ranks' experts of a loop; see :mod:`.grad_norm`).
     """
 
     def __init__(self, rank: int, slots: int, pipelined: bool, device: torch.device,
@@ -319,6 +320,7 @@ class ParamRegistry:
         self.rank, self.slots, self.pipelined, self.device = rank, slots, pipelined, device
         self.stage_ranks = tuple(stage_ranks)
         self.params: dict[str, ShardedParameter] = {}
+        self.elsewhere: set[str] = set()   # parameters other ranks of this stage hold (a loop's other experts)
         self._trainable: list | None = None   # attach_grads' per-parameter spans, built on first use
 
     def stage_group(self) -> tuple[bool, Any]:
@@ -399,7 +401,7 @@ class ParamRegistry:
         ``full_state_dict()``, a consolidated checkpoint, a pretrained model's ``state_dict()``)
         into its parameter. Returns ``(missing, unexpected)`` fqns; raises on a shape mismatch."""
         missing = [f for f in self.params if f not in state]
-        unexpected = [k for k in state if k not in self.params]
+        unexpected = [k for k in state if k not in self.params and k not in self.elsewhere]
         if strict and (missing or unexpected):
             raise ConfigError(f"load_state_dict: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
                               f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")

@@ -16,8 +16,16 @@ dense layers. Expert parallelism (:mod:`galvatron_fx.runtime.experts`) runs the 
 ranks' tokens with this rank's experts only; the cost model reads ``params`` (the expert weights)
 and ``top_k``.
 
-A loop over an ``nn.ModuleList`` of expert modules (data-dependent control flow) does not capture
-as one graph; :func:`moe_blocks` finds none there and ``ep > 1`` is refused with that reason.
+A *loop-form* block (``kind="loop"``: transformers 4.x Mixtral, most research code) iterates over
+an ``nn.ModuleList`` of ``E`` expert modules: ``mask = one_hot(index, E).permute(2, 1, 0)``, then
+for ``e in range(E)``: ``rows = torch.where(mask[e])``, expert ``e`` on ``x[rows]`` times the rows'
+weights, accumulated with ``out.index_add_(0, rows, y)`` into ``out = zeros_like(x)``. Capture
+unrolls the loop; the normalise pass (:mod:`galvatron_fx.passes.normalize`) gives every front end
+the same graph (the row lookup :func:`~galvatron_fx.runtime.experts.routed_rows`, a functional
+accumulation). The block is the one-hot mask, the ``E`` iterations (each reading only its expert's
+parameters, ``<list>.<e>.*``) and the accumulation; inputs and output as above. Expert parallelism
+runs only this rank's iterations and holds only their experts' parameters. A loop that skips
+experts (``for e in expert_hit``, data-dependent control flow) does not capture as one graph.
 """
 
 from __future__ import annotations
@@ -36,10 +44,10 @@ from .state import is_param, op_name, tensor_val
 class MoEBlock:
     """One experts block (see the module docstring). Node lists are in graph order."""
 
-    path: str                        # module path of the experts module
+    path: str                        # module path of the experts module (loop: the expert list)
     nodes: list[torch.fx.Node]       # the block's nodes, parameters excluded
-    params: list[torch.fx.Node]      # the expert weights' get_attr nodes ([E, ...] parameters)
-    grouped: list[torch.fx.Node]     # its grouped matmuls
+    params: list[torch.fx.Node]      # the expert weights' get_attr nodes ([E, ...]; loop: every expert's)
+    grouped: list[torch.fx.Node]     # its grouped matmuls (loop: the experts' linears)
     x: torch.fx.Node
     index: torch.fx.Node
     weights: torch.fx.Node
@@ -47,6 +55,8 @@ class MoEBlock:
     output: torch.fx.Node
     num_experts: int
     top_k: int
+    kind: str = "grouped"            # "grouped" | "loop"
+    loop: LoopExperts | None = None  # kind "loop": the iterations
 
     def routers(self, depth: int = 8) -> list[torch.fx.Node]:
         """The linears computing the router's logits (within ``depth`` ops of the top-k outputs)."""
@@ -80,6 +90,17 @@ class MoEBlock:
             (f := getattr(info(s), "batch_factor", None)) is not None and f % kx == 0 for s in self.sizes)
 
 
+@dataclass
+class LoopExperts:
+    """The unrolled iterations of a loop-form block, in expert order (``e = 0 .. E-1``)."""
+
+    one_hot: torch.fx.Node                 # one_hot(index, E): the expert mask
+    selectors: list[torch.fx.Node]         # mask[e] (a getitem / select of constant index e)
+    iterations: list[list[torch.fx.Node]]  # each expert's nodes (parameters and its accumulation excluded)
+    params: list[list[torch.fx.Node]]      # each expert's parameters
+    accumulate: list[torch.fx.Node]        # each expert's accumulation (index_add into the running sum)
+
+
 class NotAnExpertsBlock(Exception):
     """Why a module with grouped expert weights cannot run expert-parallel."""
 
@@ -110,10 +131,11 @@ def expert_modules(nodes) -> dict[str, int]:
 
 def moe_blocks(graph: torch.fx.Graph, nodes=None) -> list[MoEBlock | NotAnExpertsBlock]:
     """The experts blocks among ``nodes`` (default: the whole graph), in graph order; a module with
-    grouped expert weights whose code does not have the expected shape gives a
-    :class:`NotAnExpertsBlock` saying why instead."""
+    grouped expert weights (or a loop over experts) whose code does not have the expected shape
+    gives a :class:`NotAnExpertsBlock` saying why instead."""
     nodes = list(graph.nodes) if nodes is None else list(nodes)
-    return [_block(nodes, path, e) for path, e in expert_modules(nodes).items()]
+    found = [_block(nodes, path, e) for path, e in expert_modules(nodes).items()]
+    return found + [_loop_block(nodes, oh, rows) for oh, rows in _expert_loops(nodes).items()]
 
 
 def _block(nodes, path: str, num_experts: int) -> MoEBlock | NotAnExpertsBlock:
@@ -159,6 +181,198 @@ def _block(nodes, path: str, num_experts: int) -> MoEBlock | NotAnExpertsBlock:
             return NotAnExpertsBlock(f"{path}: parameter {p.target} is not indexed by expert on dim 0")
     return MoEBlock(path, body, params, grouped, xs[0], index, weights[0], sizes, out, num_experts,
                     int(k_shape[1]))
+
+
+# ------------------------------------------------------------------------------ loop form
+_ACCUMULATE = ("index_add",)
+_FRESH = ("zeros_like", "zeros", "new_zeros")
+
+
+def is_routed_rows(node: torch.fx.Node) -> bool:
+    """Whether ``node`` calls :func:`galvatron_fx.runtime.experts.routed_rows` (known by name: the
+    sharding layer sits below the runtime)."""
+    t = node.target
+    return node.op == "call_function" and getattr(t, "__name__", "") == "routed_rows" \
+        and getattr(t, "__module__", "") == "galvatron_fx.runtime.experts"
+
+
+def _stack(node: torch.fx.Node) -> list[str]:
+    return list(node.meta.get("nn_module_stack") or {})
+
+
+def expert_lists(graph: torch.fx.Graph) -> set[str]:
+    """Paths of the module lists whose elements run on the rows ``routed_rows`` picks: a
+    loop's experts (the layer grouping takes them for no repeated blocks)."""
+    out: set[str] = set()
+    for r in graph.nodes:
+        if not is_routed_rows(r):
+            continue
+        own, frontier = set(_stack(r)), [r]
+        for _ in range(3):   # rows -> x[rows] -> the expert's first op
+            frontier = [u for n in frontier for u in n.users]
+            for u in frontier:
+                out.update(p.rpartition(".")[0] for p in _stack(u)
+                           if p not in own and p.rpartition(".")[2].isdigit())
+    return out
+
+
+def _one_hot_of(node, depth: int = 6):
+    """``(one_hot node, e)`` when ``node`` is ``mask[e]`` of a view of ``one_hot(index, E)``."""
+    sel = node
+    if op_name(sel) == "getitem" and isinstance(sel.args[1], int):
+        e = sel.args[1]
+    elif op_name(sel) == "select" and len(sel.args) == 3 and sel.args[1] == 0 and isinstance(sel.args[2], int):
+        e = sel.args[2]
+    else:
+        return None, None
+    for _ in range(depth):
+        node = node.args[0] if isinstance(node, torch.fx.Node) and node.args else None
+        if not isinstance(node, torch.fx.Node):
+            return None, None
+        if op_name(node) == "one_hot":
+            return node, e
+    return None, None
+
+
+def _expert_loops(nodes) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """one_hot node -> the ``routed_rows`` calls reading it (one per iteration), in graph order."""
+    out: dict = {}
+    for n in nodes:
+        if is_routed_rows(n):
+            oh, _e = _one_hot_of(n.args[0])
+            out.setdefault(oh, []).append(n)
+    return out
+
+
+def _descendants(start: torch.fx.Node, within: set) -> set:
+    seen, todo = set(), [start]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u in within and u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return seen
+
+
+def _element(fqn: str) -> str | None:
+    """The innermost list element holding parameter ``fqn`` (``"layers.0.moe.experts.3"``)."""
+    parts = fqn.split(".")
+    last = max((i for i, p in enumerate(parts[:-1]) if p.isdigit()), default=None)
+    return None if last is None else ".".join(parts[:last + 1])
+
+
+def _ancestors(start: torch.fx.Node, within: set) -> set:
+    seen, todo = set(), [start]
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a in within and a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return seen
+
+
+def _loop_block(nodes, oh, rows) -> MoEBlock | NotAnExpertsBlock:
+    where = getattr(oh, "name", "a loop over experts")
+    if oh is None:
+        return NotAnExpertsBlock(f"{rows[0].name}: rows looked up in something else than a one-hot expert mask "
+                                 "mask[e] (mask = F.one_hot(top-k ids, E)...)")
+    num_experts = int(rows[0].args[1])
+    sel = [r.args[0] for r in rows]
+    order = {n: i for i, n in enumerate(nodes)}
+    es = [_one_hot_of(s)[1] for s in sel]
+    if sorted(es) != list(range(num_experts)):
+        return NotAnExpertsBlock(f"{where}: the loop visits experts {sorted(es)}, expected each of 0..{num_experts - 1} "
+                                 "once (for e in range(E))")
+    sel = [sel[es.index(e)] for e in range(num_experts)]
+    within = set(nodes)
+    down = [_descendants(s, within) | {s} for s in sel]
+    # the accumulation: from a fresh buffer, one index_add per expert, each adding that expert's rows
+    seeds = [n for n in nodes if op_name(n) in _FRESH and any(op_name(u) in _ACCUMULATE for u in n.users)]
+    chain, owner = [], {}
+    cur = next((z for z in seeds if any(u.args[0] is z and any(u in d for d in down) for u in z.users)), None)
+    while cur is not None:
+        nxt = [u for u in cur.users if op_name(u) in _ACCUMULATE and u.args[0] is cur]
+        if len(nxt) != 1:
+            break
+        u = nxt[0]
+        hit = [e for e, d in enumerate(down) if all(a in d for a in u.all_input_nodes if a is not cur)]
+        if len(hit) != 1 or hit[0] in owner.values():
+            return NotAnExpertsBlock(f"{where}: {u.name} does not add the rows of exactly one expert")
+        owner[u] = hit[0]
+        chain.append(u)
+        cur = u
+    if sorted(owner.values()) != list(range(num_experts)):
+        return NotAnExpertsBlock(f"{where}: the experts' outputs must be accumulated into one fresh tensor, "
+                                 "out = torch.zeros_like(x); out.index_add_(0, rows, y) per expert")
+    output, seed = chain[-1], chain[0].args[0]
+    acc = {e: u for u, e in owner.items()}
+    # each iteration: its expert's nodes, plus what only they read (its parameters, export's
+    # per-iteration views of the shared inputs: w[rows, idx, None] -> unsqueeze(w) ...)
+    hits: dict = {}
+    for d in down:
+        for n in d:
+            hits[n] = hits.get(n, 0) + 1
+    iterations = [[n for n in nodes if n in d and hits[n] == 1 and n not in owner] for d in down]
+    params: list[list[torch.fx.Node]] = []
+    for it in iterations:
+        mine, todo = set(it), list(it)
+        while todo:
+            for a in todo.pop().all_input_nodes:
+                if a not in mine and a in within and a.op != "placeholder" and all(u in mine for u in a.users):
+                    mine.add(a)
+                    todo.append(a)
+        params.append([n for n in nodes if n in mine and is_param(n)])
+        it[:] = [n for n in nodes if n in mine and not is_param(n)]
+    elements = [{_element(p.meta[META_KEY].param.fqn) for p in ps} for ps in params]
+    if any(len(el) != 1 or None in el for el in elements) or len(set().union(*elements)) != num_experts \
+            or len({next(iter(el)).rpartition(".")[0] for el in elements}) != 1:
+        return NotAnExpertsBlock(f"{where}: each iteration must read the parameters of its own element of one "
+                                 "module list of experts (experts[e]) and no other parameter")
+    shapes = [[(p.meta[META_KEY].param.fqn.removeprefix(next(iter(el))), tuple(tensor_val(p).shape)) for p in ps]
+              for el, ps in zip(elements, params)]
+    if any(sorted(sh) != sorted(shapes[0]) for sh in shapes):
+        return NotAnExpertsBlock(f"{where}: the experts differ in their parameters; expert parallelism splits "
+                                 "experts of one shape")
+    above = set().union(*(_ancestors(s, within) for s in sel))
+    body = set().union(*iterations) | set(chain) | set(sel) | {seed, oh} | (_descendants(oh, within) & above)
+    flat = [p for ps in params for p in ps]
+    external: list[torch.fx.Node] = []
+    grew = True
+    while grew:   # what the block reads from outside; metadata of an input (x.dtype) comes inside
+        grew, external = False, []
+        for n in sorted(body, key=order.__getitem__):
+            for a in n.all_input_nodes:
+                if a in body or a in flat or a in external:
+                    continue
+                if a.op == "call_function" and op_name(a) == "getattr" and not isinstance(a.meta.get("val"), int):
+                    body.add(a)
+                    grew = True
+                else:
+                    external.append(a)
+    leaving = [n for n in body if any(u not in body for u in n.users)]
+    if leaving != [output]:
+        return NotAnExpertsBlock(f"{where}: {sorted(n.name for n in leaving)} leave the loop over experts, expected "
+                                 "only the accumulated tokens")
+    tensors = [a for a in external if tensor_val(a) is not None]
+    ints = [a for a in tensors if not tensor_val(a).is_floating_point()]
+    floats = [a for a in tensors if tensor_val(a).is_floating_point()]
+    index = oh.args[0]
+    k_shape = tuple(tensor_val(index).shape) if tensor_val(index) is not None else ()
+    weights = [a for a in floats if tuple(tensor_val(a).shape) == k_shape]
+    xs = [a for a in floats if a not in weights]
+    if ints != [index] or len(k_shape) != 2 or len(weights) != 1 or len(xs) != 1 or tensor_val(xs[0]).dim() != 2:
+        return NotAnExpertsBlock(f"{where}: its inputs are {[a.name for a in tensors]}, expected tokens [T, H], "
+                                 "top-k expert ids and top-k weights [T, k]")
+    if tuple(tensor_val(output).shape) != tuple(tensor_val(xs[0]).shape):
+        return NotAnExpertsBlock(f"{where}: its output {tuple(tensor_val(output).shape)} is not shaped like its "
+                                 f"tokens {tuple(tensor_val(xs[0]).shape)}")
+    loop = LoopExperts(oh, sel, iterations, params, [acc[e] for e in range(num_experts)])
+    linears = [n for it in iterations for n in it if op_name(n) in ("linear", "matmul", "mm", "addmm")]
+    path = next(iter(elements[0])).rpartition(".")[0]
+    return MoEBlock(path, sorted(body, key=order.__getitem__), flat, linears, xs[0], index, weights[0],
+                    [a for a in external if tensor_val(a) is None], output, num_experts, int(k_shape[1]),
+                    kind="loop", loop=loop)
 
 
 def layer_blocks(gm: torch.fx.GraphModule) -> dict[int, list[MoEBlock | NotAnExpertsBlock]]:
