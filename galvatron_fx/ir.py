@@ -62,12 +62,23 @@ class ShardInfo:
     Along ``dim`` the full tensor is a sequence of ``blocks`` (global sizes; one block unless a fused
     projection such as q/k/v is sharded per block); rank ``r`` of the ``tp`` ranks holds chunk ``r``
     of every block, concatenated. :func:`galvatron_fx.sharding.unshard` reassembles.
+
+    ``inner``: a further split of that chunk (expert tensor parallelism: a dim-0 shard of ``[E, ...]``
+    expert weights over the EP group, ``inner`` each expert's TP shard); the parameter then spans
+    :attr:`parts` ranks, ordered outer-major (rank ``r * inner.parts + i`` holds chunk ``i`` of
+    outer chunk ``r``).
     """
 
     dim: int
     tp: int
     rank: int
     blocks: tuple[int, ...]
+    inner: ShardInfo | None = None
+
+    @property
+    def parts(self) -> int:
+        """How many ranks hold distinct pieces: ``tp`` times the inner split's."""
+        return self.tp * (self.inner.parts if self.inner is not None else 1)
 
 
 @dataclass

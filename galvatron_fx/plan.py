@@ -21,6 +21,11 @@ top-level keys (e.g. ``baselines``) and unknown per-layer keys are kept and writ
 form (``repr``), so identical plans give byte-identical files and ``load`` then ``save`` reproduces
 a file exactly. Per layer, ``ep`` (expert parallel), ``cp`` (context parallel) and ``cp_kind``
 (``"ring"`` | ``"ulysses"``) are optional: a plan written before them reads as 1, 1, ``"ring"``.
+Per-layer extras the runtime reads: ``ep_dispatch`` (``"allgather"`` | ``"alltoall"``, the token
+exchange of an ``ep > 1`` layer, default all-gather) and ``expert_tp`` (a bool, default true: with
+``ep > 1``, ``tp > 1`` and no ``sp`` each grouped expert weight is sharded over the TP group too,
+Megatron's expert tensor parallelism, ``1 / (ep * tp)`` of the expert states per rank; false keeps
+the experts whole over TP and splits the tokens over the TP ranks; :attr:`LayerPlan.expert_tp`).
 
 Estimate values may be ``null`` (``None``): "not estimated" (hand-made plans before
 ``gfx.estimate``). An empty ``model_fingerprint`` means "not recorded".
@@ -85,7 +90,18 @@ class LayerPlan:
     @property
     def strategy(self) -> Strategy:
         """The layer's :class:`~galvatron_fx.solver.strategy.Strategy`."""
-        return Strategy(self.tp, self.dp, self.sdp, self.sp, self.ckpt, self.ep, self.cp, self.cp_kind)
+        return Strategy(self.tp, self.dp, self.sdp, self.sp, self.ckpt, self.ep, self.cp, self.cp_kind,
+                        self.extra.get("expert_tp", True) is not False)
+
+    @property
+    def expert_tp(self) -> bool:
+        """Whether the layer's experts run tensor parallel (expert tensor parallelism, ETP):
+        ``extra["expert_tp"]`` (default true) with ``ep > 1``, ``tp > 1`` and no ``sp``. Each
+        expert weight is then split by expert over the EP group *and* along its FFN width over the
+        TP group (every TP rank runs the same tokens, the partial outputs are summed over TP);
+        ``extra["expert_tp"] = false`` keeps the experts whole over TP and splits the tokens over
+        the TP ranks instead (:mod:`galvatron_fx.runtime.experts`)."""
+        return self.strategy.shards_experts
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.extra, "name": self.name, "tp": self.tp, "sp": self.sp, "dp": self.dp,
@@ -222,6 +238,8 @@ class Plan:
             if dp % ep:
                 raise ConfigError(f"plan {w} ({layer.name!r}): ep={ep} does not divide dp={dp}; the experts are "
                                   f"split over ep ranks of the data-parallel group: use an ep dividing {dp}")
+            if not isinstance(layer.extra.get("expert_tp", True), bool):
+                raise ConfigError(f"plan {w}.expert_tp must be true or false, got {layer.extra['expert_tp']!r}")
             cp = _need_int(f"{w}.cp", layer.cp)
             if dp % cp:
                 raise ConfigError(f"plan {w} ({layer.name!r}): cp={cp} does not divide dp={dp}; the sequence is "
@@ -500,14 +518,16 @@ def _schedule_lines(chosen: str, found: dict) -> list[str]:
 
 
 def _ep_lines(layers: list[LayerPlan]) -> list[str]:
-    """One line per distinct expert-parallel setting: the layers, ``ep`` and the token dispatch."""
+    """One line per distinct expert-parallel setting: the layers, ``ep``, the token dispatch and
+    how the experts run over TP (expert TP: sharded; token split: whole, the tokens split)."""
     groups: dict[tuple, list[str]] = {}
     for lp in layers:
         if lp.ep > 1:
-            groups.setdefault((lp.ep, lp.extra.get("ep_dispatch", "allgather")), []).append(lp.name)
-    return [f"expert parallelism: ep {ep} ({dispatch} dispatch) on {len(names)} layer(s): {', '.join(names[:3])}"
-            f"{' ...' if len(names) > 3 else ''} (applies to layers with experts; others run ep 1)"
-            for (ep, dispatch), names in groups.items()]
+            over_tp = "" if lp.tp == 1 else ", experts sharded over tp" if lp.expert_tp else ", tokens split over tp"
+            groups.setdefault((lp.ep, lp.extra.get("ep_dispatch", "allgather"), over_tp), []).append(lp.name)
+    return [f"expert parallelism: ep {ep} ({dispatch} dispatch{over_tp}) on {len(names)} layer(s): "
+            f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''} (applies to layers with experts; others run ep 1)"
+            for (ep, dispatch, over_tp), names in groups.items()]
 
 
 def _tp_lines(layers: list[LayerPlan]) -> list[str]:

@@ -275,6 +275,8 @@ def _plan(result: SearchResult, names: list[str], world_size: int, fingerprint: 
         if s.ep > 1 and cm is not None:   # the token exchange the cost model found cheaper
             n = result.global_batch_size / result.micro_batches / s.dp
             lp.extra["ep_dispatch"] = cm.ep_dispatch(i, n, s)[0]
+            if cm.expert_tp_of(i, s) > 1:   # priced so (the search's default): experts sharded over TP
+                lp.extra["expert_tp"] = True
         if s.cp > 1 and cm is not None:   # explain(): the attention exchanges, seconds per micro-batch
             n = result.global_batch_size / result.micro_batches / s.dp
             lp.extra["cp_exchange_s"] = float(f"{cm.cp_terms(i, n, s)[0]:.6g}")

@@ -25,6 +25,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from ..runtime.module import DistributedModel
 from ..runtime.params import ParamRegistry, ParamSpec, ShardedParameter
+from ..sharding import full_shape
 from .base import check
 from .context import ContextPass, ParallelContext
 
@@ -42,13 +43,11 @@ def build_registry(ctx: ParallelContext, stores, user: dict[str, nn.Parameter] |
     for store in stores:
         for i, (fqn, shape) in enumerate(zip(store.fqns, store.shapes)):
             shard = ctx.tp_shards.get(fqn, (None, ()))[0]
-            global_shape = list(shape)
-            if shard is not None:
-                global_shape[shard.dim] = sum(shard.blocks)
+            global_shape = full_shape(shape, shard)
             if fqn not in slots:   # NOTE: a graph made without gfx.capture's records: slots of its own
                 slots[fqn] = len(slots)
                 registry.slots = len(slots)
-            spec = ParamSpec(fqn, store, i, shard, tuple(global_shape), slots[fqn], registry)
+            spec = ParamSpec(fqn, store, i, shard, global_shape, slots[fqn], registry)
             registry.add(spec, user.get(fqn))
     return registry
 

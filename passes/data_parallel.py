@@ -11,7 +11,8 @@ states, which they have none of); see :mod:`galvatron_fx.runtime.data_parallel`.
 in ``ctx.stores`` (layer order; per layer trainable first). An expert-parallel layer's expert weights
 (``ctx.expert_params``, :mod:`.expert_parallel`) go into two more buffers, ``expert_params`` and
 ``frozen_expert_params``, reduced / sharded over the ranks holding the same experts
-(:meth:`~galvatron_fx.runtime.groups.Layout.expert_dp_ranks`), their ``tp_ranks`` the EP group; a
+(:meth:`~galvatron_fx.runtime.groups.Layout.expert_dp_ranks`), their ``tp_ranks`` the EP group
+(expert TP: :meth:`~galvatron_fx.runtime.groups.Layout.expert_ranks`); a
 loop-form block's experts (``ctx.held_experts``: whole parameters) into ``held_expert_params`` /
 ``frozen_held_expert_params``, reduced alike, ``held_over`` the EP group. A layer that mixes the samples of a
 batch computes on the whole batch on every DP rank (``ctx.whole_batch``): its store scales the
@@ -38,6 +39,7 @@ views, :mod:`.bind_parameters`). Returns the store, or ``None`` when there is no
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -67,7 +69,7 @@ class DataParallelPass(ContextPass):
         buckets: dict[tuple, GradBuckets] = {}
         for i, lp in enumerate(ctx.stage_plan.layers):
             layer = getattr(graph_module, layer_module_name(i))
-            lay = Layout(lp.tp, lp.dp, base=ctx.base, ep=lp.ep)
+            lay = Layout(lp.tp, lp.dp, base=ctx.base, ep=lp.ep, etp=lp.expert_tp)
             experts = ctx.expert_params.get(i, set())
 
             def kind(fqn, experts=experts):
@@ -82,16 +84,19 @@ class DataParallelPass(ContextPass):
                                                   (False, "frozen_held_expert_params", frozen_mode, "held")):
                 nodes = [n for n in layer.graph.nodes if is_param_node(n) and is_trainable_param(n) == trainable
                          and kind(n.target) == expert]
-                dp_ranks = lay.expert_dp_ranks(ctx.rank) if expert else lay.dp_ranks(ctx.rank)
+                # NOTE: a loop's experts stay whole over TP even under expert TP (grouped ones only)
+                xlay = lay if expert == "split" else dataclasses.replace(lay, etp=False)
+                dp_ranks = xlay.expert_dp_ranks(ctx.rank) if expert else lay.dp_ranks(ctx.rank)
                 store = flatten_layer_params(layer, mode, dp_ranks, ctx.rank, ctx.bucket_bytes,
                                              ckpt=lp.ckpt, compute_dtype=ctx.precision.compute_dtype,
                                              reduce_dtype=ctx.precision.reduce_dtype, nodes=nodes, attr=attr)
                 if store is None:
                     continue
                 # NOTE: a grouped expert weight is a dim-0 shard over its EP group (ctx.tp_shards), whole
-                # over TP; a loop's experts are whole on the EP rank holding them (the others' gathered
-                # from the EP group by full_state_dict)
-                store.layer, store.tp_ranks = i, lay.ep_ranks(ctx.rank) if expert == "split" else lay.tp_ranks(ctx.rank)
+                # over TP (expert TP: sharded there too, its pieces over Layout.expert_ranks); a loop's
+                # experts are whole on the EP rank holding them (the others' gathered from the EP group
+                # by full_state_dict)
+                store.layer, store.tp_ranks = i, lay.expert_ranks(ctx.rank) if expert == "split" else lay.tp_ranks(ctx.rank)
                 if expert == "held":
                     store.held_over = lay.ep_ranks(ctx.rank)
                 if ctx.holds_whole_batch(i):   # every DP rank computes the whole batch's gradient

@@ -15,6 +15,14 @@ every layer whose plan entry has ``ep > 1`` and every experts block in it
   TP shard) and in ``ctx.expert_params`` (the data-parallel pass reduces its gradient over the
   ranks holding the same experts).
 
+Expert tensor parallelism (``lp.expert_tp``, grouped blocks): the tensor-parallel pass has sharded
+each expert weight along its FFN width and put its collectives inside the block (``f`` before the
+column-parallel grouped matmul, the all-reduce after the row-parallel one); the block carries them
+along, :class:`ExpertParallel` runs every TP rank on the same dispatched tokens (no token split)
+and each rank keeps ``[E / ep, F / tp, ...]``: a nested ``ShardInfo`` (dim 0 over the EP group,
+inner the TP shard) over :meth:`~galvatron_fx.runtime.groups.Layout.expert_ranks`, its gradient
+reduced over the ranks holding the same slice.
+
 A loop-form block (``kind="loop"``: an unrolled loop over a module list of experts) runs the same
 way, its GraphModule holding only this rank's iterations (experts ``[e * E / ep, (e + 1) * E / ep)``,
 renumbered from 0; the expert mask gets one more class, the sentinel's). The other experts'
@@ -70,7 +78,7 @@ class ExpertParallelPass(ContextPass):
             if ctx.holds_whole_batch(i):
                 raise ConfigError(f"layer {lp.name}: ep={lp.ep} on a layer mixing the samples of a batch is not "
                                   "supported; use ep=1 there")
-            lay = Layout(lp.tp, lp.dp, lp.sp, ctx.base, lp.ep)
+            lay = Layout(lp.tp, lp.dp, lp.sp, ctx.base, lp.ep, etp=lp.expert_tp)
             for j, b in enumerate(blocks):
                 if isinstance(b, NotAnExpertsBlock):
                     raise ConfigError(f"layer {lp.name}: ep={lp.ep} cannot split its experts: {b}; use ep=1")
@@ -87,8 +95,10 @@ class ExpertParallelPass(ContextPass):
         ctx, rank = self.ctx, self.ctx.rank
         ep_ranks = lay.ep_ranks(rank)
         ep_index = ep_ranks.index(rank)
-        # NOTE: TP ranks holding the same tokens split them (sequence-parallel shards are apart already)
-        tp = lay.tp if b.x.meta.get(TOKENS_KEY, "replicated") == "replicated" else 1
+        # NOTE: TP ranks holding the same tokens split them (sequence-parallel shards are apart
+        # already; under expert TP every TP rank computes its width slice of all of them)
+        etp = lay.etp and b.kind == "grouped"
+        tp = lay.tp if b.x.meta.get(TOKENS_KEY, "replicated") == "replicated" and not etp else 1
         tp_key = tp_ops.register_group(group(lay.tp_ranks(rank)), lay.tp) if tp > 1 else None
         per = b.num_experts // lay.ep
         lo = ep_index * per
@@ -133,9 +143,13 @@ class ExpertParallelPass(ContextPass):
             with torch.no_grad():
                 local = full.detach()[lo:lo + per].clone()
             _set_param(layer, p.target, nn.Parameter(local, requires_grad=full.requires_grad))
-            shard = ShardInfo(0, lay.ep, ep_index, (b.num_experts,))
+            inner = node_info(p).shard if etp else None   # the TP shard along the width
+            if etp and inner is None:
+                raise ConfigError(f"layer {ctx.stage_plan.layers[i].name}: expert tensor parallelism left "
+                                  f"{p.target} whole over tp={lay.tp}; set the layer's extra expert_tp to false")
+            shard = ShardInfo(0, lay.ep, ep_index, (b.num_experts,), inner)
             node_info(p).shard = shard
-            ctx.tp_shards[p.target] = (shard, ep_ranks)
+            ctx.tp_shards[p.target] = (shard, lay.expert_ranks(rank) if etp else ep_ranks)
             fqns.add(p.target)
             if "val" in p.meta:
                 p.meta["val"] = p.meta["val"][lo:lo + per]

@@ -104,14 +104,17 @@ def apply_tensor_parallel(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[in
                           tp_group_of: Callable[[int], object],
                           gather_outputs: bool = False,
                           layer_ep: dict[int, int] | None = None,
-                          layer_cp: dict[int, int] | None = None) -> torch.fx.GraphModule:
+                          layer_cp: dict[int, int] | None = None,
+                          expert_tp: frozenset[int] | set[int] = frozenset()) -> torch.fx.GraphModule:
     """Shard the layers of ``layer_tp`` (layer index -> (tp degree, sp flag)); see the module docstring.
 
     ``tp_rank_of(layer)`` is this rank's index in the layer's TP group, ``tp_group_of(layer)`` the
     ProcessGroup (None = the default group). ``gather_outputs``: all-gather vocab-sharded graph
     outputs (for a ``loss_fn`` reading them) instead of leaving them marked shards. Edits ``gm`` in
     place and returns it. ``layer_ep`` (layer index -> ep): the experts of layers with ``ep > 1``
-    stay whole (expert parallelism splits them by expert instead, :mod:`.expert_parallel`).
+    stay whole (expert parallelism splits them by expert instead, :mod:`.expert_parallel`), except
+    in the layers of ``expert_tp`` (expert tensor parallelism: their grouped expert weights are
+    sharded along their width here, then split by expert there; the routers stay whole).
     ``layer_cp`` (layer index -> cp): sequence-parallel chunks cross a boundary only between layers
     of the same cp (they are chunks of a CP shard); elsewhere they are gathered and re-scattered.
 
@@ -121,7 +124,7 @@ def apply_tensor_parallel(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[in
     """
     layer_tp = {int(k): (int(v[0]), bool(v[1])) for k, v in layer_tp.items() if int(v[0]) > 1}
     split = split_blocks(gm, layer_ep or {})
-    keep = keep_whole(split, layer_ep or {})
+    keep = keep_whole(split, layer_ep or {}, expert_tp)
     plans = analyze(gm, layer_tp, keep)
     _mark_expert_tokens(split, plans)
     _warn_shards_nothing(gm, plans)
@@ -539,7 +542,8 @@ class TensorParallelPass(ContextPass):
                                    tp_group_of=lambda i: process_group(layouts[i].tp_ranks(rank)),
                                    gather_outputs=ctx.loss_fn is not None,
                                    layer_ep={i: lp.ep for i, lp in enumerate(ctx.stage_plan.layers)},
-                                   layer_cp={i: lp.cp for i, lp in enumerate(ctx.stage_plan.layers)})
+                                   layer_cp={i: lp.cp for i, lp in enumerate(ctx.stage_plan.layers)},
+                                   expert_tp={i for i, lp in enumerate(ctx.stage_plan.layers) if lp.expert_tp})
         ctx.tp_shards = {fqn: (shard, layouts[layer].tp_ranks(rank))
                          for fqn, (shard, layer) in _shards(gm).items()}
         return PassResult(gm, True)

@@ -97,6 +97,11 @@ CASES = {
                                                               ckpt=True)),
     "qwen2-moe-alltoall-tp2xdp2-ep2-compile": dict(matrix=True, world=4, door="compile", model="qwen2-moe",
                                                    dispatch="alltoall", plan=dict(tp=2, dp=2, ep=2)),
+    # tp x ep: experts sharded over TP by default (expert TP); expert_tp=False keeps them whole there
+    # and splits the tokens over the TP ranks (tests/test_expert_tp_dist.py compares the two)
+    "qwen2-moe-alltoall-tp2xdp2-ep2-token-split-compile": dict(world=4, door="compile", model="qwen2-moe",
+                                                               dispatch="alltoall", expert_tp=False,
+                                                               plan=dict(tp=2, dp=2, ep=2)),
     "mixtral-ep2-bf16": dict(matrix=True, model="mixtral", precision="bf16-mixed", plan=dict(dp=2, ep=2)),
     "mixtral-bf16-zero2": dict(matrix=True, model="mixtral", precision="bf16-mixed", plan=dict(dp=2, sdp="zero2")),
     # the router's load-balancing loss is a product of batch statistics: its layer runs on the whole batch
@@ -203,6 +208,8 @@ def _run(rank, world, name):
     for lp in plan.layers:   # the token dispatch of expert-parallel layers (default: all-gather)
         if lp.ep > 1 and "dispatch" in case:
             lp.extra["ep_dispatch"] = case["dispatch"]
+        if lp.ep > 1 and "expert_tp" in case:   # experts whole over TP, the tokens split there
+            lp.extra["expert_tp"] = case["expert_tp"]
         for part, (cp, kind) in case.get("layer_cp", {}).items():   # per-layer context parallelism
             if part in lp.name:
                 lp.cp, lp.cp_kind = cp, kind

@@ -187,10 +187,11 @@ class LayerExperts:
         return 1.0 - math.comb(e - e // ep, self.top_k) / math.comb(e, self.top_k)
 
 
-def expert_dp_group(strategy: Strategy) -> list[int]:
-    """Ranks holding the first EP rank's experts: every TP rank, every ``ep``-th DP rank."""
+def expert_dp_group(strategy: Strategy, expert_tp: bool = False) -> list[int]:
+    """Ranks holding the first EP rank's expert weights: every ``ep``-th DP rank, every TP rank
+    (``expert_tp``: TP position 0 only, the others hold other slices)."""
     s = strategy
-    return [t + b * s.tp for b in range(0, s.dp, s.ep) for t in range(s.tp)]
+    return [t + b * s.tp for b in range(0, s.dp, s.ep) for t in range(1 if expert_tp else s.tp)]
 
 
 def ep_group(strategy: Strategy) -> list[int]:
@@ -371,6 +372,14 @@ class CostModel:
         refused = self.cp_sequence(index, cp).refused
         return refused or self.attention(index).refuses(cp, kind, tp)
 
+    def expert_tp_of(self, index: int, strategy: Strategy) -> int:
+        """The TP degree layer ``index``'s expert weights are sharded over under ``strategy``:
+        ``tp`` under expert tensor parallelism (:attr:`Strategy.shards_experts`, grouped experts
+        split by ``ep > 1``), else 1 (whole over TP: the TP ranks split the tokens)."""
+        ex = self.experts(index)
+        on = strategy.shards_experts and self.ep_of(index, strategy) > 1 and ex is not None and not ex.loops
+        return strategy.tp if on else 1
+
     def ep_of(self, index: int, strategy: Strategy) -> int:
         """The expert-parallel degree layer ``index`` runs at under ``strategy`` (1 where it has no
         experts, or ``ep`` does not divide their number: the search never offers that)."""
@@ -404,27 +413,28 @@ class CostModel:
         train = [s for f, s in zip(fqns, shapes) if f not in self._frozen and f not in experts]
         return train, [s for f, s in zip(fqns, shapes) if f in self._frozen and f not in experts]
 
-    def expert_shapes(self, index: int, ep: int) -> tuple[list, list]:
+    def expert_shapes(self, index: int, ep: int, tp: int = 1) -> tuple[list, list]:
         """This rank's expert weights of layer ``index`` under ``ep`` (``E / ep`` experts each, whole
-        over TP), trainable and frozen: the shapes of its expert buffers."""
+        over TP, or with ``tp > 1`` (expert tensor parallelism) this TP rank's width slice of each),
+        trainable and frozen: the shapes of its expert buffers."""
         ex = self.experts(index)
         held = ex.held(ep)   # a loop's experts: whole, E / ep of them
-        self._owned_params(index)
-        shapes = {f: s if f in held else (s[0] // ep, *s[1:]) for f, s in self._shapes[index].items()
+        local = dict(zip(self._owned_params(index), self.layer_shapes(index, tp, ep, expert_tp=tp > 1)))
+        shapes = {f: s if f in held else (s[0] // ep, *s[1:]) for f, s in local.items()
                   if f in ex.fqns and held.get(f, True)}
         return ([s for f, s in shapes.items() if f not in self._frozen],
                 [s for f, s in shapes.items() if f in self._frozen])
 
-    def layer_shapes(self, index: int, tp: int, ep: int = 1) -> list[tuple[int, ...]]:
+    def layer_shapes(self, index: int, tp: int, ep: int = 1, expert_tp: bool = False) -> list[tuple[int, ...]]:
         """TP-local shapes of the parameters layer ``index`` owns at degree ``tp``, as the runtime's
         flat buffer holds them (a sharded dim keeps ``block / tp`` of every block): the input of
         the buffer layout (:func:`galvatron_fx.runtime.zero_layout.zero_layout`). ``ep > 1``: the
-        experts and their routers stay whole over TP."""
-        key = (index, tp, ep > 1)
+        experts and their routers stay whole over TP (``expert_tp``: only the routers)."""
+        key = (index, tp, ep > 1, expert_tp and ep > 1)
         if key not in self._local_shapes:
             owned = self._owned_params(index)
             shapes = [self._shapes[index][fqn] for fqn in owned]
-            analysis = self.tp_analysis(index, tp, ep=ep) if tp > 1 else None
+            analysis = self.tp_analysis(index, tp, ep=ep, expert_tp=expert_tp) if tp > 1 else None
             if analysis is not None and not isinstance(analysis, Exception):
                 rep = {shard.fqn: shard for shard in analysis.param_shards.values()}
                 for i, fqn in enumerate(self._owned_params(analysis.layer)):   # same order (see below)
@@ -436,17 +446,19 @@ class CostModel:
             self._local_shapes[key] = shapes
         return self._local_shapes[key]
 
-    def tp_analysis(self, index: int, tp: int, sp: bool = False, ep: int = 1):
+    def tp_analysis(self, index: int, tp: int, sp: bool = False, ep: int = 1, expert_tp: bool = False):
         """The tensor-parallel pass's own analysis of layer ``index`` at degree ``tp`` (with sequence
-        parallelism: ``sp``; ``ep > 1``: experts split by expert, left whole; cached per signature),
+        parallelism: ``sp``; ``ep > 1``: experts split by expert, left whole unless ``expert_tp``;
+        cached per signature),
         or the :class:`ConfigError` it raises when the layer cannot take that degree (heads, widths,
         or a sequence length not divisible by tp)."""
-        key = (self.layers[index].signature, tp) + ((True,) if sp else ()) + (("ep",) if ep > 1 else ())
+        key = (self.layers[index].signature, tp) + ((True,) if sp else ()) + (("ep",) if ep > 1 else ()) \
+            + (("etp",) if ep > 1 and expert_tp else ())
         if key not in self._tp:
             from ..sharding.analysis import analyze_layer
 
             # with the layers sharing its weights
-            self._tp[key] = analyze_layer(self.gm, index, tp, sp, ep)
+            self._tp[key] = analyze_layer(self.gm, index, tp, sp, ep, expert_tp)
         return self._tp[key]
 
     def layer_params(self, index: int, tp: int, trainable_only: bool = False, ep: int = 1) -> LayerParams:
@@ -483,8 +495,9 @@ class CostModel:
         """Per-device parameter, gradient and optimizer-state bytes of layer ``index`` (frozen
         parameters: their weights only); ``dp_index``: which rank of the DP group (0, the default,
         holds the most: ZeRO shards are cut ``ceil(rows / dp)`` rows per rank). Under expert
-        parallelism the expert weights are ``E / ep`` experts whole over TP, sharded (ZeRO) over the
-        ranks holding the same experts (``tp_index``: the rank's place in its TP group)."""
+        parallelism the expert weights are ``E / ep`` experts whole over TP (expert tensor
+        parallelism: ``1 / tp`` of their width), sharded (ZeRO) over the ranks holding the same
+        slice (``tp_index``: the rank's place in its TP group)."""
         ep = self.ep_of(index, strategy)
         p = self.layer_params(index, strategy.tp, trainable_only=True, ep=ep)
         train, frozen = self.split_shapes(index, strategy.tp, ep)
@@ -493,17 +506,20 @@ class CostModel:
                           dp_index=dp_index, **kw)
         if ep == 1:
             return st
-        train, frozen = self.expert_shapes(index, ep)
-        ex = states_bytes(0, sum(math.prod(s) for s in train), self._expert_strategy(strategy), shapes=train,
-                          frozen_shapes=frozen, dp_index=dp_index // ep * strategy.tp + tp_index, **kw)
+        xtp = self.expert_tp_of(index, strategy)
+        train, frozen = self.expert_shapes(index, ep, xtp)
+        slot = dp_index // ep if xtp > 1 else dp_index // ep * strategy.tp + tp_index
+        ex = states_bytes(0, sum(math.prod(s) for s in train), self._expert_strategy(strategy, xtp > 1),
+                          shapes=train, frozen_shapes=frozen, dp_index=slot, **kw)
         return StatesBytes(st.params + ex.params, st.grads + ex.grads, st.optimizer + ex.optimizer,
                            st.masters + ex.masters)
 
     @staticmethod
-    def _expert_strategy(s: Strategy) -> Strategy:
-        """How a layer's expert buffers are held under ``s``: whole over TP, data-parallel (ZeRO as
-        ``s``) over the ``tp * dp / ep`` ranks holding the same experts."""
-        return Strategy(1, s.tp * s.dp // s.ep, s.sdp, False, s.ckpt)
+    def _expert_strategy(s: Strategy, expert_tp: bool = False) -> Strategy:
+        """How a layer's expert buffers are held under ``s``: data-parallel (ZeRO as ``s``) over the
+        ``tp * dp / ep`` ranks holding the same experts whole over TP, or (``expert_tp``) the
+        ``dp / ep`` ranks holding the same width slice."""
+        return Strategy(1, (1 if expert_tp else s.tp) * s.dp // s.ep, s.sdp, False, s.ckpt)
 
     def boundary_bytes(self, index: int, micro_batch_size: float) -> float:
         """Bytes of the activations layer ``index`` hands to later layers for ``micro_batch_size``
@@ -626,10 +642,11 @@ class CostModel:
         pass_copy, step_copy = self._copies(elems_tp, train_tp, s)
         ep_comm = 0.0
         if ep > 1:   # the expert buffers: their own group and ZeRO layout (states_bytes above)
-            train, frozen = self.expert_shapes(index, ep)
-            xs, xt = self._expert_strategy(s), sum(math.prod(x) for x in train)
+            xtp = self.expert_tp_of(index, s)
+            train, frozen = self.expert_shapes(index, ep, xtp)
+            xs, xt = self._expert_strategy(s, xtp > 1), sum(math.prod(x) for x in train)
             xe = xt + sum(math.prod(x) for x in frozen)
-            terms = self._param_terms(xs, xe, xt, expert_dp_group(s), False)
+            terms = self._param_terms(xs, xe, xt, expert_dp_group(s, xtp > 1), False)
             sync, exposed, regather, reduce_scatter, gather, transient, held = (
                 a + b for a, b in zip((sync, exposed, regather, reduce_scatter, gather, transient, held), terms))
             held_x = xt if xs.sdp == "none" else math.ceil(xt / xs.dp)
@@ -727,19 +744,28 @@ class CostModel:
           all-to-alls each way per pass).
 
         Plus, with ``tp > 1``, the TP all-reduce of the combined tokens (forward) and of their
-        gradient (backward); checkpointing repeats the forward's."""
+        gradient (backward); checkpointing repeats the forward's. Under expert tensor parallelism
+        (:meth:`expert_tp_of`) every TP rank sends and serves all its tokens instead, and the
+        experts' own TP all-reduces (forward: their outputs, backward: their inputs' gradient, of
+        ``k`` rows per token served; the measure prices ``T * k`` rows of each, ``ep = 1``'s) grow
+        with the tokens a rank serves."""
         ex = self.experts(index)
         ep, ct = s.ep, self.cluster.collective_time
         T = n * ex.tokens_per_sample
         row = ex.hidden * self.itemsize
         meta = ex.top_k * (4 + 8)   # fp32 weights + int64 ids per token
         group = ep_group(s)
-        tp = ct("all_reduce", T * row, tp_group(s)) if s.tp > 1 else 0.0
+        etp = self.expert_tp_of(index, s) > 1
+        served = ep * ex.needing_fraction(ep) * T * self.moe_imbalance
+        if etp:
+            tp = ct("all_reduce", max(served - T, 0.0) * ex.top_k * row, tp_group(s))
+        else:
+            tp = ct("all_reduce", T * row, tp_group(s)) if s.tp > 1 else 0.0
         fwd_rep = 2 if s.ckpt else 1
         gather = ct("all_gather", ep * T * (row + meta), group, calls=3) + ct("reduce_scatter", ep * T * row, group)
         allgather = gather * (fwd_rep + 1) + ct("all_gather", 8 * ep, group) * fwd_rep
         # NOTE: the busiest rank (moe_imbalance x the mean) receives that many more tokens
-        sent = ep * ex.needing_fraction(ep) * T / s.tp * (row + meta + 8) * self.moe_imbalance
+        sent = served / (1 if etp else s.tp) * (row + meta + 8)
         a2a = ct("all_to_all", sent, group, calls=4) + ct("all_to_all", sent * row / (row + meta + 8), group)
         alltoall = a2a * (fwd_rep + 1) + ct("all_to_all", 16 * ep, group) * fwd_rep
         best = min((allgather, "allgather"), (alltoall, "alltoall"))

@@ -87,10 +87,17 @@ def range_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[Box]:
 def local_to_global(box: Box, shard) -> list[tuple[Box, tuple[int, ...]]]:
     """A box of TP rank ``shard.rank``'s slice -> ``[(local sub-box, its global offsets)]``: the box
     cut at the slice's block boundaries along ``shard.dim`` (``shard`` a ``ShardInfo``; ``None``
-    for a parameter kept whole: the box itself, at the same offsets)."""
+    for a parameter kept whole: the box itself, at the same offsets; a nested one: cut by its inner
+    split first, then by the outer one)."""
     offsets, sizes = box
     if shard is None:
         return [(box, offsets)]
+    if getattr(shard, "inner", None) is not None:   # local -> the outer chunk -> global
+        out = []
+        for (l_off, l_size), mid in local_to_global(box, shard.inner):
+            for (m_off, m_size), g in local_to_global((mid, l_size), _outer(shard)):
+                out.append(((tuple(lo + m - c for lo, m, c in zip(l_off, m_off, mid)), m_size), g))
+        return out
     d = shard.dim
     out = []
     local_start, global_start = 0, 0
@@ -106,6 +113,13 @@ def local_to_global(box: Box, shard) -> list[tuple[Box, tuple[int, ...]]]:
         local_start += n
         global_start += block
     return out
+
+
+def _outer(shard):
+    """A nested ``ShardInfo`` without its inner split."""
+    import dataclasses
+
+    return dataclasses.replace(shard, inner=None)
 
 
 def layer_pieces(fqns, shapes, spans, shards: dict, *, replicated: bool = True,

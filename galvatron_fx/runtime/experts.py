@@ -26,7 +26,13 @@ that count, so a rank's activations and element-wise work grow with the tokens i
 (the others sentinel rows), the sizes its own batch's. With ``tp > 1`` (no sequence parallelism)
 the TP ranks hold the same tokens: TP rank ``t`` routes only its chunk of them (the others
 sentinel), and the combined output is all-reduced over the TP group (Megatron's f / g around the
-block), so expert weights stay whole over TP and each token is computed once.
+block), so expert weights stay whole over TP and each token is computed once. That is the
+*token split* (a layer's ``extra["expert_tp"] = false``); by default (expert tensor parallelism,
+:attr:`galvatron_fx.plan.LayerPlan.expert_tp`, Megatron's) the tensor-parallel pass shards each
+grouped expert weight along its FFN width and leaves its collectives inside the block (``f`` before
+the column-parallel grouped matmul, the all-reduce after the row-parallel one): the block is built
+with ``tp = 1`` here, every TP rank dispatches and computes all its tokens on its width slice, and
+the block's own all-reduce sums the partial outputs once per call.
 
 Exact: every (token, expert) pair is computed once, by the rank holding the expert, from the same
 inputs; only the order of the final sum over a token's experts changes. Gradients flow back through

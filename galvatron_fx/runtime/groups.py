@@ -39,7 +39,9 @@ Ranks = tuple[int, ...]
 class Layout:
     """Where a layer's data lives: ``tp`` x ``dp`` ranks of one stage, ``sp`` on/off.
 
-    ``base`` is the stage's first global rank (0 for ``pp = 1``).
+    ``base`` is the stage's first global rank (0 for ``pp = 1``). ``etp``: expert tensor
+    parallelism (:attr:`galvatron_fx.plan.LayerPlan.expert_tp`): each expert weight is sharded over
+    the TP group as well as split by expert over the EP group.
     """
 
     tp: int
@@ -48,6 +50,7 @@ class Layout:
     base: int = 0
     ep: int = 1
     cp: int = 1
+    etp: bool = False
 
     @property
     def size(self) -> int:
@@ -72,10 +75,18 @@ class Layout:
         return dp[start:start + self.ep]
 
     def expert_dp_ranks(self, rank: int) -> Ranks:
-        """Global ranks holding the same experts as ``rank`` (every TP rank, every ``ep``-th DP
-        rank): an expert weight's gradient is summed over them."""
+        """Global ranks holding the same expert weights as ``rank`` (every ``ep``-th DP rank; every
+        TP rank, or with ``etp`` the same TP position): an expert weight's gradient is summed over them."""
         e = self.batch_index(rank) % self.ep
-        return tuple(self.base + t + b * self.tp for b in range(e, self.dp, self.ep) for t in range(self.tp))
+        tps = (self.tp_index(rank),) if self.etp else range(self.tp)
+        return tuple(self.base + t + b * self.tp for b in range(e, self.dp, self.ep) for t in tps)
+
+    def expert_ranks(self, rank: int) -> Ranks:
+        """Global ranks holding the pieces of ``rank``'s expert weights: its EP group, and with
+        ``etp`` each member's TP group (``ep * tp`` consecutive ranks, EP-major)."""
+        if not self.etp:
+            return self.ep_ranks(rank)
+        return tuple(t for r in self.ep_ranks(rank) for t in self.tp_ranks(r))
 
     def cp_ranks(self, rank: int) -> Ranks:
         """Global ranks of ``rank``'s CP group: ``cp`` consecutive members of its DP group (the same

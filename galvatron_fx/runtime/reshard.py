@@ -171,6 +171,7 @@ def rank_sets(layouts: list[Layout], world: int) -> set[Ranks]:
             if a.ep > 1:
                 sets.add(a.ep_ranks(r))
                 sets.add(a.expert_dp_ranks(r))
+                sets.add(a.expert_ranks(r))
             if a.cp > 1:
                 sets.add(a.cp_ranks(r))
                 sets.add(a.batch_slices().dp_ranks(r))

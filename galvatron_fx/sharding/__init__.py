@@ -53,7 +53,7 @@ from .operands import LinearOperands, embedding_operands, linear_operands, weigh
 from .pointwise import ACTIVATIONS, POINTWISE
 from .reductions import DIMWISE, REDUCTIONS
 from .registry import Rule, default_rule, lookup, register_rule, registered_ops
-from .shards import shard_tensor, unshard
+from .shards import full_shape, shard_tensor, unshard
 from .state import (
     SEQ,
     TP,
@@ -76,5 +76,5 @@ __all__ = [
     "Demote", "Duplicated", "LayerAnalyzer", "LayerTP", "LinearOperands", "ParamShard", "Reblock", "Rule",
     "Sharded", "Unsupported", "analyze", "analyze_layer", "boundary_layout", "default_rule", "embedding_operands", "is_param",
     "is_sharded", "linear_operands", "lookup", "op_name", "parallel_linear", "register_rule", "registered_ops",
-    "set_arg", "shard_tensor", "unshard", "weight_consumers", "weight_param",
+    "set_arg", "shard_tensor", "unshard", "full_shape", "weight_consumers", "weight_param",
 ]

@@ -246,9 +246,11 @@ def analyze(gm: torch.fx.GraphModule, layer_tp: dict[int, tuple[int, bool]],
     return out
 
 
-def analyze_layer(gm: torch.fx.GraphModule, index: int, tp: int, sp: bool = False, ep: int = 1):
+def analyze_layer(gm: torch.fx.GraphModule, index: int, tp: int, sp: bool = False, ep: int = 1,
+                  expert_tp: bool = False):
     """Layer ``index`` alone at degree ``tp`` (``sp``: sequence parallel; ``ep > 1``: its experts
-    split by expert, so left whole), analysed together with the layers sharing a weight with it (a
+    split by expert, so left whole, unless ``expert_tp``: sharded over TP as well, only the routers
+    whole), analysed together with the layers sharing a weight with it (a
     tied weight is sharded only if every layer reading it is: what a uniform plan does): its
     :class:`LayerTP`, or the :class:`ConfigError` it raises."""
     from .experts import keep_whole, split_blocks
@@ -257,7 +259,7 @@ def analyze_layer(gm: torch.fx.GraphModule, index: int, tp: int, sp: bool = Fals
     mine = set(layers[index].params)
     partners = [r.index for r in layers if mine & set(r.params)] or [index]
     try:
-        keep = keep_whole(split_blocks(gm, {index: ep}), {index: ep})
+        keep = keep_whole(split_blocks(gm, {index: ep}), {index: ep}, {index} if expert_tp else set())
         return analyze(gm, {j: (tp, bool(sp)) for j in partners}, keep).get(index)
     except ConfigError as exc:
         return exc

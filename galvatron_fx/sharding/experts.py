@@ -401,14 +401,18 @@ def split_blocks(gm: torch.fx.GraphModule, layer_ep: dict[int, int]) -> dict[int
             if layer_ep.get(idx, 1) > 1}
 
 
-def keep_whole(blocks: dict[int, list[MoEBlock]], layer_ep: dict[int, int]) -> dict[str, str]:
+def keep_whole(blocks: dict[int, list[MoEBlock]], layer_ep: dict[int, int],
+               expert_tp: frozenset[int] | set[int] = frozenset()) -> dict[str, str]:
     """Linear node name -> why tensor parallelism leaves it whole: the grouped matmuls and routers
-    of ``blocks`` (:func:`split_blocks`: expert parallelism splits them by expert)."""
+    of ``blocks`` (:func:`split_blocks`: expert parallelism splits them by expert). In the layers
+    of ``expert_tp`` (expert tensor parallelism) only the routers: every TP rank routes the same
+    tokens, and TP shards the grouped expert weights along their width as at ``ep = 1``."""
     keep: dict[str, str] = {}
     for idx, found in blocks.items():
         ep = layer_ep[idx]
         for b in found:
-            keep.update({g.name: f"experts split over ep={ep} ranks by expert" for g in b.grouped})
+            if idx not in expert_tp or b.kind != "grouped":
+                keep.update({g.name: f"experts split over ep={ep} ranks by expert" for g in b.grouped})
             keep.update({r.name: f"router of experts split over ep={ep} ranks" for r in b.routers()})
     return keep
 

@@ -39,7 +39,10 @@ class Strategy:
     ranks of the DP group, :mod:`galvatron_fx.runtime.experts`); ``cp``: context-parallel degree
     (divides ``dp``: groups of ``cp`` consecutive DP ranks hold the same samples and split their
     sequence, so a rank holds ``B / (dp / cp)`` samples of ``S / cp`` tokens); ``cp_kind``: how
-    attention runs over the sequence shards, one of :data:`CP_KINDS` (only meaningful for cp > 1).
+    attention runs over the sequence shards, one of :data:`CP_KINDS` (only meaningful for cp > 1);
+    ``expert_tp``: with ``ep > 1`` and ``tp > 1``, shard each expert's weights over the TP group too
+    (Megatron's expert tensor parallelism, the default) rather than keep them whole there and
+    split the tokens over the TP ranks (:attr:`shards_experts`).
     """
 
     tp: int
@@ -50,6 +53,13 @@ class Strategy:
     ep: int = 1
     cp: int = 1
     cp_kind: str = "ring"
+    expert_tp: bool = True
+
+    @property
+    def shards_experts(self) -> bool:
+        """Whether the experts run tensor parallel (``expert_tp`` with ``ep > 1``, ``tp > 1``, no
+        ``sp``: sequence-parallel tokens are split over the TP ranks already, the experts stay whole)."""
+        return self.expert_tp and self.ep > 1 and self.tp > 1 and not self.sp
 
     def __post_init__(self) -> None:
         for key in ("tp", "dp", "ep", "cp"):
@@ -58,6 +68,8 @@ class Strategy:
                 raise ConfigError(f"Strategy.{key} must be an int >= 1, got {v!r}")
         if self.sdp not in SDP_KINDS:
             raise ConfigError(f"Strategy.sdp must be one of {SDP_KINDS}, got {self.sdp!r}")
+        if not isinstance(self.expert_tp, bool):
+            raise ConfigError(f"Strategy.expert_tp must be a bool, got {self.expert_tp!r}")
         if not isinstance(self.sp, bool) or not isinstance(self.ckpt, bool):
             raise ConfigError(f"Strategy.sp and Strategy.ckpt must be bools, got sp={self.sp!r} ckpt={self.ckpt!r}")
         if self.dp % self.ep:
