@@ -182,6 +182,7 @@ def _uneven_sp_chunks(rank, world, seq):
     return loops.step_losses(gfx.transform(gm, plan=plan), batches, lr=1e-2)
 
 
+@pytest.mark.matrix
 def test_sequence_parallel_chunks_of_an_odd_cp_shard():
     """14 tokens, cp 2, tp 2 with sp: each rank's 7 positions split 4 / 3 over its TP group (the
     gathers' whole length is this rank's shard, not the captured sequence)."""

@@ -106,7 +106,8 @@ STATES: dict[bool, list[int]] = {}
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("method,dispatch", [("export", "allgather"), ("dynamo", "alltoall")])
+@pytest.mark.parametrize("method,dispatch", [("export", "allgather"),
+                                             pytest.param("dynamo", "alltoall", marks=pytest.mark.matrix)])
 def test_expert_tp_trains_exactly(method, dispatch):
     results = run_distributed(_run, WORLD, method, dispatch, True, timeout=300)
     _check(results, True)

@@ -99,7 +99,7 @@ CASES = {
                                                    dispatch="alltoall", plan=dict(tp=2, dp=2, ep=2)),
     # tp x ep: experts sharded over TP by default (expert TP); expert_tp=False keeps them whole there
     # and splits the tokens over the TP ranks (tests/test_expert_tp_dist.py compares the two)
-    "qwen2-moe-alltoall-tp2xdp2-ep2-token-split-compile": dict(world=4, door="compile", model="qwen2-moe",
+    "qwen2-moe-alltoall-tp2xdp2-ep2-token-split-compile": dict(matrix=True, world=4, door="compile", model="qwen2-moe",
                                                                dispatch="alltoall", expert_tp=False,
                                                                plan=dict(tp=2, dp=2, ep=2)),
     "mixtral-ep2-bf16": dict(matrix=True, model="mixtral", precision="bf16-mixed", plan=dict(dp=2, ep=2)),
@@ -109,6 +109,19 @@ CASES = {
     "mixtral-ep2-frozen-experts": dict(matrix=True, model="mixtral-frozen-experts", plan=dict(dp=2, ep=2)),
     "mixtral-ep2-frozen-router-zero3": dict(matrix=True, model="mixtral-frozen-router",
                                             plan=dict(dp=2, ep=2, sdp="zero3")),
+    # expert TP (the default with tp and ep) under ZeRO and checkpointing
+    "mixtral-tp2xdp2-ep2-zero3-ckpt": dict(matrix=True, world=4, model="mixtral", plan=dict(tp=2, dp=2, ep=2,
+                                                                                      sdp="zero3", ckpt=True)),
+    "mixtral-tp2xdp2-ep2-zero2-export": dict(matrix=True, world=4, model="mixtral", method="export",
+                                             plan=dict(tp=2, dp=2, ep=2, sdp="zero2")),
+    # experts written as a loop over an nn.ModuleList, under every other plan axis
+    "loop-moe-pp2xdp2-ep2": dict(matrix=True, world=4, model="loop-moe", method="fx", clip="dm",
+                                 plan=dict(pp=2, dp=2, ep=2, micro_batches=2)),
+    "loop-moe-dp2-ep2-zero3-ckpt-export": dict(matrix=True, model="loop-moe", method="export",
+                                               plan=dict(dp=2, ep=2, sdp="zero3", ckpt=True)),
+    "loop-moe-tp2xdp2-ep2-export": dict(matrix=True, world=4, model="loop-moe", method="export",
+                                        plan=dict(tp=2, dp=2, ep=2)),
+    "loop-moe-dp2-ep2-compile": dict(matrix=True, model="loop-moe", door="compile", plan=dict(dp=2, ep=2)),
     # context parallelism: each rank of a CP group holds S / cp tokens (zig-zag) of the same samples
     "cp2-ulysses": dict(plan=dict(dp=2, cp=2, cp_kind="ulysses")),
     "cp2-ring-export": dict(method="export", plan=dict(dp=2, cp=2)),
@@ -171,6 +184,10 @@ def _model(kind: str):
         return loops.mistral()
     if kind == "llama6":
         return loops.llama(layers=6)
+    if kind == "loop-moe":   # experts written as a loop over an nn.ModuleList (tests/loop_moe.py)
+        from tests import loop_moe
+
+        return loop_moe.build()
     return loops.llama(lora=kind == "lora", freeze=FROZEN if kind == "frozen" else ())
 
 
@@ -192,6 +209,16 @@ def _batches(case):
 
 
 def _run(rank, world, name):
+    """One case; a loop over expert modules needs dynamo to capture its data-dependent ``torch.where``
+    (set for this case only: the pool's workers run the next cases too)."""
+    import contextlib
+
+    dynamic = _case(name)["model"] == "loop-moe"
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True) if dynamic else contextlib.nullcontext():
+        return _run_case(rank, world, name)
+
+
+def _run_case(rank, world, name):
     import galvatron_fx as gfx
     from galvatron_fx.backend import distributed_model
     from galvatron_fx.cost import CostModel

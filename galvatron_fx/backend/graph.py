@@ -242,11 +242,16 @@ def _loss_output(gm: torch.fx.GraphModule, out_node: torch.fx.Node) -> int:
     last = [n for n in gm.graph.nodes if n.op == "call_function" or n.op == "call_method"]
     trace = (last[-1].meta.get("stack_trace") or "").strip().splitlines() if last else []
     where = next((line.strip() for line in reversed(trace) if line.strip().startswith("File")), "")
+    # NOTE: dynamo breaks the graph at ops whose output shape depends on the data unless told otherwise
+    dynamic = "" if torch._dynamo.config.capture_dynamic_output_shape_ops else (
+        "; a data-dependent op (torch.where(mask) / nonzero, as in a loop over expert modules) breaks it "
+        "unless torch._dynamo.config.capture_dynamic_output_shape_ops = True is set before torch.compile")
     raise ConfigError(
         "the graph torch.compile handed the galvatron backend returns no scalar loss: either the model's "
         "output is not its training loss, or a graph break cut the forward before the loss"
         + (f" (the graph ends at {where})" if where else "")
-        + "; compile with fullgraph=True to see dynamo's reason for the break and make that code traceable")
+        + "; compile with fullgraph=True to see dynamo's reason for the break and make that code traceable"
+        + dynamic)
 
 
 def _holder(gm, example_inputs, roles) -> nn.Module:
