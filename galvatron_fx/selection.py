@@ -18,8 +18,10 @@
 3. The fastest measured candidate is returned, with ``plan.extra["measured"]``: per candidate its
    name, label, estimated and measured step (seconds) and rounds, and ``plan.extra["measure"]``:
    the budget used (candidates, steps, seconds), the cluster's per-step constants refitted to the
-   measurements (``fit``: :func:`fit_step_constants`) and the chosen plan's step estimated with
-   them (``calibrated_step_s``). The fit is reported, not applied: from a few short runs it is too
+   measurements (``fit``: :func:`fit_step_constants`), a uniform time scale fitted to them
+   (``time_scale``: :func:`fit_time_scale`), which of the two describes the measured candidates
+   better (``calibration``: ``"constant"`` | ``"scale"``, :func:`calibration_error`) and the chosen
+   plan's step estimated with it (``calibrated_step_s``). The fit is reported, not applied: from a few short runs it is too
    noisy to steer the next search (the main job, 2026-12-02: a step constant of 26 ms fitted on a
    busy machine put the chosen plan's estimate 107 % over its 20-step measurement); a cluster JSON
    may carry such constants (``step_overhead_s``, ``pipeline_step_s``), which the search prices.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import statistics
 import time
 
@@ -240,14 +243,40 @@ def measured_search(gm: torch.fx.GraphModule, search_fn, k: int, cluster, constr
                                                                       dist.get_world_size(), constraints)])
     cands = [(n, Plan.from_dict(d)) for n, d in value]
     plan, records = measure_plans(gm, cands, options)
-    fit = fit_step_constants(records, [p for _n, p in cands], cluster)
-    plan.extra["measure"]["fit"] = fit
-    # NOTE: the estimate with the fitted constants in place of the cluster's (objective.step_constant)
+    plans = [p for _n, p in cands]
+    fit = fit_step_constants(records, plans, cluster)
     world = dist.get_world_size()
     fitted = dataclasses.replace(cluster, **fit)
-    plan.extra["measure"]["calibrated_step_s"] = (plan.estimate["step_time_s"] + step_constant(fitted, plan.pp, world)
-                                                  - step_constant(cluster, plan.pp, world))
+
+    def shifted(estimate: float, pp: int) -> float:
+        """The estimate with the fitted constants in place of the cluster's (objective.step_constant)."""
+        return estimate + step_constant(fitted, pp, world) - step_constant(cluster, pp, world)
+
+    scale = fit_time_scale(records)
+    calibrations = {"constant": shifted}
+    if scale is not None:
+        calibrations["scale"] = lambda estimate, _pp: estimate * scale
+    how = min(calibrations, key=lambda k: calibration_error(records, plans, calibrations[k]))
+    plan.extra["measure"].update(fit=fit, time_scale=scale, calibration=how,
+                                 calibrated_step_s=calibrations[how](plan.estimate["step_time_s"], plan.pp))
     return plan
+
+
+def fit_time_scale(records: list[dict]) -> float | None:
+    """The median ratio measured / estimated step over the measured candidates (None when none
+    measured): on a host whose every term runs slower than its profile (two ranks sharing two
+    cores), the residuals are proportional to the estimate, not constant."""
+    ratios = [r["measured_step_s"] / r["estimated_step_s"] for r in records
+              if r["measured_step_s"] is not None and r["estimated_step_s"]]
+    return statistics.median(ratios) if ratios else None
+
+
+def calibration_error(records: list[dict], plans: list[Plan], calibrate) -> float:
+    """Median relative error of ``calibrate(estimate, pp)`` against the measured candidates (in
+    sample: which of the two fits, per-step constants or a scale, describes these measurements)."""
+    errors = [abs(calibrate(r["estimated_step_s"], p.pp) / r["measured_step_s"] - 1)
+              for r, p in zip(records, plans) if r["measured_step_s"] and r["estimated_step_s"] is not None]
+    return statistics.median(errors) if errors else math.inf
 
 
 def fit_step_constants(records: list[dict], plans: list[Plan], cluster) -> dict[str, float]:

@@ -82,9 +82,11 @@ def main(out: str = "main_job", *flags: str) -> None:
         print(f"  {line}")
     fit = measure.get("fit", {})
     if fit:
-        print("  per-step constants fitted to them (reported, not applied): "
+        print("  fitted to them (reported, not applied): per-step constants "
               + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in fit.items())
-              + f"; the chosen plan's step estimated with them {measure['calibrated_step_s'] * 1e3:.1f} ms")
+              + (f"; time scale {measure['time_scale']:.2f}" if measure.get("time_scale") else "")
+              + f"; {measure.get('calibration', 'constant')} fits them better: the chosen plan's step estimated "
+              f"with it {measure['calibrated_step_s'] * 1e3:.1f} ms")
     if len(plans) == 2:
         a, b = (statistics.median(v) for v in runs.values())
         if abs(a / b - 1) < 0.1 and "--once" not in flags:  # close: medians of 3 runs, alternating
@@ -113,6 +115,11 @@ def main(out: str = "main_job", *flags: str) -> None:
         print(f"  searched / baseline {best} measured throughput: {ratio:.3f}")
     print(f"  {'single device':<20} {single['summary']['samples_per_s']:10.2f}")
     step = statistics.median(runs["searched"])
+    if measure.get("calibrated_step_s"):
+        print(f"  searched step: model estimate {searched.estimate['step_time_s'] * 1e3:.1f} ms "
+              f"({100 * (searched.estimate['step_time_s'] / step - 1):+.0f} %), calibrated by the measured selection "
+              f"({measure.get('calibration')}) {measure['calibrated_step_s'] * 1e3:.1f} ms "
+              f"({100 * (measure['calibrated_step_s'] / step - 1):+.0f} %) vs {step * 1e3:.1f} ms measured")
     summary = {"searched_samples_s": BATCH / step, "searched_step_s": step,
                "searched_estimated_step_s": searched.estimate["step_time_s"],
                "estimate_error": searched.estimate["step_time_s"] / step - 1,

@@ -88,6 +88,23 @@ def test_step_constants_fitted_to_the_measurements():
     assert fit_step_constants(fast, plans[:2], SimpleNamespace())["step_overhead_s"] == 0.0
 
 
+def test_a_time_scale_fits_proportional_residuals_better_than_constants():
+    """Every candidate 1.8x its estimate (the main job on a busy host): a scale fits them exactly,
+    per-step constants do not; the in-sample error picks the scale."""
+    from types import SimpleNamespace
+
+    from galvatron_fx.selection import calibration_error, fit_time_scale
+
+    plans = [SimpleNamespace(pp=p) for p in (2, 1, 2, 1)]
+    records = [{"estimated_step_s": e, "measured_step_s": 1.8 * e} for e in (0.016, 0.027, 0.017, 0.026)]
+    records.append({"estimated_step_s": 0.02, "measured_step_s": None})   # failed: ignored
+    assert fit_time_scale(records) == pytest.approx(1.8) and fit_time_scale(records[-1:]) is None
+    plans.append(SimpleNamespace(pp=1))
+    scaled = calibration_error(records, plans, lambda e, _pp: e * 1.8)
+    constant = calibration_error(records, plans, lambda e, _pp: e + 0.016)   # the median residual
+    assert scaled == pytest.approx(0.0, abs=1e-12) and constant > 0.1
+
+
 def _with_a_failing_candidate(rank, world):
     import dataclasses
 
