@@ -187,3 +187,47 @@ def test_bert_tp2_sequence_parallel():
 @pytest.mark.parametrize("sp", [pytest.param(False, marks=pytest.mark.matrix), True])   # CI time
 def test_fused_qkv_gqa_tp2_adamw(sp):
     _check(run_distributed(_tp_body, 2, "fused-qkv", "fx", 2, sp, 3), 3)
+
+
+class ShapeReadingLM(nn.Module):
+    """An embedding, an MLP block and a head whose loss reshapes the logits with their own run-time
+    extent (``logits.reshape(-1, logits.shape[-1])``, as hand-written LMs do)."""
+
+    def __init__(self, vocab=64, hidden=32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(hidden, 64), nn.GELU(), nn.Linear(64, hidden))])
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = x + block(x)
+        logits = self.head(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _shape_reading_lm(rank, world):
+    import galvatron_fx as gfx
+
+    torch.manual_seed(0)
+    model = ShapeReadingLM()
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    batch = dict(input_ids=ids, labels=ids.roll(-1, 1))
+    gm = gfx.capture(copy.deepcopy(model), (), kwargs=batch, method="fx")
+    dm = gfx.transform(gm, plan=gfx.Plan.uniform(gm, world, global_batch_size=4, tp=world, dp=1))
+    ref = model(**batch)
+    ref.backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    loss = dm.train_step(**batch)
+    torch.optim.SGD(dm.parameters(), lr=0.5).step()
+    full, want = dm.full_state_dict(), model.state_dict()
+    return float(loss), float(ref), all(torch.allclose(full[k], want[k], atol=1e-6) for k in want)
+
+
+def test_fx_size_read_from_a_vocab_sharded_tensor_is_not_divided_again():
+    """fx keeps ``logits.shape[-1]`` as a run-time read of the (vocabulary-sharded) logits: already
+    this rank's extent, so the TP pass must not divide it by tp (it did: the loss then saw 2x the
+    rows of half width and failed)."""
+    for loss, ref, grads_ok in run_distributed(_shape_reading_lm, 2):
+        assert abs(loss - ref) < 1e-5 * abs(ref) and grads_ok, (loss, ref)

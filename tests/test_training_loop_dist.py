@@ -121,6 +121,8 @@ CASES = {
                                                plan=dict(dp=2, ep=2, sdp="zero3", ckpt=True)),
     "loop-moe-tp2xdp2-ep2-export": dict(matrix=True, world=4, model="loop-moe", method="export",
                                         plan=dict(tp=2, dp=2, ep=2)),
+    # fx reads logits.shape[-1] at run time: the vocabulary-sharded extent, not divided again
+    "loop-moe-tp2xdp2-ep2-fx": dict(matrix=True, world=4, model="loop-moe", method="fx", plan=dict(tp=2, dp=2, ep=2)),
     "loop-moe-dp2-ep2-compile": dict(matrix=True, model="loop-moe", door="compile", plan=dict(dp=2, ep=2)),
     # context parallelism: each rank of a CP group holds S / cp tokens (zig-zag) of the same samples
     "cp2-ulysses": dict(plan=dict(dp=2, cp=2, cp_kind="ulysses")),

@@ -36,6 +36,8 @@ def view(an, node, ins, states):
                 local = new.local_size(old, an.tp)
                 if local != old:
                     an.res.shape_args[node.name] = (slot, old, local)
+            elif _computed(old) == out_shape[d] and _reads_local_extent(an, old, new):
+                pass   # read at run time from the local shard's own shape (fx: ``x.shape[-1]``): local already
             elif _computed(old) == out_shape[d]:
                 # NOTE: a size the graph computes (``batch x heads`` of a symbolic batch, Bloom): divided
                 # at run time by what the shards divide it by (whole for every batch: heads % tp == 0)
@@ -228,6 +230,25 @@ def _blocks_divide(blocks, size: int, factor: int, tp: int) -> bool:
         if units % total or (units // total) % factor or mode == "tp" and (units // total // factor) % tp:
             return False
     return True
+
+
+def _reads_local_extent(an, size, new: Sharded) -> bool:
+    """Whether ``size`` is ``x.shape[d]`` / ``x.size(d)`` / ``x.size()[d]`` of a value ``x``
+    sharded the way the view's output is (same kind, along ``d``): at run time it reads the
+    shard's own extent, which needs no division."""
+    if op_name(size) == "getitem" and isinstance(size.args[1], int) and hasattr(size.args[0], "op"):
+        src = size.args[0]
+        if not ((op_name(src) == "getattr" and src.args[1:] == ("shape",)) or
+                (op_name(src) == "size" and len(src.args) == 1)):
+            return False
+        x, d = src.args[0], size.args[1]
+    elif op_name(size) in ("size", "sym_size") and len(size.args) == 2 and isinstance(size.args[1], int):
+        x, d = size.args
+    else:
+        return False
+    s, val = an.st(x), tensor_val(x)
+    return (isinstance(s, Sharded) and val is not None and s.dim == d % val.dim() and s.kind == new.kind
+            and s.local_size(int(val.shape[s.dim]), an.tp) == new.local_size(_computed(size), an.tp))
 
 
 def _computed(arg) -> int | None:
