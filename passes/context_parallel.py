@@ -82,10 +82,9 @@ class ContextParallelPass(ContextPass):
         if ctx.seq_len % lp.cp:
             raise ConfigError(f"layer {lp.name}: the sequence of {ctx.seq_len} tokens does not split into cp={lp.cp} "
                               "shards; use a sequence length divisible by cp (by 2 * cp to balance causal masks)")
-        for key, why in (("ep", "expert parallelism"),):
-            if getattr(lp, key) not in (False, 1):
-                raise ConfigError(f"layer {lp.name}: cp={lp.cp} together with {why} ({key}={getattr(lp, key)}) is not "
-                                  f"supported yet; set {key} off on this layer or cp=1")
+        if lp.ep != 1:
+            raise ConfigError(f"layer {lp.name}: cp={lp.cp} together with expert parallelism (ep={lp.ep}) is not "
+                              "supported yet; set ep off on this layer or cp=1")
         if ctx.holds_whole_batch(i):
             raise ConfigError(f"layer {lp.name}: cp={lp.cp} on a layer mixing the samples of a batch is not supported; "
                               "use cp=1 there")

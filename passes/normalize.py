@@ -42,6 +42,7 @@ from ..errors import CaptureError
 from ..ir import META_KEY, GraphInfo, NodeInfo, ParamInfo
 from ..runtime.dropout import dropout, scaled_dot_product_attention
 from ..runtime.experts import histc, routed_rows
+from ..sharding.experts import find_one_hot, one_hot_classes
 from .base import GraphPass, check
 
 CONSTANTS_PREFIX = "_constants"
@@ -294,22 +295,9 @@ _ATTENTIONS = {torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.
 _NONZEROS = {torch.nonzero: False, torch.ops.aten.nonzero.default: False, torch.argwhere: False,
              torch.where: True, torch.ops.aten.where.default: True, torch.ops.aten.nonzero_numpy.default: True}
 """Data-dependent row lookups -> whether they return a tuple of index vectors (``torch.where(cond)``)."""
-_ONE_HOTS = {torch.nn.functional.one_hot, torch.ops.aten.one_hot.default}
 _FRESH = {torch.zeros_like, torch.zeros, torch.ops.aten.zeros_like.default, torch.ops.aten.zeros.default,
           torch.ops.aten.new_zeros.default, "new_zeros"}
 _ACCUMULATE = {"index_add_", torch.ops.aten.index_add_.default}
-
-
-def _one_hot_classes(node: torch.fx.Node, depth: int = 6) -> int | None:
-    """``E`` when ``node`` is (a view / selection of) ``F.one_hot(ids, E)``, else None."""
-    for _ in range(depth):
-        if not isinstance(node, torch.fx.Node):
-            return None
-        if node.target in _ONE_HOTS:
-            e = node.args[1] if len(node.args) > 1 else node.kwargs.get("num_classes", -1)
-            return e if isinstance(e, int) and e > 0 else None
-        node = node.args[0] if node.args else None
-    return None
 
 
 def _route_expert_rows(graph: torch.fx.Graph, raw_vals: dict) -> None:
@@ -323,7 +311,8 @@ def _route_expert_rows(graph: torch.fx.Graph, raw_vals: dict) -> None:
             as_tuple = bool(n.kwargs.get("as_tuple", _NONZEROS[n.target]))
         else:
             continue
-        classes = _one_hot_classes(n.args[0])
+        one_hot = find_one_hot(n.args[0])
+        classes = one_hot_classes(one_hot) if one_hot is not None else None
         if classes is None:
             continue
         with graph.inserting_before(n):

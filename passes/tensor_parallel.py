@@ -385,6 +385,11 @@ class _Rewriter:
         name = self.alias.get(node.name)
         return self.by_name.get(name, node) if name is not None else node
 
+    def same_chunks(self, src: int, dst: int) -> bool:
+        """Whether sequence-parallel chunks made in layer ``src`` are the ones layer ``dst`` expects:
+        the same TP group and the same cp (they are chunks of the rank's CP shard)."""
+        return self.keys[src] == self.keys[dst] and self.layer_cp.get(src, 1) == self.layer_cp.get(dst, 1)
+
     def convert_boundaries(self):
         order = {n: i for i, n in enumerate(self.graph.nodes)}
         for node in list(self.graph.nodes):
@@ -401,9 +406,7 @@ class _Rewriter:
                     continue
                 want = boundary_layout(self.gm, self.original(node), dst_layer, self.layer_tp)
                 x, before = node, user
-                same = src_layout == want and (want is None or (self.keys[src_layer] == self.keys[dst_layer] and
-                                                                self.layer_cp.get(src_layer, 1) ==
-                                                                self.layer_cp.get(dst_layer, 1)))
+                same = src_layout == want and (want is None or self.same_chunks(src_layer, dst_layer))
                 producer = self.plans.get(src_layer)
                 marked = (user.op == "output" and not self.gather_outputs and producer is not None
                           and node.name in producer.sharded_outputs)

@@ -28,7 +28,7 @@ Pure: integers and tuples only (``torch`` just for the views of :func:`piece_vie
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -117,9 +117,7 @@ def local_to_global(box: Box, shard) -> list[tuple[Box, tuple[int, ...]]]:
 
 def _outer(shard):
     """A nested ``ShardInfo`` without its inner split."""
-    import dataclasses
-
-    return dataclasses.replace(shard, inner=None)
+    return replace(shard, inner=None)
 
 
 def layer_pieces(fqns, shapes, spans, shards: dict, *, replicated: bool = True,

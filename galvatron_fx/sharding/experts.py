@@ -216,22 +216,34 @@ def expert_lists(graph: torch.fx.Graph) -> set[str]:
     return out
 
 
+def find_one_hot(node, depth: int = 6) -> torch.fx.Node | None:
+    """The ``F.one_hot(ids, E)`` node that ``node`` is, or is a view / selection of (following first
+    arguments up to ``depth`` nodes back), else None."""
+    for _ in range(depth):
+        if not isinstance(node, torch.fx.Node):
+            return None
+        if op_name(node) == "one_hot":
+            return node
+        node = node.args[0] if node.args else None
+    return None
+
+
+def one_hot_classes(one_hot: torch.fx.Node) -> int | None:
+    """``E`` of a ``F.one_hot(ids, E)`` node (None unless a literal positive int)."""
+    e = one_hot.args[1] if len(one_hot.args) > 1 else one_hot.kwargs.get("num_classes", -1)
+    return e if isinstance(e, int) and e > 0 else None
+
+
 def _one_hot_of(node, depth: int = 6):
     """``(one_hot node, e)`` when ``node`` is ``mask[e]`` of a view of ``one_hot(index, E)``."""
-    sel = node
-    if op_name(sel) == "getitem" and isinstance(sel.args[1], int):
-        e = sel.args[1]
-    elif op_name(sel) == "select" and len(sel.args) == 3 and sel.args[1] == 0 and isinstance(sel.args[2], int):
-        e = sel.args[2]
+    if op_name(node) == "getitem" and isinstance(node.args[1], int):
+        e = node.args[1]
+    elif op_name(node) == "select" and len(node.args) == 3 and node.args[1] == 0 and isinstance(node.args[2], int):
+        e = node.args[2]
     else:
         return None, None
-    for _ in range(depth):
-        node = node.args[0] if isinstance(node, torch.fx.Node) and node.args else None
-        if not isinstance(node, torch.fx.Node):
-            return None, None
-        if op_name(node) == "one_hot":
-            return node, e
-    return None, None
+    oh = find_one_hot(node.args[0], depth)
+    return (oh, e) if oh is not None else (None, None)
 
 
 def _expert_loops(nodes) -> dict[torch.fx.Node, list[torch.fx.Node]]:

@@ -316,8 +316,10 @@ class SequenceAnalyzer:
         if isinstance(s, SeqShard) and isinstance(x, torch.fx.Node) and self.st(x) == s:
             before, after = _shape(x)[s.dim], _shape(n)[s.dim]
             if before != after:
-                if after > before:     # a gather: its whole length is this rank's shard (the TP chunks
-                    if after % self.cp:   # of S / cp may be uneven where those of S were not)
+                # NOTE: a gather's whole length (its ``full`` argument) becomes this rank's shard's:
+                # the TP chunks of S / cp may be uneven where those of S were not
+                if after > before:
+                    if after % self.cp:
                         raise Unsupported(f"{n.name}: its whole length {after} does not split into cp={self.cp}")
                     self.res.shape_args.append((n, (3,), after // self.cp))
                 return SeqShard(s.dim, s.post, s.chunks * before // after)

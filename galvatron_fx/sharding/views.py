@@ -36,12 +36,11 @@ def view(an, node, ins, states):
                 local = new.local_size(old, an.tp)
                 if local != old:
                     an.res.shape_args[node.name] = (slot, old, local)
-            elif _computed(old) == out_shape[d] and _reads_local_extent(an, old, new):
-                pass   # read at run time from the local shard's own shape (fx: ``x.shape[-1]``): local already
             elif _computed(old) == out_shape[d]:
                 # NOTE: a size the graph computes (``batch x heads`` of a symbolic batch, Bloom): divided
-                # at run time by what the shards divide it by (whole for every batch: heads % tp == 0)
-                local = new.local_size(out_shape[d], an.tp)
+                # at run time by what the shards divide it by (whole for every batch: heads % tp == 0),
+                # unless it reads the shard's own shape (fx: ``x.shape[-1]``): local already
+                local = out_shape[d] if _reads_local_extent(an, old, new) else new.local_size(out_shape[d], an.tp)
                 if local != out_shape[d]:
                     if out_shape[d] % local:
                         raise Unsupported
