@@ -157,6 +157,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if rank != 0:
         return 0
     progress(f"search took {time.perf_counter() - t0:.2f}s")
+    _calibrate(args, plan.extra.get("measure"))
     print(plan.explain())
     for line in measured_lines(plan.extra.get("measured", [])):
         print(f"  {line}")
@@ -199,6 +200,12 @@ def _pipeline_constraints(args: argparse.Namespace) -> dict:
     if getattr(args, "cp_kind", None):
         out["cp_kind"] = args.cp_kind
     return out
+
+
+def _add_calibrate_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="with --measure and --cluster FILE: do not write the time scales fitted to the measured "
+                        "candidates into FILE (default: write them, so the next search starts closer)")
 
 
 def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
@@ -283,8 +290,24 @@ def _report(log: dict, args: argparse.Namespace, show) -> int:
         show(log)
         if args.json:
             _write_json(args.json, log)
+        _calibrate(args, (log.get("plan") or log.get("summary") or {}).get("measure"))
     shutdown()
     return 0
+
+
+def _calibrate(args: argparse.Namespace, measure: dict | None) -> None:
+    """Rank 0, after a measured search: write its fit (the time scales, galvatron_fx/selection.py)
+    into the ``--cluster`` JSON file, so that the next search on it starts closer; not for a preset,
+    a profile of the live world or ``--no-calibrate``."""
+    from .cluster import Cluster
+
+    fit = (measure or {}).get("fit")
+    if not fit or args.no_calibrate or not args.cluster or not os.path.isfile(args.cluster):
+        return
+    Cluster.load(args.cluster).calibrated(fit).save(args.cluster)
+    progress(f"calibrated {args.cluster} to the measured candidates: stage time x {fit['time_scale']:.3g}, "
+             f"pipelined x {fit['pipeline_time_scale']:.3g} on top (median estimate error "
+             f"{100 * measure['error_before']:.0f} % -> {100 * measure['error_after']:.0f} %; --no-calibrate: keep it)")
 
 
 def _train_text(args: argparse.Namespace) -> int:
@@ -373,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure", type=int, default=0, metavar="K",
                    help="under torchrun: time the K best plans and the baselines on the live ranks (the model's "
                         "parts randomly initialised) and keep the fastest (default 0: the estimate's best)")
+    _add_calibrate_arg(p)
     p.add_argument("--json", metavar="PATH", help="write the plan JSON (with baselines) to PATH")
     p.add_argument("--plot", metavar="PATH", help="draw the plan (PNG/SVG/PDF; needs matplotlib)")
     _add_pipeline_args(p)
@@ -410,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure", type=int, default=4, metavar="K",
                    help="without --plan: time the K best plans by estimate and the baselines on the live world "
                         "for a few steps each and train the fastest (default 4; 0: the estimate's best)")
+    _add_calibrate_arg(p)
     p.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
     _add_pipeline_args(p)
     p.add_argument("--memory-budget", help="per-device budget for the search, e.g. 16GiB")

@@ -78,7 +78,7 @@ import re
 import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch.distributed as dist
@@ -105,11 +105,15 @@ OVERHEAD_FIELDS = ("op_launch_s", "op_launch_bwd_s", "collective_latency_s", "la
                    "copy_s_per_byte", "split_backward_op_s")
 """The fixed-cost fields of a :class:`Cluster` (module docstring), seconds (per byte for the optimizer
 and the runtime's copies)."""
-CALIBRATION_FIELDS = ("step_overhead_s", "pipeline_step_s")
-"""Per-step seconds fitted to measured steps by the measured final selection
-(:mod:`galvatron_fx.selection`): what every step costs beyond the model's terms, and what a
-pipelined step costs beyond that (the stages' batch agreement, the loss sent to every rank). 0 for
-presets and fresh profiles."""
+CALIBRATION_FIELDS = ("step_overhead_s", "pipeline_step_s", "time_scale", "pipeline_time_scale")
+"""How a plan's modelled step maps to the measured one: ``step = scale * slowest stage + constant``
+(:func:`galvatron_fx.solver.objective.step_time`). ``time_scale`` multiplies every plan's stage
+time, ``pipeline_time_scale`` a pipelined plan's on top; ``step_overhead_s`` is what every step
+costs beyond the model's terms, ``pipeline_step_s`` what a pipelined step costs beyond that
+(seconds). Scales 1 and constants 0 for presets and fresh profiles; the measured final selection
+fits the scales to its timed candidates (:mod:`galvatron_fx.selection`) and ``galvatron-fx plan /
+train --measure K --cluster FILE`` stores them in FILE, so the next search starts closer."""
+SCALE_FIELDS = ("time_scale", "pipeline_time_scale")
 # NOTE: GPU defaults. A CUDA kernel launch from PyTorch's eager dispatcher costs ~5-10 us, the backward
 # node about as much again; an NCCL call ~10-30 us beyond its ring steps (the presets' ``α`` prices
 # those); a galvatron layer adds two autograd Functions and its parameter views; checkpointing adds
@@ -270,8 +274,10 @@ class Cluster:
     copy_s_per_byte: float = 0.0
     split_backward_op_s: float = 0.0
     profile_spread: dict[str, float] = field(default_factory=dict)  # profiled: figure -> (max - min) / min over rounds
-    step_overhead_s: float = 0.0   # fitted by measured selection (CALIBRATION_FIELDS)
+    step_overhead_s: float = 0.0   # calibration (CALIBRATION_FIELDS)
     pipeline_step_s: float = 0.0
+    time_scale: float = 1.0
+    pipeline_time_scale: float = 1.0
 
     def __post_init__(self) -> None:
         self.nodes = _count("nodes", self.nodes)
@@ -303,7 +309,15 @@ class Cluster:
             raise ConfigError(f"cluster field 'name' must be a string, got {self.name!r}")
         self.fits = self._check_fits(self.fits)
         for name in OVERHEAD_FIELDS + CALIBRATION_FIELDS:
-            setattr(self, name, _positive(name, getattr(self, name), allow_zero=True))
+            setattr(self, name, _positive(name, getattr(self, name), allow_zero=name not in SCALE_FIELDS))
+
+    def calibrated(self, fit: Mapping[str, float]) -> Cluster:
+        """This cluster with calibration fields (:data:`CALIBRATION_FIELDS`) replaced by ``fit``,
+        e.g. ``plan.extra["measure"]["fit"]`` of a measured search on this cluster."""
+        unknown = sorted(set(fit) - set(CALIBRATION_FIELDS))
+        if unknown:
+            raise ConfigError(f"calibration key(s) {unknown} unknown; known: {', '.join(CALIBRATION_FIELDS)}")
+        return replace(self, **fit)
 
     @staticmethod
     def _check_fits(fits: Any) -> dict[str, dict[str, dict[str, float]]]:
@@ -532,4 +546,11 @@ class Cluster:
             f"{self.optimizer_s_per_byte * 1e12:.3g} ps/byte + {self.optimizer_overhead_s * 1e6:.3g} us/tensor, "
             f"checkpointing {self.checkpoint_op_s * 1e6:.3g} us/op, copies {self.copy_s_per_byte * 1e12:.3g} ps/byte, "
             f"split backward {self.split_backward_op_s * 1e6:.3g} us/op",
-        ])
+        ] + ([f"  calibrated by measured steps: stage time x {self.time_scale:.3g} (pipelined x "
+              f"{self.pipeline_time_scale:.3g} more), + {self.step_overhead_s * 1e3:.3g} ms per step "
+              f"(pipelined + {self.pipeline_step_s * 1e3:.3g} ms)"] if self.is_calibrated else []))
+
+    @property
+    def is_calibrated(self) -> bool:
+        """Whether any calibration field (:data:`CALIBRATION_FIELDS`) is off its default."""
+        return any(getattr(self, k) != (1.0 if k in SCALE_FIELDS else 0.0) for k in CALIBRATION_FIELDS)

@@ -9,22 +9,23 @@
 2. *Measurement* (every rank, :func:`measure_plans`): one candidate at a time (one program in memory
    at a time), ``gfx.transform`` builds it, then ``warmup`` + ``steps`` training steps
    (``train_step`` and an AdamW step) run on a synthetic batch in the graph inputs' shapes (integer
-   inputs 1, floats N(0, 1)). A candidate's time is the median over its timed steps of the slowest
-   rank's step. A candidate that fails to build or run on any rank (a plan that does not build, out
+   inputs 1, floats N(0, 1)). A candidate's time is the slowest rank's mean step over its ``steps``
+   timed steps, run back to back as training runs them (:func:`_time_steps`). A candidate that fails to build or run on any rank (a plan that does not build, out
    of memory before its first collective) is skipped on every rank and its error recorded; one that
    fails inside a collective on one rank only still stops the run. A second round, in reverse order, times again the candidates within ``close``
    (10 %) of the fastest; each counts with the median of its rounds. No new candidate starts after
    ``seconds``.
 3. The fastest measured candidate is returned, with ``plan.extra["measured"]``: per candidate its
    name, label, estimated and measured step (seconds) and rounds, and ``plan.extra["measure"]``:
-   the budget used (candidates, steps, seconds), the cluster's per-step constants refitted to the
-   measurements (``fit``: :func:`fit_step_constants`), a uniform time scale fitted to them
-   (``time_scale``: :func:`fit_time_scale`), which of the two describes the measured candidates
-   better (``calibration``: ``"constant"`` | ``"scale"``, :func:`calibration_error`) and the chosen
-   plan's step estimated with it (``calibrated_step_s``). The fit is reported, not applied: from a few short runs it is too
-   noisy to steer the next search (the main job, 2026-12-02: a step constant of 26 ms fitted on a
-   busy machine put the chosen plan's estimate 107 % over its 20-step measurement); a cluster JSON
-   may carry such constants (``step_overhead_s``, ``pipeline_step_s``), which the search prices.
+   the budget used (candidates, steps, seconds), the cluster's time scales refitted to the
+   measurements (``fit``: :func:`fit_time_scales`), the chosen plan's step re-priced with them
+   (``calibrated_step_s``) and the candidates' median estimate error before and after the fit
+   (``error_before``, ``error_after``: :func:`calibration_error`, in sample).
+4. *Calibration*: ``Cluster.calibrated(fit)`` is the cluster with the fit; ``galvatron-fx plan /
+   train --measure K --cluster FILE`` writes it back to FILE (``--no-calibrate``: not), so the next
+   search on FILE starts closer. The fit moves the scales only (``time_scale``,
+   ``pipeline_time_scale``); a cluster JSON may also carry per-step constants (``step_overhead_s``,
+   ``pipeline_step_s``), which the search prices too (:data:`galvatron_fx.cluster.CALIBRATION_FIELDS`).
 
 Budget: ``(warmup + steps)`` steps per candidate and round, plus one transform each. The number of
 candidates is at most ``K`` plus the baseline families (8), and usually fewer (baselines coincide
@@ -47,9 +48,9 @@ import torch.distributed as dist
 from .errors import ConfigError, GalvatronError, InfeasibleError
 from .ir import META_KEY, graph_batch_size
 from .plan import Plan
-from .solver.objective import step_constant
+from .solver.objective import stage_limit, step_time
 
-DEFAULTS = {"warmup": 1, "steps": 3, "close": 0.10, "seconds": 120.0}
+DEFAULTS = {"warmup": 2, "steps": 5, "close": 0.10, "seconds": 120.0}
 """Measurement options (``measure_options={...}``): warm-up and timed steps per candidate and round,
 the relative gap under which a candidate is timed again, and the time after which no new candidate
 starts (seconds)."""
@@ -135,21 +136,30 @@ def synthetic_inputs(gm: torch.fx.GraphModule, batch: int, device: torch.device)
 
 
 def _time_steps(dm, inputs, warmup: int, steps: int, device) -> float:
-    """Median seconds of ``steps`` training steps (after ``warmup``) of the slowest rank."""
+    """Seconds per training step: ``warmup`` steps, a barrier, then ``steps`` steps back to back as
+    a training loop runs them, each timed; the median step of each rank, the slowest rank's. No
+    barrier between steps: a pipeline's stages overlap one step's tail with the next one's head,
+    and a barrier per step prices what training never pays; the median, not the mean: one step
+    in a few on a shared host runs 1.5-2x slower (the 20-step runs of the main job)."""
     from .distributed import synchronize
 
     opt = torch.optim.AdamW([p for p in dm.parameters() if p.requires_grad], lr=1e-6)
-    times, tick = [], torch.zeros(1, device=device)
-    for i in range(warmup + steps):
-        synchronize(device)
-        dist.all_reduce(tick)   # NOTE: a barrier that needs no device guess (NCCL's barrier does)
-        t0 = time.perf_counter()
+
+    def step() -> None:
         dm.train_step(*inputs)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+    dist.all_reduce(torch.zeros(1, device=device))   # NOTE: a barrier that needs no device guess (NCCL's does)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
         synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
     # NOTE: on the compute device: NCCL reduces device tensors only
     slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -244,53 +254,51 @@ def measured_search(gm: torch.fx.GraphModule, search_fn, k: int, cluster, constr
     cands = [(n, Plan.from_dict(d)) for n, d in value]
     plan, records = measure_plans(gm, cands, options)
     plans = [p for _n, p in cands]
-    fit = fit_step_constants(records, plans, cluster)
     world = dist.get_world_size()
-    fitted = dataclasses.replace(cluster, **fit)
+    fit = fit_time_scales(records, plans, cluster, world)
+    fitted = cluster.calibrated(fit)
 
-    def shifted(estimate: float, pp: int) -> float:
-        """The estimate with the fitted constants in place of the cluster's (objective.step_constant)."""
-        return estimate + step_constant(fitted, pp, world) - step_constant(cluster, pp, world)
+    def recalibrated(estimate: float, pp: int) -> float:
+        """The estimate re-priced on the fitted cluster."""
+        return step_time(fitted, pp, world, stage_limit(cluster, pp, world, estimate))
 
-    scale = fit_time_scale(records)
-    calibrations = {"constant": shifted}
-    if scale is not None:
-        calibrations["scale"] = lambda estimate, _pp: estimate * scale
-    how = min(calibrations, key=lambda k: calibration_error(records, plans, calibrations[k]))
-    plan.extra["measure"].update(fit=fit, time_scale=scale, calibration=how,
-                                 calibrated_step_s=calibrations[how](plan.estimate["step_time_s"], plan.pp))
+    plan.extra["measure"].update(
+        fit=fit, calibrated_step_s=recalibrated(plan.estimate["step_time_s"], plan.pp),
+        error_before=calibration_error(records, plans, lambda e, _pp: e),
+        error_after=calibration_error(records, plans, recalibrated))
     return plan
 
 
-def fit_time_scale(records: list[dict]) -> float | None:
-    """The median ratio measured / estimated step over the measured candidates (None when none
-    measured): on a host whose every term runs slower than its profile (two ranks sharing two
-    cores), the residuals are proportional to the estimate, not constant."""
-    ratios = [r["measured_step_s"] / r["estimated_step_s"] for r in records
-              if r["measured_step_s"] is not None and r["estimated_step_s"]]
-    return statistics.median(ratios) if ratios else None
+def fit_time_scales(records: list[dict], plans: list[Plan], cluster, world: int) -> dict[str, float]:
+    """The cluster's time scales (:data:`galvatron_fx.cluster.SCALE_FIELDS`) refitted to the
+    measured candidates: each candidate's slowest stage as the cluster prices it (its estimate
+    less the per-step constant, over the scale) against its measured step less the constant; the
+    median ratio of the unpipelined candidates moves ``time_scale``, the pipelined ones' median
+    beyond that moves ``pipeline_time_scale``. Where only one kind was measured its ratio moves
+    ``time_scale`` alone (a uniform scale: the next search ranks plans as before, its estimates
+    closer). The constants are kept. Why scales, not constants: on the main job (2026-12-02/03)
+    every candidate measured 1.15-1.8x its estimate, residuals proportional to the estimate."""
+    flat, piped = [], []
+    for r, plan in zip(records, plans):
+        if r["measured_step_s"] is None or not r["estimated_step_s"]:
+            continue
+        stage = stage_limit(cluster, plan.pp, world, r["estimated_step_s"])
+        wanted = stage_limit(cluster, plan.pp, world, r["measured_step_s"])
+        if stage > 0 and wanted > 0:
+            (piped if plan.pp > 1 else flat).append(wanted / stage)
+    base = float(getattr(cluster, "time_scale", 1.0))
+    pipe = float(getattr(cluster, "pipeline_time_scale", 1.0))
+    if flat and piped:
+        r0 = statistics.median(flat)
+        return {"time_scale": base * r0, "pipeline_time_scale": pipe * statistics.median(piped) / r0}
+    if flat or piped:
+        return {"time_scale": base * statistics.median(flat or piped), "pipeline_time_scale": pipe}
+    return {"time_scale": base, "pipeline_time_scale": pipe}
 
 
 def calibration_error(records: list[dict], plans: list[Plan], calibrate) -> float:
     """Median relative error of ``calibrate(estimate, pp)`` against the measured candidates (in
-    sample: which of the two fits, per-step constants or a scale, describes these measurements)."""
+    sample: how well a calibration describes the measurements it was fitted to)."""
     errors = [abs(calibrate(r["estimated_step_s"], p.pp) / r["measured_step_s"] - 1)
               for r, p in zip(records, plans) if r["measured_step_s"] and r["estimated_step_s"] is not None]
     return statistics.median(errors) if errors else math.inf
-
-
-def fit_step_constants(records: list[dict], plans: list[Plan], cluster) -> dict[str, float]:
-    """The cluster's per-step constants (:data:`galvatron_fx.cluster.CALIBRATION_FIELDS`) refitted to
-    the measured candidates: the median residual (measured - estimated step) of the unpipelined
-    ones moves ``step_overhead_s``, the pipelined ones' median residual beyond that moves
-    ``pipeline_step_s`` (each kept >= 0)."""
-    flat, piped = [], []
-    for r, plan in zip(records, plans):
-        if r["measured_step_s"] is not None:
-            (piped if plan.pp > 1 else flat).append(r["measured_step_s"] - r["estimated_step_s"])
-    base = float(getattr(cluster, "step_overhead_s", 0.0))
-    pipe = float(getattr(cluster, "pipeline_step_s", 0.0))
-    d0 = statistics.median(flat) if flat else (statistics.median(piped) if piped else 0.0)
-    d1 = statistics.median(piped) - d0 if flat and piped else 0.0
-    return {"step_overhead_s": max(base + d0, 0.0), "pipeline_step_s": max(pipe + d1, 0.0)}
-

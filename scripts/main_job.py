@@ -82,11 +82,9 @@ def main(out: str = "main_job", *flags: str) -> None:
         print(f"  {line}")
     fit = measure.get("fit", {})
     if fit:
-        print("  fitted to them (reported, not applied): per-step constants "
-              + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in fit.items())
-              + (f"; time scale {measure['time_scale']:.2f}" if measure.get("time_scale") else "")
-              + f"; {measure.get('calibration', 'constant')} fits them better: the chosen plan's step estimated "
-              f"with it {measure['calibrated_step_s'] * 1e3:.1f} ms")
+        print(f"  time scales fitted to them and written to {p('cluster.json')}: stage time x "
+              f"{fit['time_scale']:.2f}, pipelined x {fit['pipeline_time_scale']:.2f} on top; the candidates' median "
+              f"estimate error {100 * measure['error_before']:.0f} % -> {100 * measure['error_after']:.0f} % (in sample)")
     if len(plans) == 2:
         a, b = (statistics.median(v) for v in runs.values())
         if abs(a / b - 1) < 0.1 and "--once" not in flags:  # close: medians of 3 runs, alternating
@@ -116,9 +114,9 @@ def main(out: str = "main_job", *flags: str) -> None:
     print(f"  {'single device':<20} {single['summary']['samples_per_s']:10.2f}")
     step = statistics.median(runs["searched"])
     if measure.get("calibrated_step_s"):
-        print(f"  searched step: model estimate {searched.estimate['step_time_s'] * 1e3:.1f} ms "
-              f"({100 * (searched.estimate['step_time_s'] / step - 1):+.0f} %), calibrated by the measured selection "
-              f"({measure.get('calibration')}) {measure['calibrated_step_s'] * 1e3:.1f} ms "
+        print(f"  searched step: model estimate on the profile {searched.estimate['step_time_s'] * 1e3:.1f} ms "
+              f"({100 * (searched.estimate['step_time_s'] / step - 1):+.0f} %), on the cluster calibrated by the "
+              f"measured selection {measure['calibrated_step_s'] * 1e3:.1f} ms "
               f"({100 * (measure['calibrated_step_s'] / step - 1):+.0f} %) vs {step * 1e3:.1f} ms measured")
     summary = {"searched_samples_s": BATCH / step, "searched_step_s": step,
                "searched_estimated_step_s": searched.estimate["step_time_s"],

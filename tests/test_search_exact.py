@@ -267,6 +267,15 @@ def _torch_chunk_peaks(schedule: str, p: int, v: int, m: int) -> tuple[list[int]
     return peaks, wpeaks
 
 
+def _step(cluster, p: int, slowest: float) -> float:
+    """A plan's step from its slowest stage: the cluster's calibration (a scale on the stage time,
+    another on top for pipelines, then the per-step constant; galvatron_fx.cluster.CALIBRATION_FIELDS)."""
+    if cluster is None:
+        return slowest
+    scale = cluster.time_scale * (cluster.pipeline_time_scale if p > 1 else 1.0)
+    return scale * slowest + step_constant(cluster, p, cluster.world_size)
+
+
 def best_plan(space_fronts, L: int, gbs: int, budget: float, cluster=None):
     """``(throughput, (p, m, schedule), stages, per-stage sequences)`` of the enumerated best plan."""
     best = (0.0, None, None, None)
@@ -276,7 +285,7 @@ def best_plan(space_fronts, L: int, gbs: int, budget: float, cluster=None):
             picks = [f.best(budget) for f in fronts["ranks"]]
             if any(seq is None for _, seq in picks):
                 continue
-            thr = gbs / (max(t for t, _ in picks) + step_constant(cluster, p, cluster.world_size))
+            thr = gbs / _step(cluster, p, max(t for t, _ in picks))
             if thr > best[0]:
                 best = (thr, key, fronts["chunks"], [seq for _, seq in picks])
             continue
@@ -286,7 +295,7 @@ def best_plan(space_fronts, L: int, gbs: int, budget: float, cluster=None):
             picks = [fronts[(i, j, k)].best(budget) for k, (i, j) in enumerate(stages)]
             if any(seq is None for _, seq in picks):
                 continue
-            thr = gbs / (max(t for t, _ in picks) + (step_constant(cluster, p, cluster.world_size) if cluster else 0.0))
+            thr = gbs / _step(cluster, p, max(t for t, _ in picks))
             if thr > best[0]:
                 best = (thr, (p, m, sched), stages, [seq for _, seq in picks])
     return best
@@ -348,7 +357,7 @@ def _check_setup(blocks, tied, preset, gbs, precision, calibration=None, constra
     (``cp``, ``cp_kind``) widening both spaces alike; ``chosen``: collects each enumerated best."""
     gm = _graph(blocks, tied)
     cluster = gfx.Cluster.preset(preset)
-    for k, v in (calibration or {}).items():   # per-step constants fitted by measured selection
+    for k, v in (calibration or {}).items():   # calibration fitted by measured selection
         setattr(cluster, k, v)
     precision = precision or gfx.cluster.default_precision(cluster)
     cons = dict(constraints or {})
@@ -426,7 +435,9 @@ def test_zero_bubble_wins_where_the_bubble_decides(preset, factor, config):
 
 
 @pytest.mark.parametrize("calibration", [dict(step_overhead_s=2e-3, pipeline_step_s=4e-3),
-                                         dict(step_overhead_s=0.0, pipeline_step_s=5e-5)])
+                                         dict(step_overhead_s=0.0, pipeline_step_s=5e-5),
+                                         dict(time_scale=1.4, pipeline_time_scale=1.25, step_overhead_s=1e-3),
+                                         dict(time_scale=0.8, pipeline_time_scale=0.7)])
 def test_search_equals_the_enumerated_best_with_calibrated_step_constants(calibration):
     assert _check_setup(2, False, "4xA100-80GB", 8, "fp32", calibration) == len(FACTORS) + 2
 

@@ -4,6 +4,8 @@ baselines on the live world and returns the fastest measured, with every candida
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -59,50 +61,76 @@ def test_plan_command_measures_under_torchrun(tmp_path):
     import subprocess
     import sys
 
+    import galvatron_fx as gfx
     from tests.dist_utils import free_port
 
-    out = tmp_path / "plan.json"
+    out, cfile = tmp_path / "plan.json", tmp_path / "cluster.json"
+    gfx.Cluster.preset("2xA100-80GB").save(str(cfile))
     env = {**os.environ, "GALVATRON_DEVICE": "cpu", "GALVATRON_BACKEND": "gloo", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            f"--master-port={free_port()}", "-m", "galvatron_fx.cli", "plan", "gpt-tiny", "--cluster",
-                           "2xA100-80GB", "--global-batch-size", "8", "--precision", "fp32", "--measure", "2",
+                           str(cfile), "--global-batch-size", "8", "--precision", "fp32", "--measure", "2",
                            "--json", str(out)], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     timed = [r for r in data["measured"] if r["measured_step_s"] is not None]
     assert len(timed) >= 2 and data["chosen"] == min(timed, key=lambda r: r["measured_step_s"])["name"]
     assert proc.stdout.count("timed ") == len(data["measured"])   # printed once (rank 0)
+    # the fit went into the cluster file: the chosen plan re-estimated on it is the calibrated step
+    # (an A100 preset timed on this CPU: the scale is large)
+    calibrated = gfx.Cluster.load(str(cfile))
+    assert calibrated.time_scale == pytest.approx(data["measure"]["fit"]["time_scale"]) and calibrated.time_scale > 2
+    assert f"calibrated {cfile}" in proc.stderr and data["measure"]["error_after"] <= data["measure"]["error_before"]
+    model, args = gfx.models.build("gpt-tiny", device="meta", batch=8)
+    gm = gfx.capture(model, args, method="fx")
+    est = gfx.estimate(gm, gfx.Plan.from_dict(data), calibrated, precision="fp32")
+    assert est["step_time_s"] == pytest.approx(data["measure"]["calibrated_step_s"], rel=1e-9)
 
 
-def test_step_constants_fitted_to_the_measurements():
-    from types import SimpleNamespace
+def test_time_scales_fitted_to_the_measurements():
+    """Unpipelined candidates 1.5x their estimate, pipelined ones 1.8x: the fit scales every plan's
+    stage time by 1.5 and a pipelined one's by 1.2 on top (compounding the cluster's own scales),
+    with the per-step constants taken off first; re-priced on the fit every candidate's estimate
+    equals its measurement."""
+    import galvatron_fx as gfx
+    from galvatron_fx.selection import calibration_error, fit_time_scales
+    from galvatron_fx.solver.objective import stage_limit, step_time
 
-    from galvatron_fx.selection import fit_step_constants
+    cluster = gfx.Cluster.preset("2xA100-80GB").calibrated({"time_scale": 2.0, "step_overhead_s": 1e-3})
+    plans = [SimpleNamespace(pp=p) for p in (1, 1, 2, 2, 1)]
+    stages = [0.010, 0.012, 0.008, 0.009, 0.011]   # the slowest stage of each as the model prices it
+    wants = [1.5, 1.5, 1.8, 1.8]
+    records = [{"estimated_step_s": step_time(cluster, p.pp, 2, s), "measured_step_s": step_time(cluster, p.pp, 2, w * s)}
+               for p, s, w in zip(plans, stages, wants)]
+    records.append({"estimated_step_s": step_time(cluster, 1, 2, stages[-1]), "measured_step_s": None})  # failed
+    fit = fit_time_scales(records, plans, cluster, 2)
+    assert fit == pytest.approx({"time_scale": 3.0, "pipeline_time_scale": 1.2})
+    fitted = cluster.calibrated(fit)
+    assert fitted.step_overhead_s == 1e-3 and cluster.time_scale == 2.0   # the constant kept; a new cluster
 
-    plans = [SimpleNamespace(pp=1), SimpleNamespace(pp=1), SimpleNamespace(pp=2), SimpleNamespace(pp=2)]
-    records = [{"estimated_step_s": e, "measured_step_s": m} for e, m in
-               [(0.010, 0.012), (0.011, 0.013), (0.008, 0.015), (0.009, 0.016)]]
-    fit = fit_step_constants(records, plans, SimpleNamespace(step_overhead_s=0.001, pipeline_step_s=0.0))
-    assert fit["step_overhead_s"] == pytest.approx(0.003) and fit["pipeline_step_s"] == pytest.approx(0.005)
-    fast = [{"estimated_step_s": 0.01, "measured_step_s": 0.005}] * 2   # over-estimated: kept at 0, not negative
-    assert fit_step_constants(fast, plans[:2], SimpleNamespace())["step_overhead_s"] == 0.0
+    def recalibrated(estimate, pp):
+        return step_time(fitted, pp, 2, stage_limit(cluster, pp, 2, estimate))
+
+    assert calibration_error(records, plans, recalibrated) == pytest.approx(0.0, abs=1e-12)
+    assert calibration_error(records, plans, lambda e, _pp: e) > 0.3
+    # one kind measured: a uniform scale (the ranking unchanged), the pipeline factor kept
+    only_piped = fit_time_scales(records[2:4], plans[2:4], cluster, 2)
+    assert only_piped == pytest.approx({"time_scale": 3.6, "pipeline_time_scale": 1.0})
+    assert fit_time_scales(records[-1:], plans[-1:], cluster, 2) == {"time_scale": 2.0, "pipeline_time_scale": 1.0}
 
 
-def test_a_time_scale_fits_proportional_residuals_better_than_constants():
-    """Every candidate 1.8x its estimate (the main job on a busy host): a scale fits them exactly,
-    per-step constants do not; the in-sample error picks the scale."""
-    from types import SimpleNamespace
+def test_a_calibrated_cluster_round_trips_and_refuses_unknown_keys(tmp_path):
+    import galvatron_fx as gfx
 
-    from galvatron_fx.selection import calibration_error, fit_time_scale
-
-    plans = [SimpleNamespace(pp=p) for p in (2, 1, 2, 1)]
-    records = [{"estimated_step_s": e, "measured_step_s": 1.8 * e} for e in (0.016, 0.027, 0.017, 0.026)]
-    records.append({"estimated_step_s": 0.02, "measured_step_s": None})   # failed: ignored
-    assert fit_time_scale(records) == pytest.approx(1.8) and fit_time_scale(records[-1:]) is None
-    plans.append(SimpleNamespace(pp=1))
-    scaled = calibration_error(records, plans, lambda e, _pp: e * 1.8)
-    constant = calibration_error(records, plans, lambda e, _pp: e + 0.016)   # the median residual
-    assert scaled == pytest.approx(0.0, abs=1e-12) and constant > 0.1
+    cluster = gfx.Cluster.preset("2xA100-80GB").calibrated({"time_scale": 1.3, "pipeline_time_scale": 1.1})
+    cluster.save(str(tmp_path / "c.json"))
+    back = gfx.Cluster.load(str(tmp_path / "c.json"))
+    assert (back.time_scale, back.pipeline_time_scale) == (1.3, 1.1) and back.is_calibrated
+    assert "stage time x 1.3" in back.summary() and not gfx.Cluster.preset("2xA100-80GB").is_calibrated
+    with pytest.raises(gfx.errors.ConfigError, match="calibration key"):
+        cluster.calibrated({"time_scal": 2.0})
+    with pytest.raises(gfx.errors.ConfigError, match="time_scale"):
+        cluster.calibrated({"time_scale": 0.0})
 
 
 def _with_a_failing_candidate(rank, world):

@@ -61,7 +61,7 @@ import numpy as np
 
 from ..errors import ConfigError, InfeasibleError
 from ..units import format_bytes
-from .objective import CostSource, estimate_plan, step_constant
+from .objective import CostSource, estimate_plan, stage_limit, step_time
 from .pipeline import partition_min_max
 from .schedules import V_SHAPED, ZERO_BUBBLE, check_schedule, chunk_rank, step_slots
 from .stage import ExactStage, solve_stage_exact
@@ -371,7 +371,7 @@ class Engine:
         gid, layouts = layout_groups(space)
         c = ConfigTables(p, m, sched, gbs, space, t, states, act, trans, gid, layouts, self.sig_ids,
                          self.tables, self.cluster, self.N, v=v, wg=wg)
-        c.bound = self._step_bound(c) + step_constant(self.cluster, c.p, self.N)
+        c.bound = step_time(self.cluster, c.p, self.N, self._step_bound(c))
         return c
 
     def _step_bound(self, c: ConfigTables) -> float:
@@ -604,8 +604,8 @@ class Engine:
                     self.progress(f"search: configuration {n + 1}/{len(order)} (pp={c.p}, m={c.m}, gbs={c.gbs})")
                 tried += 1
                 thr = best.estimate["throughput_samples_s"] if best else 0.0
-                # NOTE: solve bounds the slowest stage; the step adds the configuration's constant
-                consider(self.solve(c, c.gbs / thr - step_constant(self.cluster, c.p, self.N) if thr > 0 else math.inf))
+                # NOTE: solve bounds the slowest stage; the step scales it and adds a constant (step_time)
+                consider(self.solve(c, stage_limit(self.cluster, c.p, self.N, c.gbs / thr) if thr > 0 else math.inf))
         if best is None:
             raise self.infeasible(tabled)
         best.configs_tried = tried

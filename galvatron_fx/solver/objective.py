@@ -119,6 +119,26 @@ def p2p_time_per_microbatch(costs: CostSource, cluster: Any, last_layer: int, st
     return 2 * cluster.p2p_time(nbytes, src, dst) + getattr(cluster, "microbatch_overhead_s", 0.0)
 
 
+def step_scale(cluster: Any, pp: int) -> float:
+    """The cluster's calibration factor on a ``pp``-stage plan's slowest stage: ``time_scale``
+    (x ``pipeline_time_scale`` when pipelined; 1 unless set, galvatron_fx.cluster.CALIBRATION_FIELDS)."""
+    scale = getattr(cluster, "time_scale", 1.0)
+    return scale * getattr(cluster, "pipeline_time_scale", 1.0) if pp > 1 else scale
+
+
+def step_time(cluster: Any, pp: int, world_size: int, slowest_stage_s: float) -> float:
+    """Seconds per step of a ``pp``-stage plan whose slowest stage takes ``slowest_stage_s``:
+    ``step_scale * slowest + step_constant`` (monotone in the stage time, so a search minimising the
+    slowest stage of one configuration minimises its step)."""
+    return step_scale(cluster, pp) * slowest_stage_s + step_constant(cluster, pp, world_size)
+
+
+def stage_limit(cluster: Any, pp: int, world_size: int, step_s: float) -> float:
+    """The slowest stage's seconds at which a ``pp``-stage plan's step takes ``step_s`` (the
+    inverse of :func:`step_time`)."""
+    return (step_s - step_constant(cluster, pp, world_size)) / step_scale(cluster, pp)
+
+
 def step_constant(cluster: Any, pp: int, world_size: int) -> float:
     """Seconds every step of a ``pp``-stage plan on ``world_size`` devices costs beyond its stages'
     terms: the runtime's per-step collectives (the loss all-reduced over the world; a pipeline's
@@ -178,7 +198,7 @@ def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy]
                                                  k * per_stage, nxt * per_stage)
         stage_time[k] += t
     mem = [st + ac + tr + hd + reserve_bytes for st, ac, tr, hd in zip(states, acts, transient, held_bytes)]
-    step = max(stage_time) + step_constant(cluster, pp, world_size)
+    step = step_time(cluster, pp, world_size, max(stage_time))
     return {
         "step_time_s": step,
         "throughput_samples_s": global_batch_size / step if step > 0 else float("inf"),
