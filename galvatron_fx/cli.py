@@ -252,7 +252,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     if "RANK" in os.environ:
         init_distributed()
-    cluster = Cluster.profile(out=args.out, progress=True)
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
+    cluster = Cluster.profile(out=args.out, progress=True, repeats=args.repeats)
     shutdown()
     if int(os.environ.get("RANK", "0")) == 0:
         print(cluster.summary())
@@ -411,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Measure collective bandwidth/latency, overlap slowdown and compute "
                                    "throughput of the torch.distributed world (or this process).")
     p.add_argument("--out", metavar="PATH", help="write the cluster JSON to PATH")
+    p.add_argument("--repeats", type=int, default=7, metavar="N",
+                   help="timed runs per figure and round (median; default 7): fewer is faster and noisier")
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("train", help="train a model with a plan (run under torchrun)",

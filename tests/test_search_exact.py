@@ -439,7 +439,10 @@ def test_zero_bubble_wins_where_the_bubble_decides(preset, factor, config):
                                          dict(time_scale=1.4, pipeline_time_scale=1.25, step_overhead_s=1e-3),
                                          dict(time_scale=0.8, pipeline_time_scale=0.7)])
 def test_search_equals_the_enumerated_best_with_calibrated_step_constants(calibration):
-    assert _check_setup(2, False, "4xA100-80GB", 8, "fp32", calibration) == len(FACTORS) + 2
+    chosen: list = []
+    assert _check_setup(2, False, "4xA100-80GB", 8, "fp32", calibration, chosen=chosen) == len(FACTORS) + 2
+    if calibration.get("pipeline_time_scale", 1.0) < 1.0:   # the instance exercises the scale: pp1 uncalibrated
+        assert sum(plan.pp > 1 for plan in chosen) >= 3
 
 
 @pytest.mark.matrix
