@@ -13,7 +13,7 @@
    timed steps, run back to back as training runs them (:func:`_time_steps`). A candidate that fails to build or run on any rank (a plan that does not build, out
    of memory before its first collective) is skipped on every rank and its error recorded; one that
    fails inside a collective on one rank only still stops the run. A second round, in reverse order, times again the candidates within ``close``
-   (10 %) of the fastest; each counts with the median of its rounds. No new candidate starts after
+   (20 %: short runs of one plan measure 10-20 % apart on a shared host) of the fastest; each counts with the median of its rounds. No new candidate starts after
    ``seconds``.
 3. The fastest measured candidate is returned, with ``plan.extra["measured"]``: per candidate its
    name, label, estimated and measured step (seconds) and rounds, and ``plan.extra["measure"]``:
@@ -50,7 +50,7 @@ from .ir import META_KEY, graph_batch_size
 from .plan import Plan
 from .solver.objective import stage_limit, step_time
 
-DEFAULTS = {"warmup": 2, "steps": 5, "close": 0.10, "seconds": 120.0}
+DEFAULTS = {"warmup": 3, "steps": 8, "close": 0.20, "seconds": 120.0}
 """Measurement options (``measure_options={...}``): warm-up and timed steps per candidate and round,
 the relative gap under which a candidate is timed again, and the time after which no new candidate
 starts (seconds)."""
