@@ -9,12 +9,14 @@
 2. *Measurement* (every rank, :func:`measure_plans`): one candidate at a time (one program in memory
    at a time), ``gfx.transform`` builds it, then ``warmup`` + ``steps`` training steps
    (``train_step`` and an AdamW step) run on a synthetic batch in the graph inputs' shapes (integer
-   inputs 1, floats N(0, 1)). A candidate's time is the slowest rank's mean step over its ``steps``
-   timed steps, run back to back as training runs them (:func:`_time_steps`). A candidate that fails to build or run on any rank (a plan that does not build, out
-   of memory before its first collective) is skipped on every rank and its error recorded; one that
-   fails inside a collective on one rank only still stops the run. A second round, in reverse order, times again the candidates within ``close``
-   (20 %: short runs of one plan measure 10-20 % apart on a shared host) of the fastest; each counts with the median of its rounds. No new candidate starts after
-   ``seconds``.
+   inputs 1, floats N(0, 1)). A candidate's time is its steps' median on the slowest rank, the
+   ``steps`` timed steps run back to back as training runs them (:func:`_time_steps`). A candidate
+   that fails to build or run on any rank (a plan that does not build, out of memory before its
+   first collective) is skipped on every rank and its error recorded; one that fails inside a
+   collective on one rank only still stops the run. Up to ``rounds`` - 1 more rounds, in
+   alternating order, time again the candidates within ``close`` (20 %: short runs of one plan
+   measure 10-20 % apart on a shared host) of the fastest; each counts with the median of its
+   rounds. No new candidate starts after ``seconds``.
 3. The fastest measured candidate is returned, with ``plan.extra["measured"]``: per candidate its
    name, label, estimated and measured step (seconds) and rounds, and ``plan.extra["measure"]``:
    the budget used (candidates, steps, seconds), the cluster's time scales refitted to the
@@ -50,10 +52,10 @@ from .ir import META_KEY, graph_batch_size
 from .plan import Plan
 from .solver.objective import stage_limit, step_time
 
-DEFAULTS = {"warmup": 3, "steps": 8, "close": 0.20, "seconds": 120.0}
+DEFAULTS = {"warmup": 3, "steps": 8, "close": 0.20, "rounds": 3, "seconds": 120.0}
 """Measurement options (``measure_options={...}``): warm-up and timed steps per candidate and round,
-the relative gap under which a candidate is timed again, and the time after which no new candidate
-starts (seconds)."""
+the relative gap under which a candidate is timed again, the rounds for those (the first included),
+and the time after which no new candidate starts (seconds)."""
 
 
 def label(plan: Plan) -> str:
@@ -214,10 +216,14 @@ def measure_plans(gm: torch.fx.GraphModule, cands: list[tuple[str, Plan]], optio
     if not timed:
         raise ConfigError("search(measure=K): no candidate plan ran on the live world: "
                           + "; ".join(f"{cands[i][0]}: {e}" for i, e in failed.items()))
-    fastest = min(timed.values())
-    for i in sorted(timed, reverse=True):
-        if timed[i] <= fastest * (1 + opts["close"]) and len(timed) > 1:
+    for k in range(1, int(opts["rounds"])):   # the close ones again, order alternating
+        fastest = min(timed.values())
+        close = [i for i in sorted(timed, reverse=k % 2 == 1) if timed[i] <= fastest * (1 + opts["close"])]
+        if len(close) < 2 or _elapsed(start, device) > opts["seconds"]:
+            break
+        for i in close:
             run(i)
+        timed = {i: statistics.median(v) for i, v in runs.items() if v}
     records = []
     for i, (name, plan) in enumerate(cands):
         est = plan.estimate.get("step_time_s")

@@ -62,8 +62,12 @@ def _train(llama_dir, corpus, log, ckpt, *extra):
 
 @pytest.mark.dist
 def test_train_a_config_on_a_text_file(tmp_path, llama_dir, corpus):
-    log, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt"
-    _out, records = _train(llama_dir, corpus, log, ckpt, "--steps", "40", "--save-every", "20")
+    import galvatron_fx as gfx
+
+    log, ckpt, cfile = tmp_path / "log.jsonl", tmp_path / "ckpt", tmp_path / "cluster.json"
+    gfx.Cluster.preset("2xA100-80GB").save(str(cfile))   # --measure 4 (the default) calibrates it
+    out, records = _train(llama_dir, corpus, log, ckpt, "--steps", "40", "--save-every", "20", "--cluster", str(cfile))
+    assert f"calibrated {cfile}" in out.stderr and gfx.Cluster.load(str(cfile)).time_scale > 1   # an A100 timed on a CPU
     assert len(records) == 40 and all({"loss", "grad_norm", "lr", "tokens_per_s"} <= set(r) for r in records)
     assert records[-1]["loss"] <= 0.9 * records[0]["loss"], (records[0], records[-1])   # >= 10 % lower
     assert records[0]["lr"] < records[5]["lr"]                                              # warm-up
