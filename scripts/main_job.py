@@ -5,11 +5,11 @@ measured samples/s and step time beside its estimate and beside the best baselin
 (trained too). The searched plan is what ``galvatron-fx train --measure 4`` chooses: the search's
 4 best plans by estimate and the baselines timed for a few steps on the live ranks, the fastest
 trained (galvatron_fx/selection.py; its candidates and the seconds it took are printed). Measured
-figures are medians over steps 2..N; when the searched plan and the baseline come within 10 % of
-each other, both run twice more (with the chosen plan's JSON), alternating, and the medians of the
-3 runs count (``--once``: never, and the profile times 3 runs per figure instead of 7: the test
-suite's setting, which checks training, not speed). Run
-from the repository root: ``python scripts/main_job.py [DIR] [--once]``."""
+figures are medians over steps 2..N; the searched plan and the baseline each run twice more (with
+the chosen plan's JSON), alternating, and the medians of the 3 runs count (one 20-step run swings
+1.3x on this shared 2-core host; ``--once``: one run each, and the profile times 3 runs per figure
+instead of 7: the test suite's setting, which checks training, not speed). Run from the
+repository root: ``python scripts/main_job.py [DIR] [--once]``."""
 
 from __future__ import annotations
 
@@ -87,8 +87,7 @@ def main(out: str = "main_job", *flags: str) -> None:
               f"{fit['time_scale']:.2f}, pipelined x {fit['pipeline_time_scale']:.2f} on top; the candidates' median "
               f"estimate error {100 * measure['error_before']:.0f} % -> {100 * measure['error_after']:.0f} % (in sample)")
     if len(plans) == 2:
-        a, b = (statistics.median(v) for v in runs.values())
-        if abs(a / b - 1) < 0.1 and "--once" not in flags:  # close: medians of 3 runs, alternating
+        if "--once" not in flags:  # medians of 3 runs, alternating: one 20-step run swings 1.3x on a shared host
             for k in (1, 2):
                 for name in plans:
                     train(name, k)
