@@ -22,6 +22,8 @@ rank of ``group``. It measures, in this order:
    turned into the link bandwidth and latency that reproduce it through the ring formulas of
    :mod:`galvatron_fx.cluster`;
 3. point-to-point (ping-pong between group ranks 0 and 1, and across nodes when there are several);
+   between ranks 0 and 1 the latency is raised to what a transfer costs inside a pipeline (a
+   near-empty 2-stage 1F1B under ``torch.distributed.pipelining``: :func:`_pipelined_p2p`);
 4. the overlap slowdown: an all-reduce of the largest size while a matmul loop runs in another thread
    (on its own CUDA stream on GPUs), against the same all-reduce alone;
 5. local matmul throughput per dtype (tiny on CPU for bf16/fp16, which are ~80x slower there).
@@ -376,6 +378,8 @@ def profile(
             times = [best[str(s)] for s in sizes]
             fit = fit_link(P2P, 2, sizes, times, call)
             if where == "intra" or per_node == 1:
+                sub = pg if world == 2 else GROUPS.get((a, b))
+                fit = _pipelined_p2p(fit, device, sub, me == a, overheads, repeats, warmup, say)
                 fits[P2P]["2"] = fit
             inter_p2p = fit if where == "inter" else inter_p2p
             say(f"{'p2p ' + where:>14}: {fit['bandwidth'] / 1e9:8.3f} GB/s, {fit['latency'] * 1e6:8.1f} us")
@@ -640,6 +644,54 @@ def _measure_overlap(device, pg, nbytes, world, side, repeats, warmup, say) -> f
     say(f"{'overlap':>14}: all_reduce {alone * 1e3:.2f} ms alone, {together * 1e3:.2f} ms beside a matmul "
         f"-> slowdown {factor:.2f}")
     return factor
+
+
+PIPELINE_PROBE = {"micro_batches": (2, 8), "width": 16, "rows": 4}
+"""The near-empty pipeline of :func:`_pipelined_p2p`: the two micro-batch counts whose step
+difference gives the cost of one micro-batch, and the stage (one ``width x width`` Linear on
+``rows`` rows per micro-batch)."""
+
+
+def _pipelined_p2p(fit: dict[str, float], device, pg, first: bool, overheads: dict[str, float], repeats: int,
+                   warmup: int, say) -> dict[str, float]:
+    """The p2p ``fit`` with its latency raised to what a pipeline's transfer costs: a near-empty
+    2-stage 1F1B under ``torch.distributed.pipelining`` (what the runtime runs) between the two
+    ranks of ``pg``, at two micro-batch counts. Each added micro-batch costs the stage's forward +
+    backward (timed alone, on both ranks at once), the micro-batch overhead and two transfers
+    (activation, gradient), as the cost model prices a pipeline slot; what remains, halved, is one
+    transfer's seconds, priced as ``Cluster.p2p_time`` prices it (bytes / bandwidth + latency +
+    the per-call latency). Ping-pong alone prices a transfer at its wire time: on the 2-core CPU
+    host a pipelined transfer of a few bytes measured 1-1.5 ms against 0.15-0.2 ms ping-pong
+    (2026-12-03; ``benchmarks/pipeline_overhead.py``). Never lowers the ping-pong latency."""
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    width, rows = PIPELINE_PROBE["width"], PIPELINE_PROBE["rows"]
+    torch.manual_seed(0)
+    stage_mod = nn.Linear(width, width).to(device)
+    timer = _Timer(device, pg, repeats, warmup)
+    steps = {}
+    for m in PIPELINE_PROBE["micro_batches"]:
+        x = torch.randn(m * rows, width, device=device)
+        schedule = Schedule1F1B(PipelineStage(stage_mod, 0 if first else 1, 2, device, group=pg), n_microbatches=m,
+                                loss_fn=lambda out, _target: out.sum())
+        steps[m] = (lambda s=schedule, x=x: s.step(x)) if first else (lambda s=schedule, x=x: s.step(target=x))
+
+    def alone():
+        stage_mod(torch.randn(rows, width, device=device)).sum().backward()
+
+    m1, m2 = PIPELINE_PROBE["micro_batches"]
+
+    def measure_round() -> dict[str, float]:
+        return {"per_microbatch": (timer(steps[m2]) - timer(steps[m1])) / (m2 - m1), "stage": timer(alone)}
+
+    best, _spread = stable_figures(measure_round, pick=statistics.median)
+    one_way = (best["per_microbatch"] - best["stage"] - overheads["microbatch_overhead_s"]) / 2
+    nbytes = rows * width * 4
+    latency = one_way - nbytes / fit["bandwidth"] - overheads["collective_latency_s"]
+    say(f"{'pipelined p2p':>14}: one micro-batch of a near-empty 1F1B {best['per_microbatch'] * 1e3:.2f} ms "
+        f"-> a transfer {one_way * 1e3:.2f} ms, latency {max(latency, fit['latency']) * 1e6:.1f} us")
+    return {**fit, "latency": max(latency, fit["latency"])} if math.isfinite(latency) else fit
 
 
 def _assemble(fits, inter_p2p, per_node, nodes, flops, overlap, device) -> dict:

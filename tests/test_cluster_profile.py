@@ -103,6 +103,28 @@ def _profile_body(rank, world_size, out):
     return c.to_dict(), time.perf_counter() - t0
 
 
+def _pipelined_p2p_body(rank, world_size):
+    import torch.distributed as dist
+
+    from galvatron_fx.cluster_profile import _pipelined_p2p
+
+    quiet = {"collective_latency_s": 0.0, "microbatch_overhead_s": 0.0}
+    low = _pipelined_p2p({"bandwidth": 1e9, "latency": 1e-6}, torch.device("cpu"), dist.group.WORLD, rank == 0,
+                         quiet, 3, 1, lambda _msg: None)
+    high = _pipelined_p2p({"bandwidth": 1e9, "latency": 1.0}, torch.device("cpu"), dist.group.WORLD, rank == 0,
+                          quiet, 3, 1, lambda _msg: None)
+    return low, high
+
+
+@pytest.mark.dist
+def test_a_pipelined_transfer_costs_more_than_a_microsecond_and_never_less_than_ping_pong():
+    # a real 2-stage 1F1B under torch.distributed.pipelining over gloo: a transfer between two
+    # processes costs tens of microseconds at least; a higher ping-pong latency is kept
+    for low, high in run_distributed(_pipelined_p2p_body, 2, timeout=120):
+        assert 1e-5 < low["latency"] < 0.1 and low["bandwidth"] == 1e9, low
+        assert high == {"bandwidth": 1e9, "latency": 1.0}
+
+
 @pytest.mark.dist
 def test_profile_two_gloo_ranks(tmp_path):
     out = tmp_path / "cluster.json"
