@@ -76,7 +76,9 @@ def measured_lines(records: list[dict]) -> list[str]:
             f"{r['label']}" for r in records]
 
 
-def _key(plan: Plan) -> tuple:
+def plan_key(plan: Plan) -> tuple:
+    """What makes two plans the same program: pipeline, micro-batches, schedule, stages and every
+    layer's strategy (estimates and records aside)."""
     return (plan.pp, plan.micro_batches, plan.schedule if plan.pp > 1 else "", tuple(map(tuple, plan.stages)),
             tuple((lp.tp, lp.dp, lp.sdp, lp.sp, lp.ckpt, lp.ep, lp.cp, lp.cp_kind) for lp in plan.layers))
 
@@ -101,16 +103,16 @@ def candidates(search, best: Plan, k: int, gm: torch.fx.GraphModule, cluster, wo
     pool.sort(key=lambda np_: -np_[1].estimate["throughput_samples_s"])
     out, seen = [], set()
     for name, plan in pool:
-        if _key(plan) not in seen and len(out) < max(k, 1):
-            seen.add(_key(plan))
+        if plan_key(plan) not in seen and len(out) < max(k, 1):
+            seen.add(plan_key(plan))
             out.append((name, plan))
     for name in BASELINES:
         try:
             plan = search({**baseline_constraints(name, gm, cluster, world), **(constraints or {})})
         except (InfeasibleError, ConfigError):
             continue
-        if _key(plan) not in seen:
-            seen.add(_key(plan))
+        if plan_key(plan) not in seen:
+            seen.add(plan_key(plan))
             out.append((f"baseline {name}", plan))
     return out
 
