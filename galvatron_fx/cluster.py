@@ -553,4 +553,5 @@ class Cluster:
     @property
     def is_calibrated(self) -> bool:
         """Whether any calibration field (:data:`CALIBRATION_FIELDS`) is off its default."""
-        return any(getattr(self, k) != (1.0 if k in SCALE_FIELDS else 0.0) for k in CALIBRATION_FIELDS)
+        defaults = {f.name: f.default for f in fields(self)}
+        return any(getattr(self, k) != defaults[k] for k in CALIBRATION_FIELDS)

@@ -670,7 +670,7 @@ def _pipelined_p2p(fit: dict[str, float], device, pg, first: bool, overheads: di
     torch.manual_seed(0)
     stage_mod = nn.Linear(width, width).to(device)
     timer = _Timer(device, pg, repeats, warmup)
-    steps = {}
+    steps, nbytes = {}, rows * width * stage_mod.weight.element_size()   # one micro-batch's activation
     for m in PIPELINE_PROBE["micro_batches"]:
         x = torch.randn(m * rows, width, device=device)
         schedule = Schedule1F1B(PipelineStage(stage_mod, 0 if first else 1, 2, device, group=pg), n_microbatches=m,
@@ -687,7 +687,6 @@ def _pipelined_p2p(fit: dict[str, float], device, pg, first: bool, overheads: di
 
     best, _spread = stable_figures(measure_round, pick=statistics.median)
     one_way = (best["per_microbatch"] - best["stage"] - overheads["microbatch_overhead_s"]) / 2
-    nbytes = rows * width * 4
     latency = one_way - nbytes / fit["bandwidth"] - overheads["collective_latency_s"]
     say(f"{'pipelined p2p':>14}: one micro-batch of a near-empty 1F1B {best['per_microbatch'] * 1e3:.2f} ms "
         f"-> a transfer {one_way * 1e3:.2f} ms, latency {max(latency, fit['latency']) * 1e6:.1f} us")
