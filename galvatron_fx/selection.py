@@ -147,7 +147,9 @@ def _time_steps(dm, inputs, warmup: int, steps: int, device) -> float:
     in a few on a shared host runs 1.5-2x slower (the 20-step runs of the main job)."""
     from .distributed import synchronize
 
-    opt = torch.optim.AdamW([p for p in dm.parameters() if p.requires_grad], lr=1e-6)
+    # NOTE: lr 0: the same work, and no value a candidate holds moves (each transform copies the
+    # model's values today; this keeps the measurement harmless if one ever shares them)
+    opt = torch.optim.AdamW([p for p in dm.parameters() if p.requires_grad], lr=0.0)
 
     def step() -> None:
         dm.train_step(*inputs)
@@ -173,15 +175,30 @@ def _time_steps(dm, inputs, warmup: int, steps: int, device) -> float:
 def measure_plans(gm: torch.fx.GraphModule, cands: list[tuple[str, Plan]], options: dict | None = None
                   ) -> tuple[Plan, list[dict]]:
     """Time every candidate on the live world (module docstring, step 2; collective); returns the
-    fastest measured plan and one record per candidate."""
+    fastest measured plan and one record per candidate. Leaves the model and the process as it found
+    them: floating buffers (a norm's running statistics: restored) and the random number generators
+    (the synthetic batch, dropout: forked), so that training the chosen plan gives what training it
+    without the measurement gives."""
     from .distributed import pick_device
+
+    device = pick_device()
+    buffers = [(b, b.detach().clone()) for b in gm.buffers() if b.is_floating_point() and not b.is_meta]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        out = _measure_plans(gm, cands, options, device)
+    with torch.no_grad():
+        for b, saved in buffers:
+            b.copy_(saved)
+    return out
+
+
+def _measure_plans(gm: torch.fx.GraphModule, cands: list[tuple[str, Plan]], options: dict | None,
+                   device: torch.device) -> tuple[Plan, list[dict]]:
     from .parallelize import transform
 
     opts = {**DEFAULTS, **(options or {})}
     unknown = sorted(set(opts) - set(DEFAULTS))
     if unknown:
         raise ConfigError(f"unknown measure option(s) {unknown}; known: {', '.join(DEFAULTS)}")
-    device = pick_device()
     on_meta = any(p.is_meta for p in gm.parameters())
     runs: dict[int, list[float]] = {i: [] for i in range(len(cands))}
     failed: dict[int, str] = {}

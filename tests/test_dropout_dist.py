@@ -34,6 +34,10 @@ def _run(rank, world, kind):
     gm = gfx.capture(model, (), kwargs=batch, method="export")
     dm = gfx.transform(gm, plan=gfx.Plan.uniform(gm, world, dp=2, sdp="zero3", global_batch_size=loops.B))
     out = {"train": float(dm.train_step(**batch)), "eval": float(dm.eval_step(**batch))}
+    rng = torch.get_rng_state()   # the measured selection's dropping steps leave the random state alone
+    gfx.search(gm, "2xA100-80GB", global_batch_size=loops.B, precision="fp32", measure=1,
+               measure_options={"warmup": 0, "steps": 1, "rounds": 1})
+    out["rng_kept"] = torch.equal(rng, torch.get_rng_state())
     compiled = torch.compile(model, backend="galvatron", options={"cluster": "2xA100-80GB", "precision": "fp32"})
     compiled(**batch).loss.backward()
     model.eval()
@@ -54,3 +58,4 @@ def test_dropout_is_off_in_eval_and_on_in_training(kind):
     for r in run_distributed(_run, 2, kind):
         assert abs(r["eval"] - want) < 1e-5 * want and abs(r["compiled_eval"] - want) < 1e-5 * want, (r, want)
         assert abs(r["train"] - want) > 1e-4 and abs(r["compiled_train"] - want) > 1e-4, (r, want)   # it drops
+        assert r["rng_kept"]

@@ -17,11 +17,13 @@ def _measured(rank, world):
 
     model, args = gfx.models.build("gpt-tiny", device="cpu", layers=2, batch=8)
     gm = gfx.capture(model, args, method="dynamo")
+    values, rng = {k: v.clone() for k, v in gm.state_dict().items()}, torch.get_rng_state()
     plan = gfx.search(gm, "2xA100-80GB", global_batch_size=8, precision="fp32", measure=2,
                       measure_options={"warmup": 0, "steps": 1})
+    kept = torch.equal(rng, torch.get_rng_state()) and all(torch.equal(v, values[k]) for k, v in gm.state_dict().items())
     dm = gfx.transform(gm, plan=plan)   # the chosen plan runs like any other
     loss = dm.train_step(*args).item()
-    return dict(plan=plan.to_dict(), loss=loss)
+    return dict(plan=plan.to_dict(), loss=loss, kept=kept)
 
 
 @pytest.mark.dist
@@ -42,6 +44,7 @@ def test_search_with_measure_returns_the_fastest_measured_candidate():
     assert all(r["estimated_step_s"] > 0 and r["rounds"] >= 1 for r in timed)
     assert a["plan"]["measure"]["timed"] == len(timed) and a["plan"]["measure"]["seconds"] > 0
     assert abs(a["loss"] - want) <= 1e-5 * abs(want)
+    assert a["kept"] and b["kept"]   # the model's values and the random state as before the measurement
 
 
 def test_measure_needs_the_live_world():

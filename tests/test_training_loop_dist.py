@@ -28,6 +28,7 @@ pytest.importorskip("transformers")
 STEPS = 4
 TOL = 1e-5
 INTERLEAVED = dict(schedule="interleaved-1f1b", virtual_stages=2)
+MEASURE_QUICK = {"warmup": 1, "steps": 2, "rounds": 1}   # the selection's timing, short: the test checks training
 CASES = {
     # name: world, door, model, capture method, plan (Plan.uniform kwargs), clip, optimizer groups
     "zero2": dict(plan=dict(dp=2, sdp="zero2")),
@@ -153,13 +154,17 @@ CASES = {
     "blocks-cp2-mixed": dict(matrix=True, layer_cp={"layers.0": (2, "ring"), "layers.1": (2, "ulysses")}, plan=dict(dp=2)),
     "blocks-dp4-cp2-export": dict(matrix=True, world=4, method="export", layer_cp={"layers.": (2, "ring")},
                                   plan=dict(dp=4, sdp="zero2")),
+    # the measured selection (gfx.search(measure=K)) chooses the plan the loop trains: pp1 and pp2
+    # candidates timed on the keyword graph (synthetic inputs in its shapes)
+    "measured-export": dict(method="export", clip="dm", measure=3),
+    "measured-compile": dict(matrix=True, door="compile", clip="dm", measure=3),
 }
 FROZEN = ("embed", "norm")
 
 
 def _case(name: str) -> dict:
     return dict(dict(world=2, door="transform", model="llama", method="dynamo", clip="torch", groups={},
-                     precision="fp32", matrix=False, shard=False), **CASES[name])
+                     precision="fp32", matrix=False, shard=False, measure=0, plan={}), **CASES[name])
 
 
 def _model(kind: str):
@@ -233,7 +238,11 @@ def _run_case(rank, world, name):
     gpt = case["model"] == "gpt"
     loss_of = (lambda out: out) if gpt else (lambda out: out.loss)
     gm = gfx.capture(model, (), kwargs=batches[0], method=case["method"])
-    plan = gfx.Plan.uniform(gm, world, global_batch_size=loops.B, precision=case["precision"], **case["plan"])
+    if case["measure"]:
+        plan = gfx.search(gm, f"{world}xA100-80GB", global_batch_size=loops.B, precision=case["precision"],
+                          measure=case["measure"], measure_options=MEASURE_QUICK)
+    else:
+        plan = gfx.Plan.uniform(gm, world, global_batch_size=loops.B, precision=case["precision"], **case["plan"])
     for lp in plan.layers:   # the token dispatch of expert-parallel layers (default: all-gather)
         if lp.ep > 1 and "dispatch" in case:
             lp.extra["ep_dispatch"] = case["dispatch"]
@@ -254,7 +263,9 @@ def _run_case(rank, world, name):
         return shard
     if case["door"] == "compile":
         opt, sched = loops.optimizer(model.named_parameters(), **case["groups"])
-        compiled = torch.compile(model, backend="galvatron", options={"plan": plan})
+        how = {"cluster": f"{world}xA100-80GB", "precision": case["precision"], "measure": case["measure"],
+               "measure_options": MEASURE_QUICK} if case["measure"] else {"plan": plan}
+        compiled = torch.compile(model, backend="galvatron", options=how)
 
         def step(b):
             if case["shard"] and distributed_model(model) is None:   # the first call compiles
@@ -283,7 +294,8 @@ def _run_case(rank, world, name):
 
         losses, norms = loops.fit(lambda b: dm.train_step(**data(b, dm)).item(), params, opt, sched, batches, clip)
     names = [k for k, _ in dm.named_parameters()]
-    out = dict(losses=losses, norms=norms, total_norms=total_norms, full=dm.full_state_dict(), handed=handed,
+    measured = [(r["label"], r["measured_step_s"]) for r in dm.plan.extra.get("measured", [])]
+    out = dict(measured=measured, losses=losses, norms=norms, total_norms=total_norms, full=dm.full_state_dict(), handed=handed,
                names_ok=set(names) <= original and len(names) == len(set(names)), trainable=[
                    k for k, p in dm.named_parameters() if p.requires_grad])
     if case["model"] == "frozen" or "ep" in case["plan"]:   # per-rank states bytes == the estimate
@@ -343,6 +355,9 @@ def _check(name, results):
         if "norm_vs_whole" in r:
             got, whole = r["norm_vs_whole"]
             assert abs(got - whole) <= 1e-5 * whole, (name, rank, got, whole)
+    if case["measure"]:   # pipelined and unpipelined candidates built and timed on the keyword graph
+        timed = [label for label, step in results[0]["measured"] if step]
+        assert any(t.startswith("pp1 ") for t in timed) and any(t.startswith("pp2 ") for t in timed), results[0]
     full = results[0]["full"]
     assert set(full) == set(ref_params), name
     frozen = {k for k, p in _model(case["model"]).named_parameters() if not p.requires_grad}

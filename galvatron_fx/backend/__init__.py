@@ -24,7 +24,8 @@ default the plan's, else the cluster's; see :mod:`galvatron_fx.runtime.precision
 with the model's own initialiser, as ``dist_model.init_weights()``; a directory loads them from its
 ``save_pretrained`` safetensors, as ``dist_model.load_pretrained(DIR)``; see
 :mod:`galvatron_fx.runtime.materialize`), ``measure`` (``K``: every rank times the ``K`` best plans by
-estimate and the baselines on the live world and runs the fastest: :mod:`galvatron_fx.selection`),
+estimate and the baselines on the live world and runs the fastest: :mod:`galvatron_fx.selection`;
+``measure_options``: its budget, as ``gfx.search``'s),
 ``schedule`` / ``virtual_stages`` (pin the search's pipeline schedule and chunks per rank, as the
 constraints of the same names).
 

@@ -34,6 +34,7 @@ def _search(graph, opts: BackendOptions, batch: int, cluster):
         cost["reserve_bytes"] = opts.reserve
     if opts.measure:
         cost["measure"] = opts.measure   # collective: every rank times the candidates
+        cost["measure_options"] = opts.measure_options
     return search(graph, cluster, opts.memory_budget, batch, constraints=opts.constraints,
                   world_size=dist.get_world_size(), precision=opts.precision, **cost)
 
