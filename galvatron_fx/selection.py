@@ -227,11 +227,15 @@ def _measure_plans(gm: torch.fx.GraphModule, cands: list[tuple[str, Plan]], opti
         else:
             runs[i].append(step)
 
+    def medians() -> dict[int, float]:
+        """Each timed candidate's median over its rounds."""
+        return {i: statistics.median(v) for i, v in runs.items() if v}
+
     for i in range(len(cands)):
         if i and _elapsed(start, device) > opts["seconds"]:
             break
         run(i)
-    timed = {i: statistics.median(v) for i, v in runs.items() if v}
+    timed = medians()
     if not timed:
         raise ConfigError("search(measure=K): no candidate plan ran on the live world: "
                           + "; ".join(f"{cands[i][0]}: {e}" for i, e in failed.items()))
@@ -242,14 +246,14 @@ def _measure_plans(gm: torch.fx.GraphModule, cands: list[tuple[str, Plan]], opti
             break
         for i in close:
             run(i)
-        timed = {i: statistics.median(v) for i, v in runs.items() if v}
+        timed = medians()
     records = []
     for i, (name, plan) in enumerate(cands):
         est = plan.estimate.get("step_time_s")
-        step = statistics.median(runs[i]) if runs[i] else None
+        step = timed.get(i)
         records.append({"name": name, "label": label(plan), "estimated_step_s": est, "measured_step_s": step,
                         "rounds": len(runs[i]), **({"error": failed[i]} if i in failed and not runs[i] else {})})
-    win = min((i for i in range(len(cands)) if runs[i]), key=lambda i: statistics.median(runs[i]))
+    win = min(timed, key=timed.get)
     plan = dataclasses.replace(cands[win][1])
     plan.extra = {**cands[win][1].extra, "measured": records, "chosen": cands[win][0],
                   "measure": {"candidates": len(cands), "timed": sum(1 for v in runs.values() if v),

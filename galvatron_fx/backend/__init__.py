@@ -44,6 +44,8 @@ What one compile does (:func:`galvatron_backend`):
    Either way every rank all-gathers a digest of (plan, model fingerprint) and **all** ranks raise
    :class:`PlanMismatchError` before the first step if any differs.
 3. *Program.* :func:`galvatron_fx.parallelize.transform` builds this rank's ``DistributedModel``.
+   With ``measure``, steps 2-4 run at the first call instead (:class:`.binding._BuiltAtFirstCall`):
+   candidates timed inside dynamo's compile run their Python ~1.4x slower than training does.
 4. *Parameters.* The original ``nn.Parameter`` objects (those an optimizer built from
    ``model.parameters()`` holds) become :class:`~galvatron_fx.runtime.params.ShardedParameter` s
    in place (same objects, class changed, ``.data`` re-pointed): a view of this rank's part in the
@@ -107,7 +109,7 @@ import torch.fx
 
 from ..errors import ConfigError
 from .agreement import _agreed_plan
-from .binding import _remove_guards, _Runtime, distributed_model, full_state_dict
+from .binding import _BuiltAtFirstCall, _remove_guards, _Runtime, distributed_model, full_state_dict
 from .graph import _batch_size, _classify_placeholders, _loss_output, dynamo_graph, recaptured
 from .options import BackendOptions, stats
 
@@ -134,17 +136,25 @@ def galvatron_backend(gm: torch.fx.GraphModule, example_inputs: list, options: d
     if opts.global_batch_size is not None and opts.global_batch_size != batch:
         raise ConfigError(f"option global_batch_size={opts.global_batch_size} but the model was called with "
                           f"a batch of {batch}: call it with the whole global batch on every rank")
-    plan = _agreed_plan(graph, opts, batch)
-    from ..parallelize import transform
 
-    params = {r.name: v for v, r in zip(example_inputs, roles) if r.kind == "param"}
-    dm = transform(graph, plan=plan, bind=params, reduce_dtype=opts.reduce_dtype)
-    if opts.init is not None:   # a meta-device model: this rank's parts only (runtime/materialize.py)
-        if opts.init == "weights":
-            dm.init_weights(model=again.module)
-        else:
-            dm.load_pretrained(opts.init, model=again.module)
-    runtime = _Runtime(dm, roles, example_inputs, again)
+    def build() -> _Runtime:
+        """Steps 2-4: the plan agreed, the program built, the parameters bound."""
+        from ..parallelize import transform
+
+        plan = _agreed_plan(graph, opts, batch)
+        params = {r.name: v for v, r in zip(example_inputs, roles) if r.kind == "param"}
+        dm = transform(graph, plan=plan, bind=params, reduce_dtype=opts.reduce_dtype)
+        if opts.init is not None:   # a meta-device model: this rank's parts only (runtime/materialize.py)
+            if opts.init == "weights":
+                dm.init_weights(model=again.module)
+            else:
+                dm.load_pretrained(opts.init, model=again.module)
+        return _Runtime(dm, roles, example_inputs, again)
+
+    # NOTE: a measured plan is chosen at the first call, not here: inside dynamo's compile every
+    # Python call runs ~1.4x slower (2026-12-03, this host: 24 of 24 paired samples, none at run
+    # time), which timed the candidates' steps 11-12 % above the same plan's training steps
+    runtime = _BuiltAtFirstCall(build) if opts.measure else build()
     _remove_guards(gm, roles)
     return runtime
 

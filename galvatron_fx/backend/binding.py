@@ -45,6 +45,22 @@ class _RouteGrads(torch.autograd.Function):
         return (None, None, *[None] * ctx.n)
 
 
+class _BuiltAtFirstCall:
+    """The backend's callable when the plan is measured: ``build()`` (plan, program, parameters)
+    runs at the first call, outside dynamo's compile, with gradients on (the candidates train);
+    then every call goes to the :class:`_Runtime` it returned."""
+
+    def __init__(self, build) -> None:
+        self.build, self.runtime = build, None
+
+    def __call__(self, *args):
+        if self.runtime is None:
+            with torch.enable_grad():
+                self.runtime = self.build()
+            self.build = None
+        return self.runtime(*args)
+
+
 class _Runtime:
     """The callable the backend returns (see the package docstring, steps 4 and 5)."""
 
