@@ -292,7 +292,9 @@ def _report(log: dict, args: argparse.Namespace, show) -> int:
         show(log)
         if args.json:
             _write_json(args.json, log)
-        _calibrate(args, (log.get("plan") or log.get("summary") or {}).get("measure"))
+        # NOTE: only a run that measured: a loaded plan carries its measuring run's fit, applied then
+        if log["summary"].get("measured"):
+            _calibrate(args, (log.get("plan") or log["summary"]).get("measure"))
     shutdown()
     return 0
 

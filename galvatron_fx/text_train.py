@@ -218,8 +218,9 @@ def train_text(config_spec: str, data: str, *, seq_len: int = 128, global_batch_
                "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / max(1, len(timed)),
                "steps": len(records), "tokens": tokens_per_step * len(records), "tokenizer": kind,
                "plan": sorted({lp.strategy.label for lp in dm.plan.layers}) if hasattr(dm, "plan") else None,
-               "measured": getattr(dm, "plan", None) and dm.plan.extra.get("measured"),
-               "measure": getattr(dm, "plan", None) and dm.plan.extra.get("measure")}
+               # NOTE: this run's measured selection only (a loaded plan carries its measuring run's)
+               "measured": plan is None and getattr(dm, "plan", None) and dm.plan.extra.get("measured"),
+               "measure": plan is None and getattr(dm, "plan", None) and dm.plan.extra.get("measure")}
     return {"records": records, "summary": summary, "rank": rank}
 
 

@@ -159,3 +159,29 @@ def test_a_candidate_that_fails_is_skipped_and_close_ones_are_timed_again():
         assert r["chosen"] in ("good", "twin") and good["measured_step_s"] > 0
         assert (bad["rounds"], good["rounds"], twin["rounds"]) == (0, 3, 3)
         assert bad["measured_step_s"] is None and "PlanMismatchError" in bad["error"], bad
+
+
+def test_a_loaded_plan_does_not_calibrate_the_cluster_again(tmp_path, capsys):
+    """``train --plan P --cluster FILE``: P carries the fit of the run that measured it, already in
+    FILE; training P must neither apply it again (the scales would compound) nor print its
+    candidates as timed before this run's step 1."""
+    from types import SimpleNamespace as NS
+
+    import galvatron_fx as gfx
+    from galvatron_fx.cli import _report
+    from galvatron_fx.train import print_log
+
+    cfile = tmp_path / "cluster.json"
+    gfx.Cluster.preset("2xA100-80GB").calibrated({"time_scale": 2.0}).save(str(cfile))
+    measure = {"fit": {"time_scale": 4.0, "pipeline_time_scale": 1.0}, "error_before": 0.5, "error_after": 0.1,
+               "seconds": 1.0}
+    record = {"name": "searched", "label": "pp1", "estimated_step_s": 0.01, "measured_step_s": 0.02, "rounds": 1}
+    log = {"model": "m", "mode": "galvatron", "world_size": 2, "rank": 0, "steps": [], "memory": [],
+           "plan": {"measure": measure, "measured": [record], "chosen": "searched"},
+           "summary": {"samples_per_s": 1.0, "first_step_s": 1.0, "measured": False}}
+    args = NS(json=None, cluster=str(cfile), no_calibrate=False)
+    _report(log, args, print_log)
+    assert gfx.Cluster.load(str(cfile)).time_scale == 2.0 and "timed" not in capsys.readouterr().out
+    log["summary"]["measured"] = True   # the run that measured: its fit is written, its candidates shown
+    _report(log, args, print_log)
+    assert gfx.Cluster.load(str(cfile)).time_scale == 4.0 and "timed searched" in capsys.readouterr().out
