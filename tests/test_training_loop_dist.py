@@ -627,3 +627,32 @@ def test_compiled_labels_may_be_the_input_ids_tensor_in_one_call_and_not_the_nex
         ref = [model(input_ids=b["input_ids"], labels=b["input_ids"]).loss.item() for b in loops.collate(3)]
     for losses in run_distributed(_aliased_labels, 2):
         assert loops.rel(losses, ref) < 1e-5, (losses, ref)
+
+
+def _accumulated(rank, world):
+    """Gradient accumulation through torch.compile: two half batches, each ``(loss / 2).backward()``,
+    then one step (the compiled backward scales and adds to the gradient already held)."""
+    import galvatron_fx as gfx
+
+    model = loops.llama()
+    batch = loops.collate(1)[0]
+    halves = [{k: v[i::2].contiguous() for k, v in batch.items()} for i in range(2)]
+    plan = gfx.Plan.uniform(gfx.capture(loops.llama(), (), kwargs=halves[0], method="dynamo"), world, dp=2,
+                            sdp="zero2", global_batch_size=loops.B // 2)
+    compiled = torch.compile(model, backend="galvatron", options={"plan": plan})
+    for h in halves:
+        (compiled(**h).loss / 2).backward()
+    grads = {k: p.grad.full_tensor().clone() for k, p in model.named_parameters()}
+    return grads
+
+
+@pytest.mark.dist
+def test_compiled_gradient_accumulation_adds_scaled_gradients():
+    model = loops.llama()
+    batch = loops.collate(1)[0]
+    for i in range(2):   # the same two halves on one device (mean loss per half, each halved)
+        (model(**{k: v[i::2] for k, v in batch.items()}).loss / 2).backward()
+    want = {k: p.grad for k, p in model.named_parameters()}
+    for grads in run_distributed(_accumulated, 2):
+        for k, g in grads.items():
+            assert torch.allclose(g, want[k], rtol=1e-5, atol=1e-7), k

@@ -368,6 +368,10 @@ class ParamRegistry:
                                 torch.empty(p._gfx.local_shape, device="meta").stride())
                                for p in self.params.values() if p._gfx.trainable]
         wrap = ShardedGrad.wrap
+        if scale is not None:   # NOTE: one op per buffer, not one per parameter (~50 ops on gpt-tiny)
+            for flat in {id(s.flat_param): s.flat_param.grad for _p, _s, s, *_ in self._trainable}.values():
+                if flat is not None:
+                    flat.mul_(scale)
         for p, spec, store, lo, shape, stride in self._trainable:
             flat = store.flat_param.grad
             if flat is None:
@@ -375,7 +379,6 @@ class ParamRegistry:
                 continue
             g = flat.as_strided(shape, stride, flat.storage_offset() + lo)   # NOTE: cheaper than flat[lo:hi].view
             if scale is not None:
-                g.mul_(scale)
                 if p.grad is not None and p.grad.shape == g.shape:
                     p.grad.add_(g)
                     continue
