@@ -266,6 +266,7 @@ def capture(model: nn.Module, example_args=(), kwargs: dict | None = None, metho
         example_args = (example_args,)
     args, kwargs = tuple(example_args), dict(kwargs or {})
     wrapper, inputs, names = _make_wrapper(model, args, kwargs)
+    inputs = _dense(inputs)
     batched = batch_positions(inputs) if method in SYMBOLIC_METHODS and symbolic_batch else []
     reason = ""
     if batched:
@@ -276,6 +277,7 @@ def capture(model: nn.Module, example_args=(), kwargs: dict | None = None, metho
         except Exception as exc:  # noqa: BLE001 - the model specialises on its batch: capture it static
             reason = _static_note(method, _first_line(exc))
             wrapper, inputs, names = _make_wrapper(model, args, kwargs)
+            inputs = _dense(inputs)
     if not batched or reason:
         try:
             raw, sources = _FRONTENDS[method](wrapper, inputs, [])
@@ -290,6 +292,15 @@ def capture(model: nn.Module, example_args=(), kwargs: dict | None = None, metho
     gm.meta[META_KEY].baked_inputs = baked_inputs(model, tuple(example_args), dict(kwargs or {}))
     gm.meta[META_KEY].model_ref = weakref.ref(model)
     return gm
+
+
+def _dense(inputs: list) -> list:
+    """Non-contiguous input tensors (a strided slice of a batch, ``batch[i::2]``) as contiguous
+    copies, a tensor passed twice copied once: dynamo makes such a stride a size input of the graph,
+    which no input's shape gives; the captured program takes any layout of the same values."""
+    seen: dict[int, torch.Tensor] = {}
+    return [seen.setdefault(id(t), t.contiguous()) if isinstance(t, torch.Tensor) and not t.is_contiguous() else t
+            for t in inputs]
 
 
 def layers(gm: torch.fx.GraphModule):
