@@ -292,9 +292,8 @@ def _report(log: dict, args: argparse.Namespace, show) -> int:
         show(log)
         if args.json:
             _write_json(args.json, log)
-        # NOTE: only a run that measured: a loaded plan carries its measuring run's fit, applied then
-        if log["summary"].get("measured"):
-            _calibrate(args, (log.get("plan") or log["summary"]).get("measure"))
+        # NOTE: the summary has this run's measured selection only: a loaded plan's fit was applied by its run
+        _calibrate(args, log["summary"].get("measure"))
     shutdown()
     return 0
 

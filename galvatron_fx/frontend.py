@@ -126,7 +126,7 @@ def _make_wrapper(model: nn.Module, args: tuple, kwargs: dict) -> tuple[_FlatInp
          namespace)
     cls = type("FlatInputs", (_FlatInputs,), {"forward": namespace["forward"]})
     wrapper = cls(model, leaves, spec, tensor_pos)
-    return wrapper, [leaves[i] for i in tensor_pos], names
+    return wrapper, _dense([leaves[i] for i in tensor_pos]), names
 
 
 class _NoLeafTracer(torch.fx.Tracer):
@@ -266,7 +266,6 @@ def capture(model: nn.Module, example_args=(), kwargs: dict | None = None, metho
         example_args = (example_args,)
     args, kwargs = tuple(example_args), dict(kwargs or {})
     wrapper, inputs, names = _make_wrapper(model, args, kwargs)
-    inputs = _dense(inputs)
     batched = batch_positions(inputs) if method in SYMBOLIC_METHODS and symbolic_batch else []
     reason = ""
     if batched:
@@ -277,7 +276,6 @@ def capture(model: nn.Module, example_args=(), kwargs: dict | None = None, metho
         except Exception as exc:  # noqa: BLE001 - the model specialises on its batch: capture it static
             reason = _static_note(method, _first_line(exc))
             wrapper, inputs, names = _make_wrapper(model, args, kwargs)
-            inputs = _dense(inputs)
     if not batched or reason:
         try:
             raw, sources = _FRONTENDS[method](wrapper, inputs, [])

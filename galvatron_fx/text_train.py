@@ -213,14 +213,14 @@ def train_text(config_spec: str, data: str, *, seq_len: int = 128, global_batch_
     if log is not None:
         log.close()
     timed = records[1:] or records   # NOTE: step 1 includes the first-use costs
+    searched = getattr(dm, "plan", None) if plan is None else None   # NOTE: a loaded plan carries its measuring run's records
     summary = {"first_loss": records[0]["loss"] if records else None,
                "last_loss": records[-1]["loss"] if records else None,
                "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / max(1, len(timed)),
                "steps": len(records), "tokens": tokens_per_step * len(records), "tokenizer": kind,
                "plan": sorted({lp.strategy.label for lp in dm.plan.layers}) if hasattr(dm, "plan") else None,
-               # NOTE: this run's measured selection only (a loaded plan carries its measuring run's)
-               "measured": plan is None and getattr(dm, "plan", None) and dm.plan.extra.get("measured"),
-               "measure": plan is None and getattr(dm, "plan", None) and dm.plan.extra.get("measure")}
+               "measured": searched and searched.extra.get("measured"),   # this run's measured selection
+               "measure": searched and searched.extra.get("measure")}
     return {"records": records, "summary": summary, "rank": rank}
 
 

@@ -129,8 +129,7 @@ def train(model_spec: str, *, steps: int = 10, plan: str | None = None, memory_b
     timed = rows[1:] or rows  # NOTE: step 1 includes compiling (capture, search, transform)
     summary = {"samples_per_s": sum(r["samples_per_s"] for r in timed) / len(timed),
                "step_time_s": sum(r["step_time_s"] for r in timed) / len(timed),
-               "first_step_s": rows[0]["step_time_s"] if rows else 0.0, "global_batch_size": batch,
-               "measured": bool(measure) and plan is None and not single_device}   # this run timed candidates
+               "first_step_s": rows[0]["step_time_s"] if rows else 0.0, "global_batch_size": batch}
     log = {"model": model_spec, "mode": "single-device" if single_device else "galvatron",
            "world_size": world, "rank": rank, "steps": rows, "memory": memory, "summary": summary}
     if not single_device:
@@ -138,6 +137,8 @@ def train(model_spec: str, *, steps: int = 10, plan: str | None = None, memory_b
 
         dm = distributed_model(model)
         log["plan"] = dm.plan.to_dict() if dm is not None else None   # the plan run (measured candidates in extra)
+        if measure and plan is None and log["plan"]:   # this run's measured selection (not a loaded plan's)
+            summary["measure"] = log["plan"].get("measure")
     return log
 
 
@@ -175,7 +176,7 @@ def print_log(log: dict, out=sys.stdout) -> None:
         st = "-" if m["states_bytes"] is None else f"{m['states_bytes'] / 2**20:.2f} MiB"
         print(f"  rank {m['rank']}: states {st}, peak {m['peak_bytes'] / 2**20:.1f} MiB", file=out)
     extra = log.get("plan") or {}   # Plan.to_dict: the extra keys at the top level
-    if extra.get("measured") and s.get("measured"):   # not a loaded plan's records from an earlier run
+    if extra.get("measured") and s.get("measure"):   # not a loaded plan's records from an earlier run
         print(f"  measured before step 1 ({extra['measure']['seconds']:.1f} s), chose {extra['chosen']!r}:", file=out)
         from .selection import measured_lines
 

@@ -178,10 +178,10 @@ def test_a_loaded_plan_does_not_calibrate_the_cluster_again(tmp_path, capsys):
     record = {"name": "searched", "label": "pp1", "estimated_step_s": 0.01, "measured_step_s": 0.02, "rounds": 1}
     log = {"model": "m", "mode": "galvatron", "world_size": 2, "rank": 0, "steps": [], "memory": [],
            "plan": {"measure": measure, "measured": [record], "chosen": "searched"},
-           "summary": {"samples_per_s": 1.0, "first_step_s": 1.0, "measured": False}}
+           "summary": {"samples_per_s": 1.0, "first_step_s": 1.0}}
     args = NS(json=None, cluster=str(cfile), no_calibrate=False)
     _report(log, args, print_log)
     assert gfx.Cluster.load(str(cfile)).time_scale == 2.0 and "timed" not in capsys.readouterr().out
-    log["summary"]["measured"] = True   # the run that measured: its fit is written, its candidates shown
+    log["summary"]["measure"] = measure   # the run that measured: its fit is written, its candidates shown
     _report(log, args, print_log)
     assert gfx.Cluster.load(str(cfile)).time_scale == 4.0 and "timed searched" in capsys.readouterr().out
