@@ -176,6 +176,37 @@ def test_backend_refuses_mismatched_plans(tmp_path):
         assert untouched  # refused before the first step: no parameter was resharded
 
 
+def _default_precision_run(rank, world_size):
+    """One call of GPT-2 compiled on an A100 preset without ``precision``, then with ``fp32``: the
+    warnings each first call gives and the precision each plan trains in."""
+    import warnings
+
+    from galvatron_fx import backend
+
+    out = []
+    for extra in ({}, {"precision": "fp32"}):
+        model, ids, labels = _hf_model("gpt2")
+        compiled = torch.compile(model, backend="galvatron", fullgraph=True, dynamic=False,
+                                 options={"cluster": f"{world_size}xA100-80GB", "memory_budget": "2GiB", **extra})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled(ids, labels=labels).loss.backward()
+        out.append({"precision": backend.distributed_model(model).plan.precision,
+                    "warned": [str(w.message) for w in caught if "by default, but this world" in str(w.message)]})
+    return out
+
+
+@pytest.mark.dist
+def test_a_gpu_preset_default_precision_on_a_cpu_world_is_said():
+    """An A100 preset trains bf16-mixed by default (what A100 users train in); on a CPU world, where
+    bf16 matmuls are far slower, the backend says so and names the option; fp32 given: no warning."""
+    pytest.importorskip("transformers")
+    for default, pinned in run_distributed(_default_precision_run, 2, timeout=120):
+        assert default["precision"] == "bf16-mixed" and len(default["warned"]) == 1
+        assert "'precision': 'fp32'" in default["warned"][0] and "2xA100-80GB" in default["warned"][0]
+        assert pinned == {"precision": "fp32", "warned": []}
+
+
 def _single_device():
     import warnings
 

@@ -39,6 +39,20 @@ def _search(graph, opts: BackendOptions, batch: int, cluster):
                   world_size=dist.get_world_size(), precision=opts.precision, **cost)
 
 
+def _warn_mixed_default_on_cpu(cluster) -> None:
+    """Say so when a GPU preset's default precision (bf16 / fp16 mixed) would train on a CPU world,
+    where low-precision matmuls run far slower than fp32 (~80x on x86 CPUs without AMX)."""
+    from ..cluster import default_precision
+    from ..distributed import pick_device
+
+    precision = default_precision(cluster)
+    if precision != "fp32" and pick_device().type == "cpu":
+        warnings.warn(f"galvatron backend: cluster {cluster.name!r} trains in {precision} by default, but this "
+                      f"world computes on the CPU, where {precision.split('-')[0]} matmuls are far slower than "
+                      "fp32; pass options={'precision': 'fp32'} (--precision fp32), or the precision you "
+                      "intend, to silence this", stacklevel=3)
+
+
 def _agreed_plan(graph, opts: BackendOptions, batch: int):
     """The plan every rank runs: loaded, or searched on rank 0 and broadcast; then verified."""
     from ..plan import Plan
@@ -55,6 +69,8 @@ def _agreed_plan(graph, opts: BackendOptions, batch: int):
             plan = dataclasses.replace(plan, precision=opts.precision)
     else:
         cluster = resolve_cluster(opts.cluster)  # None: profiles the live world (collective on every rank)
+        if opts.precision is None:
+            _warn_mixed_default_on_cpu(cluster)
         if opts.measure:
             plan = _search(graph, opts, batch, cluster)
         else:
