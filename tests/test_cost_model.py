@@ -136,11 +136,15 @@ def test_tiny_scaling_rules(tiny):
     assert tp2.overhead_s == pytest.approx(CLUSTER.layer_overhead_s + launch + copy * (140 + 16))
     assert CLUSTER.checkpoint_op_s > 0
     assert ck.overhead_s == pytest.approx(one.overhead_s + ops * (CLUSTER.op_launch_s + CLUSTER.checkpoint_op_s))
-    # TP: one all-reduce forward (fc2 out) + one backward (ln out), 3*8 fp32 per sample each
-    ar = CLUSTER.collective_time("all_reduce", 4 * 24 * 4, [0, 1])
+    # TP: one all-reduce forward (fc2 out) + one backward (ln out), 3*8 fp32 per sample each, each
+    # at a site of the runtime's (tp_ops): an autograd Function and a copy of the message
+    site = CLUSTER.op_launch_s + CLUSTER.op_launch_bwd_s
+    ar = CLUSTER.collective_time("all_reduce", 4 * 24 * 4, [0, 1]) + 384 * CLUSTER.copy_s_per_byte + site
     assert tp2.tp_comm_s == pytest.approx(2 * ar) and one.tp_comm_s == 0
+    # SP: an all-gather and a reduce-scatter, each copying the chunk (192 B) and the whole (384 B)
     ag_rs = 2 * (CLUSTER.collective_time("all_gather", 384, [0, 1])
-                 + CLUSTER.collective_time("reduce_scatter", 384, [0, 1]))
+                 + CLUSTER.collective_time("reduce_scatter", 384, [0, 1]) + 2 * (384 + 192) * CLUSTER.copy_s_per_byte
+                 + 2 * site)
     assert sp2.tp_comm_s == pytest.approx(ag_rs)
     dp = cm.layer_cost(i, Strategy(1, 4), 4)
     assert dp.grad_sync_s == pytest.approx(CLUSTER.collective_time("all_reduce", 296 * 4, [0, 1, 2, 3]))

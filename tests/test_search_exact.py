@@ -437,7 +437,7 @@ def test_zero_bubble_wins_where_the_bubble_decides(preset, factor, config):
 @pytest.mark.parametrize("calibration", [dict(step_overhead_s=2e-3, pipeline_step_s=4e-3),
                                          dict(step_overhead_s=0.0, pipeline_step_s=5e-5),
                                          dict(time_scale=1.4, pipeline_time_scale=1.25, step_overhead_s=1e-3),
-                                         dict(time_scale=0.8, pipeline_time_scale=0.7)])
+                                         dict(time_scale=0.8, pipeline_time_scale=0.6)])
 def test_search_equals_the_enumerated_best_with_calibrated_step_constants(calibration):
     chosen: list = []
     assert _check_setup(2, False, "4xA100-80GB", 8, "fp32", calibration, chosen=chosen) == len(FACTORS) + 2

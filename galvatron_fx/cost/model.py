@@ -16,7 +16,10 @@ Scaling rules (per device, per micro-batch unless noted), from the fake-tensor m
 * **TP communication** (``tp_comm_s``, not overlappable): an all-reduce of each row-/vocab-parallel
   output in forward and of each replicated column-parallel input in backward (Megatron: 2 + 2 per
   block); with SP each is an all-gather plus a reduce-scatter of the same size; checkpointing
-  repeats the forward ones. TP group: ``tp`` consecutive ranks.
+  repeats the forward ones. TP group: ``tp`` consecutive ranks. Each collective adds the runtime's
+  own work at its site (:mod:`galvatron_fx.runtime.tp_ops`): its autograd Function
+  (``op_launch_s`` + ``op_launch_bwd_s``) and its copies (``copy_s_per_byte``: the all-reduced copy;
+  under SP the chunk and the whole on each side).
 * **Data parallel**: DP all-reduces the layer's gradients (``/ tp``) once per step
   (``grad_sync_s``); ZeRO-2 and ZeRO-3 reduce-scatter every micro-batch's (``reduce_scatter_s``);
   ZeRO-2 all-gathers the updated parameters once per step (``regather_s``, beside the next
@@ -538,13 +541,20 @@ class CostModel:
         if s.tp == 1:
             return 0.0
         group = tp_group(s)
+        c = self.cluster
+        site = c.op_launch_s + c.op_launch_bwd_s   # the site's autograd Function (forward + backward node)
 
         def one(elems: float) -> float:
             nbytes = elems * self.itemsize
             if s.sp:
-                return (self.cluster.collective_time("all_gather", nbytes, group)
-                        + self.cluster.collective_time("reduce_scatter", nbytes, group))
-            return self.cluster.collective_time("all_reduce", nbytes, group)
+                # NOTE: runtime/tp_ops.py copies the chunk and the whole (movedim + contiguous on
+                # each side of the all-gather and of the reduce-scatter)
+                copies = 2 * (nbytes + nbytes / s.tp)
+                return (c.collective_time("all_gather", nbytes, group)
+                        + c.collective_time("reduce_scatter", nbytes, group)
+                        + copies * c.copy_s_per_byte + 2 * site)
+            # NOTE: the all-reduce runs on a copy of its input (the Function's output may not alias it)
+            return c.collective_time("all_reduce", nbytes, group) + nbytes * c.copy_s_per_byte + site
 
         fwd = sum(one(f(n)) for f in m.fwd_allreduce)
         bwd = sum(one(f(n)) for f in m.bwd_allreduce)
