@@ -7,7 +7,8 @@ collective bandwidths, p2p, overlap, matmul FLOP/s); the cost model runs in ``--
 builds the cost model at once (so layers are timed under the contention training sees: two ranks on
 one host), rank 0's figures count: it estimates and searches (under a budget every baseline fits) and
 broadcasts the plans. Beside the model's prediction each plan is also priced in the other mode and
-without the overhead terms (the cluster's ``OVERHEAD_FIELDS`` zeroed: the time model before them).
+without the overhead terms (the cluster's ``OVERHEAD_FIELDS`` and ``SYNC_FIELDS`` zeroed: the time model
+before them).
 Measured: median step time (``train_step`` + AdamW ``step()``, slowest rank) over interleaved rounds
 after warm-up; states bytes exact (``states_bytes(opt)``); saved activations of one micro-batch's
 forward (unique storages; for pp > 1 the pipeline's peak saved bytes).
@@ -52,7 +53,7 @@ BASELINE_SPECS = {  # label -> Plan.uniform keywords (2 devices)
 
 def _rank(rank, world, overrides, mode, steps):
     import galvatron_fx as gfx
-    from galvatron_fx.cluster import OVERHEAD_FIELDS
+    from galvatron_fx.cluster import OVERHEAD_FIELDS, SYNC_FIELDS
 
     t0 = time.perf_counter()
     cluster = profiled_cluster()
@@ -60,7 +61,7 @@ def _rank(rank, world, overrides, mode, steps):
     model, args, gm = build(overrides)
     gbs = args[0].shape[0]
     other = "analytic" if mode == "profiled" else "profiled"
-    bare = dataclasses.replace(cluster, **{k: 0.0 for k in OVERHEAD_FIELDS})
+    bare = dataclasses.replace(cluster, **{k: 0.0 for k in OVERHEAD_FIELDS + SYNC_FIELDS})
     plans, info = {}, {}
     with tempfile.TemporaryDirectory() as cache:
         def cost(m):

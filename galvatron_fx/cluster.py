@@ -59,7 +59,15 @@ field                       what it prices
 ``split_backward_op_s``     one op of a layer under a split backward (the zero-bubble
                             schedules): torch's input / weight split walks the autograd graph in
                             Python and its weight pass re-runs each parameter's consumer
+``sync_drift_sqrt_s``       the ranks' drift apart over a stretch of compute, which the next
+                            blocking collective waits out: ``c`` in ``c * sqrt(S)`` seconds after
+                            ``S`` seconds of compute (independent per-op jitter adds up as a
+                            random walk), priced beyond the probe's own stretch ``sync_stretch_s``
+                            (whose wait ``collective_latency_s`` holds): :meth:`Cluster.sync_wait`
+``sync_stretch_s``          the compute stretch ``collective_latency_s`` was measured after (s)
 ==========================  ===================================================================
+
+The last two (:data:`SYNC_FIELDS`) are measured only: presets and hand-made clusters leave them 0.
 
 :mod:`galvatron_fx.cost.model` and :mod:`galvatron_fx.solver.objective` say where each enters a
 step.
@@ -105,6 +113,9 @@ OVERHEAD_FIELDS = ("op_launch_s", "op_launch_bwd_s", "collective_latency_s", "la
                    "copy_s_per_byte", "split_backward_op_s")
 """The fixed-cost fields of a :class:`Cluster` (module docstring), seconds (per byte for the optimizer
 and the runtime's copies)."""
+SYNC_FIELDS = ("sync_drift_sqrt_s", "sync_stretch_s")
+"""The ranks' drift between blocking collectives (module docstring; :meth:`Cluster.sync_wait`):
+measured by :meth:`Cluster.profile`, 0 (not priced) on presets and hand-made clusters."""
 CALIBRATION_FIELDS = ("step_overhead_s", "pipeline_step_s", "time_scale", "pipeline_time_scale")
 """How a plan's modelled step maps to the measured one: ``step = scale * slowest stage + constant``
 (:func:`galvatron_fx.solver.objective.step_time`). ``time_scale`` multiplies every plan's stage
@@ -273,6 +284,8 @@ class Cluster:
     checkpoint_op_s: float = 0.0
     copy_s_per_byte: float = 0.0
     split_backward_op_s: float = 0.0
+    sync_drift_sqrt_s: float = 0.0
+    sync_stretch_s: float = 0.0
     profile_spread: dict[str, float] = field(default_factory=dict)  # profiled: figure -> (max - min) / min over rounds
     step_overhead_s: float = 0.0   # calibration (CALIBRATION_FIELDS)
     pipeline_step_s: float = 0.0
@@ -308,7 +321,7 @@ class Cluster:
         if not isinstance(self.name, str):
             raise ConfigError(f"cluster field 'name' must be a string, got {self.name!r}")
         self.fits = self._check_fits(self.fits)
-        for name in OVERHEAD_FIELDS + CALIBRATION_FIELDS:
+        for name in OVERHEAD_FIELDS + SYNC_FIELDS + CALIBRATION_FIELDS:
             setattr(self, name, _positive(name, getattr(self, name), allow_zero=name not in SCALE_FIELDS))
 
     def calibrated(self, fit: Mapping[str, float]) -> Cluster:
@@ -423,6 +436,15 @@ class Cluster:
             return 0.0
         steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
         return steps / n * nbytes / bandwidth + steps * latency + calls * self.collective_latency_s
+
+    def sync_wait(self, stretch_s: float) -> float:
+        """Seconds a blocking collective waits for the other ranks after ``stretch_s`` seconds of
+        compute since the last sync, beyond what ``collective_latency_s`` holds (the wait after the
+        profile's own stretch ``sync_stretch_s``): ``c * (sqrt(S) - sqrt(S0))``, at least 0."""
+        c = self.sync_drift_sqrt_s
+        if c <= 0 or stretch_s <= self.sync_stretch_s:
+            return 0.0
+        return c * (math.sqrt(stretch_s) - math.sqrt(self.sync_stretch_s))
 
     def p2p_time(self, nbytes: float, src: int, dst: int) -> float:
         """Seconds to send ``nbytes`` bytes from global rank ``src`` to ``dst`` (0 when equal)."""
@@ -545,7 +567,8 @@ class Cluster:
             f"micro-batch {self.microbatch_overhead_s * 1e6:.3g} us, optimizer "
             f"{self.optimizer_s_per_byte * 1e12:.3g} ps/byte + {self.optimizer_overhead_s * 1e6:.3g} us/tensor, "
             f"checkpointing {self.checkpoint_op_s * 1e6:.3g} us/op, copies {self.copy_s_per_byte * 1e12:.3g} ps/byte, "
-            f"split backward {self.split_backward_op_s * 1e6:.3g} us/op",
+            f"split backward {self.split_backward_op_s * 1e6:.3g} us/op, drift "
+            f"{self.sync_drift_sqrt_s * 1e3:.3g} ms/sqrt(s) beyond {self.sync_stretch_s * 1e3:.3g} ms",
         ] + ([f"  calibrated by measured steps: stage time x {self.time_scale:.3g} (pipelined x "
               f"{self.pipeline_time_scale:.3g} more), + {self.step_overhead_s * 1e3:.3g} ms per step "
               f"(pipelined + {self.pipeline_step_s * 1e3:.3g} ms)"] if self.is_calibrated else []))

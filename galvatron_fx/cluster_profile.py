@@ -9,7 +9,8 @@ rank of ``group``. It measures, in this order:
    the rounds recorded as the cluster's ``profile_spread``: :func:`stable_figures`; the collective and
    point-to-point timings of steps 2 and 3 likewise, 2 to 5 rounds, their median): a chain of tiny ops
    forward and backward (per-op launch), a one-element all-reduce between stretches of compute
-   (per-collective latency, rank skew included), a
+   (per-collective latency, rank skew included; after a stretch 8x longer too, whose extra wait
+   is the ranks' drift, ``sync_drift_sqrt_s``, the median over the rounds: :func:`_sync_figures`), a
    layer's autograd entry / exit Functions and parameter views (per layer), a micro-batch's slicing,
    loss and ``backward()`` call on a one-op graph (per micro-batch), AdamW steps at two sizes
    (per parameter byte and per tensor).
@@ -45,7 +46,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,8 @@ _MIN_LATENCY = 1e-6  # s
 
 _FLOOR = dict(op_launch_s=1e-7, op_launch_bwd_s=1e-7, collective_latency_s=_MIN_LATENCY, layer_overhead_s=1e-7,
               microbatch_overhead_s=1e-7, optimizer_s_per_byte=1e-14, optimizer_overhead_s=1e-7,
-              checkpoint_op_s=1e-7, copy_s_per_byte=1e-14, split_backward_op_s=1e-7)
+              checkpoint_op_s=1e-7, copy_s_per_byte=1e-14, split_backward_op_s=1e-7, sync_drift_sqrt_s=0.0,
+              sync_stretch_s=0.0)
 _CPU_SIZES = (2**16, 2**20, 2**23)  # bytes
 _GPU_SIZES = (2**20, 2**24, 2**27)  # bytes
 _CPU_MATMUL = {"fp32": 256, "bf16": 48, "fp16": 48}  # square matmul side
@@ -418,21 +420,22 @@ class _LayerEntry(torch.autograd.Function):
 
 
 def stable_figures(measure_round: Callable[[], dict[str, float]], tol: float = 0.10, max_rounds: int = 5,
-                   min_rounds: int = 2, pick=min) -> tuple[dict[str, float], dict[str, float]]:
+                   min_rounds: int = 2, pick=min, noise: Collection[str] = ()) -> tuple[dict[str, float], dict[str, float]]:
     """Repeat ``measure_round()`` (figures, each a median of its runs), at least ``min_rounds`` times,
     until the last two rounds agree within ``tol`` (relative) on every figure, or ``max_rounds``;
     returns each figure's ``pick`` over the rounds (default the minimum, the min of medians:
     interference only ever adds time, so the quietest round is the reproducible one; the link
     timings use the median, which fits steps under contention better) and its spread,
-    ``(max - min) / min``, with ``"rounds"``. Deterministic in the figures, so ranks that measure the
-    same (all-reduced) figures stop together."""
+    ``(max - min) / min``, with ``"rounds"``. Figures named in ``noise`` measure interference
+    itself: they take the median over the rounds and need not agree. Deterministic in the figures,
+    so ranks that measure the same (all-reduced) figures stop together."""
     rounds: list[dict[str, float]] = []
     agreed = False
     while len(rounds) < max(max_rounds, min_rounds, 2) and not agreed:
         rounds.append(measure_round())
         agreed = len(rounds) >= max(min_rounds, 2) and all(_close(rounds[-1][k], rounds[-2][k], tol)
-                                                           for k in rounds[-1])
-    best = {k: pick([r[k] for r in rounds]) for k in rounds[0]}
+                                                           for k in rounds[-1] if k not in noise)
+    best = {k: (statistics.median if k in noise else pick)([r[k] for r in rounds]) for k in rounds[0]}
     low = {k: min(r[k] for r in rounds) for k in rounds[0]}
     spread = {k: (max(r[k] for r in rounds) - low[k]) / low[k] if low[k] > 0 else 0.0 for k in best}
     return best, {**spread, "rounds": float(len(rounds))}
@@ -457,7 +460,8 @@ def _median_time(fn: Callable[[], object], device: torch.device, repeats: int, w
 
 def _stable_overheads(device, pg, repeats: int, say) -> tuple[dict[str, float], dict[str, float]]:
     """:func:`measure_overheads` in rounds until two agree within 10 % (:func:`stable_figures`)."""
-    best, spread = stable_figures(lambda: measure_overheads(device, pg, repeats), max_rounds=8, min_rounds=4)
+    best, spread = stable_figures(lambda: measure_overheads(device, pg, repeats), max_rounds=8, min_rounds=4,
+                                  noise=("sync_drift_sqrt_s",))
     if say is not None:
         say(f"{'overheads':>14}: {int(spread['rounds'])} rounds, largest spread "
             f"{max(v for k, v in spread.items() if k != 'rounds') * 100:.0f} %")
@@ -529,24 +533,9 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
                           .sum().backward(), device, repeats)
     ckpt_op = max(t_ckpt - t_plain - t_saving_fwd, 0.0) / chain
 
-    latency = 0.0
+    latency = drift = stretch = 0.0
     if pg is not None and dist.get_world_size(pg) > 1:
-        # NOTE: a blocking collective between stretches of compute (what TP and resharding do) also
-        # waits for the slowest rank to get there; timed as (compute + one-element all-reduce) x 8
-        # minus the compute alone, per call
-        one = torch.zeros(1, device=device)
-        side = 256 if device.type == "cpu" else 2048
-        a = torch.randn(side, side, device=device)
-
-        def work():
-            for _ in range(2):
-                torch.mm(a, a)
-
-        timer = _Timer(device, pg, repeats, 2)
-        alone = timer(lambda: [work() for _ in range(8)])
-        both = timer(lambda: [(work(), dist.all_reduce(one, group=pg)) for _ in range(8)])
-        bare = timer(lambda: [dist.all_reduce(one, group=pg) for _ in range(8)])
-        latency = max(both - alone, bare) / 8
+        latency, drift, stretch = _sync_figures(device, pg, repeats)
 
     # AdamW at two sizes of 4 tensors: slope = seconds per byte, intercept / 4 = per tensor
     # NOTE: tensors of the class the user's optimizer steps (runtime/params.py: its
@@ -568,7 +557,8 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
     out = dict(op_launch_s=op_fwd, op_launch_bwd_s=op_bwd, collective_latency_s=latency, layer_overhead_s=layer,
                microbatch_overhead_s=micro, optimizer_s_per_byte=per_byte, optimizer_overhead_s=per_tensor,
                checkpoint_op_s=ckpt_op, copy_s_per_byte=_copy_s_per_byte(device, repeats),
-               split_backward_op_s=_split_backward_op_s(device, repeats))
+               split_backward_op_s=_split_backward_op_s(device, repeats), sync_drift_sqrt_s=drift,
+               sync_stretch_s=stretch)
     # NOTE: a difference of two noisy medians may come out <= 0; floor it at a tiny positive figure
     out = {k: v if k == "collective_latency_s" and pg is None else max(v, _FLOOR[k]) for k, v in out.items()}
     if pg is not None and dist.get_world_size(pg) > 1:
@@ -620,13 +610,47 @@ def _split_backward_op_s(device: torch.device, repeats: int, layers: int = 8) ->
     return max(t_split - t_whole, 0.0) / (2 * layers)
 
 
+SYNC_STRETCHES = (2, 16)
+"""Matmuls per compute stretch of :func:`_sync_figures`' short and long streams."""
+
+
+def _sync_figures(device: torch.device, pg, repeats: int) -> tuple[float, float, float]:
+    """``(collective_latency_s, sync_drift_sqrt_s, sync_stretch_s)``: a blocking collective between
+    stretches of compute (what TP and resharding do) also waits for the slowest rank to get there,
+    the longer the stretch the longer (the ranks' per-op jitter adds up). Timed as (compute +
+    one-element all-reduce) x calls minus the compute alone, per call, after a short stretch (the
+    latency, rank skew included) and after one 8x longer; the drift ``c`` fits the extra wait as
+    ``c * (sqrt(S_long) - sqrt(S_short))``. 2 gloo ranks on this host: ~0.2 ms after 0.2 ms of
+    compute, 0.3 / 0.6 / 1.2 ms after 0.7 / 3.3 / 16.6 ms (2026-12-03)."""
+    one = torch.zeros(1, device=device)
+    side = 256 if device.type == "cpu" else 2048
+    a = torch.randn(side, side, device=device)
+    timer = _Timer(device, pg, repeats, 2)
+    bare = timer(lambda: [dist.all_reduce(one, group=pg) for _ in range(8)]) / 8
+    waits, stretches = [], []
+    for k, calls in zip(SYNC_STRETCHES, (8, 8)):
+        def work(k=k):
+            for _ in range(k):
+                torch.mm(a, a)
+
+        alone = timer(lambda: [work() for _ in range(calls)]) / calls
+        both = timer(lambda: [(work(), dist.all_reduce(one, group=pg)) for _ in range(calls)]) / calls
+        waits.append(both - alone)
+        stretches.append(alone)
+    latency = max(waits[0], bare)
+    span = math.sqrt(stretches[1]) - math.sqrt(stretches[0])
+    drift = max(waits[1] - latency, 0.0) / span if span > 0 else 0.0
+    return latency, drift, stretches[0]
+
+
 def _say_overheads(out: dict[str, float], say) -> None:
     say(f"{'overheads':>14}: op {out['op_launch_s'] * 1e6:.1f} + {out['op_launch_bwd_s'] * 1e6:.1f} us, "
         f"collective {out['collective_latency_s'] * 1e6:.1f} us, layer {out['layer_overhead_s'] * 1e6:.1f} us, "
         f"micro-batch {out['microbatch_overhead_s'] * 1e6:.1f} us, optimizer "
         f"{out['optimizer_s_per_byte'] * 1e12:.1f} ps/byte + {out['optimizer_overhead_s'] * 1e6:.1f} us/tensor, "
         f"checkpointing {out['checkpoint_op_s'] * 1e6:.1f} us/op, copies {out['copy_s_per_byte'] * 1e12:.1f} ps/byte, "
-        f"split backward {out['split_backward_op_s'] * 1e6:.1f} us/op")
+        f"split backward {out['split_backward_op_s'] * 1e6:.1f} us/op, drift {out['sync_drift_sqrt_s'] * 1e3:.2f} "
+        f"ms/sqrt(s) beyond {out['sync_stretch_s'] * 1e3:.2f} ms")
 
 
 def _measure_overlap(device, pg, nbytes, world, side, repeats, warmup, say) -> float:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -146,6 +149,15 @@ def test_tiny_scaling_rules(tiny):
                  + CLUSTER.collective_time("reduce_scatter", 384, [0, 1]) + 2 * (384 + 192) * CLUSTER.copy_s_per_byte
                  + 2 * site)
     assert sp2.tp_comm_s == pytest.approx(ag_rs)
+    # the ranks' drift: each TP collective waits c * (sqrt(S) - sqrt(S0)) after S seconds of the
+    # layer's compute (one forward and one backward collective here: S = fwd_s, bwd_s)
+    drifting = dataclasses.replace(CLUSTER, sync_drift_sqrt_s=0.01, sync_stretch_s=1e-9)
+    assert drifting.sync_wait(4e-4) == pytest.approx(0.01 * (2e-2 - math.sqrt(1e-9)))
+    assert drifting.sync_wait(1e-10) == 0.0 and CLUSTER.sync_wait(1.0) == 0.0
+    tp2d = CostModel(gm, drifting, bucket_bytes=0).layer_cost(i, Strategy(2, 1), 4)
+    assert tp2d.tp_comm_s == pytest.approx(tp2.tp_comm_s + drifting.sync_wait(tp2.fwd_s)
+                                           + drifting.sync_wait(tp2.bwd_s))
+    assert CostModel(gm, drifting, bucket_bytes=0).layer_cost(i, Strategy(1, 1), 4).tp_comm_s == 0
     dp = cm.layer_cost(i, Strategy(1, 4), 4)
     assert dp.grad_sync_s == pytest.approx(CLUSTER.collective_time("all_reduce", 296 * 4, [0, 1, 2, 3]))
     z3 = cm.layer_cost(i, Strategy(2, 2, "zero3"), 4)

@@ -19,7 +19,8 @@ Scaling rules (per device, per micro-batch unless noted), from the fake-tensor m
   repeats the forward ones. TP group: ``tp`` consecutive ranks. Each collective adds the runtime's
   own work at its site (:mod:`galvatron_fx.runtime.tp_ops`): its autograd Function
   (``op_launch_s`` + ``op_launch_bwd_s``) and its copies (``copy_s_per_byte``: the all-reduced copy;
-  under SP the chunk and the whole on each side).
+  under SP the chunk and the whole on each side); and, being a blocking sync after a stretch of the
+  layer's compute, the ranks' drift over that stretch (:meth:`Cluster.sync_wait`, 0 on presets).
 * **Data parallel**: DP all-reduces the layer's gradients (``/ tp``) once per step
   (``grad_sync_s``); ZeRO-2 and ZeRO-3 reduce-scatter every micro-batch's (``reduce_scatter_s``);
   ZeRO-2 all-gathers the updated parameters once per step (``regather_s``, beside the next
@@ -537,12 +538,21 @@ class CostModel:
         bwd = m.bwd_flops(n) * (fwd / total if total else 1.0)
         return fwd, bwd
 
-    def _tp_comm(self, m: LayerMeasure, n: float, s: Strategy) -> float:
+    def _tp_comm(self, m: LayerMeasure, n: float, s: Strategy, fwd_s: float = 0.0, bwd_s: float = 0.0) -> float:
+        """Seconds per micro-batch of the layer's TP collectives, with the runtime's work at each site
+        and the ranks' drift: each collective is a blocking sync after a stretch of the layer's
+        compute (``fwd_s`` / ``bwd_s`` shared evenly by the pass's collectives), whose wait grows
+        with the stretch (:meth:`Cluster.sync_wait`)."""
         if s.tp == 1:
             return 0.0
         group = tp_group(s)
         c = self.cluster
         site = c.op_launch_s + c.op_launch_bwd_s   # the site's autograd Function (forward + backward node)
+        per_site = 2 if s.sp else 1   # collectives per site: all-gather and reduce-scatter under SP
+
+        def drift(compute_s: float, sites: int) -> float:
+            calls = sites * per_site
+            return calls * c.sync_wait(compute_s / calls) if calls else 0.0
 
         def one(elems: float) -> float:
             nbytes = elems * self.itemsize
@@ -556,8 +566,8 @@ class CostModel:
             # NOTE: the all-reduce runs on a copy of its input (the Function's output may not alias it)
             return c.collective_time("all_reduce", nbytes, group) + nbytes * c.copy_s_per_byte + site
 
-        fwd = sum(one(f(n)) for f in m.fwd_allreduce)
-        bwd = sum(one(f(n)) for f in m.bwd_allreduce)
+        fwd = sum(one(f(n)) for f in m.fwd_allreduce) + drift(fwd_s, len(m.fwd_allreduce))
+        bwd = sum(one(f(n)) for f in m.bwd_allreduce) + drift(bwd_s, len(m.bwd_allreduce))
         return fwd * (2 if s.ckpt else 1) + bwd
 
     def _compute_times(self, index: int, n: float, s: Strategy) -> tuple[float, float]:
@@ -680,7 +690,8 @@ class CostModel:
             transient += cp_buffers
         out = m.output_elems(n) * self.itemsize / (s.tp if s.sp else 1)
         overhead, optimizer = overhead + pass_copy, optimizer + step_copy
-        tp_comm = (self._tp_comm(m, n, s) + (self._whole_batch_gathers(m, n, s) if whole else 0.0) + ep_comm
+        plain_bwd = bwd - (fwd if s.ckpt else 0.0)   # the recompute is priced as a second forward
+        tp_comm = (self._tp_comm(m, n, s, fwd, plain_bwd) + (self._whole_batch_gathers(m, n, s) if whole else 0.0) + ep_comm
                    + cp_comm)
         # split backward (zero-bubble): the split's own work per op, and a checkpointed layer's second
         # recomputation (its forward and forward TP collectives; the ZeRO-3 buffer is still held);
@@ -688,7 +699,7 @@ class CostModel:
         split_extra = self.op_counts[self.layers[index].signature] * getattr(self.cluster, "split_backward_op_s", 0.0)
         if s.ckpt:
             plain = dataclasses.replace(s, ckpt=False)
-            split_extra += fwd + self._tp_comm(m, n, s) - self._tp_comm(m, n, plain)
+            split_extra += fwd + self._tp_comm(m, n, s, fwd, plain_bwd) - self._tp_comm(m, n, plain, fwd, plain_bwd)
             if s.cp > 1:   # and its attention's forward exchanges
                 split_extra += cp_comm - self.cp_terms(index, n, plain)[0]
         rep_div = s.tp if s.sp else 1
