@@ -51,6 +51,11 @@ def test_stable_figures_repeat_until_two_rounds_agree():
     noisy = iter([{"x": 1.0 + 0.5 * (k % 2)} for k in range(10)])   # never agreeing: at most max_rounds
     best, spread = stable_figures(lambda: next(noisy), tol=0.10, max_rounds=5)
     assert spread["rounds"] == 5 and best["x"] == 1.0
+    # a figure that measures interference itself (the ranks' drift): its rounds need not agree, and
+    # it takes their median, not the quietest round
+    mixed = iter([{"op": 1.0e-6, "drift": d} for d in (1e-3, 8e-3, 3e-3, 5e-3, 2e-3)])
+    best, spread = stable_figures(lambda: next(mixed), tol=0.10, min_rounds=3, noise=("drift",))
+    assert spread["rounds"] == 3 and best == {"op": 1.0e-6, "drift": 3e-3}
 
 
 def test_back_to_back_profiles_agree_within_ten_percent_under_interference():
