@@ -387,6 +387,33 @@ def test_attention_rule_sdpa_with_mask(mask_shape, conversion):
     assert res.conversions[("scaled_dot_product_attention", "mask")] == conversion
 
 
+class _ExpandedMQA(nn.Module):
+    """Falcon's multi-query attention as transformers >= 5.25 writes it: one fused projection to H
+    query heads and a single key and value head, which are expanded to H heads before attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(D, D + 2 * HD), nn.Linear(D, D)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(B, S, H + 2, HD).split([H, 1, 1], dim=2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        k, v = (t[:, :, None].expand(B, 1, H, S, HD).reshape(B, H, S, HD) for t in (k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(o.transpose(1, 2).reshape(B, S, D))
+
+
+def test_expanded_single_key_value_head_expands_to_this_ranks_heads():
+    res, _, _, _ = _analyze_block(_ExpandedMQA, _x())
+    # the query heads are sharded, the single key / value head's block is whole on every rank
+    assert res.column == ["linear"] and res.row == ["linear_1"]
+    assert res.param_shards["blocks_0_qkv_weight"].blocks == (D, HD, HD)
+    # each rank expands the duplicated head to its own H / 2 heads, sharded like the query's
+    assert res.shape_args["expand"] == (2, H, H // 2) and res.shape_args["expand_1"] == (2, H, H // 2)
+    assert res.states["expand"] == _tp(2, "linear")
+    assert res.states["scaled_dot_product_attention"] == _tp(1, "linear")
+
+
 class _ManualAttention(nn.Module):
     """qk-norm over the head dim, scores by matmul, softmax, amax, cat along the sequence."""
 

@@ -7,12 +7,31 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from .registry import register_rule
-from .state import TP, Sharded, Unsupported, divisors, node_arg, op_name, shape_of, tensor_val
+from .state import TP, Duplicated, Sharded, Unsupported, divisors, node_arg, op_name, shape_of, tensor_val
 
 VIEWS = {"view", "reshape", "unflatten", "flatten", "view_as", "reshape_as"}
 
 
-@register_rule(*sorted(VIEWS), "expand")
+@register_rule("expand", duplicated=True)
+def expand(an, node, ins, states):
+    """A view's rule, and: a duplicated single key / value head expanded to the query's heads before
+    attention (transformers >= 5.25 Falcon: ``k[:, :, None].expand(b, 1, heads, s, d)``) expands on
+    each rank to its own chunk of the heads, sharded like the query's; its gradient stays a partial
+    sum over the group, as a duplicated value's is."""
+    if not isinstance(states[0], Duplicated):
+        return view(an, node, ins, states)
+    in_shape, out_shape = shape_of(ins[0]), shape_of(node)
+    grown = [d for d in range(len(out_shape)) if d >= len(out_shape) - len(in_shape)
+             and in_shape[d - len(out_shape) + len(in_shape)] == 1 and out_shape[d] > 1]
+    slot = _size_slot(node, "expand", grown[0], len(out_shape)) if len(grown) == 1 else None
+    if (slot is None or out_shape[grown[0]] % an.tp or _sdpa_role(node) not in (1, 2)
+            or _size_args(node, "expand")[slot] != out_shape[grown[0]]):
+        return an.duplicated(node, ins, states)
+    an.res.shape_args[node.name] = (slot, out_shape[grown[0]], out_shape[grown[0]] // an.tp)
+    return Sharded(grown[0], TP, states[0].origins)
+
+
+@register_rule(*sorted(VIEWS))
 def view(an, node, ins, states):
     x, s = ins[0], states[0]
     in_shape, out_shape = shape_of(x), shape_of(node)
