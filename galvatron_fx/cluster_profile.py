@@ -611,7 +611,7 @@ def _split_backward_op_s(device: torch.device, repeats: int, layers: int = 8) ->
 
 
 SYNC_STRETCHES = (2, 16)
-"""Matmuls per compute stretch of :func:`_sync_figures`' short and long streams."""
+"""Matmuls per compute stretch of :func:`_sync_figures`' short and long streams (8 calls each)."""
 
 
 def _sync_figures(device: torch.device, pg, repeats: int) -> tuple[float, float, float]:
@@ -628,13 +628,13 @@ def _sync_figures(device: torch.device, pg, repeats: int) -> tuple[float, float,
     timer = _Timer(device, pg, repeats, 2)
     bare = timer(lambda: [dist.all_reduce(one, group=pg) for _ in range(8)]) / 8
     waits, stretches = [], []
-    for k, calls in zip(SYNC_STRETCHES, (8, 8)):
+    for k in SYNC_STRETCHES:
         def work(k=k):
             for _ in range(k):
                 torch.mm(a, a)
 
-        alone = timer(lambda: [work() for _ in range(calls)]) / calls
-        both = timer(lambda: [(work(), dist.all_reduce(one, group=pg)) for _ in range(calls)]) / calls
+        alone = timer(lambda: [work() for _ in range(8)]) / 8
+        both = timer(lambda: [(work(), dist.all_reduce(one, group=pg)) for _ in range(8)]) / 8
         waits.append(both - alone)
         stretches.append(alone)
     latency = max(waits[0], bare)

@@ -691,7 +691,8 @@ class CostModel:
         out = m.output_elems(n) * self.itemsize / (s.tp if s.sp else 1)
         overhead, optimizer = overhead + pass_copy, optimizer + step_copy
         plain_bwd = bwd - (fwd if s.ckpt else 0.0)   # the recompute is priced as a second forward
-        tp_comm = (self._tp_comm(m, n, s, fwd, plain_bwd) + (self._whole_batch_gathers(m, n, s) if whole else 0.0) + ep_comm
+        tp_sites = self._tp_comm(m, n, s, fwd, plain_bwd)
+        tp_comm = (tp_sites + (self._whole_batch_gathers(m, n, s) if whole else 0.0) + ep_comm
                    + cp_comm)
         # split backward (zero-bubble): the split's own work per op, and a checkpointed layer's second
         # recomputation (its forward and forward TP collectives; the ZeRO-3 buffer is still held);
@@ -699,7 +700,7 @@ class CostModel:
         split_extra = self.op_counts[self.layers[index].signature] * getattr(self.cluster, "split_backward_op_s", 0.0)
         if s.ckpt:
             plain = dataclasses.replace(s, ckpt=False)
-            split_extra += fwd + self._tp_comm(m, n, s, fwd, plain_bwd) - self._tp_comm(m, n, plain, fwd, plain_bwd)
+            split_extra += fwd + tp_sites - self._tp_comm(m, n, plain, fwd, plain_bwd)
             if s.cp > 1:   # and its attention's forward exchanges
                 split_extra += cp_comm - self.cp_terms(index, n, plain)[0]
         rep_div = s.tp if s.sp else 1

@@ -21,13 +21,15 @@ def expand(an, node, ins, states):
     if not isinstance(states[0], Duplicated):
         return view(an, node, ins, states)
     in_shape, out_shape = shape_of(ins[0]), shape_of(node)
-    grown = [d for d in range(len(out_shape)) if d >= len(out_shape) - len(in_shape)
-             and in_shape[d - len(out_shape) + len(in_shape)] == 1 and out_shape[d] > 1]
+    lead = len(out_shape) - len(in_shape)   # new leading dims
+    grown = [d for d in range(lead, len(out_shape)) if in_shape[d - lead] == 1 and out_shape[d] > 1]
     slot = _size_slot(node, "expand", grown[0], len(out_shape)) if len(grown) == 1 else None
-    if (slot is None or out_shape[grown[0]] % an.tp or _sdpa_role(node) not in (1, 2)
-            or _size_args(node, "expand")[slot] != out_shape[grown[0]]):
+    if slot is None:
         return an.duplicated(node, ins, states)
-    an.res.shape_args[node.name] = (slot, out_shape[grown[0]], out_shape[grown[0]] // an.tp)
+    heads = out_shape[grown[0]]
+    if heads % an.tp or _sdpa_role(node) not in (1, 2) or _size_args(node, "expand")[slot] != heads:
+        return an.duplicated(node, ins, states)
+    an.res.shape_args[node.name] = (slot, heads, heads // an.tp)
     return Sharded(grown[0], TP, states[0].origins)
 
 
