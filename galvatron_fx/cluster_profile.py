@@ -127,25 +127,42 @@ def _barrier(pg, device: torch.device) -> None:
 
 
 class _Timer:
-    """Times an operation on the ranks of ``pg``; returns the median over runs of the slowest rank."""
+    """Times operations on the ranks of ``pg``, each run the slowest rank's seconds (``pg=None``: this
+    rank alone, device synchronised)."""
 
     def __init__(self, device: torch.device, pg, repeats: int, warmup: int) -> None:
         self.device, self.pg, self.repeats, self.warmup = device, pg, repeats, warmup
 
     def __call__(self, op: Callable[[], object]) -> float:
+        """The median over runs of ``op``."""
+        return statistics.median(self.interleaved({"op": op})["op"])
+
+    def excess(self, base: Callable[[], object], ops: dict[str, Callable[[], object]]) -> dict[str, float]:
+        """Per op, the median over runs of its time minus ``base``'s in the same run."""
+        runs = self.interleaved({"": base, **ops})
+        return {k: statistics.median(t - b for t, b in zip(runs[k], runs[""])) for k in ops}
+
+    def interleaved(self, ops: dict[str, Callable[[], object]]) -> dict[str, list[float]]:
+        """``repeats`` timed runs of every op in turn (after ``warmup`` untimed ones): a slow spell of
+        the host lands on one run of all of them, so that a difference within a run cancels it."""
         for _ in range(self.warmup):
-            op()
+            for op in ops.values():
+                op()
         synchronize(self.device)
         times = []
         for _ in range(self.repeats):
-            _barrier(self.pg, self.device)
-            t0 = time.perf_counter()
-            op()
-            synchronize(self.device)
-            times.append(time.perf_counter() - t0)
-        slowest = torch.tensor(times, dtype=torch.float64, device=self.device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.pg)
-        return statistics.median(slowest.tolist())
+            for op in ops.values():
+                if self.pg is not None:
+                    _barrier(self.pg, self.device)
+                t0 = time.perf_counter()
+                op()
+                synchronize(self.device)
+                times.append(time.perf_counter() - t0)
+        if self.pg is not None:
+            slowest = torch.tensor(times, dtype=torch.float64, device=self.device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.pg)
+            times = slowest.tolist()
+        return {k: times[i::len(ops)] for i, k in enumerate(ops)}
 
 
 def _compute_stretch(device: torch.device) -> Callable[[], object]:
@@ -166,9 +183,9 @@ def _in_stream(timer: _Timer, work, ops: dict, calls: int = STREAM_CALLS) -> dic
     calls, so that a call costs more than alone (2 gloo ranks, 512 KiB all-reduce: 0.6-1.4 ms alone,
     1.0-2.0 ms after one matmul, 2.0-3.2 ms in a stream of 16, 2.0-2.5 ms in one of 4 (a profile of
     11 s, 18-37 s with 8); TP2 training measured 2-5 ms per call)."""
-    alone = timer(lambda: [work() for _ in range(calls)]) / calls
-    return {s: max(timer(lambda op=op: [(work(), op()) for _ in range(calls)]) / calls - alone, 1e-9)
-            for s, op in ops.items()}
+    excess = timer.excess(lambda: [work() for _ in range(calls)],
+                          {s: (lambda op=op: [(work(), op()) for _ in range(calls)]) for s, op in ops.items()})
+    return {s: max(t / calls, 1e-9) for s, t in excess.items()}
 
 
 def _collective_op(kind: str, nbytes: int, n: int, device: torch.device, pg) -> Callable[[], object]:
@@ -445,19 +462,6 @@ def _close(a: float, b: float, tol: float) -> bool:
     return abs(a - b) <= tol * max(min(abs(a), abs(b)), 1e-30)
 
 
-def _median_time(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup``, device synchronised."""
-    times = []
-    for i in range(warmup + repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _stable_overheads(device, pg, repeats: int, say) -> tuple[dict[str, float], dict[str, float]]:
     """:func:`measure_overheads` in rounds until two agree within 10 % (:func:`stable_figures`)."""
     best, spread = stable_figures(lambda: measure_overheads(device, pg, repeats), max_rounds=8, min_rounds=4,
@@ -475,8 +479,11 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
     ``optimizer_s_per_byte``), measured on this device; with a process group ``pg``, every rank of it
     must call this (the collective latency is a one-element all-reduce over ``pg``, 0 without one).
 
-    Each figure is the median over ``repeats`` of a loop of ``chain`` calls, divided by ``chain``.
+    Each figure is the median over ``repeats`` of a loop of ``chain`` calls, divided by ``chain``; a
+    figure that is a difference of loops times them in turn and takes the median of the differences
+    (:meth:`_Timer.excess`), which a slow spell of the host does not move.
     """
+    local = _Timer(device, None, repeats, 2)
     x0 = torch.zeros(16, device=device, requires_grad=True)
 
     def fwd_chain():
@@ -485,10 +492,9 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
             y = y * 1.0
         return y
 
-    t_fwd = _median_time(fwd_chain, device, repeats)
-    t_all = _median_time(lambda: fwd_chain().sum().backward(), device, repeats)
-    op_fwd = t_fwd / chain
-    op_bwd = max(t_all - t_fwd, 0.0) / chain
+    runs = local.interleaved({"fwd": fwd_chain, "all": lambda: fwd_chain().sum().backward()})
+    op_fwd = statistics.median(runs["fwd"]) / chain
+    op_bwd = max(statistics.median(t - f for t, f in zip(runs["all"], runs["fwd"])), 0.0) / chain
 
     # a layer: entry Function over its flat buffer, a dozen parameter views, an exit Function
     flat = torch.zeros(1024, device=device, requires_grad=True)
@@ -501,7 +507,7 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
             y = _LayerEntry.apply(y) + views[0][:16]
         y.sum().backward()
 
-    t_layers = _median_time(layers, device, repeats) / (chain // 8)
+    t_layers = local(layers) / (chain // 8)
     layer = max(t_layers - 16 * (op_fwd + op_bwd), op_fwd + op_bwd)
 
     # a micro-batch: slice the inputs, a one-op loss, scale, backward, accumulate the detached loss
@@ -516,7 +522,7 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
             (loss * 1.0).backward()
             total = loss.detach() if total is None else total + loss.detach()
 
-    micro = _median_time(micro_batch, device, repeats) / (chain // 8)
+    micro = local(micro_batch) / (chain // 8)
 
     # checkpointing: the same op chain (each op saves a tensor) under torch.utils.checkpoint, beyond
     # the plain forward + backward and the recomputed forward, per op
@@ -527,11 +533,11 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
             x = x * w0
         return x
 
-    t_plain = _median_time(lambda: saving_chain(x0).sum().backward(), device, repeats)
-    t_saving_fwd = _median_time(lambda: saving_chain(x0), device, repeats)
-    t_ckpt = _median_time(lambda: torch.utils.checkpoint.checkpoint(saving_chain, x0, use_reentrant=False)
-                          .sum().backward(), device, repeats)
-    ckpt_op = max(t_ckpt - t_plain - t_saving_fwd, 0.0) / chain
+    runs = local.interleaved({
+        "plain": lambda: saving_chain(x0).sum().backward(), "forward": lambda: saving_chain(x0),
+        "ckpt": lambda: torch.utils.checkpoint.checkpoint(saving_chain, x0, use_reentrant=False).sum().backward()})
+    ckpt_op = max(statistics.median(c - p - f for c, p, f in zip(runs["ckpt"], runs["plain"], runs["forward"])),
+                  0.0) / chain
 
     latency = drift = stretch = 0.0
     if pg is not None and dist.get_world_size(pg) > 1:
@@ -542,18 +548,18 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
     # __torch_function__ is part of the per-tensor cost)
     from .runtime.params import ShardedParameter
 
-    def adam_time(numel: int) -> float:
+    def adam_step(numel: int) -> Callable[[], object]:
         params = [torch.Tensor._make_subclass(ShardedParameter, torch.zeros(numel, device=device), True)
                   for _ in range(4)]
         for p in params:
             p.grad = torch.zeros_like(p)
-        opt = torch.optim.AdamW(params, lr=1e-3)
-        return _median_time(opt.step, device, repeats)
+        return torch.optim.AdamW(params, lr=1e-3).step
 
     small, large = 1024, 2**18 if device.type == "cpu" else 2**22
-    t_small, t_large = adam_time(small), adam_time(large)
-    per_byte = max(t_large - t_small, 0.0) / (4 * 4 * (large - small))
-    per_tensor = max(t_small - 4 * 4 * small * per_byte, 0.0) / 4
+    runs = local.interleaved({"small": adam_step(small), "large": adam_step(large)})
+    extra = statistics.median(b - s for b, s in zip(runs["large"], runs["small"]))
+    per_byte = max(extra, 0.0) / (4 * 4 * (large - small))
+    per_tensor = max(statistics.median(runs["small"]) - 4 * 4 * small * per_byte, 0.0) / 4
     out = dict(op_launch_s=op_fwd, op_launch_bwd_s=op_bwd, collective_latency_s=latency, layer_overhead_s=layer,
                microbatch_overhead_s=micro, optimizer_s_per_byte=per_byte, optimizer_overhead_s=per_tensor,
                checkpoint_op_s=ckpt_op, copy_s_per_byte=_copy_s_per_byte(device, repeats),
@@ -574,12 +580,13 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
 def _copy_s_per_byte(device: torch.device, repeats: int) -> float:
     """Seconds per byte written of the runtime's gradient flattening (12 tensors into one buffer,
     the slope between two sizes)."""
-    def flatten_time(numel: int) -> float:
+    def flatten(numel: int) -> Callable[[], object]:
         parts = [torch.ones(numel // 12, device=device) for _ in range(12)]
-        return _median_time(lambda: torch._C._nn.flatten_dense_tensors(parts), device, repeats)
+        return lambda: torch._C._nn.flatten_dense_tensors(parts)
 
     small, large = 12 * 256, 2**20 if device.type == "cpu" else 2**26
-    return max(flatten_time(large) - flatten_time(small), 0.0) / (4 * (large - small))
+    excess = _Timer(device, None, repeats, 2).excess(flatten(small), {"large": flatten(large)})["large"]
+    return max(excess, 0.0) / (4 * (large - small))
 
 
 def _split_backward_op_s(device: torch.device, repeats: int, layers: int = 8) -> float:
@@ -606,12 +613,16 @@ def _split_backward_op_s(device: torch.device, repeats: int, layers: int = 8) ->
         _grads, groups = stage_backward_input([forward()], None, [x], iter(weights))
         stage_backward_weight(iter(weights), groups)
 
-    t_whole, t_split = _median_time(whole, device, repeats), _median_time(split, device, repeats)
-    return max(t_split - t_whole, 0.0) / (2 * layers)
+    excess = _Timer(device, None, repeats, 2).excess(whole, {"split": split})["split"]
+    return max(excess, 0.0) / (2 * layers)
 
 
 SYNC_STRETCHES = (2, 16)
 """Matmuls per compute stretch of :func:`_sync_figures`' short and long streams (8 calls each)."""
+SYNC_WINDOWS = 3
+"""Consecutive windows of ``repeats`` runs of the short stream, the latency the quietest one's median:
+the wait after a short stretch moves 190-470 us from minute to minute on the 2-core host (2 gloo ranks,
+2026-12-03), and a quiet window is the reproducible figure (the drift term prices the rest)."""
 
 
 def _sync_figures(device: torch.device, pg, repeats: int) -> tuple[float, float, float]:
@@ -621,22 +632,24 @@ def _sync_figures(device: torch.device, pg, repeats: int) -> tuple[float, float,
     one-element all-reduce) x calls minus the compute alone, per call, after a short stretch (the
     latency, rank skew included) and after one 8x longer; the drift ``c`` fits the extra wait as
     ``c * (sqrt(S_long) - sqrt(S_short))``. 2 gloo ranks on this host: ~0.2 ms after 0.2 ms of
-    compute, 0.3 / 0.6 / 1.2 ms after 0.7 / 3.3 / 16.6 ms (2026-12-03)."""
+    compute, 0.3 / 0.6 / 1.2 ms after 0.7 / 3.3 / 16.6 ms (2026-12-03). Each stream is timed in turn
+    with its compute alone, run by run (:meth:`_Timer.interleaved`)."""
     one = torch.zeros(1, device=device)
     side = 256 if device.type == "cpu" else 2048
     a = torch.randn(side, side, device=device)
-    timer = _Timer(device, pg, repeats, 2)
-    bare = timer(lambda: [dist.all_reduce(one, group=pg) for _ in range(8)]) / 8
+    bare = _Timer(device, pg, repeats, 2)(lambda: [dist.all_reduce(one, group=pg) for _ in range(8)]) / 8
     waits, stretches = [], []
-    for k in SYNC_STRETCHES:
+    for k, windows in zip(SYNC_STRETCHES, (SYNC_WINDOWS, 1)):
         def work(k=k):
             for _ in range(k):
                 torch.mm(a, a)
 
-        alone = timer(lambda: [work() for _ in range(8)]) / 8
-        both = timer(lambda: [(work(), dist.all_reduce(one, group=pg)) for _ in range(8)]) / 8
-        waits.append(both - alone)
-        stretches.append(alone)
+        runs = _Timer(device, pg, windows * repeats, 2).interleaved({
+            "alone": lambda: [work() for _ in range(8)],
+            "both": lambda: [(work(), dist.all_reduce(one, group=pg)) for _ in range(8)]})
+        excess = [y - x for x, y in zip(runs["alone"], runs["both"])]
+        waits.append(min(statistics.median(excess[w * repeats:(w + 1) * repeats]) for w in range(windows)) / 8)
+        stretches.append(statistics.median(runs["alone"]) / 8)
     latency = max(waits[0], bare)
     span = math.sqrt(stretches[1]) - math.sqrt(stretches[0])
     drift = max(waits[1] - latency, 0.0) / span if span > 0 else 0.0
@@ -707,7 +720,8 @@ def _pipelined_p2p(fit: dict[str, float], device, pg, first: bool, overheads: di
     m1, m2 = PIPELINE_PROBE["micro_batches"]
 
     def measure_round() -> dict[str, float]:
-        return {"per_microbatch": (timer(steps[m2]) - timer(steps[m1])) / (m2 - m1), "stage": timer(alone)}
+        return {"per_microbatch": timer.excess(steps[m1], {"more": steps[m2]})["more"] / (m2 - m1),
+                "stage": timer(alone)}
 
     best, _spread = stable_figures(measure_round, pick=statistics.median)
     one_way = (best["per_microbatch"] - best["stage"] - overheads["microbatch_overhead_s"]) / 2
