@@ -50,7 +50,7 @@ import torch.distributed as dist
 from .errors import ConfigError, GalvatronError, InfeasibleError
 from .ir import META_KEY, graph_batch_size
 from .plan import Plan
-from .solver.objective import stage_limit, step_time
+from .solver.objective import Pipe, stage_limit, stage_total, step_time
 
 DEFAULTS = {"warmup": 3, "steps": 8, "close": 0.20, "rounds": 3, "seconds": 120.0}
 """Measurement options (``measure_options={...}``): warm-up and timed steps per candidate and round,
@@ -287,13 +287,14 @@ def measured_search(gm: torch.fx.GraphModule, search_fn, k: int, cluster, constr
     fit = fit_time_scales(records, plans, cluster, world)
     fitted = cluster.calibrated(fit)
 
-    def recalibrated(estimate: float, pp: int) -> float:
+    def recalibrated(estimate: float, plan: Plan) -> float:
         """The estimate re-priced on the fitted cluster."""
-        return step_time(fitted, pp, world, stage_limit(cluster, pp, world, estimate))
+        pipe = Pipe.of(plan)
+        return step_time(fitted, plan.pp, world, stage_limit(cluster, plan.pp, world, estimate, pipe), pipe)
 
     plan.extra["measure"].update(
-        fit=fit, calibrated_step_s=recalibrated(plan.estimate["step_time_s"], plan.pp),
-        error_before=calibration_error(records, plans, lambda e, _pp: e),
+        fit=fit, calibrated_step_s=recalibrated(plan.estimate["step_time_s"], plan),
+        error_before=calibration_error(records, plans, lambda e, _plan: e),
         error_after=calibration_error(records, plans, recalibrated))
     return plan
 
@@ -301,7 +302,7 @@ def measured_search(gm: torch.fx.GraphModule, search_fn, k: int, cluster, constr
 def fit_time_scales(records: list[dict], plans: list[Plan], cluster, world: int) -> dict[str, float]:
     """The cluster's time scales (:data:`galvatron_fx.cluster.SCALE_FIELDS`) refitted to the
     measured candidates: each candidate's slowest stage as the cluster prices it (its estimate
-    less the per-step constant, over the scale) against its measured step less the constant; the
+    less the per-step constant, over the scale: its wait at the transfers included) against its measured step less the constant; the
     median ratio of the unpipelined candidates moves ``time_scale``, the pipelined ones' median
     beyond that moves ``pipeline_time_scale``. Where only one kind was measured its ratio moves
     ``time_scale`` alone (a uniform scale: the next search ranks plans as before, its estimates
@@ -311,8 +312,8 @@ def fit_time_scales(records: list[dict], plans: list[Plan], cluster, world: int)
     for r, plan in zip(records, plans):
         if r["measured_step_s"] is None or not r["estimated_step_s"]:
             continue
-        stage = stage_limit(cluster, plan.pp, world, r["estimated_step_s"])
-        wanted = stage_limit(cluster, plan.pp, world, r["measured_step_s"])
+        stage = stage_total(cluster, plan.pp, world, r["estimated_step_s"])
+        wanted = stage_total(cluster, plan.pp, world, r["measured_step_s"])
         if stage > 0 and wanted > 0:
             (piped if plan.pp > 1 else flat).append(wanted / stage)
     base = float(getattr(cluster, "time_scale", 1.0))
@@ -326,8 +327,8 @@ def fit_time_scales(records: list[dict], plans: list[Plan], cluster, world: int)
 
 
 def calibration_error(records: list[dict], plans: list[Plan], calibrate) -> float:
-    """Median relative error of ``calibrate(estimate, pp)`` against the measured candidates (in
+    """Median relative error of ``calibrate(estimate, plan)`` against the measured candidates (in
     sample: how well a calibration describes the measurements it was fitted to)."""
-    errors = [abs(calibrate(r["estimated_step_s"], p.pp) / r["measured_step_s"] - 1)
+    errors = [abs(calibrate(r["estimated_step_s"], p) / r["measured_step_s"] - 1)
               for r, p in zip(records, plans) if r["measured_step_s"] and r["estimated_step_s"] is not None]
     return statistics.median(errors) if errors else math.inf

@@ -267,11 +267,20 @@ def _torch_chunk_peaks(schedule: str, p: int, v: int, m: int) -> tuple[list[int]
     return peaks, wpeaks
 
 
-def _step(cluster, p: int, slowest: float) -> float:
-    """A plan's step from its slowest stage: the cluster's calibration (a scale on the stage time,
+def _step(cluster, key: tuple, slowest: float) -> float:
+    """A plan's step from its slowest stage: a pipelined stage's receives wait for the ranks' drift
+    over the compute since the previous one (``(2 v - 1) m`` receives sharing the ``m`` of ``slots``
+    micro-batch times that compute), then the cluster's calibration (a scale on the stage time,
     another on top for pipelines, then the per-step constant; galvatron_fx.cluster.CALIBRATION_FIELDS)."""
     if cluster is None:
         return slowest
+    p, m, sched = key[:3]
+    v = key[3] if len(key) == 4 else 1
+    if p > 1 and cluster.sync_drift_sqrt_s > 0:
+        receives = (2 * v - 1) * m
+        stretch = slowest * m / step_slots(sched, p, v, m) / receives
+        slowest += receives * cluster.sync_drift_sqrt_s * max(0.0, math.sqrt(stretch)
+                                                              - math.sqrt(cluster.sync_stretch_s))
     scale = cluster.time_scale * (cluster.pipeline_time_scale if p > 1 else 1.0)
     return scale * slowest + step_constant(cluster, p, cluster.world_size)
 
@@ -285,7 +294,7 @@ def best_plan(space_fronts, L: int, gbs: int, budget: float, cluster=None):
             picks = [f.best(budget) for f in fronts["ranks"]]
             if any(seq is None for _, seq in picks):
                 continue
-            thr = gbs / _step(cluster, p, max(t for t, _ in picks))
+            thr = gbs / _step(cluster, key, max(t for t, _ in picks))
             if thr > best[0]:
                 best = (thr, key, fronts["chunks"], [seq for _, seq in picks])
             continue
@@ -295,7 +304,7 @@ def best_plan(space_fronts, L: int, gbs: int, budget: float, cluster=None):
             picks = [fronts[(i, j, k)].best(budget) for k, (i, j) in enumerate(stages)]
             if any(seq is None for _, seq in picks):
                 continue
-            thr = gbs / _step(cluster, p, max(t for t, _ in picks))
+            thr = gbs / _step(cluster, key, max(t for t, _ in picks))
             if thr > best[0]:
                 best = (thr, (p, m, sched), stages, [seq for _, seq in picks])
     return best
@@ -437,12 +446,16 @@ def test_zero_bubble_wins_where_the_bubble_decides(preset, factor, config):
 @pytest.mark.parametrize("calibration", [dict(step_overhead_s=2e-3, pipeline_step_s=4e-3),
                                          dict(step_overhead_s=0.0, pipeline_step_s=5e-5),
                                          dict(time_scale=1.4, pipeline_time_scale=1.25, step_overhead_s=1e-3),
-                                         dict(time_scale=0.8, pipeline_time_scale=0.6)])
+                                         dict(time_scale=0.8, pipeline_time_scale=0.6),
+                                         dict(time_scale=0.8, pipeline_time_scale=0.6, sync_drift_sqrt_s=1e-2,
+                                              sync_stretch_s=1e-6)])
 def test_search_equals_the_enumerated_best_with_calibrated_step_constants(calibration):
     chosen: list = []
     assert _check_setup(2, False, "4xA100-80GB", 8, "fp32", calibration, chosen=chosen) == len(FACTORS) + 2
     if calibration.get("pipeline_time_scale", 1.0) < 1.0:   # the instance exercises the scale: pp1 uncalibrated
-        assert sum(plan.pp > 1 for plan in chosen) >= 3
+        assert sum(plan.pp > 1 for plan in chosen) >= (2 if "sync_drift_sqrt_s" in calibration else 3)
+    if "sync_drift_sqrt_s" in calibration:   # the drift at the transfers decides: pp2 zero-bubble without it
+        assert chosen[-1].pp == 1
 
 
 @pytest.mark.matrix

@@ -4,6 +4,7 @@ baselines on the live world and returns the fastest measured, with every candida
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -97,25 +98,35 @@ def test_time_scales_fitted_to_the_measurements():
     equals its measurement."""
     import galvatron_fx as gfx
     from galvatron_fx.selection import calibration_error, fit_time_scales
-    from galvatron_fx.solver.objective import stage_limit, step_time
+    from galvatron_fx.solver.objective import Pipe, stage_limit, step_constant, step_time
 
-    cluster = gfx.Cluster.preset("2xA100-80GB").calibrated({"time_scale": 2.0, "step_overhead_s": 1e-3})
-    plans = [SimpleNamespace(pp=p) for p in (1, 1, 2, 2, 1)]
+    # with the ranks' drift priced at a pipeline's transfers (non-linear in the stage time)
+    cluster = replace(gfx.Cluster.preset("2xA100-80GB"), sync_drift_sqrt_s=4e-3, sync_stretch_s=2e-4)
+    cluster = cluster.calibrated({"time_scale": 2.0, "step_overhead_s": 1e-3})
+    plans = [SimpleNamespace(pp=p, schedule=s, virtual_stages=v, micro_batches=m)
+             for p, s, v, m in ((1, "1f1b", 1, 1), (1, "1f1b", 1, 1), (2, "1f1b", 1, 4),
+                                (2, "interleaved-1f1b", 2, 2), (1, "1f1b", 1, 1))]
     stages = [0.010, 0.012, 0.008, 0.009, 0.011]   # the slowest stage of each as the model prices it
     wants = [1.5, 1.5, 1.8, 1.8]
-    records = [{"estimated_step_s": step_time(cluster, p.pp, 2, s), "measured_step_s": step_time(cluster, p.pp, 2, w * s)}
-               for p, s, w in zip(plans, stages, wants)]
+    estimates = [step_time(cluster, p.pp, 2, s, Pipe.of(p)) for p, s in zip(plans, stages)]
+    assert estimates[2] > step_time(cluster, 2, 2, stages[2])   # the wait is priced
+    for x in (1e-6, 1e-4, 2e-3, 0.3):   # below and beyond the probe's stretch: stage_limit inverts step_time
+        for p in plans[2:4]:
+            assert stage_limit(cluster, 2, 2, step_time(cluster, 2, 2, x, Pipe.of(p)), Pipe.of(p)) == pytest.approx(x)
+    const = [step_constant(cluster, p.pp, 2) for p in plans]   # measured: the scaled stage + the constant
+    records = [{"estimated_step_s": e, "measured_step_s": c + w * (e - c)} for e, c, w in zip(estimates, const, wants)]
     records.append({"estimated_step_s": step_time(cluster, 1, 2, stages[-1]), "measured_step_s": None})  # failed
     fit = fit_time_scales(records, plans, cluster, 2)
     assert fit == pytest.approx({"time_scale": 3.0, "pipeline_time_scale": 1.2})
     fitted = cluster.calibrated(fit)
     assert fitted.step_overhead_s == 1e-3 and cluster.time_scale == 2.0   # the constant kept; a new cluster
 
-    def recalibrated(estimate, pp):
-        return step_time(fitted, pp, 2, stage_limit(cluster, pp, 2, estimate))
+    def recalibrated(estimate, plan):
+        pipe = Pipe.of(plan)
+        return step_time(fitted, plan.pp, 2, stage_limit(cluster, plan.pp, 2, estimate, pipe), pipe)
 
     assert calibration_error(records, plans, recalibrated) == pytest.approx(0.0, abs=1e-12)
-    assert calibration_error(records, plans, lambda e, _pp: e) > 0.3
+    assert calibration_error(records, plans, lambda e, _plan: e) > 0.3
     # one kind measured: a uniform scale (the ranking unchanged), the pipeline factor kept
     only_piped = fit_time_scales(records[2:4], plans[2:4], cluster, 2)
     assert only_piped == pytest.approx({"time_scale": 3.6, "pipeline_time_scale": 1.0})

@@ -371,7 +371,7 @@ class Engine:
         gid, layouts = layout_groups(space)
         c = ConfigTables(p, m, sched, gbs, space, t, states, act, trans, gid, layouts, self.sig_ids,
                          self.tables, self.cluster, self.N, v=v, wg=wg)
-        c.bound = step_time(self.cluster, c.p, self.N, self._step_bound(c))
+        c.bound = step_time(self.cluster, c.p, self.N, self._step_bound(c), c.pipe)
         return c
 
     def _step_bound(self, c: ConfigTables) -> float:
@@ -605,7 +605,7 @@ class Engine:
                 tried += 1
                 thr = best.estimate["throughput_samples_s"] if best else 0.0
                 # NOTE: solve bounds the slowest stage; the step scales it and adds a constant (step_time)
-                consider(self.solve(c, stage_limit(self.cluster, c.p, self.N, c.gbs / thr) if thr > 0 else math.inf))
+                consider(self.solve(c, stage_limit(self.cluster, c.p, self.N, c.gbs / thr, c.pipe) if thr > 0 else math.inf))
         if best is None:
             raise self.infeasible(tabled)
         best.configs_tried = tried

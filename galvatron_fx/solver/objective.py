@@ -39,8 +39,9 @@ a synthetic one in tests.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from .schedules import ZERO_BUBBLE, chunk_peaks, chunk_rank, chunk_wgrad_peaks, step_slots
 from .strategy import Strategy
@@ -119,6 +120,59 @@ def p2p_time_per_microbatch(costs: CostSource, cluster: Any, last_layer: int, st
     return 2 * cluster.p2p_time(nbytes, src, dst) + getattr(cluster, "microbatch_overhead_s", 0.0)
 
 
+class Pipe(NamedTuple):
+    """A pipelined plan's schedule, virtual stages per rank and micro-batches (what the ranks'
+    drift at its transfers depends on: :func:`pipeline_wait`)."""
+
+    schedule: str
+    virtual_stages: int
+    micro_batches: int
+
+    @classmethod
+    def of(cls, plan: Any) -> Pipe:
+        """A :class:`~galvatron_fx.plan.Plan`'s."""
+        return cls(plan.schedule, plan.virtual_stages, plan.micro_batches)
+
+    def receives(self) -> int:
+        """Blocking receives per step on an end stage: each of its ``v`` chunks receives every
+        micro-batch's activation and its gradient, but the first stage's first chunk reads the
+        batch and the last stage's last chunk computes the loss: ``(2 v - 1) m``."""
+        return (2 * self.virtual_stages - 1) * self.micro_batches
+
+    def compute_share(self, pp: int) -> float:
+        """The share of the slowest stage's time that is compute (``m`` of its ``slots``)."""
+        return self.micro_batches / step_slots(self.schedule, pp, self.virtual_stages, self.micro_batches)
+
+
+def pipeline_wait(cluster: Any, pp: int, slowest_stage_s: float, pipe: Pipe | None) -> float:
+    """Seconds a pipelined stage waits at its transfers for the ranks' drift (measured: a PP2 step's
+    time beyond its stages' compute, transfers and bubble grew by 3-8 ms on 2 gloo ranks,
+    2026-12-03): each receive waits ``cluster.sync_wait`` of the compute since the previous one,
+    the stage's compute over its receives. 0 unpipelined or without a drift figure. Increasing in
+    ``slowest_stage_s``."""
+    if pp <= 1 or pipe is None or not getattr(cluster, "sync_drift_sqrt_s", 0.0):
+        return 0.0
+    n = pipe.receives()
+    return n * cluster.sync_wait(slowest_stage_s * pipe.compute_share(pp) / n)
+
+
+def _without_pipeline_wait(cluster: Any, pp: int, total_s: float, pipe: Pipe | None) -> float:
+    """The slowest stage ``x`` with ``x + pipeline_wait(x) = total_s`` (the wait is continuous and
+    increasing in ``x``: ``n c (sqrt(f x) - sqrt(S0))`` beyond ``x = S0 / f``, a quadratic in
+    ``sqrt(x)``)."""
+    c = getattr(cluster, "sync_drift_sqrt_s", 0.0)
+    if pp <= 1 or pipe is None or not c:
+        return total_s
+    n = pipe.receives()
+    f = pipe.compute_share(pp) / n
+    s0 = cluster.sync_stretch_s
+    if total_s * f <= s0:
+        return total_s
+    b = n * c * math.sqrt(f)
+    root = (-b + math.sqrt(b * b + 4 * (total_s + n * c * math.sqrt(s0)))) / 2
+    return root * root
+
+
 def step_scale(cluster: Any, pp: int) -> float:
     """The cluster's calibration factor on a ``pp``-stage plan's slowest stage: ``time_scale``
     (x ``pipeline_time_scale`` when pipelined; 1 unless set, galvatron_fx.cluster.CALIBRATION_FIELDS)."""
@@ -126,16 +180,24 @@ def step_scale(cluster: Any, pp: int) -> float:
     return scale * getattr(cluster, "pipeline_time_scale", 1.0) if pp > 1 else scale
 
 
-def step_time(cluster: Any, pp: int, world_size: int, slowest_stage_s: float) -> float:
+def step_time(cluster: Any, pp: int, world_size: int, slowest_stage_s: float, pipe: Pipe | None = None) -> float:
     """Seconds per step of a ``pp``-stage plan whose slowest stage takes ``slowest_stage_s``:
-    ``step_scale * slowest + step_constant`` (monotone in the stage time, so a search minimising the
-    slowest stage of one configuration minimises its step)."""
-    return step_scale(cluster, pp) * slowest_stage_s + step_constant(cluster, pp, world_size)
+    ``step_scale * (slowest + pipeline_wait) + step_constant`` (increasing in the stage time, so a
+    search minimising the slowest stage of one configuration minimises its step). ``pipe``: the
+    pipelined plan's schedule (without it, no drift at the transfers is priced)."""
+    stage = slowest_stage_s + pipeline_wait(cluster, pp, slowest_stage_s, pipe)
+    return step_scale(cluster, pp) * stage + step_constant(cluster, pp, world_size)
 
 
-def stage_limit(cluster: Any, pp: int, world_size: int, step_s: float) -> float:
+def stage_limit(cluster: Any, pp: int, world_size: int, step_s: float, pipe: Pipe | None = None) -> float:
     """The slowest stage's seconds at which a ``pp``-stage plan's step takes ``step_s`` (the
     inverse of :func:`step_time`)."""
+    return _without_pipeline_wait(cluster, pp, stage_total(cluster, pp, world_size, step_s), pipe)
+
+
+def stage_total(cluster: Any, pp: int, world_size: int, step_s: float) -> float:
+    """The slowest stage's seconds, its wait at the transfers included, at which a ``pp``-stage
+    plan's step takes ``step_s``: what the cluster's time scales multiply."""
     return (step_s - step_constant(cluster, pp, world_size)) / step_scale(cluster, pp)
 
 
@@ -198,7 +260,7 @@ def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy]
                                                  k * per_stage, nxt * per_stage)
         stage_time[k] += t
     mem = [st + ac + tr + hd + reserve_bytes for st, ac, tr, hd in zip(states, acts, transient, held_bytes)]
-    step = step_time(cluster, pp, world_size, max(stage_time))
+    step = step_time(cluster, pp, world_size, max(stage_time), Pipe(schedule, v, micro_batches))
     return {
         "step_time_s": step,
         "throughput_samples_s": global_batch_size / step if step > 0 else float("inf"),

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .objective import CostSource, LayerTerms, layer_terms, p2p_time_per_microbatch
+from .objective import CostSource, LayerTerms, Pipe, layer_terms, p2p_time_per_microbatch
 from .pipeline import even_split
 from .schedules import chunk_peaks, chunk_rank, chunk_wgrad_peaks, rank_chunks, step_slots
 from .strategy import Strategy
@@ -111,6 +111,11 @@ class ConfigTables:
     def b(self) -> int:
         """Samples per micro-batch (all data-parallel ranks together)."""
         return self.gbs // self.m
+
+    @property
+    def pipe(self) -> Pipe:
+        """The configuration's schedule shape (the ranks' drift at its transfers: :func:`~.objective.step_time`)."""
+        return Pipe(self.schedule, self.v, self.m)
 
     @property
     def slots(self) -> float:
