@@ -41,6 +41,19 @@ def moe(kind: str):
                                                     decoder_sparse_step=1, **common))
 
 
+def falcon(tied: bool = True):
+    """A tiny transformers Falcon (seeded): multi-query attention (one key / value head beside 4
+    query heads, fused into one projection), parallel attention + MLP, rotary embeddings; the
+    output head tied to the embedding unless ``tied=False``."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    return tf.FalconForCausalLM(tf.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                multi_query=True, new_decoder_architecture=False, parallel_attn=True,
+                                                alibi=False, bias=False, max_position_embeddings=32,
+                                                tie_word_embeddings=tied))
+
+
 def mistral(window: int = 8):
     """A tiny transformers Mistral (seeded) whose attention sees the last ``window`` tokens only."""
     import transformers as tf

@@ -10,7 +10,7 @@ original parameter names. Cases cover ZeRO-2 / ZeRO-3 / TP2+SP / TP2xDP2 / PP2xD
 checkpointing, PP4 with checkpointing on a 6-block Llama), the zero-bubble schedules (GPT-NeoX ZB-V
 over PP2xDP2 through export, interleaved ZB through torch.compile, DualPipeV with ZeRO-3 and
 checkpointing, ZB-H1 with LoRA), the three capture front ends, bf16-mixed, frozen parameters (states bytes against
-the estimate), peft LoRA and param groups with lr 0.
+the estimate), peft LoRA and param groups with lr 0, Falcon's multi-query attention under TP2+SP and PP2xTP2.
 """
 
 from __future__ import annotations
@@ -154,6 +154,12 @@ CASES = {
     "blocks-cp2-mixed": dict(matrix=True, layer_cp={"layers.0": (2, "ring"), "layers.1": (2, "ulysses")}, plan=dict(dp=2)),
     "blocks-dp4-cp2-export": dict(matrix=True, world=4, method="export", layer_cp={"layers.": (2, "ring")},
                                   plan=dict(dp=4, sdp="zero2")),
+    # Falcon's single key / value head expanded to the query heads before attention (transformers
+    # 5.25): each TP rank expands it to its own heads
+    "falcon-tp2-sp-export": dict(model="falcon", method="export", plan=dict(tp=2, dp=1, sp=True)),
+    # (a weight tied across stages needs tp=1 on its layers: untied for a uniform pp2 x tp2)
+    "falcon-pp2xtp2-compile": dict(matrix=True, world=4, door="compile", model="falcon-untied", clip="dm",
+                                   plan=dict(pp=2, tp=2, dp=1, micro_batches=2)),
     # the measured selection (gfx.search(measure=K)) chooses the plan the loop trains: pp1 and pp2
     # candidates timed on the keyword graph (synthetic inputs in its shapes)
     "measured-export": dict(method="export", clip="dm", measure=3),
@@ -187,6 +193,8 @@ def _model(kind: str):
         for name, p in model.named_parameters():
             p.requires_grad_(("experts" if kind.endswith("experts") else "mlp.gate") not in name)
         return model
+    if kind.startswith("falcon"):
+        return loops.falcon(tied=kind != "falcon-untied")
     if kind == "mistral":   # a sliding window of 8 over the 16 tokens
         return loops.mistral()
     if kind == "llama6":
