@@ -13,7 +13,8 @@ rank of ``group``. It measures, in this order:
    is the ranks' drift, ``sync_drift_sqrt_s``, the median over the rounds: :func:`_sync_figures`), a
    layer's autograd entry / exit Functions and parameter views (per layer), a micro-batch's slicing,
    loss and ``backward()`` call on a one-op graph (per micro-batch), AdamW steps at two sizes
-   (per parameter byte and per tensor).
+   (per parameter byte) and two tensor counts (per tensor). A figure that is a difference of two
+   timings times both in turn, run by run (:meth:`_Timer.excess`).
 1. the layout: ranks sharing a hostname form a node;
 2. for every group size a plan can use (powers of two up to the group size, and the group size
    itself; consecutive ranks from 0)
@@ -543,14 +544,15 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
     if pg is not None and dist.get_world_size(pg) > 1:
         latency, drift, stretch = _sync_figures(device, pg, repeats)
 
-    # AdamW at two sizes of 4 tensors: slope = seconds per byte, intercept / 4 = per tensor
+    # AdamW: 4 tensors at two sizes, the slope seconds per byte; 4 and 16 small tensors (timed apart
+    # from the large ones, whose steps leave the caches cold: that doubled the figure), the slope per tensor
     # NOTE: parameters and gradients of the classes the user's optimizer steps (runtime/params.py:
     # the gradient's __torch_function__ is part of the per-tensor cost, ~19 % of it on 64 tensors of 1024)
     from .runtime.params import ShardedGrad, ShardedParameter
 
-    def adam_step(numel: int) -> Callable[[], object]:
+    def adam_step(numel: int, tensors: int = 4) -> Callable[[], object]:
         params = [torch.Tensor._make_subclass(ShardedParameter, torch.zeros(numel, device=device), True)
-                  for _ in range(4)]
+                  for _ in range(tensors)]
         for p in params:
             p.grad = ShardedGrad.wrap(torch.zeros(numel, device=device), None)
         return torch.optim.AdamW(params, lr=1e-3).step
@@ -559,7 +561,8 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
     runs = local.interleaved({"small": adam_step(small), "large": adam_step(large)})
     extra = statistics.median(b - s for b, s in zip(runs["large"], runs["small"]))
     per_byte = max(extra, 0.0) / (4 * 4 * (large - small))
-    per_tensor = max(statistics.median(runs["small"]) - 4 * 4 * small * per_byte, 0.0) / 4
+    more = local.excess(adam_step(small), {"many": adam_step(small, 16)})["many"]
+    per_tensor = max(more / 12 - 4 * small * per_byte, 0.0)
     out = dict(op_launch_s=op_fwd, op_launch_bwd_s=op_bwd, collective_latency_s=latency, layer_overhead_s=layer,
                microbatch_overhead_s=micro, optimizer_s_per_byte=per_byte, optimizer_overhead_s=per_tensor,
                checkpoint_op_s=ckpt_op, copy_s_per_byte=_copy_s_per_byte(device, repeats),
