@@ -73,6 +73,33 @@ def test_back_to_back_profiles_agree_within_ten_percent_under_interference():
     assert sum(abs(a - b) <= 0.10 * min(a, b) for a, b in pairs) >= 190
 
 
+def test_a_difference_is_timed_run_by_run_so_a_slow_spell_cancels(monkeypatch):
+    # the host runs 3x slower for 3 of 9 runs: timed in turn, both ops of a run see the same spell,
+    # and the median of the runs' differences is the quiet one (0.4 ms); timed apart, a spell over
+    # the longer op's runs alone would have moved their medians' difference
+    from galvatron_fx.cluster_profile import _Timer
+
+    clock = {"t": 0.0, "run": 0}
+    slow = lambda: 3.0 if 3 <= clock["run"] // 2 < 6 else 1.0   # runs 3-5 (of 9) 3x slower
+
+    def op(ms):
+        def run():
+            clock["t"] += ms * 1e-3 * slow()
+            clock["run"] += 1
+        return run
+
+    timer = _Timer(torch.device("cpu"), None, repeats=9, warmup=0)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock["t"])
+    runs = timer.interleaved({"short": op(0.2), "long": op(0.6)})
+    clock.update(t=0.0, run=0)
+    excess = timer.excess(op(0.2), {"long": op(0.6)})["long"]
+    monkeypatch.undo()
+    assert len(runs["short"]) == len(runs["long"]) == 9
+    assert runs["long"][3] == pytest.approx(3 * runs["long"][0])   # the spell lands on both ops of a run
+    assert runs["short"][3] == pytest.approx(3 * runs["short"][0])
+    assert excess == pytest.approx(0.4e-3)
+
+
 def test_device_and_backend_from_environment(monkeypatch):
     monkeypatch.delenv(gdist.DEVICE_ENV, raising=False)
     monkeypatch.delenv(gdist.BACKEND_ENV, raising=False)
