@@ -302,7 +302,8 @@ def measured_search(gm: torch.fx.GraphModule, search_fn, k: int, cluster, constr
 def fit_time_scales(records: list[dict], plans: list[Plan], cluster, world: int) -> dict[str, float]:
     """The cluster's time scales (:data:`galvatron_fx.cluster.SCALE_FIELDS`) refitted to the
     measured candidates: each candidate's slowest stage as the cluster prices it (its estimate
-    less the per-step constant, over the scale: its wait at the transfers included) against its measured step less the constant; the
+    less the per-step constant, over the scale: its wait at the transfers included,
+    :func:`~.solver.objective.stage_total`) against its measured step less the constant; the
     median ratio of the unpipelined candidates moves ``time_scale``, the pipelined ones' median
     beyond that moves ``pipeline_time_scale``. Where only one kind was measured its ratio moves
     ``time_scale`` alone (a uniform scale: the next search ranks plans as before, its estimates
