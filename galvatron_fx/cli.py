@@ -8,6 +8,7 @@ traceback (set ``GALVATRON_DEBUG=1`` to see it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -255,6 +256,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
     cluster = Cluster.profile(out=args.out, progress=True, repeats=args.repeats)
+    if "RANK" in os.environ:   # the torch.compile door's own cost per step (a world of one has none)
+        from .backend.door import measure_door
+
+        cluster = dataclasses.replace(cluster, **measure_door(cluster))
+        if args.out and int(os.environ["RANK"]) == 0:
+            cluster.save(args.out)
     shutdown()
     if int(os.environ.get("RANK", "0")) == 0:
         print(cluster.summary())

@@ -65,9 +65,18 @@ field                       what it prices
                             random walk), priced beyond the probe's own stretch ``sync_stretch_s``
                             (whose wait ``collective_latency_s`` holds): :meth:`Cluster.sync_wait`
 ``sync_stretch_s``          the compute stretch ``collective_latency_s`` was measured after (s)
+``door_call_s``             a training step through ``torch.compile(backend="galvatron")`` beyond
+                            its ``train_step``: dynamo's frame, the backend's call, the program
+                            run inside the compiled call, the backward's routing (per step)
+``door_param_s``            the same, per trainable parameter tensor (its gradient routed in
+                            ``loss.backward()``, the user's ``zero_grad``): :meth:`Cluster.door_time`
 ==========================  ===================================================================
 
-The last two (:data:`SYNC_FIELDS`) are measured only: presets and hand-made clusters leave them 0.
+The last four (:data:`SYNC_FIELDS`, :data:`DOOR_FIELDS`) are measured only: presets and hand-made
+clusters leave them 0; ``Cluster.profile()`` measures the drift, ``galvatron-fx profile`` the door too
+(it priced 1.3-1.6 ms per step on gpt-tiny's 69 tensors, 2 gloo ranks, 2026-12-03). The door enters
+the estimate of a plan the backend searches or loads (``estimate["door_s"]``), not the search's
+ranking: every plan of one model pays the same.
 
 :mod:`galvatron_fx.cost.model` and :mod:`galvatron_fx.solver.objective` say where each enters a
 step.
@@ -113,6 +122,11 @@ OVERHEAD_FIELDS = ("op_launch_s", "op_launch_bwd_s", "collective_latency_s", "la
                    "copy_s_per_byte", "split_backward_op_s")
 """The fixed-cost fields of a :class:`Cluster` (module docstring), seconds (per byte for the optimizer
 and the runtime's copies)."""
+DOOR_FIELDS = ("door_call_s", "door_param_s")
+"""What one training step through ``torch.compile(backend="galvatron")`` costs beyond the program's
+``train_step`` (:meth:`Cluster.door_time`): per step, and per trainable parameter tensor. Measured
+by ``galvatron-fx profile`` (:func:`galvatron_fx.backend.door.measure_door`, the real door on two
+small models), 0 (not priced) on presets and ``Cluster.profile()``."""
 SYNC_FIELDS = ("sync_drift_sqrt_s", "sync_stretch_s")
 """The ranks' drift between blocking collectives (module docstring; :meth:`Cluster.sync_wait`):
 measured by :meth:`Cluster.profile`, 0 (not priced) on presets and hand-made clusters."""
@@ -286,6 +300,8 @@ class Cluster:
     split_backward_op_s: float = 0.0
     sync_drift_sqrt_s: float = 0.0
     sync_stretch_s: float = 0.0
+    door_call_s: float = 0.0
+    door_param_s: float = 0.0
     profile_spread: dict[str, float] = field(default_factory=dict)  # profiled: figure -> (max - min) / min over rounds
     step_overhead_s: float = 0.0   # calibration (CALIBRATION_FIELDS)
     pipeline_step_s: float = 0.0
@@ -321,7 +337,7 @@ class Cluster:
         if not isinstance(self.name, str):
             raise ConfigError(f"cluster field 'name' must be a string, got {self.name!r}")
         self.fits = self._check_fits(self.fits)
-        for name in OVERHEAD_FIELDS + SYNC_FIELDS + CALIBRATION_FIELDS:
+        for name in OVERHEAD_FIELDS + SYNC_FIELDS + DOOR_FIELDS + CALIBRATION_FIELDS:
             setattr(self, name, _positive(name, getattr(self, name), allow_zero=name not in SCALE_FIELDS))
 
     def calibrated(self, fit: Mapping[str, float]) -> Cluster:
@@ -446,6 +462,12 @@ class Cluster:
             return 0.0
         return c * (math.sqrt(stretch_s) - math.sqrt(self.sync_stretch_s))
 
+    def door_time(self, tensors: int) -> float:
+        """Seconds per step the torch.compile door adds for a model of ``tensors`` trainable
+        parameter tensors (dynamo's frame, the backend's call, routing each gradient in
+        ``loss.backward()``, the user's ``zero_grad``): ``door_call_s + tensors * door_param_s``."""
+        return self.door_call_s + tensors * self.door_param_s
+
     def p2p_time(self, nbytes: float, src: int, dst: int) -> float:
         """Seconds to send ``nbytes`` bytes from global rank ``src`` to ``dst`` (0 when equal)."""
         group = self._group([src, dst])
@@ -569,7 +591,8 @@ class Cluster:
             f"checkpointing {self.checkpoint_op_s * 1e6:.3g} us/op, copies {self.copy_s_per_byte * 1e12:.3g} ps/byte, "
             f"split backward {self.split_backward_op_s * 1e6:.3g} us/op, drift "
             f"{self.sync_drift_sqrt_s * 1e3:.3g} ms/sqrt(s) beyond {self.sync_stretch_s * 1e3:.3g} ms",
-        ] + ([f"  calibrated by measured steps: stage time x {self.time_scale:.3g} (pipelined x "
+        ] + ([f"  torch.compile door: {self.door_call_s * 1e3:.3g} ms per step + {self.door_param_s * 1e6:.3g} us "
+              "per parameter tensor"] if self.door_call_s or self.door_param_s else []) + ([f"  calibrated by measured steps: stage time x {self.time_scale:.3g} (pipelined x "
               f"{self.pipeline_time_scale:.3g} more), + {self.step_overhead_s * 1e3:.3g} ms per step "
               f"(pipelined + {self.pipeline_step_s * 1e3:.3g} ms)"] if self.is_calibrated else []))
 

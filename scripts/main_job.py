@@ -68,6 +68,8 @@ def main(out: str = "main_job", *flags: str) -> None:
         if plans[name] is None:
             plans[name] = gfx.Plan.from_dict(data["plan"])
             plans[name].save(p(files[name]))
+        elif k == 0:   # the plan as the backend ran it: its estimate with the door's cost (estimate["door_s"])
+            plans[name] = gfx.Plan.from_dict(data["plan"])
         logs.setdefault(name, data)
         runs[name].append(statistics.median(r["step_time_s"] for r in data["steps"][1:]))
 
@@ -119,7 +121,9 @@ def main(out: str = "main_job", *flags: str) -> None:
         print(f"  searched step: model estimate on the profile {searched.estimate['step_time_s'] * 1e3:.1f} ms "
               f"({100 * (searched.estimate['step_time_s'] / step - 1):+.0f} %), on the cluster calibrated by the "
               f"measured selection {measure['calibrated_step_s'] * 1e3:.1f} ms "
-              f"({100 * (measure['calibrated_step_s'] / step - 1):+.0f} %) vs {step * 1e3:.1f} ms measured")
+              f"({100 * (measure['calibrated_step_s'] / step - 1):+.0f} %) vs {step * 1e3:.1f} ms measured"
+              + (f" (both with the torch.compile door's {searched.estimate['door_s'] * 1e3:.1f} ms, profiled)"
+                 if searched.estimate.get("door_s") else ""))
     summary = {"searched_samples_s": BATCH / step, "searched_step_s": step,
                "searched_estimated_step_s": searched.estimate["step_time_s"],
                "estimate_error": searched.estimate["step_time_s"] / step - 1,

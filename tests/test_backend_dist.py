@@ -207,6 +207,41 @@ def test_a_gpu_preset_default_precision_on_a_cpu_world_is_said():
         assert pinned == {"precision": "fp32", "warned": []}
 
 
+def _door(rank, world):
+    import dataclasses
+
+    import galvatron_fx as gfx
+    from galvatron_fx.backend import agreement, distributed_model, door
+
+    cluster = gfx.Cluster.preset("2xA100-80GB")
+    figures = door.measure_door(cluster, repeats=5)
+    # a searched plan gets the door in its estimate, once (a plan saved with it is not charged again)
+    torch.manual_seed(0)
+    model, args = gfx.models.build("gpt-tiny", device="cpu", layers=2, hidden=32, heads=2, seq_len=16, vocab=64,
+                                   batch=4)
+    priced = dataclasses.replace(cluster, door_call_s=1e-3, door_param_s=1e-5)
+    compiled = torch.compile(model, backend="galvatron", fullgraph=True,
+                             options={"cluster": priced, "precision": "fp32", "memory_budget": "4GiB"})
+    compiled(*args).backward()
+    plan = distributed_model(compiled).plan
+    tensors = sum(p.requires_grad for p in model.parameters())
+    again = agreement._with_door(plan, tensors)
+    return figures, plan.estimate, tensors, again.estimate == plan.estimate
+
+
+@pytest.mark.dist
+def test_the_compile_door_is_measured_and_priced_once():
+    """``measure_door`` times the real door (two small models through the backend, against their
+    own ``train_step``) into positive per-step and per-tensor figures; a searched plan's estimate
+    carries ``door_s = door_call_s + tensors * door_param_s``, once."""
+    (figures, est, tensors, unchanged), _ = run_distributed(_door, 2, timeout=300)
+    assert set(figures) == {"door_call_s", "door_param_s"}
+    assert 0 < figures["door_call_s"] + 60 * figures["door_param_s"] < 0.05   # 2026-12-03: ~0.9 ms here
+    assert est["door_s"] == pytest.approx(1e-3 + tensors * 1e-5)
+    assert est["throughput_samples_s"] == pytest.approx(4 / est["step_time_s"])
+    assert unchanged
+
+
 def _single_device():
     import warnings
 

@@ -227,3 +227,16 @@ def test_overhead_fields(two_nodes):
     assert Cluster.from_dict(json.loads(json.dumps(a100.to_dict()))) == a100
     with pytest.raises(ConfigError, match="layer_overhead_s"):
         Cluster.from_dict({**two_nodes.to_dict(), "layer_overhead_s": -1})
+
+
+def test_door_fields(two_nodes):
+    """The torch.compile door's cost per step: 0 unless measured; per step + per tensor; kept in JSON."""
+    from galvatron_fx.cluster import DOOR_FIELDS
+
+    assert all(getattr(Cluster.preset("8xA100-80GB"), k) == 0.0 for k in DOOR_FIELDS)
+    door = Cluster.from_dict({**two_nodes.to_dict(), "door_call_s": 5e-4, "door_param_s": 6e-6})
+    assert door.door_time(69) == pytest.approx(5e-4 + 69 * 6e-6) and two_nodes.door_time(69) == 0.0
+    assert Cluster.from_dict(json.loads(json.dumps(door.to_dict()))) == door
+    assert "torch.compile door: 0.5 ms per step + 6 us per parameter tensor" in door.summary()
+    with pytest.raises(ConfigError, match="door_param_s"):
+        Cluster.from_dict({**two_nodes.to_dict(), "door_param_s": -1e-6})

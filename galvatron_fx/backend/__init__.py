@@ -141,8 +141,8 @@ def galvatron_backend(gm: torch.fx.GraphModule, example_inputs: list, options: d
         """Steps 2-4: the plan agreed, the program built, the parameters bound."""
         from ..parallelize import transform
 
-        plan = _agreed_plan(graph, opts, batch)
         params = {r.name: v for v, r in zip(example_inputs, roles) if r.kind == "param"}
+        plan = _agreed_plan(graph, opts, batch, sum(p.requires_grad for p in params.values()))
         dm = transform(graph, plan=plan, bind=params, reduce_dtype=opts.reduce_dtype)
         if opts.init is not None:   # a meta-device model: this rank's parts only (runtime/materialize.py)
             if opts.init == "weights":

@@ -53,8 +53,30 @@ def _warn_mixed_default_on_cpu(cluster) -> None:
                       "intend, to silence this", stacklevel=3)
 
 
-def _agreed_plan(graph, opts: BackendOptions, batch: int):
-    """The plan every rank runs: loaded, or searched on rank 0 and broadcast; then verified."""
+def _with_door(plan, tensors: int):
+    """``plan`` with the torch.compile door's cost per step in its estimate: its cluster's
+    :meth:`~galvatron_fx.cluster.Cluster.door_time` for ``tensors`` trainable parameter tensors as
+    ``estimate["door_s"]``, added to ``step_time_s`` (the throughput re-derived) and to the measured
+    selection's ``calibrated_step_s`` (its candidates are timed on ``train_step``, without the door).
+    The search ranks plans without it: every plan of one model pays the same. Once only: a plan
+    whose estimate holds ``door_s`` already (saved by an earlier compile) is returned as it is."""
+    est = plan.estimate
+    door = (float(plan.cluster.get("door_call_s", 0.0))
+            + tensors * float(plan.cluster.get("door_param_s", 0.0))) if plan.cluster else 0.0
+    if "door_s" in est or est.get("step_time_s") is None or door <= 0:
+        return plan
+    step = est["step_time_s"] + door
+    est = {**est, "door_s": door, "step_time_s": step, "throughput_samples_s": plan.global_batch_size / step}
+    extra = dict(plan.extra)
+    measured = extra.get("measure")
+    if isinstance(measured, dict) and measured.get("calibrated_step_s") is not None:
+        extra["measure"] = {**measured, "calibrated_step_s": measured["calibrated_step_s"] + door}
+    return dataclasses.replace(plan, estimate=est, extra=extra)
+
+
+def _agreed_plan(graph, opts: BackendOptions, batch: int, tensors: int = 0):
+    """The plan every rank runs: loaded, or searched on rank 0 and broadcast, the door's cost in its
+    estimate (:func:`_with_door`, ``tensors`` trainable parameter tensors); then verified."""
     from ..plan import Plan
     from ..planner import broadcast_plan, resolve_cluster
 
@@ -75,6 +97,7 @@ def _agreed_plan(graph, opts: BackendOptions, batch: int):
             plan = _search(graph, opts, batch, cluster)
         else:
             plan = broadcast_plan(lambda: _search(graph, opts, batch, cluster))
+    plan = _with_door(plan, tensors)
     digest = hashlib.sha256(json.dumps([plan.to_dict(), info.fingerprint], sort_keys=True,
                                        default=str).encode()).hexdigest()[:16]
     digests: list = [None] * dist.get_world_size()
