@@ -255,13 +255,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
         init_distributed()
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
-    cluster = Cluster.profile(out=args.out, progress=True, repeats=args.repeats)
-    if "RANK" in os.environ:   # the torch.compile door's own cost per step (a world of one has none)
+    distributed = "RANK" in os.environ
+    cluster = Cluster.profile(out=None if distributed else args.out, progress=True, repeats=args.repeats)
+    if distributed:   # and the torch.compile door's own cost per step (a world of one has none)
         from .backend.door import measure_door
 
         cluster = dataclasses.replace(cluster, **measure_door(cluster))
         if args.out and int(os.environ["RANK"]) == 0:
             cluster.save(args.out)
+            print(f"[galvatron_fx.profile] wrote {args.out}", file=sys.stderr, flush=True)
     shutdown()
     if int(os.environ.get("RANK", "0")) == 0:
         print(cluster.summary())

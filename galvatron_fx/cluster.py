@@ -592,7 +592,8 @@ class Cluster:
             f"split backward {self.split_backward_op_s * 1e6:.3g} us/op, drift "
             f"{self.sync_drift_sqrt_s * 1e3:.3g} ms/sqrt(s) beyond {self.sync_stretch_s * 1e3:.3g} ms",
         ] + ([f"  torch.compile door: {self.door_call_s * 1e3:.3g} ms per step + {self.door_param_s * 1e6:.3g} us "
-              "per parameter tensor"] if self.door_call_s or self.door_param_s else []) + ([f"  calibrated by measured steps: stage time x {self.time_scale:.3g} (pipelined x "
+              "per parameter tensor"] if self.door_call_s or self.door_param_s else [])
+           + ([f"  calibrated by measured steps: stage time x {self.time_scale:.3g} (pipelined x "
               f"{self.pipeline_time_scale:.3g} more), + {self.step_overhead_s * 1e3:.3g} ms per step "
               f"(pipelined + {self.pipeline_step_s * 1e3:.3g} ms)"] if self.is_calibrated else []))
 

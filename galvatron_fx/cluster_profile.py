@@ -14,7 +14,7 @@ rank of ``group``. It measures, in this order:
    layer's autograd entry / exit Functions and parameter views (per layer), a micro-batch's slicing,
    loss and ``backward()`` call on a one-op graph (per micro-batch), AdamW steps at two sizes
    (per parameter byte) and two tensor counts (per tensor). A figure that is a difference of two
-   timings times both in turn, run by run (:meth:`_Timer.excess`).
+   timings times both in turn, run by run (:meth:`Timer.excess`).
 1. the layout: ranks sharing a hostname form a node;
 2. for every group size a plan can use (powers of two up to the group size, and the group size
    itself; consecutive ranks from 0)
@@ -127,7 +127,7 @@ def _barrier(pg, device: torch.device) -> None:
     synchronize(device)
 
 
-class _Timer:
+class Timer:
     """Times operations on the ranks of ``pg``, each run the slowest rank's seconds (``pg=None``: this
     rank alone, device synchronised)."""
 
@@ -177,7 +177,7 @@ STREAM_CALLS = 4
 """Collectives per timed stream in :func:`_in_stream`."""
 
 
-def _in_stream(timer: _Timer, work, ops: dict, calls: int = STREAM_CALLS) -> dict[str, float]:
+def _in_stream(timer: Timer, work, ops: dict, calls: int = STREAM_CALLS) -> dict[str, float]:
     """Seconds per call of each collective of ``ops`` inside a stream of ``calls`` x (a stretch of
     compute ``work``, the collective), as a layer runs them, minus the compute alone. On a shared
     CPU host the transport threads wait to be scheduled and the ranks' compute drifts apart between
@@ -372,7 +372,7 @@ def profile(
             GROUPS.ensure([members], local=True)
         sub = pg if n == world else GROUPS.get(tuple(members))
         if me in members:
-            timer = _Timer(device, sub, repeats, warmup)
+            timer = Timer(device, sub, repeats, warmup)
             work = _compute_stretch(device)
             for kind in COLLECTIVES:
                 ops = {str(s): _collective_op(kind, s, n, device, sub) for s in sizes}
@@ -482,9 +482,9 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
 
     Each figure is the median over ``repeats`` of a loop of ``chain`` calls, divided by ``chain``; a
     figure that is a difference of loops times them in turn and takes the median of the differences
-    (:meth:`_Timer.excess`), which a slow spell of the host does not move.
+    (:meth:`Timer.excess`), which a slow spell of the host does not move.
     """
-    local = _Timer(device, None, repeats, 2)
+    local = Timer(device, None, repeats, 2)
     x0 = torch.zeros(16, device=device, requires_grad=True)
 
     def fwd_chain():
@@ -558,10 +558,11 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
         return torch.optim.AdamW(params, lr=1e-3).step
 
     small, large = 1024, 2**18 if device.type == "cpu" else 2**22
-    runs = local.interleaved({"small": adam_step(small), "large": adam_step(large)})
+    few = adam_step(small)
+    runs = local.interleaved({"small": few, "large": adam_step(large)})
     extra = statistics.median(b - s for b, s in zip(runs["large"], runs["small"]))
     per_byte = max(extra, 0.0) / (4 * 4 * (large - small))
-    more = local.excess(adam_step(small), {"many": adam_step(small, 16)})["many"]
+    more = local.excess(few, {"many": adam_step(small, 16)})["many"]
     per_tensor = max(more / 12 - 4 * small * per_byte, 0.0)
     out = dict(op_launch_s=op_fwd, op_launch_bwd_s=op_bwd, collective_latency_s=latency, layer_overhead_s=layer,
                microbatch_overhead_s=micro, optimizer_s_per_byte=per_byte, optimizer_overhead_s=per_tensor,
@@ -588,7 +589,7 @@ def _copy_s_per_byte(device: torch.device, repeats: int) -> float:
         return lambda: torch._C._nn.flatten_dense_tensors(parts)
 
     small, large = 12 * 256, 2**20 if device.type == "cpu" else 2**26
-    excess = _Timer(device, None, repeats, 2).excess(flatten(small), {"large": flatten(large)})["large"]
+    excess = Timer(device, None, repeats, 2).excess(flatten(small), {"large": flatten(large)})["large"]
     return max(excess, 0.0) / (4 * (large - small))
 
 
@@ -616,7 +617,7 @@ def _split_backward_op_s(device: torch.device, repeats: int, layers: int = 8) ->
         _grads, groups = stage_backward_input([forward()], None, [x], iter(weights))
         stage_backward_weight(iter(weights), groups)
 
-    excess = _Timer(device, None, repeats, 2).excess(whole, {"split": split})["split"]
+    excess = Timer(device, None, repeats, 2).excess(whole, {"split": split})["split"]
     return max(excess, 0.0) / (2 * layers)
 
 
@@ -636,18 +637,18 @@ def _sync_figures(device: torch.device, pg, repeats: int) -> tuple[float, float,
     latency, rank skew included) and after one 8x longer; the drift ``c`` fits the extra wait as
     ``c * (sqrt(S_long) - sqrt(S_short))``. 2 gloo ranks on this host: ~0.2 ms after 0.2 ms of
     compute, 0.3 / 0.6 / 1.2 ms after 0.7 / 3.3 / 16.6 ms (2026-12-03). Each stream is timed in turn
-    with its compute alone, run by run (:meth:`_Timer.interleaved`)."""
+    with its compute alone, run by run (:meth:`Timer.interleaved`)."""
     one = torch.zeros(1, device=device)
     side = 256 if device.type == "cpu" else 2048
     a = torch.randn(side, side, device=device)
-    bare = _Timer(device, pg, repeats, 2)(lambda: [dist.all_reduce(one, group=pg) for _ in range(8)]) / 8
+    bare = Timer(device, pg, repeats, 2)(lambda: [dist.all_reduce(one, group=pg) for _ in range(8)]) / 8
     waits, stretches = [], []
     for k, windows in zip(SYNC_STRETCHES, (SYNC_WINDOWS, 1)):
         def work(k=k):
             for _ in range(k):
                 torch.mm(a, a)
 
-        runs = _Timer(device, pg, windows * repeats, 2).interleaved({
+        runs = Timer(device, pg, windows * repeats, 2).interleaved({
             "alone": lambda: [work() for _ in range(8)],
             "both": lambda: [(work(), dist.all_reduce(one, group=pg)) for _ in range(8)]})
         excess = [y - x for x, y in zip(runs["alone"], runs["both"])]
@@ -673,7 +674,7 @@ def _measure_overlap(device, pg, nbytes, world, side, repeats, warmup, say) -> f
     """Slowdown (≥ 1) of an all-reduce of ``nbytes`` while a matmul runs alongside, slowest rank."""
     if world < 2:
         return 1.0
-    timer = _Timer(device, pg, repeats, warmup)
+    timer = Timer(device, pg, repeats, warmup)
     op = _collective_op("all_reduce", nbytes, world, device, pg)
     alone = timer(op)
     with _Background(device, side):
@@ -709,7 +710,7 @@ def _pipelined_p2p(fit: dict[str, float], device, pg, first: bool, overheads: di
     width, rows = PIPELINE_PROBE["width"], PIPELINE_PROBE["rows"]
     torch.manual_seed(0)
     stage_mod = nn.Linear(width, width).to(device)
-    timer = _Timer(device, pg, repeats, warmup)
+    timer = Timer(device, pg, repeats, warmup)
     steps, nbytes = {}, rows * width * stage_mod.weight.element_size()   # one micro-batch's activation
     for m in PIPELINE_PROBE["micro_batches"]:
         x = torch.randn(m * rows, width, device=device)

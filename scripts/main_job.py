@@ -65,11 +65,11 @@ def main(out: str = "main_job", *flags: str) -> None:
                               "--json", log])
         with open(log) as fh:
             data = json.load(fh)
-        if plans[name] is None:
+        if k == 0:   # the plan as the backend ran it: its estimate with the door's cost (estimate["door_s"])
+            searched_here = plans[name] is None
             plans[name] = gfx.Plan.from_dict(data["plan"])
-            plans[name].save(p(files[name]))
-        elif k == 0:   # the plan as the backend ran it: its estimate with the door's cost (estimate["door_s"])
-            plans[name] = gfx.Plan.from_dict(data["plan"])
+            if searched_here:
+                plans[name].save(p(files[name]))
         logs.setdefault(name, data)
         runs[name].append(statistics.median(r["step_time_s"] for r in data["steps"][1:]))
 

@@ -77,7 +77,7 @@ def test_a_difference_is_timed_run_by_run_so_a_slow_spell_cancels(monkeypatch):
     # the host runs 3x slower for 3 of 9 runs: timed in turn, both ops of a run see the same spell,
     # and the median of the runs' differences is the quiet one (0.4 ms); timed apart, a spell over
     # the longer op's runs alone would have moved their medians' difference
-    from galvatron_fx.cluster_profile import _Timer
+    from galvatron_fx.cluster_profile import Timer
 
     clock = {"t": 0.0, "run": 0}
     def op(ms):
@@ -87,7 +87,7 @@ def test_a_difference_is_timed_run_by_run_so_a_slow_spell_cancels(monkeypatch):
             clock["run"] += 1
         return run
 
-    timer = _Timer(torch.device("cpu"), None, repeats=9, warmup=0)
+    timer = Timer(torch.device("cpu"), None, repeats=9, warmup=0)
     monkeypatch.setattr(time, "perf_counter", lambda: clock["t"])
     runs = timer.interleaved({"short": op(0.2), "long": op(0.6)})
     clock.update(t=0.0, run=0)

@@ -60,9 +60,10 @@ def _with_door(plan, tensors: int):
     selection's ``calibrated_step_s`` (its candidates are timed on ``train_step``, without the door).
     The search ranks plans without it: every plan of one model pays the same. Once only: a plan
     whose estimate holds ``door_s`` already (saved by an earlier compile) is returned as it is."""
+    from ..cluster import Cluster
+
     est = plan.estimate
-    door = (float(plan.cluster.get("door_call_s", 0.0))
-            + tensors * float(plan.cluster.get("door_param_s", 0.0))) if plan.cluster else 0.0
+    door = Cluster.from_dict(plan.cluster).door_time(tensors) if plan.cluster else 0.0
     if "door_s" in est or est.get("step_time_s") is None or door <= 0:
         return plan
     step = est["step_time_s"] + door

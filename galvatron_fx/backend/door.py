@@ -16,9 +16,6 @@ compiled call ~0.6 ms slower than called directly, the gradient routing 0.35 ms,
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.distributed as dist
 
@@ -28,9 +25,11 @@ DOOR_PROBE = {"layers": (1, 4), "hidden": 32, "seq_len": 16, "batch": 4, "repeat
 
 def _door_seconds(layers: int, cluster, repeats: int) -> tuple[float, int]:
     """``(seconds per step beyond train_step, trainable tensors)`` of the door on a gpt-tiny of
-    ``layers`` blocks: the median over ``repeats`` paired runs of the slowest rank's difference."""
+    ``layers`` blocks: the median over ``repeats`` paired runs of their difference, each run the
+    slowest rank's (:meth:`~galvatron_fx.cluster_profile.Timer.excess`)."""
     from .. import models
-    from ..distributed import pick_device, synchronize
+    from ..cluster_profile import Timer
+    from ..distributed import pick_device
     from .binding import distributed_model
 
     device = pick_device()
@@ -56,20 +55,9 @@ def _door_seconds(layers: int, cluster, repeats: int) -> tuple[float, int]:
     def direct():
         dm.train_step(*args)
 
-    times = {"door": [], "direct": []}
-    for i in range(repeats + 2):
-        for name, fn in (("door", door), ("direct", direct)):
-            dist.barrier()
-            synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            synchronize(device)
-            if i >= 2:
-                times[name].append(time.perf_counter() - t0)
-    excess = torch.tensor([d - t for d, t in zip(times["door"], times["direct"])], dtype=torch.float64, device=device)
-    dist.all_reduce(excess, op=dist.ReduceOp.MAX)
+    excess = Timer(device, dist.group.WORLD, repeats, 2).excess(direct, {"door": door})["door"]
     torch._dynamo.reset()
-    return max(statistics.median(excess.tolist()), 0.0), len(params)
+    return max(excess, 0.0), len(params)
 
 
 def measure_door(cluster, repeats: int = DOOR_PROBE["repeats"]) -> dict[str, float]:

@@ -146,28 +146,36 @@ class Pipe(NamedTuple):
         return self.micro_batches / step_slots(self.schedule, pp, self.virtual_stages, self.micro_batches)
 
 
+def _receives(cluster: Any, pp: int, pipe: Pipe | None) -> tuple[int, float] | None:
+    """``(receives per step, share of the slowest stage's time computed before each)`` where a
+    pipelined plan waits out the ranks' drift; ``None`` unpipelined or without a drift figure."""
+    if pp <= 1 or pipe is None or not getattr(cluster, "sync_drift_sqrt_s", 0.0):
+        return None
+    n = pipe.receives()
+    return n, pipe.compute_share(pp) / n
+
+
 def pipeline_wait(cluster: Any, pp: int, slowest_stage_s: float, pipe: Pipe | None) -> float:
     """Seconds a pipelined stage waits at its transfers for the ranks' drift (measured: a PP2 step's
     time beyond its stages' compute, transfers and bubble grew by 3-8 ms on 2 gloo ranks,
     2026-12-03): each receive waits ``cluster.sync_wait`` of the compute since the previous one,
     the stage's compute over its receives. 0 unpipelined or without a drift figure. Increasing in
     ``slowest_stage_s``."""
-    if pp <= 1 or pipe is None or not getattr(cluster, "sync_drift_sqrt_s", 0.0):
+    shape = _receives(cluster, pp, pipe)
+    if shape is None:
         return 0.0
-    n = pipe.receives()
-    return n * cluster.sync_wait(slowest_stage_s * pipe.compute_share(pp) / n)
+    n, f = shape
+    return n * cluster.sync_wait(slowest_stage_s * f)
 
 
 def _without_pipeline_wait(cluster: Any, pp: int, total_s: float, pipe: Pipe | None) -> float:
     """The slowest stage ``x`` with ``x + pipeline_wait(x) = total_s`` (the wait is continuous and
     increasing in ``x``: ``n c (sqrt(f x) - sqrt(S0))`` beyond ``x = S0 / f``, a quadratic in
     ``sqrt(x)``)."""
-    c = getattr(cluster, "sync_drift_sqrt_s", 0.0)
-    if pp <= 1 or pipe is None or not c:
+    shape = _receives(cluster, pp, pipe)
+    if shape is None:
         return total_s
-    n = pipe.receives()
-    f = pipe.compute_share(pp) / n
-    s0 = cluster.sync_stretch_s
+    (n, f), c, s0 = shape, cluster.sync_drift_sqrt_s, cluster.sync_stretch_s
     if total_s * f <= s0:
         return total_s
     b = n * c * math.sqrt(f)
