@@ -4,10 +4,13 @@ A user step through ``torch.compile(model, backend="galvatron")`` is ``opt.zero_
 compiled call (dynamo's frame, :class:`~.binding._Runtime`, the program's ``train_step`` run inside
 the compiled call) and ``loss.backward()`` (:class:`~.binding._RouteGrads` handing every parameter
 its gradient). :func:`measure_door` times that step against the same runtime's ``train_step``
-called directly, paired run by run, on two small zoo models (1 and 4 gpt-tiny blocks, pure data
-parallel over the world), and fits ``seconds = door_call_s + tensors * door_param_s`` over their
-trainable parameter tensors. Every rank of the world calls it; every rank returns the same figures
-(the slowest rank's).
+called directly on two small zoo models (1 and 8 gpt-tiny blocks, pure data parallel over the
+world), all four in turn run by run, and fits ``seconds = door_call_s + tensors * door_param_s``
+over their trainable parameter tensors: the slope is the median over runs of the two models'
+excess difference within a run, so a slow spell of the host cancels in the slope too (fitted from
+two separately timed models, the split moved 0 / 0.6 ms per step and 0 / 9 us per tensor between two
+profiles, 2026-12-03). Every rank of the world calls it; every rank returns the same figures (the
+slowest rank's).
 
 Traced on gpt-tiny (4 layers, 69 tensors, pp2 m2, 2 gloo ranks, 2026-12-03): the door's step 1.6 ms
 over ``train_step``: dynamo's frame 0.3 ms, the backend's call 0.15 ms, the program inside the
@@ -16,23 +19,22 @@ compiled call ~0.6 ms slower than called directly, the gradient routing 0.35 ms,
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 import torch.distributed as dist
 
-DOOR_PROBE = {"layers": (1, 4), "hidden": 32, "seq_len": 16, "batch": 4, "repeats": 15}
-"""The probe models (gpt-tiny blocks), their shapes, and the paired runs timed per model."""
+DOOR_PROBE = {"layers": (1, 8), "hidden": 32, "seq_len": 16, "batch": 4, "repeats": 15}
+"""The probe models (gpt-tiny blocks), their shapes, and the runs timed (each runs all four steps)."""
 
 
-def _door_seconds(layers: int, cluster, repeats: int) -> tuple[float, int]:
-    """``(seconds per step beyond train_step, trainable tensors)`` of the door on a gpt-tiny of
-    ``layers`` blocks: the median over ``repeats`` paired runs of their difference, each run the
-    slowest rank's (:meth:`~galvatron_fx.cluster_profile.Timer.excess`)."""
+def _door_steps(layers: int, cluster, device: torch.device):
+    """``(door step, direct step, trainable tensors)`` of a gpt-tiny of ``layers`` blocks compiled
+    through the backend: ``zero_grad`` + compiled call + ``backward()``, and the same runtime's
+    ``train_step`` called directly."""
     from .. import models
-    from ..cluster_profile import Timer
-    from ..distributed import pick_device
     from .binding import distributed_model
 
-    device = pick_device()
     torch.manual_seed(0)
     model, args = models.build("gpt-tiny", device="cpu", layers=layers, hidden=DOOR_PROBE["hidden"], heads=2,
                                seq_len=DOOR_PROBE["seq_len"], vocab=64, batch=DOOR_PROBE["batch"])
@@ -51,13 +53,7 @@ def _door_seconds(layers: int, cluster, repeats: int) -> tuple[float, int]:
 
     door()   # compiles: capture, search, transform
     dm = distributed_model(compiled)
-
-    def direct():
-        dm.train_step(*args)
-
-    excess = Timer(device, dist.group.WORLD, repeats, 2).excess(direct, {"door": door})["door"]
-    torch._dynamo.reset()
-    return max(excess, 0.0), len(params)
+    return door, (lambda: dm.train_step(*args)), len(params)
 
 
 def measure_door(cluster, repeats: int = DOOR_PROBE["repeats"]) -> dict[str, float]:
@@ -66,6 +62,15 @@ def measure_door(cluster, repeats: int = DOOR_PROBE["repeats"]) -> dict[str, flo
     one has no door (the backend runs the captured graph as it is): zeros."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return {"door_call_s": 0.0, "door_param_s": 0.0}
-    small, large = (_door_seconds(n, cluster, repeats) for n in DOOR_PROBE["layers"])
-    per_tensor = max(large[0] - small[0], 0.0) / max(large[1] - small[1], 1)
-    return {"door_call_s": max(small[0] - small[1] * per_tensor, 0.0), "door_param_s": per_tensor}
+    from ..cluster_profile import Timer
+    from ..distributed import pick_device
+
+    device = pick_device()
+    (door_s, direct_s, n_s), (door_l, direct_l, n_l) = (_door_steps(n, cluster, device) for n in DOOR_PROBE["layers"])
+    runs = Timer(device, dist.group.WORLD, repeats, 2).interleaved(
+        {"door_s": door_s, "direct_s": direct_s, "door_l": door_l, "direct_l": direct_l})
+    torch._dynamo.reset()
+    small = [d - t for d, t in zip(runs["door_s"], runs["direct_s"])]
+    large = [d - t for d, t in zip(runs["door_l"], runs["direct_l"])]
+    per_tensor = max(statistics.median((b - a) / (n_l - n_s) for a, b in zip(small, large)), 0.0)
+    return {"door_call_s": max(statistics.median(small) - n_s * per_tensor, 0.0), "door_param_s": per_tensor}
