@@ -299,16 +299,25 @@ def measured_search(gm: torch.fx.GraphModule, search_fn, k: int, cluster, constr
     return plan
 
 
+FIT_MIN_PER_KIND = 2
+"""Measured candidates each kind (unpipelined, pipelined) needs for its own scale in
+:func:`fit_time_scales`; with fewer the fit is one uniform scale."""
+
+
 def fit_time_scales(records: list[dict], plans: list[Plan], cluster, world: int) -> dict[str, float]:
     """The cluster's time scales (:data:`galvatron_fx.cluster.SCALE_FIELDS`) refitted to the
     measured candidates: each candidate's slowest stage as the cluster prices it (its estimate
     less the per-step constant, over the scale: its wait at the transfers included,
     :func:`~.solver.objective.stage_total`) against its measured step less the constant; the
     median ratio of the unpipelined candidates moves ``time_scale``, the pipelined ones' median
-    beyond that moves ``pipeline_time_scale``. Where only one kind was measured its ratio moves
-    ``time_scale`` alone (a uniform scale: the next search ranks plans as before, its estimates
-    closer). The constants are kept. Why scales, not constants: on the main job (2026-12-02/03)
-    every candidate measured 1.15-1.8x its estimate, residuals proportional to the estimate."""
+    beyond that moves ``pipeline_time_scale``. Where a kind has fewer than :data:`FIT_MIN_PER_KIND`
+    measured candidates, the median of all the ratios moves ``time_scale`` alone (a uniform scale:
+    the next search ranks plans as before, its estimates closer): one short run of one plan is too
+    noisy to set a kind's scale (main job, 2026-12-03: the one pp1 candidate at 1.36x its estimate,
+    three pipelined ones at 0.99-1.20x, gave ``time_scale`` 1.38 and ``pipeline_time_scale`` 0.76;
+    that pp1 plan measured 1.05-1.08x in the runs before). The constants are kept. Why scales, not
+    constants: on the main job (2026-12-02/03) every candidate measured 1.15-1.8x its estimate,
+    residuals proportional to the estimate."""
     flat, piped = [], []
     for r, plan in zip(records, plans):
         if r["measured_step_s"] is None or not r["estimated_step_s"]:
@@ -319,11 +328,11 @@ def fit_time_scales(records: list[dict], plans: list[Plan], cluster, world: int)
             (piped if plan.pp > 1 else flat).append(wanted / stage)
     base = float(getattr(cluster, "time_scale", 1.0))
     pipe = float(getattr(cluster, "pipeline_time_scale", 1.0))
-    if flat and piped:
+    if len(flat) >= FIT_MIN_PER_KIND and len(piped) >= FIT_MIN_PER_KIND:
         r0 = statistics.median(flat)
         return {"time_scale": base * r0, "pipeline_time_scale": pipe * statistics.median(piped) / r0}
     if flat or piped:
-        return {"time_scale": base * statistics.median(flat or piped), "pipeline_time_scale": pipe}
+        return {"time_scale": base * statistics.median(flat + piped), "pipeline_time_scale": pipe}
     return {"time_scale": base, "pipeline_time_scale": pipe}
 
 

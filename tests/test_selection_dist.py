@@ -95,7 +95,7 @@ def test_time_scales_fitted_to_the_measurements():
     """Unpipelined candidates 1.5x their estimate, pipelined ones 1.8x: the fit scales every plan's
     stage time by 1.5 and a pipelined one's by 1.2 on top (compounding the cluster's own scales),
     with the per-step constants taken off first; re-priced on the fit every candidate's estimate
-    equals its measurement."""
+    equals its measurement. A kind of one measured candidate gets no scale of its own."""
     import galvatron_fx as gfx
     from galvatron_fx.selection import calibration_error, fit_time_scales
     from galvatron_fx.solver.objective import Pipe, stage_limit, step_constant, step_time
@@ -130,6 +130,9 @@ def test_time_scales_fitted_to_the_measurements():
     # one kind measured: a uniform scale (the ranking unchanged), the pipeline factor kept
     only_piped = fit_time_scales(records[2:4], plans[2:4], cluster, 2)
     assert only_piped == pytest.approx({"time_scale": 3.6, "pipeline_time_scale": 1.0})
+    # one unpipelined candidate beside two pipelined: too few for its own scale, the median of all three
+    one_flat = fit_time_scales(records[1:4], plans[1:4], cluster, 2)
+    assert one_flat == pytest.approx({"time_scale": 3.6, "pipeline_time_scale": 1.0})
     assert fit_time_scales(records[-1:], plans[-1:], cluster, 2) == {"time_scale": 2.0, "pipeline_time_scale": 1.0}
 
 
