@@ -85,6 +85,22 @@ def test_plan_rules_name_the_fix():
     check_schedule("zbv", 2, 2, 4)   # a valid plan
 
 
+def test_transfers_on_the_critical_path():
+    """With a delay ``d`` on every cross-rank input, pp2 m2 under 1F1B and GPipe takes ``9 + 2d``
+    chunk-pass units (F = 1, B = 2; by hand: rank 1 starts after one transfer, rank 0's first
+    backward waits for a second; the rest overlaps), so two transfers lie on the critical path;
+    1F1B's steady state puts one per micro-batch there, GPipe's fill and drain only two, and
+    interleaving (v = 2) six: every chunk hands over to the other rank."""
+    from galvatron_fx.solver.schedules import _makespan, critical_transfers
+
+    for sched in ("1f1b", "gpipe"):
+        for d in (0.0, 0.1, 0.5):
+            assert _makespan(sched, 2, 1, 2, d) == pytest.approx(9 + 2 * d)
+    assert [round(critical_transfers("gpipe", 2, 1, m), 6) for m in (2, 4, 8)] == [2, 2, 2]
+    assert [round(critical_transfers("1f1b", 2, 1, m), 6) for m in (2, 4, 8)] == [2, 4, 8]
+    assert [round(critical_transfers("interleaved-1f1b", 2, 2, m), 6) for m in (2, 4, 8)] == [6, 6, 6]
+
+
 def test_the_bubble_simulation_reproduces_the_closed_forms():
     # the simulator (torch's action lists, F = I = W = 1) gives 1F1B's m + p - 1 and Megatron's
     # interleaved m + (p - 1) / v exactly, so the zero-bubble figures come from the same arithmetic

@@ -163,14 +163,16 @@ def _torch_actions(schedule: str, pp: int, virtual_stages: int, micro_batches: i
     return tuple(out)
 
 
-def _makespan(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> float:
+def _makespan(schedule: str, pp: int, virtual_stages: int, micro_batches: int, transfer: float = 0.0) -> float:
     """The step's length, in chunk-pass times, when every rank runs :func:`rank_order` with ``F``,
     ``I`` and ``W`` one time unit per chunk (``B`` two): an action starts when its rank is free and
     its inputs exist (the previous chunk's forward, the next chunk's input gradient, its own
-    ``I`` for a ``W``); sends take no time (the model prices them apart). NOTE: torch runs chunk 0's
-    ``I`` as nothing and its ``W`` as the whole backward, and so does this."""
+    ``I`` for a ``W``), an input from another rank ``transfer`` units after it was made (0: sends
+    take no time, as the model prices them apart). NOTE: torch runs chunk 0's ``I`` as nothing and
+    its ``W`` as the whole backward, and so does this."""
     p, v, m = pp, virtual_stages, micro_batches
     n = p * v
+    owner = {c: r for r in range(p) for c in rank_chunks(schedule, r, p, v)}
     orders = [[(kind, rank_chunks(schedule, r, p, v)[c], k) for kind, c, k in rank_order(schedule, r, p, v, m)]
               for r in range(p)]
     done: dict[tuple[str, int, int], float] = {}
@@ -192,7 +194,7 @@ def _makespan(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -
                 cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}[kind]
                 if c == 0 and kind in ("I", "W"):
                     cost = 0.0 if kind == "I" else 2.0
-                end = max([clock[r]] + [done[d] for d in deps]) + cost
+                end = max([clock[r]] + [done[d] + (transfer if owner[d[1]] != r else 0.0) for d in deps]) + cost
                 clock[r] = done[(kind, c, k)] = end
                 if kind in ("I", "B"):
                     done[("G", c, k)] = end   # the input gradient the previous chunk waits for
@@ -202,6 +204,17 @@ def _makespan(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -
         if not progressed:
             raise ConfigError(f"schedule {schedule!r} (pp={p}, v={v}, m={m}) does not progress")
     return max(clock)
+
+
+def critical_transfers(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> float:
+    """How many cross-rank transfers lie on a step's critical path when they are short against a
+    chunk pass: the growth of :func:`_makespan` per unit of ``transfer`` (at pp 2: GPipe 2, 1F1B
+    ``m``, interleaved 1F1B v 2: 6, for m = 2, 4, 8). Each such transfer, and the wait for the
+    sending rank before it, adds to the step; the others hide behind compute. Not priced yet
+    (``benchmarks/pipeline_waits.py`` measures what each costs)."""
+    eps = 1e-3
+    return (_makespan(schedule, pp, virtual_stages, micro_batches, eps)
+            - _makespan(schedule, pp, virtual_stages, micro_batches)) / eps
 
 
 @functools.lru_cache(maxsize=4096)

@@ -1,0 +1,155 @@
+"""Where a pipelined step's time goes beyond its compute: per schedule, each rank's time inside
+``torch.distributed.pipelining``'s chunk calls (forward, backward) against the whole ``train_step``,
+the schedule's bubble, and the cross-rank transfers on its critical path.
+
+gpt-tiny (``_dist.MODEL_KW``: hidden 128, 4 layers, seq 64, batch 16) on 2 gloo ranks; pp2 under
+GPipe, 1F1B and interleaved 1F1B (v = 2) with 2 and 4 micro-batches. Per plan and rank: the median
+``train_step`` over interleaved rounds after warm-up, the seconds inside the chunk calls in those
+steps (the stage's compute), and the rest. The rest holds the bubble, ``(slots - m) / m`` of the
+compute (:func:`galvatron_fx.solver.schedules.step_slots`), and what the ranks' exchanges cost:
+``critical_transfers`` of them lie on the step's critical path (the schedule simulated with a
+delay on every cross-rank input: :func:`galvatron_fx.solver.schedules.critical_transfers`), so
+``(rest - bubble) / critical`` is what one costs in the step, the wait for the other rank
+included, beside what the profiled cluster prices a transfer (``Cluster.p2p_time`` of the
+boundary activation) plus its drift wait. Beside it the plan's estimate against its measured
+``train_step`` + AdamW step.
+
+    python benchmarks/pipeline_waits.py [--steps N] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import parser, print_table, write_json  # noqa: E402
+from _dist import MODEL_KW, build, profiled_cluster, spawn, uniform  # noqa: E402
+
+PLANS = {  # label -> Plan.uniform keywords beside pp = 2
+    "gpipe m2": dict(micro_batches=2, schedule="gpipe"),
+    "1f1b m2": dict(micro_batches=2, schedule="1f1b"),
+    "interleaved v2 m2": dict(micro_batches=2, schedule="interleaved-1f1b", virtual_stages=2),
+    "gpipe m4": dict(micro_batches=4, schedule="gpipe"),
+    "1f1b m4": dict(micro_batches=4, schedule="1f1b"),
+    "interleaved v2 m4": dict(micro_batches=4, schedule="interleaved-1f1b", virtual_stages=2),
+}
+
+
+class _ChunkClock:
+    """Seconds spent inside the pipeline stages' chunk calls while installed.
+
+    NOTE: wraps ``torch.distributed.pipelining``'s private ``_PipelineStageBase`` methods (the one
+    place every schedule runs a chunk's forward and backward); a benchmark's probe only."""
+
+    NAMES = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+    def __init__(self) -> None:
+        from torch.distributed.pipelining import stage
+
+        self.cls, self.seconds, self.saved = stage._PipelineStageBase, 0.0, {}
+
+    def __enter__(self) -> _ChunkClock:
+        for name in self.NAMES:
+            fn = getattr(self.cls, name, None)
+            if fn is None:
+                continue
+            self.saved[name] = fn
+
+            def timed(*a, _fn=fn, **k):
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    self.seconds += time.perf_counter() - t0
+
+            setattr(self.cls, name, timed)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self.saved.items():
+            setattr(self.cls, name, fn)
+
+
+def _rank(rank, world, steps):
+    import torch
+    import torch.distributed as dist
+
+    import galvatron_fx as gfx
+    from galvatron_fx.solver.schedules import critical_transfers, step_slots
+
+    cluster = profiled_cluster()
+    _model, args, gm = build(MODEL_KW)
+    batch = MODEL_KW["batch"]
+    plans = {k: uniform(gm, world, batch, pp=2, **kw) for k, kw in PLANS.items()}
+    with tempfile.TemporaryDirectory() as cache:
+        est = {k: gfx.estimate(gm, p, cluster, mode="profiled", cache_dir=cache, profile_sizes=(2, 8, 16),
+                               profile_repeats=9, reserve_bytes=0)["step_time_s"] for k, p in plans.items()}
+    built = {}
+    for k, plan in plans.items():
+        dm = gfx.transform(gm, plan=plan)
+        opt = dm.optimizer(torch.optim.AdamW, lr=1e-4)
+        built[k] = (dm, opt)
+    runs = {k: [] for k in plans}
+    for r in range(steps + 2):
+        for k, (dm, opt) in built.items():
+            dist.barrier()
+            with _ChunkClock() as clock:
+                t0 = time.perf_counter()
+                dm.train_step(*args)
+                t1 = time.perf_counter()
+            opt.step()
+            t2 = time.perf_counter()
+            if r >= 2:
+                runs[k].append((t1 - t0, clock.seconds, t2 - t0))
+    out = {}
+    for k, plan in plans.items():
+        step, compute, whole = (statistics.median(x[i] for x in runs[k]) for i in range(3))
+        m, v = plan.micro_batches, plan.virtual_stages
+        bubble = (step_slots(plan.schedule, 2, v, m) - m) / m * compute
+        critical = critical_transfers(plan.schedule, 2, v, m)
+        nbytes = batch // m * MODEL_KW["seq_len"] * MODEL_KW["hidden"] * 4   # one micro-batch's activation
+        stretch = compute / (m * (2 * v - 1))   # the compute between two receives
+        priced = cluster.p2p_time(nbytes, 0, 1) + cluster.sync_wait(stretch)
+        out[k] = {"train_step_s": step, "chunk_compute_s": compute, "rest_s": step - compute, "bubble_s": bubble,
+                  "critical_transfers": critical, "per_critical_transfer_s": (step - compute - bubble) / critical,
+                  "priced_transfer_s": priced, "step_s": whole, "estimated_step_s": est[k]}
+    return out
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=9, help="timed interleaved rounds (median)")
+    args = p.parse_args()
+    t0 = time.perf_counter()
+    ranks = spawn(_rank, 2, args.steps)
+    rows, summary = [], {}
+    for k in PLANS:
+        for r, res in enumerate(ranks):
+            x = res[k]
+            rows.append([k if r == 0 else "", r, x["train_step_s"] * 1e3, x["chunk_compute_s"] * 1e3, x["rest_s"] * 1e3,
+                         x["bubble_s"] * 1e3, x["critical_transfers"], x["per_critical_transfer_s"] * 1e3,
+                         x["priced_transfer_s"] * 1e3, x["step_s"] * 1e3, x["estimated_step_s"] * 1e3])
+        worst = max(ranks, key=lambda res: res[k]["train_step_s"])[k]
+        key = k.replace(" ", "_")
+        summary[f"{key}_per_critical_transfer_s"] = worst["per_critical_transfer_s"]
+        summary[f"{key}_measured_over_estimated"] = worst["step_s"] / worst["estimated_step_s"]
+    print(f"gpt-tiny {MODEL_KW} on 2 gloo ranks, pp2; medians of {args.steps} interleaved rounds; ms")
+    print_table(["plan", "rank", "train_step", "chunks", "rest", "bubble", "critical", "per critical",
+                 "priced", "step+opt", "estimated"], rows)
+    per = [ranks[0][k]["per_critical_transfer_s"] for k in PLANS] + [ranks[1][k]["per_critical_transfer_s"] for k in PLANS]
+    priced = statistics.median(res[k]["priced_transfer_s"] for res in ranks for k in PLANS)
+    summary.update(per_critical_transfer_median_s=statistics.median(per), priced_transfer_median_s=priced,
+                   wall_s=time.perf_counter() - t0)
+    print(f"summary: a transfer on the critical path costs {summary['per_critical_transfer_median_s'] * 1e3:.2f} ms "
+          f"in the step (median over plans and ranks; the wait for the other rank included) against "
+          f"{priced * 1e3:.2f} ms priced (p2p + drift wait); measured / estimated step " + ", ".join(
+              f"{k} {summary[k.replace(' ', '_') + '_measured_over_estimated']:.2f}" for k in PLANS))
+    write_json(args.json, {"summary": summary, "model": MODEL_KW, "ranks": ranks})
+
+
+if __name__ == "__main__":
+    main()
