@@ -8,7 +8,6 @@ traceback (set ``GALVATRON_DEBUG=1`` to see it).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -255,15 +254,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
         init_distributed()
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
-    distributed = "RANK" in os.environ
-    cluster = Cluster.profile(out=None if distributed else args.out, progress=True, repeats=args.repeats)
-    if distributed:   # and the torch.compile door's own cost per step (a world of one has none)
-        from .backend.door import measure_door
+    if "RANK" in os.environ:   # and the torch.compile door's own cost per step (a world of one has none)
+        from .backend.door import profile_with_door
 
-        cluster = dataclasses.replace(cluster, **measure_door(cluster))
-        if args.out and int(os.environ["RANK"]) == 0:
-            cluster.save(args.out)
-            print(f"[galvatron_fx.profile] wrote {args.out}", file=sys.stderr, flush=True)
+        cluster = profile_with_door(out=args.out, progress=True, repeats=args.repeats)
+    else:
+        cluster = Cluster.profile(out=args.out, progress=True, repeats=args.repeats)
     shutdown()
     if int(os.environ.get("RANK", "0")) == 0:
         print(cluster.summary())

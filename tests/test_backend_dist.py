@@ -213,8 +213,9 @@ def _door(rank, world):
     import galvatron_fx as gfx
     from galvatron_fx.backend import agreement, distributed_model, door
 
+    profiled = door.profile_with_door(progress=False, repeats=1)   # Cluster.profile + the door
+    figures = {k: getattr(profiled, k) for k in ("door_call_s", "door_param_s")}
     cluster = gfx.Cluster.preset("2xA100-80GB")
-    figures = door.measure_door(cluster, repeats=5)
     # a searched plan gets the door in its estimate, once (a plan saved with it is not charged again)
     torch.manual_seed(0)
     model, args = gfx.models.build("gpt-tiny", device="cpu", layers=2, hidden=32, heads=2, seq_len=16, vocab=64,
@@ -231,8 +232,9 @@ def _door(rank, world):
 
 @pytest.mark.dist
 def test_the_compile_door_is_measured_and_priced_once():
-    """``measure_door`` times the real door (two small models through the backend, against their
-    own ``train_step``) into positive per-step and per-tensor figures; a searched plan's estimate
+    """``profile_with_door`` (``galvatron-fx profile`` from Python) profiles the world and times the
+    real door (two small models through the backend, against their own ``train_step``) into a
+    positive per-step cost for gpt-tiny's tensors; a searched plan's estimate
     carries ``door_s = door_call_s + tensors * door_param_s``, once."""
     (figures, est, tensors, unchanged), _ = run_distributed(_door, 2, timeout=300)
     assert set(figures) == {"door_call_s", "door_param_s"}

@@ -110,10 +110,11 @@ import torch.fx
 from ..errors import ConfigError
 from .agreement import _agreed_plan
 from .binding import _BuiltAtFirstCall, _remove_guards, _Runtime, distributed_model, full_state_dict
+from .door import profile_with_door
 from .graph import _batch_size, _classify_placeholders, _loss_output, dynamo_graph, recaptured
 from .options import BackendOptions, stats
 
-__all__ = ["BackendOptions", "distributed_model", "full_state_dict", "galvatron_backend", "stats"]
+__all__ = ["BackendOptions", "distributed_model", "full_state_dict", "galvatron_backend", "profile_with_door", "stats"]
 
 
 

@@ -20,6 +20,7 @@ compiled call ~0.6 ms slower than called directly, the gradient routing 0.35 ms,
 from __future__ import annotations
 
 import statistics
+import sys
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,24 @@ def _door_steps(layers: int, cluster, device: torch.device):
     door()   # compiles: capture, search, transform
     dm = distributed_model(compiled)
     return door, (lambda: dm.train_step(*args)), len(params)
+
+
+def profile_with_door(out: str | None = None, progress: bool = True, **kwargs):
+    """What ``galvatron-fx profile`` measures, from Python: :meth:`Cluster.profile` of the live world
+    (``kwargs``: its options) and, in a world of two or more ranks, the door's figures
+    (:func:`measure_door`), which ``Cluster.profile`` alone leaves at 0 (it sits below the backend);
+    written to ``out`` by rank 0. Every rank calls it."""
+    import dataclasses
+
+    from ..cluster import Cluster
+
+    cluster = Cluster.profile(out=None, progress=progress, **kwargs)
+    cluster = dataclasses.replace(cluster, **measure_door(cluster))
+    if out and (not dist.is_initialized() or dist.get_rank() == 0):
+        cluster.save(out)
+        if progress:
+            print(f"[galvatron_fx.profile] wrote {out}", file=sys.stderr, flush=True)
+    return cluster
 
 
 def measure_door(cluster, repeats: int = DOOR_PROBE["repeats"]) -> dict[str, float]:
