@@ -143,7 +143,8 @@ def time_layer(layer: LayerGraph, n: int, *, tp: int = 1, ckpt: bool = False, dt
 
     def forward():
         if ckpt:
-            return torch.utils.checkpoint.checkpoint(runner, *args, use_reentrant=False)
+            # NOTE: as the runtime checkpoints (runtime/checkpointing.py: no early stop)
+            return torch.utils.checkpoint.checkpoint(runner, *args, use_reentrant=False, early_stop=False)
         return runner(*args)
 
     fwd, bwd = [], []
