@@ -5,7 +5,7 @@ date, the machine and each script's wall time, and written as one JSON (``--json
 Default set (about 3 minutes on the 2-core CPU machine): the main job (``scripts/main_job.py``),
 ``regret.py``, ``cost_model_accuracy.py`` and ``search_speed.py``; ``--all`` adds
 ``runtime_overhead.py``, ``hf_coverage.py``, ``paper_table.py``, ``optimizer_step.py``,
-``mixed_precision.py``, ``lora_memory.py`` and ``pipeline_overhead.py``. A figure in the README that the latest run of this
+``mixed_precision.py``, ``lora_memory.py``, ``pipeline_overhead.py`` and ``pipeline_waits.py``. A figure in the README that the latest run of this
 script does not reproduce is to be fixed or qualified there.
 
     python benchmarks/readme_figures.py [--all] [--only NAME ...] [--json PATH]
@@ -26,7 +26,7 @@ from _common import machine, parser, write_json  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = ("main_job", "regret", "cost_model_accuracy", "search_speed")
 MORE = ("runtime_overhead", "hf_coverage", "paper_table", "optimizer_step", "mixed_precision", "lora_memory",
-        "pipeline_overhead")
+        "pipeline_overhead", "pipeline_waits")
 
 
 def command(name: str, out_dir: str) -> tuple[list[str], str]:
