@@ -313,8 +313,9 @@ def _calibrate(args: argparse.Namespace, measure: dict | None) -> None:
     if not fit or args.no_calibrate or not args.cluster or not os.path.isfile(args.cluster):
         return
     Cluster.load(args.cluster).calibrated(fit).save(args.cluster)
-    progress(f"calibrated {args.cluster} to the measured candidates: stage time x {fit['time_scale']:.3g}, "
-             f"pipelined x {fit['pipeline_time_scale']:.3g} on top (median estimate error "
+    progress(f"calibrated {args.cluster} to the {measure.get('fitted_candidates')} measured candidates near the "
+             f"fastest: stage time x {fit['time_scale']:.3g}, "
+             f"pipelined x {fit['pipeline_time_scale']:.3g} on top (their median estimate error "
              f"{100 * measure['error_before']:.0f} % -> {100 * measure['error_after']:.0f} %; --no-calibrate: keep it)")
 
 

@@ -20,9 +20,11 @@
 3. The fastest measured candidate is returned, with ``plan.extra["measured"]``: per candidate its
    name, label, estimated and measured step (seconds) and rounds, and ``plan.extra["measure"]``:
    the budget used (candidates, steps, seconds), the cluster's time scales refitted to the
-   measurements (``fit``: :func:`fit_time_scales`), the chosen plan's step re-priced with them
-   (``calibrated_step_s``) and the candidates' median estimate error before and after the fit
-   (``error_before``, ``error_after``: :func:`calibration_error`, in sample).
+   measurements of the candidates within ``close`` of the fastest (``fit``: :func:`near_fastest`,
+   :func:`fit_time_scales`), the chosen plan's step re-priced with them
+   (``calibrated_step_s``), how many candidates the fit took (``fitted_candidates``) and their
+   median estimate error before and after it (``error_before``, ``error_after``:
+   :func:`calibration_error`, in sample).
 4. *Calibration*: ``Cluster.calibrated(fit)`` is the cluster with the fit; ``galvatron-fx plan /
    train --measure K --cluster FILE`` writes it back to FILE (``--no-calibrate``: not), so the next
    search on FILE starts closer. The fit moves the scales only (``time_scale``,
@@ -284,7 +286,9 @@ def measured_search(gm: torch.fx.GraphModule, search_fn, k: int, cluster, constr
     plan, records = measure_plans(gm, cands, options)
     plans = [p for _n, p in cands]
     world = dist.get_world_size()
-    fit = fit_time_scales(records, plans, cluster, world)
+    near = near_fastest(records, {**DEFAULTS, **(options or {})}["close"])
+    fitted_records, fitted_plans = [records[i] for i in near], [plans[i] for i in near]
+    fit = fit_time_scales(fitted_records, fitted_plans, cluster, world)
     fitted = cluster.calibrated(fit)
 
     def recalibrated(estimate: float, plan: Plan) -> float:
@@ -293,15 +297,32 @@ def measured_search(gm: torch.fx.GraphModule, search_fn, k: int, cluster, constr
         return step_time(fitted, plan.pp, world, stage_limit(cluster, plan.pp, world, estimate, pipe), pipe)
 
     plan.extra["measure"].update(
-        fit=fit, calibrated_step_s=recalibrated(plan.estimate["step_time_s"], plan),
-        error_before=calibration_error(records, plans, lambda e, _plan: e),
-        error_after=calibration_error(records, plans, recalibrated))
+        fit=fit, fitted_candidates=len(near), calibrated_step_s=recalibrated(plan.estimate["step_time_s"], plan),
+        error_before=calibration_error(fitted_records, fitted_plans, lambda e, _plan: e),
+        error_after=calibration_error(fitted_records, fitted_plans, recalibrated))
     return plan
 
 
 FIT_MIN_PER_KIND = 2
 """Measured candidates each kind (unpipelined, pipelined) needs for its own scale in
 :func:`fit_time_scales`; with fewer the fit is one uniform scale."""
+
+
+def near_fastest(records: list[dict], close: float) -> list[int]:
+    """Indices of the measured candidates within ``close`` of the fastest, at least the
+    :data:`FIT_MIN_PER_KIND` fastest: the ones the time scales are fitted to
+    (:func:`measured_search`). They are the plans a search chooses among, each timed in the most
+    rounds; slower ones are off for reasons of their own and would move every plan's scale (main
+    job, 2026-12-03: the GPipe, checkpointed and pp1 candidates at 1.1-1.4x their estimates pulled
+    a uniform scale to 1.19-1.21, so the chosen 1F1B, at 0.97-1.03x, was re-priced 20-24 % over its
+    measured step); one short run alone is too noisy to fit to (the fastest measured 10.3 ms in the
+    selection and 13.2 ms over 20 steps)."""
+    timed = sorted((r["measured_step_s"], i) for i, r in enumerate(records) if r["measured_step_s"] is not None)
+    if not timed:
+        return []
+    fastest = timed[0][0]
+    near = {i for k, (t, i) in enumerate(timed) if t <= fastest * (1 + close) or k < FIT_MIN_PER_KIND}
+    return sorted(near)
 
 
 def fit_time_scales(records: list[dict], plans: list[Plan], cluster, world: int) -> dict[str, float]:

@@ -86,8 +86,9 @@ def main(out: str = "main_job", *flags: str) -> None:
     fit = measure.get("fit", {})
     if fit:
         print(f"  time scales fitted to them and written to {p('cluster.json')}: stage time x "
-              f"{fit['time_scale']:.2f}, pipelined x {fit['pipeline_time_scale']:.2f} on top; the candidates' median "
-              f"estimate error {100 * measure['error_before']:.0f} % -> {100 * measure['error_after']:.0f} % (in sample)")
+              f"{fit['time_scale']:.2f}, pipelined x {fit['pipeline_time_scale']:.2f} on top, fitted to the "
+              f"{measure.get('fitted_candidates')} within 20 % of the fastest (at least two); their median estimate "
+              f"error {100 * measure['error_before']:.0f} % -> {100 * measure['error_after']:.0f} % (in sample)")
     if len(plans) == 2:
         if "--once" not in flags:  # medians of 3 runs, alternating: one 20-step run swings 1.3x on a shared host
             for k in (1, 2):

@@ -91,6 +91,21 @@ def test_plan_command_measures_under_torchrun(tmp_path):
     assert est["step_time_s"] == pytest.approx(data["measure"]["calibrated_step_s"], rel=1e-9)
 
 
+def test_the_scales_are_fitted_to_the_candidates_near_the_fastest():
+    """The fit takes the measured candidates within ``close`` of the fastest (the fastest itself,
+    the boundary included), at least the two fastest; failed ones (no measurement) and slower ones
+    are left out."""
+    from galvatron_fx.selection import near_fastest
+
+    steps = [0.0132, 0.0223, 0.0117, None, 0.0187, 0.01404]
+    records = [{"measured_step_s": s} for s in steps]
+    assert near_fastest(records, 0.20) == [0, 2, 5]        # 11.7 ms x 1.2 = 14.04 ms
+    assert near_fastest(records, 0.0) == [0, 2]          # the two fastest at least
+    assert near_fastest(records, 1.0) == [0, 1, 2, 4, 5]
+    assert near_fastest([{"measured_step_s": None}], 0.2) == []
+    assert near_fastest([{"measured_step_s": 0.01}, {"measured_step_s": None}], 0.2) == [0]
+
+
 def test_time_scales_fitted_to_the_measurements():
     """Unpipelined candidates 1.5x their estimate, pipelined ones 1.8x: the fit scales every plan's
     stage time by 1.5 and a pipelined one's by 1.2 on top (compounding the cluster's own scales),
