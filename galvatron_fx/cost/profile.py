@@ -4,8 +4,8 @@
 weights in its tensor-parallel shapes (column-parallel weights split on rows, row-parallel on
 columns, vocab-parallel embeddings on rows; reshapes after sharded ops get their head counts
 divided) at several micro-batch sizes, and fits ``seconds = a * n + c`` for forward and backward.
-With ``ckpt`` the layer runs under :func:`torch.utils.checkpoint.checkpoint`, so backward includes
-the recomputation. When the sharded layer cannot run (an op with a baked full-width size the
+With ``ckpt`` the layer runs under the runtime's own
+:func:`~galvatron_fx.runtime.checkpointing.checkpoint_layer`, so backward includes the recomputation. When the sharded layer cannot run (an op with a baked full-width size the
 reshape rule does not cover) the unsharded times are scaled by the share of sharded FLOPs and the
 record says ``"method": "scaled"``. A layer whose graph bakes in the capture batch size runs at that
 size only, and its times are taken proportional to the samples. Device constants baked into the
@@ -33,6 +33,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from ..ir import short_hash
+from ..runtime.checkpointing import checkpoint_layer
 from .extract import LayerGraph
 from .measure import Affine, make_inputs
 
@@ -143,8 +144,7 @@ def time_layer(layer: LayerGraph, n: int, *, tp: int = 1, ckpt: bool = False, dt
 
     def forward():
         if ckpt:
-            # NOTE: as the runtime checkpoints (runtime/checkpointing.py: no early stop)
-            return torch.utils.checkpoint.checkpoint(runner, *args, use_reentrant=False, early_stop=False)
+            return checkpoint_layer(runner, *args)   # NOTE: as the runtime checkpoints, priced alike
         return runner(*args)
 
     fwd, bwd = [], []
