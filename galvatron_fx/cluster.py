@@ -568,11 +568,15 @@ class Cluster:
     def profile(cls, group=None, out: str | None = None, sizes=None, progress: bool = True, **kwargs) -> Cluster:
         """Measure the live torch.distributed world; see :func:`galvatron_fx.cluster_profile.profile`."""
         cluster = cls(**profile(group=group, sizes=sizes, progress=progress, **kwargs))
+        cluster.save_profile(out, group, progress)
+        return cluster
+
+    def save_profile(self, out: str | None, group=None, progress: bool = True) -> None:
+        """A profiled cluster written to ``out`` (if given) by rank 0 of ``group`` alone."""
         if out and (not dist.is_initialized() or dist.get_rank(group) == 0):
-            cluster.save(out)
+            self.save(out)
             if progress:
                 print(f"[galvatron_fx.profile] wrote {out}", file=sys.stderr, flush=True)
-        return cluster
 
     def summary(self) -> str:
         """One line per figure, human-readable."""

@@ -20,7 +20,6 @@ compiled call ~0.6 ms slower than called directly, the gradient routing 0.35 ms,
 from __future__ import annotations
 
 import statistics
-import sys
 
 import torch
 import torch.distributed as dist
@@ -68,10 +67,7 @@ def profile_with_door(out: str | None = None, progress: bool = True, **kwargs):
 
     cluster = Cluster.profile(out=None, progress=progress, **kwargs)
     cluster = dataclasses.replace(cluster, **measure_door(cluster))
-    if out and (not dist.is_initialized() or dist.get_rank() == 0):
-        cluster.save(out)
-        if progress:
-            print(f"[galvatron_fx.profile] wrote {out}", file=sys.stderr, flush=True)
+    cluster.save_profile(out, kwargs.get("group"), progress)
     return cluster
 
 
