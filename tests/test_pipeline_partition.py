@@ -10,6 +10,7 @@ import pytest
 
 from galvatron_fx.errors import ConfigError, InfeasibleError
 from galvatron_fx.solver.pipeline import (
+    balanced_split,
     even_split,
     in_flight_microbatches,
     partition_min_max,
@@ -81,6 +82,32 @@ def test_minimises_max_not_even_split():
     t = [10.0, 1.0, 1.0, 1.0, 1.0, 1.0]
     got = partition_stages(6, 2, lambda i, j, k: sum(t[i:j + 1]))
     assert got.stages == ((0, 0), (1, 5)) and got.bottleneck_s == 10.0
+
+
+def test_balanced_split_is_the_min_max_split():
+    # against every contiguous split: the largest chunk sum is the least any split has, and the
+    # ranges cover the layers in order, none empty
+    rng = np.random.default_rng(0)
+    for L, parts in [(6, 4), (7, 3), (9, 4), (10, 5), (8, 8), (5, 1)]:
+        for _ in range(30):
+            t = rng.choice([0.1, 0.5, 1.0, 2.0, 3.7], size=L) * rng.uniform(0.9, 1.1)
+            got = balanced_split(t, parts)
+            assert [i for i, _ in got] == [0] + [j + 1 for _, j in got[:-1]] and got[-1][1] == L - 1
+            assert all(j >= i for i, j in got)
+            best = min(max(t[i:j + 1].sum() for i, j in s) for s in _splits(L, parts))
+            assert max(t[i:j + 1].sum() for i, j in got) <= best * (1 + 1e-9)
+
+
+def test_balanced_split_of_a_gpt_with_light_ends():
+    # embedding, four blocks, LM head into 4 chunks: the light ends join the outer blocks, where
+    # the even split leaves the head alone and puts two blocks in one chunk
+    t = [0.1, 1.0, 1.0, 1.0, 1.0, 0.2]
+    assert even_split(6, 4) == [(0, 1), (2, 3), (4, 4), (5, 5)]
+    assert balanced_split(t, 4) == [(0, 1), (2, 2), (3, 3), (4, 5)]
+    assert balanced_split([1.0] * 6, 4) == even_split(6, 4)   # equal layers: the even split
+    assert balanced_split([0.0] * 6, 4) == even_split(6, 4)   # no times: the even split
+    with pytest.raises(ConfigError, match="cannot split 3 layers into 4"):
+        balanced_split([1.0] * 3, 4)
 
 
 def test_ties_prefer_most_balanced():

@@ -5,8 +5,8 @@ precision) the test enumerates the space the search claims to cover, independent
 code: every pipeline degree dividing the device count (at most the layer count), every micro-batch
 count dividing the global batch (at least ``pp`` for a pipeline), the one-chunk schedules (GPipe,
 1F1B, zero-bubble ZB-H1) on every contiguous split into stages, the multi-chunk ones (interleaved
-1F1B and interleaved zero-bubble with every ``v`` up to ``L / p``, ZB-V and DualPipeV) on the even
-split into ``p * v`` chunks, placed round-robin or in a V (in-flight counts from torch's own action
+1F1B and interleaved zero-bubble with every ``v`` up to ``L / p``, ZB-V and DualPipeV) on the
+split into ``p * v`` chunks balancing each layer's fastest time (:func:`balanced_split`), placed round-robin or in a V (in-flight counts from torch's own action
 lists; the zero-bubble slots and split terms are the cost model's), and every admissible strategy of every layer
 (:func:`strategy_space` for the stage's devices with any DP degree dividing the micro-batch, TP
 admitted by the tensor-parallel analysis, tied weights whole across stages; DP / ZeRO-2 / ZeRO-3,
@@ -39,7 +39,7 @@ import galvatron_fx as gfx
 from galvatron_fx.plan import LayerPlan, Plan
 from galvatron_fx.planner import cost_model_for, cp_admissible, sp_admissible, tp_admissible, tp_useful
 from galvatron_fx.solver.objective import layer_step_time, layer_terms, p2p_time_per_microbatch, step_constant
-from galvatron_fx.solver.pipeline import even_split, in_flight_microbatches
+from galvatron_fx.solver.pipeline import balanced_split, in_flight_microbatches
 from galvatron_fx.solver.schedules import step_slots
 from galvatron_fx.solver.strategy import strategy_space
 
@@ -160,16 +160,16 @@ def enumerate_space(gm, cluster, gbs: int, precision: str, cps: tuple[int, ...] 
                                              lambda k, s: slots * p2p_time_per_microbatch(
                                                  cm, cluster, j, s, b, k * d, (k + 1) * d), space)
                 out[(p, m, sched)] = fronts
-            for sched, v in _multi_chunk(p, m, L):   # several chunks per stage: the fixed even split
+            for sched, v in _multi_chunk(p, m, L):   # several chunks per stage: the fixed balanced split
                 split = sched != "interleaved-1f1b"
                 terms = split_terms if split else plain
                 slots_v = step_slots(sched, p, v, m) if split else m + (p - 1) / v
-                chunks = [tuple(x) for x in even_split(L, p * v)]
                 peaks, wpeaks = _torch_chunk_peaks(sched, p, v, m)
                 if not split:
                     wpeaks = [0] * (p * v)
                 place = [_placement(sched, c, p) for c in range(p * v)]
                 Tv = [np.array([layer_step_time(x, slots_v) for x in row]) for row in terms]
+                chunks = [tuple(x) for x in balanced_split([Tv[i][allowed[i]].min() for i in range(L)], p * v)]
                 stv = [np.array([x.states_bytes for x in row]) for row in terms]
                 Rv = [np.array([[slots_v * cm.reshard_time(i, a, c, b) for c in space] for a in space])
                       for i in range(L - 1)]

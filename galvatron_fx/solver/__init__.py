@@ -18,6 +18,7 @@ from .dp import StageSolution, memory_units, solve_stage
 from .pipeline import (
     SCHEDULES,
     Partition,
+    balanced_split,
     even_split,
     in_flight_microbatches,
     partition_min_max,
@@ -46,6 +47,7 @@ __all__ = [
     "StageSolution",
     "Strategy",
     "candidate_counts",
+    "balanced_split",
     "even_split",
     "in_flight_microbatches",
     "memory_units",

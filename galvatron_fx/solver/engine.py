@@ -13,8 +13,9 @@
   (:data:`MAX_VIRTUAL_STAGES`), interleaved zero-bubble with ``v = 1 .. min(L / p, 8)`` (``v = 1``:
   ZB-H1), ZB-V and DualPipeV (``v = 2``), ``m`` as torch's schedule accepts it
   (:func:`~.schedules.check_schedule`); with ``p = 1`` only 1F1B (nothing to schedule);
-* stages: every split of the layers into ``p`` contiguous non-empty stages; with ``v > 1`` the even
-  split into ``p * v`` chunks (as Megatron-LM and torchtitan cut them), chunk ``c`` on stage
+* stages: every split of the layers into ``p`` contiguous non-empty stages; with ``v > 1`` the split
+  into ``p * v`` chunks balancing each layer's fastest time (:func:`~.pipeline.balanced_split`;
+  Megatron-LM and torchtitan cut by layer count), chunk ``c`` on stage
   ``c % p`` (the V shapes: ``c`` or ``2p - 1 - c``);
 * per layer, every strategy of :func:`~.strategy.strategy_space` for ``N / p`` devices (TP degrees
   dividing the node's devices and the layer's heads and widths, any DP degree, DP / ZeRO-2 / ZeRO-3,
@@ -42,7 +43,7 @@ stages, fewer micro-batches), because every shortcut only skips what provably ca
    (:func:`~.tables.undominated`). Under interleaved 1F1B a stage's chunks are solved as one
    sequence of layers whose chunk ends pay their sends (the stages do not interact: a chunk's
    send depends on its own last layer only).
-4. Every uniform plan (all layers one strategy, even split) is screened first: it is in the space,
+4. Every uniform plan (all layers one strategy, even split; balanced with several chunks) is screened first: it is in the space,
    so it only sharpens the bounds.
 
 Pure: strategies, numbers and a duck-typed cost source in; plain data out.
@@ -477,7 +478,7 @@ class Engine:
         return self._result(strategies, list(part.stages), c)
 
     def _solve_chunks(self, c: ConfigTables, cutoff: float) -> SearchResult | None:
-        """A multi-chunk configuration (fixed even split, module docstring): each stage's chunks
+        """A multi-chunk configuration (fixed balanced split, module docstring): each stage's chunks
         solved exactly as one sequence of layers, a chunk's end paying its send."""
         chunks = c.chunks()
         strategies: list = [None] * self.L
@@ -536,7 +537,7 @@ class Engine:
         return SearchResult(strategies, list(stages), c.p, c.m, c.schedule, c.gbs, est, virtual_stages=c.v)
 
     def uniform_candidates(self, c: ConfigTables) -> Iterable[SearchResult]:
-        """The best uniform plans of configuration ``c`` (every layer one strategy, even split).
+        """The best uniform plans of configuration ``c`` (every layer one strategy, the configuration's fixed split).
 
         Every uniform strategy is screened with the tables (vectorised over strategies); the ones
         that fit and tie for the best screened step time are then estimated exactly.

@@ -73,6 +73,46 @@ def even_split(num_layers: int, pp: int) -> list[tuple[int, int]]:
     return out
 
 
+def balanced_split(times, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous inclusive ``(first, last)`` ranges covering ``len(times)`` layers whose
+    largest sum of ``times`` (seconds per layer) is least; among splits within a relative ``1e-9``
+    of that least largest sum, each range takes as many layers as it can, in order (deterministic).
+    Layer times that are not all finite and positive in sum give :func:`even_split`.
+
+    Interleaved and V-shaped schedules run every chunk in turn, so a heavy chunk beside a light one
+    on the same rank idles the other ranks: on 2 gloo ranks, gpt-tiny hidden 256 under interleaved
+    1F1B measured 119.7 ms per step on balanced chunks against 130.0 ms on the even split, whose
+    last chunk held only the LM head (2026-12-04)."""
+    t = np.asarray(times, dtype=np.float64)
+    L = len(t)
+    if parts < 1 or L < parts:
+        raise ConfigError(f"cannot split {L} layers into {parts} non-empty stages; use pp <= {L}")
+    if not np.isfinite(t).all() or t.sum() <= 0:
+        return even_split(L, parts)
+    prefix = np.concatenate([[0.0], np.cumsum(t)])
+
+    def pack(limit: float) -> list[tuple[int, int]] | None:
+        out, i = [], 0
+        for k in range(parts):
+            j = i   # the range takes at least one layer, and leaves one for each range after it
+            while j + 1 <= L - (parts - k) and prefix[j + 2] - prefix[i] <= limit:
+                j += 1
+            if k == parts - 1:
+                j = L - 1
+            if prefix[j + 1] - prefix[i] > limit:
+                return None
+            out.append((i, j))
+            i = j + 1
+        return out
+
+    windows = np.unique((prefix[None, :] - prefix[:, None])[np.triu_indices(L + 1, 1)])
+    lo, hi = 0, len(windows) - 1   # the least window sum that some split does not exceed
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if pack(windows[mid] * (1 + 1e-9)) is not None else (mid + 1, hi)
+    return pack(windows[lo] * (1 + 1e-9))
+
+
 def _as_cost_fn(stage_cost: StageCost | np.ndarray) -> StageCost:
     if callable(stage_cost):
         return stage_cost

@@ -24,9 +24,15 @@ from typing import Any
 import numpy as np
 
 from .objective import CostSource, LayerTerms, Pipe, layer_terms, p2p_time_per_microbatch
-from .pipeline import even_split
+from .pipeline import balanced_split, even_split
 from .schedules import chunk_peaks, chunk_rank, chunk_wgrad_peaks, rank_chunks, step_slots
 from .strategy import Strategy
+
+
+def fastest_layer_times(t: np.ndarray) -> np.ndarray:
+    """Each layer's least step time over its allowed strategies (an ``[L, S]`` table, ``inf`` where
+    not allowed): what a multi-chunk configuration's chunks are balanced on."""
+    return np.where(np.isfinite(t), t, np.inf).min(axis=1)
 
 
 class CachedCosts:
@@ -106,6 +112,7 @@ class ConfigTables:
     memo: dict = field(default_factory=dict)
     _reshard: dict = field(default_factory=dict)
     _p2p: dict = field(default_factory=dict)
+    _chunks: list | None = None
 
     @property
     def b(self) -> int:
@@ -128,8 +135,14 @@ class ConfigTables:
         return self.chunk_peaks()[k]
 
     def chunks(self) -> list[tuple[int, int]]:
-        """The fixed even split into ``p * v`` chunks of a multi-chunk configuration."""
-        return even_split(len(self.sig_ids), self.p * self.v)
+        """The fixed split into ``p * v`` chunks of a configuration: with one chunk per stage the
+        even split (the uniform plans' stages); with several, the split balancing each layer's
+        fastest time (:func:`~.pipeline.balanced_split`)."""
+        if self.v == 1:
+            return even_split(len(self.sig_ids), self.p)
+        if self._chunks is None:
+            self._chunks = balanced_split(fastest_layer_times(self.t), self.p * self.v)
+        return self._chunks
 
     def chunk_peaks(self) -> tuple[int, ...]:
         """Every chunk's micro-batches in flight at its peak (:func:`~.schedules.chunk_peaks`)."""
