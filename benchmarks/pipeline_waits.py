@@ -14,6 +14,11 @@ included, beside what the profiled cluster prices a transfer (``Cluster.p2p_time
 boundary activation) plus its drift wait. Beside it the plan's estimate against its measured
 ``train_step`` + AdamW step.
 
+Then the point-to-point semantics the schedules run on (:func:`_rendezvous`): how long a send takes
+to complete (``isend`` + ``wait``) when its receiver posts the receive ``LATE_S`` later, at 16 KiB
+and 1 MiB. On gloo a send completes only once the receiver has posted (a rendezvous), so a stage
+cannot run ahead of the next one's receive.
+
     python benchmarks/pipeline_waits.py [--steps N] [--json PATH]
 """
 
@@ -74,6 +79,39 @@ class _ChunkClock:
             setattr(self.cls, name, fn)
 
 
+LATE_S = 0.005
+"""How late the receiver of :func:`_rendezvous` posts its receive (seconds of compute first)."""
+
+
+def _rendezvous(rank, world, repeats: int = 9) -> dict[str, float]:
+    """Median seconds from rank 0's ``isend`` to its ``wait`` returning, when rank 1 computes for
+    ``LATE_S`` before posting the matching receive; per message size (bytes, as text)."""
+    import torch
+    import torch.distributed as dist
+
+    def compute(seconds: float) -> None:
+        a, t0 = torch.randn(128, 128), time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            a = a @ a
+            a = a / a.norm()
+
+    out = {}
+    for nbytes in (16 << 10, 1 << 20):
+        times = []
+        for _ in range(repeats):
+            x = torch.zeros(nbytes // 4)
+            dist.barrier()
+            if rank == 0:
+                t0 = time.perf_counter()
+                dist.isend(x, 1).wait()
+                times.append(time.perf_counter() - t0)
+            else:
+                compute(LATE_S)
+                dist.recv(x, 0)
+        out[str(nbytes)] = statistics.median(times) if times else 0.0
+    return out
+
+
 def _rank(rank, world, steps):
     import torch
     import torch.distributed as dist
@@ -117,6 +155,7 @@ def _rank(rank, world, steps):
         out[k] = {"train_step_s": step, "chunk_compute_s": compute, "rest_s": step - compute, "bubble_s": bubble,
                   "critical_transfers": critical, "per_critical_transfer_s": (step - compute - bubble) / critical,
                   "priced_transfer_s": priced, "step_s": whole, "estimated_step_s": est[k]}
+    out["rendezvous"] = _rendezvous(rank, world)
     return out
 
 
@@ -142,12 +181,15 @@ def main() -> None:
                  "priced", "step+opt", "estimated"], rows)
     per = [ranks[0][k]["per_critical_transfer_s"] for k in PLANS] + [ranks[1][k]["per_critical_transfer_s"] for k in PLANS]
     priced = statistics.median(res[k]["priced_transfer_s"] for res in ranks for k in PLANS)
+    sends = ranks[0]["rendezvous"]
     summary.update(per_critical_transfer_median_s=statistics.median(per), priced_transfer_median_s=priced,
-                   wall_s=time.perf_counter() - t0)
+                   **{f"send_{n}_bytes_receiver_late_s": s for n, s in sends.items()}, wall_s=time.perf_counter() - t0)
     print(f"summary: a transfer on the critical path costs {summary['per_critical_transfer_median_s'] * 1e3:.2f} ms "
           f"in the step (median over plans and ranks; the wait for the other rank included) against "
           f"{priced * 1e3:.2f} ms priced (p2p + drift wait); measured / estimated step " + ", ".join(
-              f"{k} {summary[k.replace(' ', '_') + '_measured_over_estimated']:.2f}" for k in PLANS))
+              f"{k} {summary[k.replace(' ', '_') + '_measured_over_estimated']:.2f}" for k in PLANS)
+          + f"; a send whose receiver posts {LATE_S * 1e3:g} ms late completes after "
+          + " / ".join(f"{s * 1e3:.2f} ms ({int(n) >> 10} KiB)" for n, s in sends.items()))
     write_json(args.json, {"summary": summary, "model": MODEL_KW, "ranks": ranks})
 
 
