@@ -39,7 +39,7 @@ import galvatron_fx as gfx
 from galvatron_fx.plan import LayerPlan, Plan
 from galvatron_fx.planner import cost_model_for, cp_admissible, sp_admissible, tp_admissible, tp_useful
 from galvatron_fx.solver.objective import layer_step_time, layer_terms, p2p_time_per_microbatch, step_constant
-from galvatron_fx.solver.pipeline import balanced_split, in_flight_microbatches
+from galvatron_fx.solver.pipeline import balanced_split, even_split, in_flight_microbatches
 from galvatron_fx.solver.schedules import step_slots
 from galvatron_fx.solver.strategy import strategy_space
 
@@ -413,6 +413,22 @@ def test_interleaved_1f1b_wins_where_the_bubble_decides():
     assert config == (2, 2, "interleaved-1f1b", 2)
     plan = gfx.search(gm, cluster, budget, 8, precision=precision, reserve_bytes=0)
     assert (plan.schedule, plan.virtual_stages, plan.pp) == ("interleaved-1f1b", 2, 2)
+    assert plan.estimate["throughput_samples_s"] == pytest.approx(thr, rel=1e-9)
+
+
+def test_multi_chunk_plans_take_the_balanced_split():
+    """4 blocks (embedding and LM head lighter than a block) pinned to interleaved 1F1B over 2
+    stages of 2 chunks: the searched chunks are the enumeration's, the split balancing each layer's
+    fastest time, where the even split (by count) would leave the LM head alone in the last chunk."""
+    gm, cluster = _graph(4, False), gfx.Cluster.preset("2xA100-80GB")
+    precision = gfx.cluster.default_precision(cluster)
+    fronts, _spaces, L = enumerate_space(gm, cluster, 8, precision)
+    pinned = {k: f for k, f in fronts.items() if k[0] == 2 and k[2:] == ("interleaved-1f1b", 2)}
+    budget = int(least_memory(pinned, L) * 1.5)
+    thr, _config, chunks, _seqs = best_plan(pinned, L, 8, budget, cluster)
+    plan = gfx.search(gm, cluster, budget, 8, precision=precision, reserve_bytes=0,
+                      constraints={"pp": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2})
+    assert [tuple(s) for s in plan.stages] == list(chunks) == [(0, 1), (2, 2), (3, 3), (4, 5)] != even_split(L, 4)
     assert plan.estimate["throughput_samples_s"] == pytest.approx(thr, rel=1e-9)
 
 
