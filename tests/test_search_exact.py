@@ -417,8 +417,8 @@ def test_interleaved_1f1b_wins_where_the_bubble_decides():
 
 
 def test_multi_chunk_plans_take_the_balanced_split():
-    """4 blocks (embedding and LM head lighter than a block) pinned to interleaved 1F1B over 2
-    stages of 2 chunks: the searched chunks are the enumeration's, the split balancing each layer's
+    """4 blocks (embedding and LM head lighter than a block) on 2 devices, pinned to interleaved 1F1B
+    over 2 stages of 2 chunks: the searched chunks are the enumeration's, the split balancing each layer's
     fastest time, where the even split (by count) would leave the LM head alone in the last chunk."""
     gm, cluster = _graph(4, False), gfx.Cluster.preset("2xA100-80GB")
     precision = gfx.cluster.default_precision(cluster)
