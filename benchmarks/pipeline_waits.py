@@ -17,7 +17,9 @@ boundary activation) plus its drift wait. Beside it the plan's estimate against 
 Then the point-to-point semantics the schedules run on (:func:`_rendezvous`): how long a send takes
 to complete (``isend`` + ``wait``) when its receiver posts the receive ``LATE_S`` later, at 16 KiB
 and 1 MiB. On gloo a send completes only once the receiver has posted (a rendezvous), so a stage
-cannot run ahead of the next one's receive.
+cannot run ahead of the next one's receive. And how long posting takes (the ``isend`` call alone)
+when both ranks send to each other at once, as interleaved schedules do: its median and its
+slowest over the repeats.
 
     python benchmarks/pipeline_waits.py [--steps N] [--json PATH]
 """
@@ -81,11 +83,15 @@ class _ChunkClock:
 
 LATE_S = 0.005
 """How late the receiver of :func:`_rendezvous` posts its receive (seconds of compute first)."""
+POSTS = 36
+"""How many times :func:`_rendezvous` times both ranks posting sends to each other."""
 
 
 def _rendezvous(rank, world, repeats: int = 9) -> dict[str, float]:
     """Median seconds from rank 0's ``isend`` to its ``wait`` returning, when rank 1 computes for
-    ``LATE_S`` before posting the matching receive; per message size (bytes, as text)."""
+    ``LATE_S`` before posting the matching receive, per message size (bytes, as text); and
+    ``post_median`` / ``post_max``: seconds to post two 64 KiB sends while the other rank posts its
+    own to this one."""
     import torch
     import torch.distributed as dist
 
@@ -96,6 +102,18 @@ def _rendezvous(rank, world, repeats: int = 9) -> dict[str, float]:
             a = a / a.norm()
 
     out = {}
+    posts = []
+    for _ in range(POSTS):   # both ranks post two sends to each other, then receive
+        x, y = torch.zeros(2, (64 << 10) // 4), torch.zeros(2, (64 << 10) // 4)
+        dist.barrier()
+        t0 = time.perf_counter()
+        works = [dist.isend(x[i], 1 - rank, tag=i) for i in range(2)]
+        posts.append(time.perf_counter() - t0)
+        for i in range(2):
+            dist.recv(y[i], 1 - rank, tag=i)
+        for w in works:
+            w.wait()
+    out["post_median"], out["post_max"] = statistics.median(posts), max(posts)
     for nbytes in (16 << 10, 1 << 20):
         times = []
         for _ in range(repeats):
@@ -181,15 +199,22 @@ def main() -> None:
                  "priced", "step+opt", "estimated"], rows)
     per = [ranks[0][k]["per_critical_transfer_s"] for k in PLANS] + [ranks[1][k]["per_critical_transfer_s"] for k in PLANS]
     priced = statistics.median(res[k]["priced_transfer_s"] for res in ranks for k in PLANS)
-    sends = ranks[0]["rendezvous"]
+    sends = dict(ranks[0]["rendezvous"])
+    post = {k: max(r["rendezvous"][k] for r in ranks) for k in ("post_median", "post_max")}
+    for k in post:
+        del sends[k]
     summary.update(per_critical_transfer_median_s=statistics.median(per), priced_transfer_median_s=priced,
-                   **{f"send_{n}_bytes_receiver_late_s": s for n, s in sends.items()}, wall_s=time.perf_counter() - t0)
+                   **{f"send_{n}_bytes_receiver_late_s": s for n, s in sends.items()},
+                   both_ranks_posting_median_s=post["post_median"], both_ranks_posting_max_s=post["post_max"],
+                   wall_s=time.perf_counter() - t0)
     print(f"summary: a transfer on the critical path costs {summary['per_critical_transfer_median_s'] * 1e3:.2f} ms "
           f"in the step (median over plans and ranks; the wait for the other rank included) against "
           f"{priced * 1e3:.2f} ms priced (p2p + drift wait); measured / estimated step " + ", ".join(
               f"{k} {summary[k.replace(' ', '_') + '_measured_over_estimated']:.2f}" for k in PLANS)
           + f"; a send whose receiver posts {LATE_S * 1e3:g} ms late completes after "
-          + " / ".join(f"{s * 1e3:.2f} ms ({int(n) >> 10} KiB)" for n, s in sends.items()))
+          + " / ".join(f"{s * 1e3:.2f} ms ({int(n) >> 10} KiB)" for n, s in sends.items())
+          + f"; posting two 64 KiB sends while the other rank posts its own takes {post['post_median'] * 1e3:.2f} ms "
+          f"(median), {post['post_max'] * 1e3:.2f} ms at the slowest of {POSTS} (either rank)")
     write_json(args.json, {"summary": summary, "model": MODEL_KW, "ranks": ranks})
 
 
