@@ -65,6 +65,12 @@ field                       what it prices
                             random walk), priced beyond the probe's own stretch ``sync_stretch_s``
                             (whose wait ``collective_latency_s`` holds): :meth:`Cluster.sync_wait`
 ``sync_stretch_s``          the compute stretch ``collective_latency_s`` was measured after (s)
+``p2p_wakeup_s``            what a point-to-point transfer waits beyond its own time when its
+                            receiver asks for data the sender posted earlier while the sender
+                            computes on (a send moves only at the receiver's request and then
+                            needs the sender's communication thread, which waits for a core):
+                            charged once per such input on a pipeline's critical path
+                            (:func:`galvatron_fx.solver.schedules.late_transfers`)
 ``door_call_s``             a training step through ``torch.compile(backend="galvatron")`` beyond
                             its ``train_step``: dynamo's frame, the backend's call, the program
                             run inside the compiled call, the backward's routing (per step)
@@ -72,7 +78,7 @@ field                       what it prices
                             ``loss.backward()``, the user's ``zero_grad``): :meth:`Cluster.door_time`
 ==========================  ===================================================================
 
-The last four (:data:`SYNC_FIELDS`, :data:`DOOR_FIELDS`) are measured only: presets and hand-made
+The last five (:data:`SYNC_FIELDS`, :data:`DOOR_FIELDS`) are measured only: presets and hand-made
 clusters leave them 0; ``Cluster.profile()`` measures the drift, ``galvatron-fx profile`` the door too
 (0.9-1.8 ms per step on gpt-tiny's 69 tensors over 4 profiles, 2 gloo ranks, 2026-12-03). The door enters
 the estimate of a plan the backend searches or loads (``estimate["door_s"]``), not the search's
@@ -127,9 +133,10 @@ DOOR_FIELDS = ("door_call_s", "door_param_s")
 ``train_step`` (:meth:`Cluster.door_time`): per step, and per trainable parameter tensor. Measured
 by ``galvatron-fx profile`` (:func:`galvatron_fx.backend.door.measure_door`, the real door on two
 small models), 0 (not priced) on presets and ``Cluster.profile()``."""
-SYNC_FIELDS = ("sync_drift_sqrt_s", "sync_stretch_s")
-"""The ranks' drift between blocking collectives (module docstring; :meth:`Cluster.sync_wait`):
-measured by :meth:`Cluster.profile`, 0 (not priced) on presets and hand-made clusters."""
+SYNC_FIELDS = ("sync_drift_sqrt_s", "sync_stretch_s", "p2p_wakeup_s")
+"""The ranks' drift between blocking collectives (module docstring; :meth:`Cluster.sync_wait`) and
+the wake-up a late-asked transfer waits for: measured by :meth:`Cluster.profile`, 0 (not priced) on
+presets and hand-made clusters."""
 CALIBRATION_FIELDS = ("step_overhead_s", "pipeline_step_s", "time_scale", "pipeline_time_scale")
 """How a plan's modelled step maps to the measured one: ``step = scale * slowest stage + constant``
 (:func:`galvatron_fx.solver.objective.step_time`). ``time_scale`` multiplies every plan's stage
@@ -300,6 +307,7 @@ class Cluster:
     split_backward_op_s: float = 0.0
     sync_drift_sqrt_s: float = 0.0
     sync_stretch_s: float = 0.0
+    p2p_wakeup_s: float = 0.0
     door_call_s: float = 0.0
     door_param_s: float = 0.0
     profile_spread: dict[str, float] = field(default_factory=dict)  # profiled: figure -> (max - min) / min over rounds
@@ -594,7 +602,8 @@ class Cluster:
             f"{self.optimizer_s_per_byte * 1e12:.3g} ps/byte + {self.optimizer_overhead_s * 1e6:.3g} us/tensor, "
             f"checkpointing {self.checkpoint_op_s * 1e6:.3g} us/op, copies {self.copy_s_per_byte * 1e12:.3g} ps/byte, "
             f"split backward {self.split_backward_op_s * 1e6:.3g} us/op, drift "
-            f"{self.sync_drift_sqrt_s * 1e3:.3g} ms/sqrt(s) beyond {self.sync_stretch_s * 1e3:.3g} ms",
+            f"{self.sync_drift_sqrt_s * 1e3:.3g} ms/sqrt(s) beyond {self.sync_stretch_s * 1e3:.3g} ms, "
+            f"p2p wake-up {self.p2p_wakeup_s * 1e3:.3g} ms",
         ] + ([f"  torch.compile door: {self.door_call_s * 1e3:.3g} ms per step + {self.door_param_s * 1e6:.3g} us "
               "per parameter tensor"] if self.door_call_s or self.door_param_s else [])
            + ([f"  calibrated by measured steps: stage time x {self.time_scale:.3g} (pipelined x "

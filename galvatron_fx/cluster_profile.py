@@ -25,7 +25,8 @@ rank of ``group``. It measures, in this order:
    :mod:`galvatron_fx.cluster`;
 3. point-to-point (ping-pong between group ranks 0 and 1, and across nodes when there are several);
    between ranks 0 and 1 the latency is raised to what a transfer costs inside a pipeline (a
-   near-empty 2-stage 1F1B under ``torch.distributed.pipelining``: :func:`_pipelined_p2p`);
+   near-empty 2-stage 1F1B under ``torch.distributed.pipelining``: :func:`_pipelined_p2p`), and
+   what a transfer its receiver asks for late waits while the sender computes (:func:`_p2p_wakeup`);
 4. the overlap slowdown: an all-reduce of the largest size while a matmul loop runs in another thread
    (on its own CUDA stream on GPUs), against the same all-reduce alone;
 5. local matmul throughput per dtype (tiny on CPU for bf16/fp16, which are ~80x slower there).
@@ -386,7 +387,7 @@ def profile(
     _barrier(pg, device)
 
     fits[P2P] = {}
-    inter_p2p = None
+    inter_p2p, wakeup = None, 0.0
     pairs = [(ranks[0], ranks[1], "intra" if per_node > 1 else "inter")] if world > 1 else []
     if nodes > 1 and per_node > 1:
         pairs.append((ranks[0], ranks[per_node], "inter"))
@@ -401,6 +402,7 @@ def profile(
             if where == "intra" or per_node == 1:
                 sub = pg if world == 2 else GROUPS.get((a, b))
                 fit = _pipelined_p2p(fit, device, sub, me == a, overheads, repeats, warmup, say)
+                wakeup = _p2p_wakeup(device, sub, me == a, say)
                 fits[P2P]["2"] = fit
             inter_p2p = fit if where == "inter" else inter_p2p
             say(f"{'p2p ' + where:>14}: {fit['bandwidth'] / 1e9:8.3f} GB/s, {fit['latency'] * 1e6:8.1f} us")
@@ -412,7 +414,7 @@ def profile(
     box = [None]
     if me_local == 0:
         box[0] = {**_assemble(fits, inter_p2p, per_node, nodes, flops, overlap, device), **overheads,
-                  "profile_spread": spread}
+                  "p2p_wakeup_s": wakeup, "profile_spread": spread}
         say(f"done in {time.perf_counter() - say.start:.1f}s")
     dist.broadcast_object_list(box, src=ranks[0], group=pg)
     return box[0]
@@ -734,6 +736,63 @@ def _pipelined_p2p(fit: dict[str, float], device, pg, first: bool, overheads: di
     say(f"{'pipelined p2p':>14}: one micro-batch of a near-empty 1F1B {best['per_microbatch'] * 1e3:.2f} ms "
         f"-> a transfer {one_way * 1e3:.2f} ms, latency {max(latency, fit['latency']) * 1e6:.1f} us")
     return {**fit, "latency": max(latency, fit["latency"])} if math.isfinite(latency) else fit
+
+
+WAKEUP_PROBE = {"ask_s": 0.003, "busy_s": 0.006, "nbytes": 64 << 10, "width": 256, "rows": 64, "samples": 48}
+"""The exchange of :func:`_p2p_wakeup`: the sender posts ``nbytes`` 1 ms in and computes until
+``busy_s`` later; the receiver asks for them at ``ask_s``. The compute is a layer's: forward and
+backward of a ``width``-wide Linear + GELU on ``rows`` rows, in a loop."""
+
+
+def _p2p_wakeup(device, pg, first: bool, say) -> float:
+    """Seconds a point-to-point transfer waits beyond its own time when its receiver asks for data
+    the sender posted earlier while the sender computes on: the mean receive over
+    ``WAKEUP_PROBE["samples"]`` such exchanges less the mean with the sender waiting instead
+    (rounds: :func:`stable_figures`, their median; a figure of interference, it need not settle).
+    A send moves only once its receiver has posted the receive (gloo: a rendezvous), and then needs
+    the sender's communication thread, which waits for a core while the sender computes: on the
+    2-core CPU host 1.5-2.4 ms on average, 0.2 ms with the sender waiting (2026-12-04). Both ranks
+    of ``pg`` (the pair) call it; the first sends."""
+    from torch import nn
+
+    probe = WAKEUP_PROBE
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(probe["width"], probe["width"]), nn.GELU()).to(device)
+    x = torch.randn(probe["rows"], probe["width"], device=device)
+    peer = dist.get_global_rank(pg, 1 if first else 0)
+
+    def compute(seconds: float) -> None:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            layer(x).sum().backward()
+
+    def waits(sender_busy: bool) -> float:
+        buf, total = torch.zeros(probe["nbytes"] // 4, device=device), 0.0
+        for _ in range(probe["samples"]):
+            _barrier(pg, device)
+            if first:
+                compute(0.001)
+                work = dist.isend(buf, peer, group=pg)
+                compute(probe["busy_s"] if sender_busy else 0.0)
+                work.wait()
+            else:
+                compute(probe["ask_s"])
+                t0 = time.perf_counter()
+                dist.recv(buf, peer, group=pg)
+                total += time.perf_counter() - t0
+        return total / probe["samples"]
+
+    def measure_round() -> dict[str, float]:
+        wake = torch.tensor([max(0.0, waits(True) - waits(False))], dtype=torch.float64, device=device)
+        dist.broadcast(wake, dist.get_global_rank(pg, 1), group=pg)   # the receiver's figure
+        return {"p2p_wakeup_s": float(wake.item())}
+
+    compute(0.01)   # warm-up
+    best, _spread = stable_figures(measure_round, max_rounds=5, min_rounds=3, pick=statistics.median,
+                                   noise=("p2p_wakeup_s",))
+    say(f"{'p2p wake-up':>14}: a transfer its receiver asks for while the sender computes waits "
+        f"{best['p2p_wakeup_s'] * 1e3:.2f} ms more")
+    return best["p2p_wakeup_s"]
 
 
 def _assemble(fits, inter_p2p, per_node, nodes, flops, overlap, device) -> dict:

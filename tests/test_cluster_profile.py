@@ -178,6 +178,8 @@ def test_profile_two_gloo_ranks(tmp_path):
     # the drift between blocking collectives: measured after a short stretch of compute (> 0) and fitted
     # from a longer one (>= 0; it is interference, so it may come out 0 on a quiet host)
     assert 0 < c.sync_stretch_s < 0.1 and 0 <= c.sync_drift_sqrt_s < 1, (c.sync_stretch_s, c.sync_drift_sqrt_s)
+    # what a transfer asked for late waits while its sender computes (interference: >= 0)
+    assert 0 <= c.p2p_wakeup_s < 0.05, c.p2p_wakeup_s
     assert c.profiled
     assert set(c.fits) == {*COLLECTIVES, "p2p"} and all("2" in c.fits[k] for k in c.fits)
     sizes = [0, 1e3, 1e5, 1e7, 1e9]

@@ -101,6 +101,47 @@ def test_transfers_on_the_critical_path():
     assert [round(critical_transfers("interleaved-1f1b", 2, 2, m), 6) for m in (2, 4, 8)] == [6, 6, 6]
 
 
+def test_inputs_asked_for_late_while_their_sender_computes():
+    """pp2 m4, F = 1, B = 2 (by hand). GPipe: rank 1 asks for activation 1 at t = 2, when it made
+    activation 0, and rank 0, which made activation 1 at t = 2, has gone straight on to its third
+    forward: the send waits for rank 0's communication thread. So do activation 2 (asked at 3) and
+    the gradients 1 and 2 going back (asked at 9 and 11, rank 1 in its next backward); activation
+    3 and gradient 3 find their sender idle: 4. 1F1B m2: rank 0 waits for gradient 0 in the same
+    exchange that hands over activation 1 (torch fuses the send with that receive), so nothing is
+    asked of a computing sender: 0. Each of them adds its wake-up to the step; 1F1B never more than
+    GPipe (the search does not try GPipe)."""
+    from galvatron_fx.solver.schedules import late_transfers
+
+    assert late_transfers("gpipe", 2, 1, 4) == pytest.approx(4)
+    assert late_transfers("1f1b", 2, 1, 2) == pytest.approx(0)
+    assert [round(late_transfers("gpipe", 2, 1, m), 6) for m in (2, 4, 8)] == [0, 4, 12]
+    assert [round(late_transfers("1f1b", 2, 1, m), 6) for m in (2, 4, 8)] == [0, 2, 6]
+    assert [round(late_transfers("interleaved-1f1b", 2, 2, m), 6) for m in (2, 4, 8)] == [3, 8, 20]
+    for p in (2, 3, 4):
+        for m in range(p, 4 * p + 1):
+            assert late_transfers("1f1b", p, 1, m) <= late_transfers("gpipe", p, 1, m) + 1e-9
+
+
+def test_a_pipelined_step_pays_a_wakeup_per_late_input():
+    # the objective adds late_transfers x p2p_wakeup_s to a pipelined step (scaled like its
+    # stages), nothing unpipelined; stage_limit inverts it, with the ranks' drift as well
+    import dataclasses
+
+    from galvatron_fx.solver.objective import Pipe, stage_limit, step_time
+    from galvatron_fx.solver.schedules import late_transfers
+
+    quiet = gfx.Cluster.preset("4xA100-80GB")
+    waking = dataclasses.replace(quiet, p2p_wakeup_s=1e-3, pipeline_time_scale=1.5)
+    drifting = dataclasses.replace(waking, sync_drift_sqrt_s=1e-2, sync_stretch_s=1e-6)
+    for sched, v, m in [("gpipe", 1, 4), ("1f1b", 1, 4), ("interleaved-1f1b", 2, 4), ("zbv", 2, 4)]:
+        pipe = Pipe(sched, v, m)
+        base = step_time(dataclasses.replace(quiet, pipeline_time_scale=1.5), 2, 4, 0.05, pipe)
+        assert step_time(waking, 2, 4, 0.05, pipe) - base == pytest.approx(1.5 * late_transfers(sched, 2, v, m) * 1e-3)
+        for cluster in (waking, drifting):
+            assert stage_limit(cluster, 2, 4, step_time(cluster, 2, 4, 0.05, pipe), pipe) == pytest.approx(0.05)
+    assert step_time(waking, 1, 4, 0.05, Pipe("1f1b", 1, 1)) == step_time(quiet, 1, 4, 0.05, Pipe("1f1b", 1, 1))
+
+
 def test_the_bubble_simulation_reproduces_the_closed_forms():
     # the simulator (torch's action lists, F = I = W = 1) gives 1F1B's m + p - 1 and Megatron's
     # interleaved m + (p - 1) / v exactly, so the zero-bubble figures come from the same arithmetic

@@ -40,7 +40,7 @@ from galvatron_fx.plan import LayerPlan, Plan
 from galvatron_fx.planner import cost_model_for, cp_admissible, sp_admissible, tp_admissible, tp_useful
 from galvatron_fx.solver.objective import layer_step_time, layer_terms, p2p_time_per_microbatch, step_constant
 from galvatron_fx.solver.pipeline import balanced_split, even_split, in_flight_microbatches
-from galvatron_fx.solver.schedules import step_slots
+from galvatron_fx.solver.schedules import late_transfers, step_slots
 from galvatron_fx.solver.strategy import strategy_space
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-zb")   # one chunk per stage (interleaved-zb: ZB-H1)
@@ -270,7 +270,8 @@ def _torch_chunk_peaks(schedule: str, p: int, v: int, m: int) -> tuple[list[int]
 def _step(cluster, key: tuple, slowest: float) -> float:
     """A plan's step from its slowest stage: a pipelined stage's receives wait for the ranks' drift
     over the compute since the previous one (``(2 v - 1) m`` receives sharing the ``m`` of ``slots``
-    micro-batch times that compute), then the cluster's calibration (a scale on the stage time,
+    micro-batch times that compute) and its late-asked inputs for their senders' wake-up (the
+    schedule's count, independent of the stage), then the cluster's calibration (a scale on the stage time,
     another on top for pipelines, then the per-step constant; galvatron_fx.cluster.CALIBRATION_FIELDS)."""
     if cluster is None:
         return slowest
@@ -281,6 +282,8 @@ def _step(cluster, key: tuple, slowest: float) -> float:
         stretch = slowest * m / step_slots(sched, p, v, m) / receives
         slowest += receives * cluster.sync_drift_sqrt_s * max(0.0, math.sqrt(stretch)
                                                               - math.sqrt(cluster.sync_stretch_s))
+    if p > 1:
+        slowest += late_transfers(sched, p, v, m) * cluster.p2p_wakeup_s
     scale = cluster.time_scale * (cluster.pipeline_time_scale if p > 1 else 1.0)
     return scale * slowest + step_constant(cluster, p, cluster.world_size)
 
@@ -464,7 +467,8 @@ def test_zero_bubble_wins_where_the_bubble_decides(preset, factor, config):
                                          dict(time_scale=1.4, pipeline_time_scale=1.25, step_overhead_s=1e-3),
                                          dict(time_scale=0.8, pipeline_time_scale=0.6),
                                          dict(time_scale=0.8, pipeline_time_scale=0.6, sync_drift_sqrt_s=1e-2,
-                                              sync_stretch_s=1e-6)])
+                                              sync_stretch_s=1e-6),
+                                         dict(time_scale=0.8, pipeline_time_scale=0.6, p2p_wakeup_s=2e-4)])
 def test_search_equals_the_enumerated_best_with_calibrated_step_constants(calibration):
     chosen: list = []
     assert _check_setup(2, False, "4xA100-80GB", 8, "fp32", calibration, chosen=chosen) == len(FACTORS) + 2

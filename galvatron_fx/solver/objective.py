@@ -45,7 +45,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-from .schedules import ZERO_BUBBLE, chunk_peaks, chunk_rank, chunk_wgrad_peaks, step_slots
+from .schedules import ZERO_BUBBLE, chunk_peaks, chunk_rank, chunk_wgrad_peaks, late_transfers, step_slots
 from .strategy import Strategy
 
 
@@ -141,6 +141,14 @@ class Pipe(NamedTuple):
         batch and the last stage's last chunk computes the loss: ``(2 v - 1) m``."""
         return (2 * self.virtual_stages - 1) * self.micro_batches
 
+    def wakeups(self, cluster: Any, pp: int) -> float:
+        """Seconds per step its late-asked inputs wait for their senders' communication threads
+        (:func:`~.schedules.late_transfers` x the cluster's ``p2p_wakeup_s``; 0 unpipelined)."""
+        wake = getattr(cluster, "p2p_wakeup_s", 0.0)
+        if pp <= 1 or not wake:
+            return 0.0
+        return late_transfers(self.schedule, pp, self.virtual_stages, self.micro_batches) * wake
+
     def compute_share(self, pp: int) -> float:
         """The share of the slowest stage's time that is compute (``m`` of its ``slots``)."""
         return self.micro_batches / step_slots(self.schedule, pp, self.virtual_stages, self.micro_batches)
@@ -156,22 +164,24 @@ def _receives(cluster: Any, pp: int, pipe: Pipe | None) -> tuple[int, float] | N
 
 
 def pipeline_wait(cluster: Any, pp: int, slowest_stage_s: float, pipe: Pipe | None) -> float:
-    """Seconds a pipelined stage waits at its transfers for the ranks' drift (measured: a PP2 step's
-    time beyond its stages' compute, transfers and bubble grew by 3-8 ms on 2 gloo ranks,
-    2026-12-03): each receive waits ``cluster.sync_wait`` of the compute since the previous one,
-    the stage's compute over its receives. 0 unpipelined or without a drift figure. Increasing in
-    ``slowest_stage_s``."""
-    shape = _receives(cluster, pp, pipe)
-    if shape is None:
+    """Seconds a pipelined stage waits at its transfers (measured: a PP2 step's time beyond its
+    stages' compute, transfers and bubble grew by 3-8 ms on 2 gloo ranks, 2026-12-03): for the
+    ranks' drift, each receive ``cluster.sync_wait`` of the compute since the previous one (the
+    stage's compute over its receives), and for the senders' wake-ups, :meth:`Pipe.wakeups`. 0
+    unpipelined or without the figures. Increasing in ``slowest_stage_s``."""
+    if pp <= 1 or pipe is None:
         return 0.0
-    n, f = shape
-    return n * cluster.sync_wait(slowest_stage_s * f)
+    shape = _receives(cluster, pp, pipe)
+    drift = 0.0 if shape is None else shape[0] * cluster.sync_wait(slowest_stage_s * shape[1])
+    return drift + pipe.wakeups(cluster, pp)
 
 
 def _without_pipeline_wait(cluster: Any, pp: int, total_s: float, pipe: Pipe | None) -> float:
     """The slowest stage ``x`` with ``x + pipeline_wait(x) = total_s`` (the wait is continuous and
-    increasing in ``x``: ``n c (sqrt(f x) - sqrt(S0))`` beyond ``x = S0 / f``, a quadratic in
-    ``sqrt(x)``)."""
+    increasing in ``x``: the wake-ups' constant plus ``n c (sqrt(f x) - sqrt(S0))`` beyond
+    ``x = S0 / f``, a quadratic in ``sqrt(x)``)."""
+    if pp > 1 and pipe is not None:
+        total_s -= pipe.wakeups(cluster, pp)
     shape = _receives(cluster, pp, pipe)
     if shape is None:
         return total_s

@@ -163,6 +163,7 @@ def _torch_actions(schedule: str, pp: int, virtual_stages: int, micro_batches: i
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=1024)
 def _makespan(schedule: str, pp: int, virtual_stages: int, micro_batches: int, transfer: float = 0.0) -> float:
     """The step's length, in chunk-pass times, when every rank runs :func:`rank_order` with ``F``,
     ``I`` and ``W`` one time unit per chunk (``B`` two): an action starts when its rank is free and
@@ -170,6 +171,16 @@ def _makespan(schedule: str, pp: int, virtual_stages: int, micro_batches: int, t
     ``I`` for a ``W``), an input from another rank ``transfer`` units after it was made (0: sends
     take no time, as the model prices them apart). NOTE: torch runs chunk 0's ``I`` as nothing and
     its ``W`` as the whole backward, and so does this."""
+    return _simulate(schedule, pp, virtual_stages, micro_batches, transfer)[0]
+
+
+def _simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int, transfer: float = 0.0,
+              delayed: frozenset = frozenset(), delay: float = 0.0) -> tuple[float, list, list]:
+    """:func:`_makespan`'s simulation: ``(makespan, spans, asks)``, ``spans[r]`` rank ``r``'s
+    ``(start, end, waited)`` per action in its order (``waited``: the rank idled before it), ``asks`` every cross-rank input as ``(receiving
+    action, input, sending rank, made at, asked at)`` (asked: when the receiving rank was free to
+    start the action). An input in ``delayed`` (a ``(receiving action, input)`` pair) arrives
+    ``delay`` after it is asked for, if later than it would."""
     p, v, m = pp, virtual_stages, micro_batches
     n = p * v
     owner = {c: r for r in range(p) for c in rank_chunks(schedule, r, p, v)}
@@ -177,12 +188,14 @@ def _makespan(schedule: str, pp: int, virtual_stages: int, micro_batches: int, t
               for r in range(p)]
     done: dict[tuple[str, int, int], float] = {}
     clock, at = [0.0] * p, [0] * p
+    spans: list[list[tuple[float, float]]] = [[] for _ in range(p)]
+    asks: list[tuple] = []
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
         for r in range(p):
             while at[r] < len(orders[r]):
-                kind, c, k = orders[r][at[r]]
+                kind, c, k = action = orders[r][at[r]]
                 if kind == "F":
                     deps = [("F", c - 1, k)] if c else []
                 elif kind in ("I", "B"):
@@ -194,8 +207,18 @@ def _makespan(schedule: str, pp: int, virtual_stages: int, micro_batches: int, t
                 cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}[kind]
                 if c == 0 and kind in ("I", "W"):
                     cost = 0.0 if kind == "I" else 2.0
-                end = max([clock[r]] + [done[d] + (transfer if owner[d[1]] != r else 0.0) for d in deps]) + cost
-                clock[r] = done[(kind, c, k)] = end
+                start = clock[r]
+                for d in deps:
+                    if owner[d[1]] == r:
+                        start = max(start, done[d])
+                        continue
+                    asks.append((action, d, owner[d[1]], done[d], clock[r]))
+                    start = max(start, done[d] + transfer)
+                    if (action, d) in delayed:
+                        start = max(start, clock[r] + delay)
+                end = start + cost
+                spans[r].append((start, end, start > clock[r]))
+                clock[r] = done[action] = end
                 if kind in ("I", "B"):
                     done[("G", c, k)] = end   # the input gradient the previous chunk waits for
                 at[r] += 1
@@ -203,7 +226,31 @@ def _makespan(schedule: str, pp: int, virtual_stages: int, micro_batches: int, t
                 progressed = True
         if not progressed:
             raise ConfigError(f"schedule {schedule!r} (pp={p}, v={v}, m={m}) does not progress")
-    return max(clock)
+    return max(clock), spans, asks
+
+
+@functools.lru_cache(maxsize=1024)
+def late_transfers(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> float:
+    """How many cross-rank inputs a step waits an extra wake-up for: the growth of the step
+    (:func:`_makespan`, unit chunk passes, sends free) per unit of delay on every input that was
+    made by the time its receiver asked for it while its sender was computing. Each such input
+    costs the cluster's ``p2p_wakeup_s`` beyond its transfer: a point-to-point send (gloo's, and
+    NCCL's) moves only once its receiver has posted the receive, and then needs the sender's
+    communication thread, which waits for a core while the sender computes (2-core host: 1.5-2.4
+    ms on average, 2026-12-04). A sender computes if it runs an action begun before the request,
+    or begun at it without having waited (1F1B's sender, which waits for a gradient in the same
+    exchange that hands over its activation, does not). pp 2, m 2 / 4 / 8: GPipe 0 / 4 / 12 (each
+    forward's output but the first and the last waits while its sender runs the next forward, and so does each
+    gradient), 1F1B 0 / 2 / 6, interleaved 1F1B v 2: 3 / 8 / 20 (tests/test_schedules.py)."""
+    p, v, m = pp, virtual_stages, micro_batches
+    _, spans, asks = _simulate(schedule, p, v, m)
+
+    def busy(rank: int, t: float) -> bool:   # computing at t, or starting then without having waited
+        return any(a < t < b or (a == t < b and not waited) for a, b, waited in spans[rank])
+
+    late = frozenset((action, d) for action, d, sender, made, asked in asks if made <= asked and busy(sender, asked))
+    eps = 1e-3
+    return (_simulate(schedule, p, v, m, delayed=late, delay=eps)[0] - _makespan(schedule, p, v, m)) / eps
 
 
 def critical_transfers(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> float:
