@@ -5,9 +5,9 @@ measured samples/s and step time beside its estimate and beside the best baselin
 (trained too). The searched plan is what ``galvatron-fx train --measure 4`` chooses: the search's
 4 best plans by estimate and the baselines timed for a few steps on the live ranks, the fastest
 trained (galvatron_fx/selection.py; its candidates and the seconds it took are printed). Measured
-figures are medians over steps 2..N; the searched plan and the baseline each run twice more (with
-the chosen plan's JSON), alternating, and the medians of the 3 runs count (one 20-step run swings
-1.3x on this shared 2-core host; ``--once``: one run each, and the profile times 3 runs per figure
+figures are medians over steps 2..N; the searched plan and the baseline each run four times more
+(with the chosen plan's JSON), alternating, and the medians of the 5 runs count (one 20-step run
+swings 1.3x on this shared 2-core host, and with 3 runs two identical plans came out 10 % apart; ``--once``: one run each, and the profile times 3 runs per figure
 instead of 7: the test suite's setting, which checks training, not speed). Run from the
 repository root: ``python scripts/main_job.py [DIR] [--once]``."""
 
@@ -20,6 +20,8 @@ import subprocess
 import sys
 
 MODEL, STEPS, BATCH = ["gpt-tiny", "--set", "layers=4"], 20, 8
+RUNS = 5
+"""20-step runs per plan, alternating, whose medians count (3 left identical plans 10 % apart, 2026-12-04)."""
 ENV = {**os.environ, "GALVATRON_DEVICE": "cpu", "GALVATRON_BACKEND": "gloo", "OMP_NUM_THREADS": "1"}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
 CLI = ["-m", "galvatron_fx.cli"]
@@ -90,8 +92,8 @@ def main(out: str = "main_job", *flags: str) -> None:
               f"{measure.get('fitted_candidates')} within 20 % of the fastest (at least two); their median estimate "
               f"error {100 * measure['error_before']:.0f} % -> {100 * measure['error_after']:.0f} % (in sample)")
     if len(plans) == 2:
-        if "--once" not in flags:  # medians of 3 runs, alternating: one 20-step run swings 1.3x on a shared host
-            for k in (1, 2):
+        if "--once" not in flags:  # medians of 5 runs, alternating: one 20-step run swings 1.3x on a shared host
+            for k in range(1, RUNS):
                 for name in plans:
                     train(name, k)
     run([sys.executable] + CLI + ["train", *MODEL, "--steps", str(STEPS), "--global-batch-size", str(BATCH),
