@@ -12,7 +12,9 @@ delay on every cross-rank input: :func:`galvatron_fx.solver.schedules.critical_t
 ``(rest - bubble) / critical`` is what one costs in the step, the wait for the other rank
 included, beside what the profiled cluster prices a transfer (``Cluster.p2p_time`` of the
 boundary activation) plus its drift wait. Beside it the plan's estimate against its measured
-``train_step`` + AdamW step.
+``train_step`` + AdamW step, which prices the schedule's late-asked inputs
+(:func:`galvatron_fx.solver.schedules.late_transfers`, column ``late``) at the profile's
+``p2p_wakeup_s`` each.
 
 Then the point-to-point semantics the schedules run on (:func:`_rendezvous`): how long a send takes
 to complete (``isend`` + ``wait``) when its receiver posts the receive ``LATE_S`` later, at 16 KiB
@@ -135,7 +137,7 @@ def _rank(rank, world, steps):
     import torch.distributed as dist
 
     import galvatron_fx as gfx
-    from galvatron_fx.solver.schedules import critical_transfers, step_slots
+    from galvatron_fx.solver.schedules import critical_transfers, late_transfers, step_slots
 
     cluster = profiled_cluster()
     _model, args, gm = build(MODEL_KW)
@@ -172,6 +174,7 @@ def _rank(rank, world, steps):
         priced = cluster.p2p_time(nbytes, 0, 1) + cluster.sync_wait(stretch)
         out[k] = {"train_step_s": step, "chunk_compute_s": compute, "rest_s": step - compute, "bubble_s": bubble,
                   "critical_transfers": critical, "per_critical_transfer_s": (step - compute - bubble) / critical,
+                  "late_transfers": late_transfers(plan.schedule, 2, v, m), "wakeup_s": cluster.p2p_wakeup_s,
                   "priced_transfer_s": priced, "step_s": whole, "estimated_step_s": est[k]}
     out["rendezvous"] = _rendezvous(rank, world)
     return out
@@ -189,14 +192,17 @@ def main() -> None:
             x = res[k]
             rows.append([k if r == 0 else "", r, x["train_step_s"] * 1e3, x["chunk_compute_s"] * 1e3, x["rest_s"] * 1e3,
                          x["bubble_s"] * 1e3, x["critical_transfers"], x["per_critical_transfer_s"] * 1e3,
+                         x["late_transfers"],
                          x["priced_transfer_s"] * 1e3, x["step_s"] * 1e3, x["estimated_step_s"] * 1e3])
         worst = max(ranks, key=lambda res: res[k]["train_step_s"])[k]
         key = k.replace(" ", "_")
         summary[f"{key}_per_critical_transfer_s"] = worst["per_critical_transfer_s"]
         summary[f"{key}_measured_over_estimated"] = worst["step_s"] / worst["estimated_step_s"]
     print(f"gpt-tiny {MODEL_KW} on 2 gloo ranks, pp2; medians of {args.steps} interleaved rounds; ms")
-    print_table(["plan", "rank", "train_step", "chunks", "rest", "bubble", "critical", "per critical",
+    print_table(["plan", "rank", "train_step", "chunks", "rest", "bubble", "critical", "per critical", "late",
                  "priced", "step+opt", "estimated"], rows)
+    print(f"late: inputs asked for while their sender computes, each priced {ranks[0]['1f1b m2']['wakeup_s'] * 1e3:.2f} ms "
+          "(the profile's p2p_wakeup_s) in the estimate")
     per = [ranks[0][k]["per_critical_transfer_s"] for k in PLANS] + [ranks[1][k]["per_critical_transfer_s"] for k in PLANS]
     priced = statistics.median(res[k]["priced_transfer_s"] for res in ranks for k in PLANS)
     sends = dict(ranks[0]["rendezvous"])
