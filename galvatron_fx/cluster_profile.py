@@ -140,10 +140,11 @@ class Timer:
         """The median over runs of ``op``."""
         return statistics.median(self.interleaved({"op": op})["op"])
 
-    def excess(self, base: Callable[[], object], ops: dict[str, Callable[[], object]]) -> dict[str, float]:
-        """Per op, the median over runs of its time minus ``base``'s in the same run."""
+    def excess(self, base: Callable[[], object], ops: dict[str, Callable[[], object]],
+               stat: Callable = statistics.median) -> dict[str, float]:
+        """Per op, ``stat`` (the median) over runs of its time minus ``base``'s in the same run."""
         runs = self.interleaved({"": base, **ops})
-        return {k: statistics.median(t - b for t, b in zip(runs[k], runs[""])) for k in ops}
+        return {k: stat([t - b for t, b in zip(runs[k], runs[""])]) for k in ops}
 
     def interleaved(self, ops: dict[str, Callable[[], object]]) -> dict[str, list[float]]:
         """``repeats`` timed runs of every op in turn (after ``warmup`` untimed ones): a slow spell of
@@ -185,9 +186,13 @@ def _in_stream(timer: Timer, work, ops: dict, calls: int = STREAM_CALLS) -> dict
     CPU host the transport threads wait to be scheduled and the ranks' compute drifts apart between
     calls, so that a call costs more than alone (2 gloo ranks, 512 KiB all-reduce: 0.6-1.4 ms alone,
     1.0-2.0 ms after one matmul, 2.0-3.2 ms in a stream of 16, 2.0-2.5 ms in one of 4 (a profile of
-    11 s, 18-37 s with 8); TP2 training measured 2-5 ms per call)."""
+    11 s, 18-37 s with 8); TP2 training measured 2-5 ms per call). The mean over runs, not the
+    median: the calls' times have a heavy tail that a step pays on average (512 KiB all-reduces
+    after 0-4 ms of compute: median 0.5-0.9 ms, mean 1.2-2.2 ms, one in ten over 3 ms; inside a TP2
+    step median 0.65 ms, mean 1.63 ms; 2026-12-04)."""
     excess = timer.excess(lambda: [work() for _ in range(calls)],
-                          {s: (lambda op=op: [(work(), op()) for _ in range(calls)]) for s, op in ops.items()})
+                          {s: (lambda op=op: [(work(), op()) for _ in range(calls)]) for s, op in ops.items()},
+                          stat=statistics.fmean)
     return {s: max(t / calls, 1e-9) for s, t in excess.items()}
 
 
