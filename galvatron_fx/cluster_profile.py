@@ -780,7 +780,8 @@ def _p2p_wakeup(device, pg, first: bool, say) -> float:
     """Seconds a point-to-point transfer waits beyond its own time when its receiver asks for data
     the sender posted earlier while the sender computes on: the mean receive over
     ``WAKEUP_PROBE["samples"]`` such exchanges less the mean with the sender waiting instead
-    (rounds: :func:`stable_figures`, their median; a figure of interference, it need not settle).
+    (five rounds, their median: a figure of interference, it need not settle; with three, two
+    back-to-back profiles read 0.32 and 1.33 ms).
     A send moves only once its receiver has posted the receive (gloo: a rendezvous), and then needs
     the sender's communication thread, which waits for a core while the sender computes: on the
     2-core CPU host 1.5-2.4 ms on average, 0.2 ms with the sender waiting (2026-12-04). Both ranks
@@ -820,7 +821,7 @@ def _p2p_wakeup(device, pg, first: bool, say) -> float:
         return {"p2p_wakeup_s": float(wake.item())}
 
     compute(0.01)   # warm-up
-    best, _spread = stable_figures(measure_round, max_rounds=5, min_rounds=3, pick=statistics.median,
+    best, _spread = stable_figures(measure_round, max_rounds=5, min_rounds=5, pick=statistics.median,
                                    noise=("p2p_wakeup_s",))
     say(f"{'p2p wake-up':>14}: a transfer its receiver asks for while the sender computes waits "
         f"{best['p2p_wakeup_s'] * 1e3:.2f} ms more")
