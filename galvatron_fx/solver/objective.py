@@ -20,7 +20,8 @@ For a pipeline of ``p`` stages and ``m`` micro-batches (stage ``k`` on devices `
 * stage ``k`` takes ``T_k = slots * sum(t_mb) + sum(sync) + slots * p2p_k`` per step with
   ``slots = m + p - 1`` (GPipe and 1F1B have the same bubble) and the step time is ``max_k T_k``
   (the slowest stage paces the pipeline) plus, pipelined, the ranks' drift waited out at its
-  receives (:func:`pipeline_wait`, increasing in ``max_k T_k``: :func:`step_time`), scaled by the
+  receives and a wake-up per input asked for while its sender computes (:func:`pipeline_wait`,
+  increasing in ``max_k T_k``: :func:`step_time`), scaled by the
   cluster's calibration, plus the per-step constant (:func:`step_constant`);
 * a device of stage ``k`` holds ``sum(states) + inflight_k * sum(activations) + max(transient) +
   reserve`` bytes, with ``inflight_k = m`` for GPipe and ``min(m, p - k)`` for 1F1B.
