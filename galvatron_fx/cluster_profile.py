@@ -812,6 +812,7 @@ def _p2p_wakeup(device, pg, first: bool, say) -> float:
                 compute(probe["ask_s"])
                 t0 = time.perf_counter()
                 dist.recv(buf, peer, group=pg)
+                synchronize(device)   # NCCL: the receive is queued on a stream, not waited for on the host
                 total += time.perf_counter() - t0
         return total / probe["samples"]
 
