@@ -27,8 +27,8 @@ rank of ``group``. It measures, in this order:
    between ranks 0 and 1 the latency is raised to what a transfer costs inside a pipeline (a
    near-empty 2-stage 1F1B under ``torch.distributed.pipelining``: :func:`_pipelined_p2p`), and
    what a transfer its receiver asks for late waits while the sender computes (:func:`_p2p_wakeup`);
-4. the overlap slowdown: an all-reduce of the largest size while a matmul loop runs in another thread
-   (on its own CUDA stream on GPUs), against the same all-reduce alone;
+4. the overlap slowdown: an all-reduce of the largest size started asynchronously beside as much
+   compute on the main thread, against the two alone (:func:`_measure_overlap`);
 5. local matmul throughput per dtype (tiny on CPU for bf16/fp16, which are ~80x slower there).
 
 Rank 0's figures are broadcast, so every rank returns the same Cluster. The measured matmul FLOP/s are
@@ -45,7 +45,6 @@ import os
 import socket
 import statistics
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable, Collection, Sequence
@@ -196,13 +195,15 @@ def _in_stream(timer: Timer, work, ops: dict, calls: int = STREAM_CALLS) -> dict
     return {s: max(t / calls, 1e-9) for s, t in excess.items()}
 
 
-def _collective_op(kind: str, nbytes: int, n: int, device: torch.device, pg) -> Callable[[], object]:
-    """A closure running ``kind`` with the full size ``nbytes`` (see Cluster.collective_time) on ``pg``."""
+def _collective_op(kind: str, nbytes: int, n: int, device: torch.device, pg,
+                   async_op: bool = False) -> Callable[[], object]:
+    """A closure running ``kind`` with the full size ``nbytes`` (see Cluster.collective_time) on
+    ``pg``; ``async_op``: an all-reduce started asynchronously, the closure returning its work."""
     numel = max(n, (nbytes // 4) // n * n)
     full = torch.ones(numel, dtype=torch.float32, device=device)
     part = torch.empty(numel // n, dtype=torch.float32, device=device)
     if kind == "all_reduce":
-        return lambda: dist.all_reduce(full, group=pg)
+        return lambda: dist.all_reduce(full, group=pg, async_op=async_op)
     if kind == "all_gather":
         return lambda: all_gather_single(full, part, group=pg)
     if kind == "reduce_scatter":
@@ -252,45 +253,6 @@ def _matmul_flops(dtype: str, side: int, device: torch.device, repeats: int) -> 
         synchronize(device)
         times.append(time.perf_counter() - t0)
     return 2.0 * side**3 / max(statistics.median(times), 1e-9)
-
-
-class _Background:
-    """A matmul loop in another thread (and CUDA stream) for as long as the ``with`` block runs."""
-
-    def __init__(self, device: torch.device, side: int) -> None:
-        self.device = device
-        self.a = torch.randn(side, side, device=device)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        stream = None
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # the current device is per thread
-            stream = torch.cuda.Stream(self.device)
-        out = torch.empty_like(self.a)
-        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
-            while not self.stop.is_set():
-                torch.mm(self.a, self.a, out=out)
-                if stream is not None:
-                    stream.synchronize()
-
-    def __enter__(self) -> _Background:
-        self.thread.start()
-        time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join()
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _layout(pg, world: int) -> int:
@@ -700,10 +662,10 @@ def _measure_overlap(device, pg, nbytes, world, side, repeats, warmup, say) -> f
         for _ in range(calls):
             torch.mm(a, a)
 
-    buf = torch.ones(max(world, nbytes // 4), dtype=torch.float32, device=device)
+    start = _collective_op("all_reduce", nbytes, world, device, pg, async_op=True)
 
     def together() -> None:
-        handle = dist.all_reduce(buf, group=pg, async_op=True)
+        handle = start()
         compute()
         handle.wait()
 

@@ -177,9 +177,9 @@ def _makespan(schedule: str, pp: int, virtual_stages: int, micro_batches: int, t
 def _simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int, transfer: float = 0.0,
               delayed: frozenset = frozenset(), delay: float = 0.0) -> tuple[float, list, list]:
     """:func:`_makespan`'s simulation: ``(makespan, spans, asks)``, ``spans[r]`` rank ``r``'s
-    ``(start, end, waited)`` per action in its order (``waited``: the rank idled before it), ``asks`` every cross-rank input as ``(receiving
-    action, input, sending rank, made at, asked at)`` (asked: when the receiving rank was free to
-    start the action). An input in ``delayed`` (a ``(receiving action, input)`` pair) arrives
+    ``(start, end, waited)`` per action in its order (``waited``: the rank idled before it),
+    ``asks`` every cross-rank input as ``(receiving action, input, sending rank, made at, asked
+    at)`` (asked: when the receiving rank was free to start the action). An input in ``delayed`` (a ``(receiving action, input)`` pair) arrives
     ``delay`` after it is asked for, if later than it would."""
     p, v, m = pp, virtual_stages, micro_batches
     n = p * v
@@ -188,7 +188,7 @@ def _simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int, t
               for r in range(p)]
     done: dict[tuple[str, int, int], float] = {}
     clock, at = [0.0] * p, [0] * p
-    spans: list[list[tuple[float, float]]] = [[] for _ in range(p)]
+    spans: list[list[tuple[float, float, bool]]] = [[] for _ in range(p)]
     asks: list[tuple] = []
     remaining = sum(len(o) for o in orders)
     while remaining:
@@ -240,8 +240,9 @@ def late_transfers(schedule: str, pp: int, virtual_stages: int, micro_batches: i
     ms on average, 2026-12-04). A sender computes if it runs an action begun before the request,
     or begun at it without having waited (1F1B's sender, which waits for a gradient in the same
     exchange that hands over its activation, does not). pp 2, m 2 / 4 / 8: GPipe 0 / 4 / 12 (each
-    forward's output but the first and the last waits while its sender runs the next forward, and so does each
-    gradient), 1F1B 0 / 2 / 6, interleaved 1F1B v 2: 3 / 8 / 20 (tests/test_schedules.py)."""
+    forward's output but the first and the last waits while its sender runs the next forward, and
+    so does each gradient), 1F1B 0 / 2 / 6, interleaved 1F1B v 2: 3 / 8 / 20
+    (tests/test_schedules.py)."""
     p, v, m = pp, virtual_stages, micro_batches
     _, spans, asks = _simulate(schedule, p, v, m)
 

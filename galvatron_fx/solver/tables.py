@@ -29,12 +29,6 @@ from .schedules import chunk_peaks, chunk_rank, chunk_wgrad_peaks, rank_chunks, 
 from .strategy import Strategy
 
 
-def fastest_layer_times(t: np.ndarray) -> np.ndarray:
-    """Each layer's least step time over its allowed strategies (an ``[L, S]`` table, ``inf`` where
-    not allowed): what a multi-chunk configuration's chunks are balanced on."""
-    return np.where(np.isfinite(t), t, np.inf).min(axis=1)
-
-
 class CachedCosts:
     """A :class:`CostSource` that memoises by layer *signature* (identical layers cost the same),
     strategy and micro-batch size."""
@@ -137,11 +131,11 @@ class ConfigTables:
     def chunks(self) -> list[tuple[int, int]]:
         """The fixed split into ``p * v`` chunks of a configuration: with one chunk per stage the
         even split (the uniform plans' stages); with several, the split balancing each layer's
-        fastest time (:func:`~.pipeline.balanced_split`)."""
+        fastest time over its allowed strategies (:func:`~.pipeline.balanced_split`)."""
         if self.v == 1:
             return even_split(len(self.sig_ids), self.p)
         if self._chunks is None:
-            self._chunks = balanced_split(fastest_layer_times(self.t), self.p * self.v)
+            self._chunks = balanced_split(self.t.min(axis=1), self.p * self.v)
         return self._chunks
 
     def chunk_peaks(self) -> tuple[int, ...]:
