@@ -49,3 +49,38 @@ def test_annotation_attaches_costs():
     block = info.costs[1]
     assert block["fwd_flops_sharded"][0] > 0 and block["params_sharded_tp2"] > 0
     assert len(info.cost_model.measures) == 3  # identical blocks measured once
+
+
+def test_layers_are_timed_as_a_step_runs_them():
+    """time_layer runs CHAIN forwards, holding their activations, before their backwards (a layer
+    alone in a loop reuses its freed, cache-warm memory and reads low)."""
+    import itertools
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from galvatron_fx.cost.profile import CHAIN, time_layer
+
+    class Phases(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.log = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.log.append(torch._C._current_graph_task_id() != -1)   # inside a backward
+            return func(*args, **(kwargs or {}))
+
+    model, args = gfx.models.build("gpt-tiny", device="cpu", layers=1, batch=2)
+    gm = CostAnnotationPass(Cluster.preset("2xA100-80GB"))(gfx.capture(model, args, method="fx")).graph_module
+    cm = gm.meta["galvatron"].cost_model
+    layer = cm.graphs[cm.layers[1].signature]
+    counts = {}
+    for chain in (1, CHAIN):
+        with Phases() as mode:
+            fwd, bwd = time_layer(layer, 2, repeats=1, warmup=0, chain=chain)
+        runs = [(inside, len(list(ops))) for inside, ops in itertools.groupby(mode.log)]
+        # every forward, then the backwards, each after its output gradient's one op
+        assert [inside for inside, _ in runs] == [False, True] + [False, True] * (chain - 1)
+        assert all(n == 1 for inside, n in runs[2:] if not inside) and fwd > 0 and bwd > 0
+        counts[chain] = runs[0][1]
+    assert CHAIN > 1 and counts[CHAIN] == CHAIN * (counts[1] - 1) + 1
