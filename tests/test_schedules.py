@@ -102,20 +102,29 @@ def test_transfers_on_the_critical_path():
 
 
 def test_inputs_asked_for_late_while_their_sender_computes():
-    """pp2 m4, F = 1, B = 2 (by hand). GPipe: rank 1 asks for activation 1 at t = 2, when it made
-    activation 0, and rank 0, which made activation 1 at t = 2, has gone straight on to its third
-    forward: the send waits for rank 0's communication thread. So do activation 2 (asked at 3) and
-    the gradients 1 and 2 going back (asked at 9 and 11, rank 1 in its next backward); activation
-    3 and gradient 3 find their sender idle: 4. 1F1B m2: rank 0 waits for gradient 0 in the same
-    exchange that hands over activation 1 (torch fuses the send with that receive), so nothing is
-    asked of a computing sender: 0. Each of them adds its wake-up to the step; 1F1B never more than
-    GPipe (the search does not try GPipe)."""
-    from galvatron_fx.solver.schedules import late_transfers
+    """pp2 m4, F = 1, B = 2 (by hand). GPipe waits for its sends only after the last forward and at
+    the end. Activation k (k = 1, 2) is made at k + 1, when rank 1 asks for it, and rank 0 has gone
+    straight on to forward k + 1: the send waits for rank 0's communication thread. Activation 0
+    too: rank 1 asked at 0, while rank 0 computed without a pause until it made it at 1. Gradient 0
+    is made at 7 (asked at 4) and gradients 1 and 2 at 9 and 11 (asked then), each while rank 1
+    goes on to its next backward. Activation 3 and gradient 3 find their sender idle: 6.
+    1F1B m2: rank 0's first warm-up forward's send is waited for only after its second forward,
+    and rank 1 asked for it at 0: late. Every other send is fused with the receive its sender
+    waits on next (torch's 1B1F), so the sender's thread has a core: 1. Each of them adds its
+    wake-up to the step; 1F1B never more than GPipe (the search does not try GPipe)."""
+    from galvatron_fx.solver.schedules import late_transfers, send_waited
 
-    assert late_transfers("gpipe", 2, 1, 4) == pytest.approx(4)
-    assert late_transfers("1f1b", 2, 1, 2) == pytest.approx(0)
-    assert [round(late_transfers("gpipe", 2, 1, m), 6) for m in (2, 4, 8)] == [0, 4, 12]
-    assert [round(late_transfers("1f1b", 2, 1, m), 6) for m in (2, 4, 8)] == [0, 2, 6]
+    assert late_transfers("gpipe", 2, 1, 4) == pytest.approx(6)
+    assert late_transfers("1f1b", 2, 1, 2) == pytest.approx(1)
+    assert [round(late_transfers("gpipe", 2, 1, m), 6) for m in (2, 4, 8)] == [2, 6, 14]
+    assert [round(late_transfers("1f1b", 2, 1, m), 6) for m in (2, 4, 8)] == [1, 1, 1]
+    # torch's Schedule1F1B on rank 0 of pp 2, m 4 (F0 F1 B0 F2 B1 F3 B2 B3): the first warm-up
+    # forward's send waited after the next forward, the last warm-up's and the steady state's
+    # before the next action, the cool-down backwards' after the next backward
+    order = [("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("F", 0, 2), ("B", 0, 1), ("F", 0, 3), ("B", 0, 2), ("B", 0, 3)]
+    assert [send_waited("1f1b", order, i) for i in range(8)] == [2, 2, 3, 4, 5, 6, 8, 8]
+    assert [send_waited("gpipe", [("F", 0, k) for k in range(2)] + [("B", 0, k) for k in range(2)], i)
+            for i in range(4)] == [2, 2, 4, 4]
     assert [round(late_transfers("interleaved-1f1b", 2, 2, m), 6) for m in (2, 4, 8)] == [3, 8, 20]
     for p in (2, 3, 4):
         for m in range(p, 4 * p + 1):

@@ -178,15 +178,17 @@ def _simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int, t
               delayed: frozenset = frozenset(), delay: float = 0.0) -> tuple[float, list, list]:
     """:func:`_makespan`'s simulation: ``(makespan, spans, asks)``, ``spans[r]`` rank ``r``'s
     ``(start, end, waited)`` per action in its order (``waited``: the rank idled before it),
-    ``asks`` every cross-rank input as ``(receiving action, input, sending rank, made at, asked
-    at)`` (asked: when the receiving rank was free to start the action). An input in ``delayed`` (a ``(receiving action, input)`` pair) arrives
-    ``delay`` after it is asked for, if later than it would."""
+    ``asks`` every cross-rank input as ``(receiving action, input, sending rank, index of the
+    sending action in its rank's order, made at, asked at)`` (asked: when the receiving rank was
+    free to start the action). An input in ``delayed`` (a ``(receiving action, input)`` pair)
+    arrives ``delay`` after it is both made and asked for, if later than it would."""
     p, v, m = pp, virtual_stages, micro_batches
     n = p * v
     owner = {c: r for r in range(p) for c in rank_chunks(schedule, r, p, v)}
     orders = [[(kind, rank_chunks(schedule, r, p, v)[c], k) for kind, c, k in rank_order(schedule, r, p, v, m)]
               for r in range(p)]
     done: dict[tuple[str, int, int], float] = {}
+    made_by: dict[tuple[str, int, int], int] = {}   # output -> index of the action making it
     clock, at = [0.0] * p, [0] * p
     spans: list[list[tuple[float, float, bool]]] = [[] for _ in range(p)]
     asks: list[tuple] = []
@@ -212,15 +214,17 @@ def _simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int, t
                     if owner[d[1]] == r:
                         start = max(start, done[d])
                         continue
-                    asks.append((action, d, owner[d[1]], done[d], clock[r]))
+                    asks.append((action, d, owner[d[1]], made_by[d], done[d], clock[r]))
                     start = max(start, done[d] + transfer)
                     if (action, d) in delayed:
-                        start = max(start, clock[r] + delay)
+                        start = max(start, max(done[d], clock[r]) + delay)
                 end = start + cost
                 spans[r].append((start, end, start > clock[r]))
                 clock[r] = done[action] = end
+                made_by[action] = at[r]
                 if kind in ("I", "B"):
                     done[("G", c, k)] = end   # the input gradient the previous chunk waits for
+                    made_by[("G", c, k)] = at[r]
                 at[r] += 1
                 remaining -= 1
                 progressed = True
@@ -229,27 +233,64 @@ def _simulate(schedule: str, pp: int, virtual_stages: int, micro_batches: int, t
     return max(clock), spans, asks
 
 
+def send_waited(schedule: str, order: list[tuple[str, int, int]], index: int) -> int:
+    """The index in a rank's ``order`` of the action before which the rank waits for the sends of
+    action ``index`` (``len(order)``: at the step's end), as ``torch.distributed.pipelining`` runs
+    them. ``ScheduleGPipe`` waits for the forward sends after the last forward, the backward sends
+    at the end. ``Schedule1F1B`` fires a warm-up forward's send and waits for it after the next
+    forward, fuses the last warm-up forward's send and every steady-state send with the next
+    receive (waited before the next action), and waits for a cool-down backward's send after the
+    next backward. The action-list runtimes (interleaved, zero-bubble) wait for their sends at the
+    step's end."""
+    n = len(order)
+    kind = order[index][0]
+    if schedule == "gpipe":
+        return next((i for i, a in enumerate(order) if a[0] == "B"), n) if kind == "F" else n
+    if schedule != "1f1b":
+        return n
+    if kind == "F":
+        warmup = next((i for i, a in enumerate(order) if a[0] != "F"), n)
+        return index + 2 if index < warmup - 1 else index + 1
+    return index + 1 if any(a[0] == "F" for a in order[index + 1:]) else min(index + 2, n)
+
+
 @functools.lru_cache(maxsize=1024)
 def late_transfers(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> float:
     """How many cross-rank inputs a step waits an extra wake-up for: the growth of the step
-    (:func:`_makespan`, unit chunk passes, sends free) per unit of delay on every input that was
-    made by the time its receiver asked for it while its sender was computing. Each such input
-    costs the cluster's ``p2p_wakeup_s`` beyond its transfer: a point-to-point send (gloo's, and
-    NCCL's) moves only once its receiver has posted the receive, and then needs the sender's
-    communication thread, which waits for a core while the sender computes (2-core host: 1.5-2.4
-    ms on average, 2026-12-04). A sender computes if it runs an action begun before the request,
-    or begun at it without having waited (1F1B's sender, which waits for a gradient in the same
-    exchange that hands over its activation, does not). pp 2, m 2 / 4 / 8: GPipe 0 / 4 / 12 (each
-    forward's output but the first and the last waits while its sender runs the next forward, and
-    so does each gradient), 1F1B 0 / 2 / 6, interleaved 1F1B v 2: 3 / 8 / 20
-    (tests/test_schedules.py)."""
+    (:func:`_makespan`, unit chunk passes, sends free) per unit of delay on every input whose
+    sender is computing, its send not yet waited for (:func:`send_waited`), when the input is both
+    made and asked for. Each such input costs the cluster's ``p2p_wakeup_s`` beyond its transfer:
+    a point-to-point send (gloo's, and NCCL's) moves only once its receiver has posted the receive,
+    and then needs the sender's communication thread, which waits for a core while the sender
+    computes (2-core host: 1.5-2.4 ms on average; a GPipe sender gone on to its next backward
+    delivered an early-asked gradient 1.6 ms late, 2026-12-04). A sender computes if it runs an
+    action begun before that time, or begun then without having waited. A 1F1B sender that fuses
+    its send with the receive it waits on next does not keep the input waiting. An input asked for
+    before it is made is written by the sender's own ``isend`` if the sender learnt of the receive
+    while waiting, and always under the action-list runtimes, which post their receives ahead
+    (``RECV_F`` / ``RECV_B`` actions). pp 2, m 2 / 4 / 8: GPipe 2 / 6 / 14 (each input but the last
+    of each pass: the sender is on to its next micro-batch), 1F1B 1 / 1 / 1 (rank 0's first warm-up
+    forward), interleaved 1F1B v 2: 3 / 8 / 20 (tests/test_schedules.py)."""
     p, v, m = pp, virtual_stages, micro_batches
     _, spans, asks = _simulate(schedule, p, v, m)
+    orders = [rank_order(schedule, r, p, v, m) for r in range(p)]
 
-    def busy(rank: int, t: float) -> bool:   # computing at t, or starting then without having waited
-        return any(a < t < b or (a == t < b and not waited) for a, b, waited in spans[rank])
+    def busy(rank: int, t: float, first: int = 0, last: int | None = None) -> bool:
+        """Computing at ``t`` (or starting then without having waited) an action in ``[first, last)``."""
+        return any(a < t < b or (a == t < b and not waited) for a, b, waited in spans[rank][first:last])
 
-    late = frozenset((action, d) for action, d, sender, made, asked in asks if made <= asked and busy(sender, asked))
+    def idles(rank: int, t0: float, t1: float) -> bool:
+        """Waiting at some time in ``[t0, t1]`` (its communication thread then has a core)."""
+        return not busy(rank, t0) or any(waited and t0 < a <= t1 for a, _, waited in spans[rank])
+
+    def early_ask_served(sender: int, made_at: float, asked: float) -> bool:
+        """An input asked for before it is made that the sender's own ``isend`` writes: the sender
+        learnt of the receive while waiting, or (action-list runtimes) the receive was posted ahead."""
+        return asked < made_at and (schedule not in ("gpipe", "1f1b") or idles(sender, asked, made_at))
+
+    late = frozenset((action, d) for action, d, sender, made, made_at, asked in asks
+                     if busy(sender, max(made_at, asked), made + 1, send_waited(schedule, orders[sender], made))
+                     and not early_ask_served(sender, made_at, asked))
     eps = 1e-3
     return (_simulate(schedule, p, v, m, delayed=late, delay=eps)[0] - _makespan(schedule, p, v, m)) / eps
 
