@@ -7,7 +7,8 @@ schedule) on a tiny transformers Llama (keyword inputs) or the zoo's gpt-tiny, t
 device: per-step losses and clip norms, the final parameters, the same full state on every rank,
 original parameter names. Cases cover ZeRO-2 / ZeRO-3 / TP2+SP / TP2xDP2 / PP2xDP2, interleaved 1F1B
 (2 chunks per pipeline rank: transform, export at world 4 with ZeRO-3, torch.compile, LoRA with
-checkpointing, PP4 with checkpointing on a 6-block Llama), the zero-bubble schedules (GPT-NeoX ZB-V
+checkpointing, PP4 with checkpointing on a 6-block Llama, a searched plan whose 4 chunks the
+search balanced on a 4-block Llama), the zero-bubble schedules (GPT-NeoX ZB-V
 over PP2xDP2 through export, interleaved ZB through torch.compile, DualPipeV with ZeRO-3 and
 checkpointing, ZB-H1 with LoRA), the three capture front ends, bf16-mixed, frozen parameters (states bytes against
 the estimate), peft LoRA and param groups with lr 0, Falcon's multi-query attention under TP2+SP and PP2xTP2.
@@ -164,13 +165,17 @@ CASES = {
     # candidates timed on the keyword graph (synthetic inputs in its shapes)
     "measured-export": dict(method="export", clip="dm", measure=3),
     "measured-compile": dict(matrix=True, door="compile", clip="dm", measure=3),
+    # a searched interleaved plan: 6 layers (embeddings, 4 blocks, head) in 4 chunks, cut by the
+    # search's balanced split (solver/pipeline.py: balanced_split), not by layer count (2, 2, 1, 1)
+    "searched-interleaved": dict(model="llama4", clip="dm", search=dict(
+        pp=2, micro_batches=2, **INTERLEAVED)),
 }
 FROZEN = ("embed", "norm")
 
 
 def _case(name: str) -> dict:
     return dict(dict(world=2, door="transform", model="llama", method="dynamo", clip="torch", groups={},
-                     precision="fp32", matrix=False, shard=False, measure=0, plan={}), **CASES[name])
+                     precision="fp32", matrix=False, shard=False, measure=0, plan={}, search=None), **CASES[name])
 
 
 def _model(kind: str):
@@ -197,8 +202,8 @@ def _model(kind: str):
         return loops.falcon(tied=kind != "falcon-untied")
     if kind == "mistral":   # a sliding window of 8 over the 16 tokens
         return loops.mistral()
-    if kind == "llama6":
-        return loops.llama(layers=6)
+    if kind in ("llama4", "llama6"):
+        return loops.llama(layers=int(kind[-1]))
     if kind == "loop-moe":   # experts written as a loop over an nn.ModuleList (tests/loop_moe.py)
         from tests import loop_moe
 
@@ -249,6 +254,11 @@ def _run_case(rank, world, name):
     if case["measure"]:
         plan = gfx.search(gm, f"{world}xA100-80GB", global_batch_size=loops.B, precision=case["precision"],
                           measure=case["measure"], measure_options=MEASURE_QUICK)
+    elif case["search"]:
+        plan = gfx.search(gm, f"{world}xA100-80GB", global_batch_size=loops.B, precision=case["precision"],
+                          constraints=case["search"])
+        chunks = [hi - lo + 1 for lo, hi in plan.stages]
+        assert plan.virtual_stages == 2 and chunks == [2, 1, 1, 2], chunks   # the light ends take a block
     else:
         plan = gfx.Plan.uniform(gm, world, global_batch_size=loops.B, precision=case["precision"], **case["plan"])
     for lp in plan.layers:   # the token dispatch of expert-parallel layers (default: all-gather)
