@@ -214,3 +214,14 @@ def test_a_loaded_plan_does_not_calibrate_the_cluster_again(tmp_path, capsys):
     log["summary"]["measure"] = measure   # the run that measured: its fit is written, its candidates shown
     _report(log, args, print_log)
     assert gfx.Cluster.load(str(cfile)).time_scale == 4.0 and "timed searched" in capsys.readouterr().out
+
+
+def test_candidates_measured_alike_are_told_apart_by_their_estimate():
+    from galvatron_fx.selection import winner
+
+    measured = {0: 14.1e-3, 1: 14.0e-3, 2: 20.0e-3}
+    estimated = {0: 13.0e-3, 1: 13.4e-3, 2: 12.0e-3}
+    assert winner(measured, estimated, 0.03) == 0          # within 3 %: the cheaper estimate
+    assert winner(measured, estimated, 0.0) == 1           # no tie: the fastest measured
+    assert winner({0: 14.5e-3, 1: 14.0e-3}, {0: 13.0e-3, 1: 13.4e-3}, 0.03) == 1   # 3.6 % apart
+    assert winner({0: 14.1e-3, 1: 14.0e-3}, {0: None, 1: 13.4e-3}, 0.03) == 1      # no estimate: last
