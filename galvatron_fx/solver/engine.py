@@ -63,7 +63,7 @@ import numpy as np
 from ..errors import ConfigError, InfeasibleError
 from ..units import format_bytes
 from .objective import CostSource, estimate_plan, stage_limit, step_time
-from .pipeline import partition_min_max
+from .pipeline import greedy_pack, partition_min_max
 from .schedules import V_SHAPED, ZERO_BUBBLE, check_schedule, chunk_rank, step_slots
 from .stage import ExactStage, solve_stage_exact
 from .strategy import Strategy, strategy_space
@@ -506,21 +506,8 @@ class Engine:
     def _seed_split(self, c: ConfigTables, prefix: np.ndarray, window_lower) -> list[tuple[int, int]] | None:
         """A good split to start from: min-max on each layer's fastest time, each stage's least
         memory within the budget (bisection on the bottleneck, greedy packing)."""
-        L, p = self.L, c.p
-
         def pack(limit: float) -> list[tuple[int, int]] | None:
-            out, i = [], 0
-            for k in range(p):
-                j = i
-                while j + 1 <= L - (p - k) and window_lower(i, j + 1) <= limit:
-                    j += 1
-                if k == p - 1:
-                    j = L - 1
-                if window_lower(i, j) > limit:
-                    return None
-                out.append((i, j))
-                i = j + 1
-            return out
+            return greedy_pack(self.L, c.p, window_lower, limit)
 
         lo, hi = 0.0, float(prefix[-1])
         if pack(hi) is None:

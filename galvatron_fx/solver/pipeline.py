@@ -73,6 +73,25 @@ def even_split(num_layers: int, pp: int) -> list[tuple[int, int]]:
     return out
 
 
+def greedy_pack(layers: int, parts: int, window: Callable[[int, int], float],
+                limit: float) -> list[tuple[int, int]] | None:
+    """``parts`` contiguous inclusive ``(first, last)`` ranges over ``layers`` layers, in order, each
+    taking as many layers as it can while ``window(first, last)`` stays within ``limit`` and one
+    layer is left for each range after it; None when a range exceeds ``limit`` all the same."""
+    out, i = [], 0
+    for k in range(parts):
+        j = i
+        while j + 1 <= layers - (parts - k) and window(i, j + 1) <= limit:
+            j += 1
+        if k == parts - 1:
+            j = layers - 1
+        if window(i, j) > limit:
+            return None
+        out.append((i, j))
+        i = j + 1
+    return out
+
+
 def balanced_split(times, parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous inclusive ``(first, last)`` ranges covering ``len(times)`` layers whose
     largest sum of ``times`` (seconds per layer) is least; among splits within a relative ``1e-9``
@@ -92,18 +111,7 @@ def balanced_split(times, parts: int) -> list[tuple[int, int]]:
     prefix = np.concatenate([[0.0], np.cumsum(t)])
 
     def pack(limit: float) -> list[tuple[int, int]] | None:
-        out, i = [], 0
-        for k in range(parts):
-            j = i   # the range takes at least one layer, and leaves one for each range after it
-            while j + 1 <= L - (parts - k) and prefix[j + 2] - prefix[i] <= limit:
-                j += 1
-            if k == parts - 1:
-                j = L - 1
-            if prefix[j + 1] - prefix[i] > limit:
-                return None
-            out.append((i, j))
-            i = j + 1
-        return out
+        return greedy_pack(L, parts, lambda i, j: prefix[j + 1] - prefix[i], limit)
 
     windows = np.unique((prefix[None, :] - prefix[:, None])[np.triu_indices(L + 1, 1)])
     lo, hi = 0, len(windows) - 1   # the least window sum that some split does not exceed
