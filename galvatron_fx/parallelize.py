@@ -228,7 +228,9 @@ def _rank_sets(plan: Plan, world: int, whole_batch: frozenset = frozenset()) -> 
         lays = [Layout(lp.tp, lp.dp, lp.sp, base, lp.ep, lp.cp, lp.expert_tp) for lp in plan.layers[first:last + 1]]
         lays += [batch_layout(lp.tp, lp.dp, lp.sp, base, whole_batch=True)
                  for i, lp in enumerate(plan.layers[first:last + 1], first) if i in whole_batch]
-        if plan.pp > 1 or any(lp.cp > 1 for lp in plan.layers):   # the stage boundary / graph input layout
-            lays.append(input_layout(n, plan.global_batch_size // plan.micro_batches, base))
+        # NOTE: the graph inputs' layout, always: a stage boundary, and the rows a rank's shard of
+        # the batch is gathered over (a token loss counts the whole batch's targets; tp2 x dp2
+        # failed in a fresh process, passing only after a test that had made the group)
+        lays.append(input_layout(n, plan.global_batch_size // plan.micro_batches, base))
         sets |= reshard.rank_sets(lays, world)
     return sets

@@ -101,6 +101,8 @@ def _pool_worker(rank: int, world_size: int, port: int, threads: int, tasks, res
             os.environ.update(env)
             if "torch._dynamo" in sys.modules:
                 sys.modules["torch._dynamo"].reset()
+            if "galvatron_fx.runtime.groups" in sys.modules:   # each test makes its groups, as a fresh process
+                sys.modules["galvatron_fx.runtime.groups"].GROUPS.release()
             if "galvatron_fx.backend.options" in sys.modules:   # the process-wide counters tests read
                 sys.modules["galvatron_fx.backend.options"].stats.update(compiles=0, searches=0)
     dist.destroy_process_group()

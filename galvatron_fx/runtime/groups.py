@@ -166,6 +166,15 @@ class ProcessGroups:
             else:
                 self._groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=local)
 
+    def release(self) -> None:
+        """Destroy every cached group but the world's: the process then starts over as a fresh one
+        (the test pool does so between tests, so that a group one test made cannot hide another's
+        missing one; every rank must be done with the groups)."""
+        for g in self._groups.values():
+            if g is not dist.group.WORLD:
+                dist.destroy_process_group(g)
+        self._groups.clear()
+
     def get(self, ranks: Ranks):
         ranks = tuple(sorted(ranks))
         if len(ranks) <= 1:
