@@ -104,7 +104,8 @@ def _rank(rank, world, overrides, mode, steps, fractions, measure):
                     est = gfx.estimate(gm, plan, cluster, **cost)
                     plans[k], preds[k], mems[k] = plan.to_dict(), est["step_time_s"], max(est["memory_bytes_per_device"])
             cases.append({"fraction": f, "budget": budget, "searched": keys[0], "measured": keys[1],
-                          "fitting": [u for u in uniform_keys if mems[u] <= budget]})
+                          "fitting": [u for u in uniform_keys if mems[u] <= budget],
+                          "selection": chosen.extra.get("measured", [])})
     box = [{"plans": plans, "preds": preds, "mems": mems, "cases": cases, "dp_memory": dp_memory,
             "uniform": uniform_keys, "search_s": search_s}] if rank == 0 else [None]
     dist.broadcast_object_list(box, src=0)
@@ -147,7 +148,8 @@ def _model_cases(args, hidden: int) -> tuple[list[dict], dict]:
                     "best": label[best], "best_step_s": meas[best], "fitting_uniform": len(uni),
                     "regret": meas[c["searched"]] / meas[best], "spearman": rho,
                     "measured": label[c["measured"]], "measured_step_s": meas[c["measured"]],
-                    "measured_regret": meas[c["measured"]] / meas[best]})
+                    "measured_regret": meas[c["measured"]] / meas[best],
+                    "selection": c["selection"]})   # the measured selection's candidates and rounds
     return out, {"overrides": overrides, "dp_memory_bytes": res["dp_memory"], "search_s": res["search_s"],
                  "plans": [{"plan": label[k], "pred_s": preds[k], "pred_memory": mems[k], "measured_s": meas.get(k)}
                            for k in res["plans"]]}
