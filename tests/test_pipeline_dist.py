@@ -78,6 +78,9 @@ def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=True, eps
             "states": dm.states_bytes(opt)["total"],
             "predicted_states": est["states_bytes"][dm.stage_index],
             "predicted_activation": est["activation_bytes"][dm.stage_index],
+            "predicted_transient": est["transient_bytes"][dm.stage_index],
+            "ckpt": any(lp.ckpt for c, (a, b) in enumerate(plan.stages) if plan.chunk_rank(c) == dm.stage_index
+                        for lp in plan.layers[a:b + 1]),
             "predicted_held": est["split_held_bytes"][dm.stage_index], "sdp": {la.strategy.sdp for la in plan.layers},
             "seconds": seconds,
             "code": dm.code,
@@ -123,10 +126,18 @@ def _check(results):
                 # NOTE: the estimate charges every chunk its own peak (an upper bound of the rank's);
                 # slack: the tiny embedding / loss layers save ~2 KiB per micro-batch the model misses
                 slack = 2048 * st["peak_in_flight"]
-                assert 0 < st["peak_saved_bytes"] <= r["predicted_activation"] * 1.01 + slack, (label, st)
+                # a checkpointed layer's recomputation saves its activations again in its backward,
+                # beside the micro-batches still held: the model's transient
+                bound = r["predicted_activation"] + (r["predicted_transient"] if r["ckpt"] else 0)
+                held, predicted = st["peak_wgrad_bytes"], r["predicted_held"]
                 if "zero3" not in r["sdp"]:   # zero-bubble: the output gradients held from I to W
-                    held, predicted = st["peak_wgrad_bytes"], r["predicted_held"]
                     assert held <= predicted * 1.01 + slack and (held > 0) == (predicted > 0), (label, held, predicted)
+                    # NOTE: between I and W a micro-batch holds saved activations and output
+                    # gradients, and which of the two a byte is depends on where torch's split
+                    # stops (T5's position bias, whose weight no input-gradient path reaches,
+                    # gets its gradient in I: 8 KiB more saved, 8 KiB fewer held): the sum counts
+                    bound += predicted - held
+                assert 0 < st["peak_saved_bytes"] <= bound * 1.01 + slack, (label, st, bound)
                 assert r["states"] == r["predicted_states"], (label, r["stage"], r["states"], r["predicted_states"])
                 continue
             assert sorted(st["order"]) == sorted([f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)])
@@ -183,6 +194,15 @@ def test_pipeline_world2(model_name, overrides):
     code = results[1]["pp2-gpipe"]["code"]
     last = "layers_3" if model_name == "gpt-tiny" else "layers_6"
     assert f"self.{last}(" in code and "self.layers_0(" not in code
+
+
+@pytest.mark.dist
+def test_t5_zero_bubble_trains_like_one_device():
+    """T5's decoder position bias is computed from positions alone and handed to the next chunk:
+    no input-gradient path reaches its weight, so torch's split backward never computes its
+    gradient; the input pass does (runtime/pipeline.py: split_backward_input). It raised before."""
+    cases = [c for c in CASES_2 if c[0] in ("pp2-zb-h1", "pp2-interleaved-zb")]
+    _check(run_distributed(_run_cases, 2, "t5-large-32", T5, cases, True, T5_EPS, timeout=120))
 
 
 HETERO = [dict(tp=2, dp=1, sdp="none"), dict(tp=1, dp=2, sdp="zero3", ckpt=True), dict(tp=1, dp=2, sdp="zero2"),

@@ -34,6 +34,7 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import GradientEdge
 
 from ..errors import ConfigError
 from ..ir import StageInfo
@@ -202,8 +203,11 @@ def _make_stage_class():
 def split_backward_input(bwd_kwargs: dict, views: list, stage_index: int):
     """Zero-bubble ``I``: torch's ``stage_backward_input`` over the per-parameter views this
     micro-batch's forward recorded (``views``: ``[(store, [{part: view}, ...])]``), each param group
-    told which ``(store, part)`` its weights are. Raises when a weight's gradient does not pass
-    through the chunk's inputs' gradient graph (torch's split would never compute it)."""
+    told which ``(store, part)`` its weights are. A weight whose gradient does not pass through the
+    chunk's inputs' gradient graph (T5's relative position bias: computed from positions alone and
+    handed on as a chunk output), which torch's split would never compute, gets its gradient here
+    from the chunk's outputs, in a group of its own (``ready``) that :func:`weight_backward` hands
+    on."""
     from torch.distributed.pipelining._backward import stage_backward_input
 
     weights, owner = [], {}
@@ -212,19 +216,40 @@ def split_backward_input(bwd_kwargs: dict, views: list, stage_index: int):
             for j, v in rec.items():
                 weights.append(v)
                 owner.setdefault(v.grad_fn, []).append((store, j))
-    grads, groups = stage_backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
-                                         bwd_kwargs["input_values"], iter(weights))
+    outputs = _as_tuple(bwd_kwargs["stage_output"])
+    # NOTE: torch detaches the outputs it is given in place once done; an alias of each (not an
+    # autograd view, which cannot be detached in place; no copy) keeps the originals' graph for
+    # the weights below
+    aliases = [torch.ops.aten._unsafe_view(o, o.shape) if isinstance(o, torch.Tensor) and o.requires_grad else o
+               for o in outputs]
+    grads, groups = stage_backward_input(aliases, bwd_kwargs["output_grads"], bwd_kwargs["input_values"],
+                                         iter(weights))
     for g in groups:
         g["params"] = list(g["params"])
         g["owners"] = [owner[n] for n in g["params"]]
     reached = {n for g in groups for n in g["params"]}
-    missing = [owner[n][0] for n in owner if n not in reached]
+    missing = [n for n in owner if n not in reached]
     if missing:
-        names = [store.fqns[store.part_index.index(j)] for store, j in missing][:3]
-        raise ConfigError(f"pipeline chunk {stage_index}: the gradients of {names} do not depend on the chunk's "
-                          "inputs, so a split (zero-bubble) backward cannot compute them; use schedule "
-                          "'1f1b' or 'interleaved-1f1b'")
+        given = bwd_kwargs["output_grads"]
+        given = [torch.ones_like(o) for o in outputs] if given is None else _as_tuple(given)   # the loss: 1
+        pairs = [(o, g) for o, g in zip(outputs, given)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        if not pairs:
+            raise ConfigError(f"internal: pipeline chunk {stage_index} has weights outside its inputs' gradient "
+                              "graph and no output gradient to compute theirs from")
+        # NOTE: retain_graph: the weight pass still walks this micro-batch's graph; autograd runs
+        # only the nodes that lead to these weights
+        ready = torch.autograd.grad([o for o, _ in pairs], [GradientEdge(n, 0) for n in missing],
+                                    grad_outputs=[g for _, g in pairs], retain_graph=True, allow_unused=True)
+        groups.append({"params": [], "intermediates": [], "owners": [owner[n] for n in missing], "ready": ready})
+    for o in outputs:   # as torch does to its own: the output side's graph state is no longer needed
+        if isinstance(o, torch.Tensor):
+            o.detach_()
     return grads, groups
+
+
+def _as_tuple(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
 def _held_bytes(groups: list[dict]) -> int:
@@ -242,10 +267,19 @@ def weight_backward(param_groups: list[dict], stores) -> tuple:
     """Zero-bubble ``W``: torch's ``stage_backward_weight``, stopping at each parameter's view (so
     no input-gradient path is recomputed), then each layer's gradients handed to its store
     (``on_grad``: DP reduction and ZeRO reduce-scatters start here), last layer first."""
-    from torch.autograd.graph import GradientEdge
-
     got: dict = {}
+
+    def add(owners_list, dws) -> None:
+        for owners, dw in zip(owners_list, dws):
+            for store, j in owners:
+                if dw is not None:
+                    parts = got.setdefault(store, {})
+                    parts[j] = dw if j not in parts else parts[j] + dw
+
     for pg in param_groups:
+        if "ready" in pg:   # computed in the input pass (split_backward_input)
+            add(pg["owners"], pg.pop("ready"))
+            continue
         grads, nodes = pg.pop("grads", None), pg.pop("intermediates")
         if grads is None:
             continue
@@ -267,11 +301,7 @@ def weight_backward(param_groups: list[dict], stores) -> tuple:
         finally:
             for h in handles:
                 h.remove()
-        for owners, dw in zip(pg["owners"], dws):
-            for store, j in owners:
-                if dw is not None:
-                    parts = got.setdefault(store, {})
-                    parts[j] = dw if j not in parts else parts[j] + dw
+        add(pg["owners"], dws)
     for store in reversed(stores):
         if store in got:
             store.on_grad(tuple(got[store].get(j) for j in range(len(store.part_sizes))))
