@@ -30,7 +30,7 @@ class BackendOptions:
     reduce_dtype: str | None = None   # mixed precision: "fp32" (default) or the compute dtype
     init: str | None = None           # a meta-device model: "weights" (its own initialiser) or a from_pretrained DIR
     measure: int = 0                  # time the K best plans and the baselines on the live world (galvatron_fx/selection.py)
-    measure_options: dict | None = None  # its budget (selection.DEFAULTS: warmup, steps, close, rounds, seconds)
+    measure_options: dict | None = None  # its budget and rules (selection.DEFAULTS: warmup, steps, close, rounds, seconds, tie, doubt)
     schedule: str | None = None       # pin the search's pipeline schedule (a constraint)
     virtual_stages: int | None = None  # pin its chunks per pipeline rank (a constraint)
 
