@@ -17,6 +17,7 @@ its peers fail at once; see docs/reliability.md). torch's own default is 30 minu
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 
 import torch
@@ -77,7 +78,12 @@ def shutdown() -> None:
     """Tear the default process group down (collectively) before the process exits.
 
     NOTE: a gloo group left alive at interpreter exit can abort the process from its destructor
-    ("terminate called without an active exception"), which torchrun reports as a failed rank."""
+    ("terminate called without an active exception"), which torchrun reports as a failed rank. So
+    can a finished collective's work object that cyclic garbage (a training run's model and its
+    hooks) still holds when the interpreter finalizes: destroying it then takes the GIL mid
+    teardown (pytorch/pytorch#179291). Collect that garbage first, while Python is whole (the
+    train command's ZeRO-3 run aborted so once in a CI run, 2026-12-04)."""
+    gc.collect()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
