@@ -404,6 +404,12 @@ class Cluster:
         """Seconds one device needs for ``flops`` floating-point operations in ``dtype``."""
         return float(flops) / self.achievable_flops(dtype)
 
+    def attention_time(self, flops: float, dtype: Any = "fp32", backward: bool = False) -> float:
+        """Seconds one device's fused attention kernel (flash / memory-efficient SDPA) needs for
+        ``flops`` FLOPs in ``dtype``, counted as the kernel runs them (a causal kernel skips the
+        blocks above the diagonal); ``backward``: the backward kernel."""
+        return self.compute_time(flops, dtype)
+
     def _group(self, ranks: Sequence[int] | int) -> list[int]:
         if isinstance(ranks, numbers.Integral):
             return self._group(range(int(ranks)))
