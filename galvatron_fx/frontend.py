@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from .batch_symbol import batch_positions
 from .errors import CaptureError, ConfigError
+from .hf_capture import hf_capture
 from .ir import META_KEY, GraphInfo
 
 METHODS = ("dynamo", "export", "fx")
@@ -272,13 +273,15 @@ def capture(model: nn.Module, example_args=(), kwargs: dict | None = None, metho
         # NOTE: fresh tensor objects (views) carry the dynamic marks, not the user's tensors
         inputs = [t.view_as(t) if i in batched else t for i, t in enumerate(inputs)]
         try:
-            raw, sources = _FRONTENDS[method](wrapper, inputs, batched)
+            with hf_capture(kwargs):
+                raw, sources = _FRONTENDS[method](wrapper, inputs, batched)
         except Exception as exc:  # noqa: BLE001 - the model specialises on its batch: capture it static
             reason = _static_note(method, _first_line(exc))
             wrapper, inputs, names = _make_wrapper(model, args, kwargs)
     if not batched or reason:
         try:
-            raw, sources = _FRONTENDS[method](wrapper, inputs, [])
+            with hf_capture(kwargs):
+                raw, sources = _FRONTENDS[method](wrapper, inputs, [])
         except CaptureError:
             raise
         except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
