@@ -107,6 +107,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .cluster_profile import COLLECTIVES, P2P, profile
+from .devices import ATTENTION_HALF_RATE_SEQ, DEVICES, GEMM_TILE, HBM_EFFICIENCY
 from .errors import ConfigError
 from .units import format_bytes, parse_bytes
 
@@ -150,13 +151,18 @@ SCALE_FIELDS = ("time_scale", "pipeline_time_scale")
 # node about as much again; an NCCL call ~10-30 us beyond its ring steps (the presets' ``α`` prices
 # those); a galvatron layer adds two autograd Functions and its parameter views; checkpointing adds
 # two Python saved-tensor hooks per saved tensor (a few us per op, host-side like a launch); a fused / foreach
-# Adam step streams ~7 fp32 words per parameter (read p, g, m, v; write p, m, v) at HBM speed,
-# ~3.5e-12 s per parameter byte at 2 TB/s; a device-memory copy reads and writes each byte, ~1e-12 s
-# per byte written at 2 TB/s.
+# Adam step and the device's copies stream at its memory rate: the presets set optimizer_s_per_byte
+# (ADAM_WORDS_PER_PARAMETER) and copy_s_per_byte from it (galvatron_fx/devices.py); the figures here
+# (2 TB/s) serve hand-made clusters that ask for GPU_OVERHEADS.
 GPU_OVERHEADS = dict(op_launch_s=7e-6, op_launch_bwd_s=10e-6, collective_latency_s=20e-6,
                      layer_overhead_s=60e-6, microbatch_overhead_s=300e-6, optimizer_s_per_byte=5e-12,
                      optimizer_overhead_s=20e-6, checkpoint_op_s=5e-6, copy_s_per_byte=1e-12,
                      split_backward_op_s=5e-6)
+
+ADAM_WORDS_PER_PARAMETER = 7
+"""A fused / foreach Adam step streams ~7 fp32 words per parameter (reads p, g, m, v; writes p, m,
+v): bytes of memory traffic per byte of fp32 parameters it updates."""
+_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 _DTYPE_ALIASES = {
     "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32", "torch.float": "fp32",
@@ -173,58 +179,8 @@ def normalize_dtype(dtype: Any) -> str:
     return _DTYPE_ALIASES[key]
 
 
-# ---------------------------------------------------------------------------------------------------
-# Presets. Figures are dense (no sparsity) vendor datasheet numbers; bandwidths are per direction.
-# ---------------------------------------------------------------------------------------------------
-_T = 1e12
-_GB = 1e9
-
-
-@dataclass(frozen=True)
-class _DeviceSpec:
-    display: str  # canonical spelling in preset names
-    memory: str  # device memory, parse_bytes syntax
-    fp32: float  # peak FLOP/s per dtype
-    bf16: float
-    fp16: float
-    intra_bandwidth: float  # bytes/s per direction between two devices of a node
-    intra_latency: float  # s
-    nic_bandwidth: float  # bytes/s of one inter-node NIC
-    devices_per_nic: int | None  # devices sharing one NIC; None: one NIC for the whole node
-    inter_latency: float  # s
-
-    def inter_share(self, per_node: int) -> float:
-        """Inter-node bytes/s per device when all ``per_node`` devices send across nodes at once."""
-        sharing = per_node if self.devices_per_nic is None else min(self.devices_per_nic, per_node)
-        return self.nic_bandwidth / sharing
-
-
-_DEVICES: dict[str, _DeviceSpec] = {
-    # NVIDIA A100 datasheet (SXM4): FP32 19.5 TFLOPS, BF16/FP16 Tensor Core 312 TFLOPS (dense; TF32 156).
-    # NVLink 3: 600 GB/s total per GPU -> 300 GB/s per direction. DGX A100: 8x ConnectX-6 HDR
-    # InfiniBand 200 Gb/s (25 GB/s), one per GPU.
-    "a100-40gb": _DeviceSpec("A100-40GB", "40GiB", 19.5 * _T, 312 * _T, 312 * _T, 300 * _GB, 5e-6, 25 * _GB, 1, 1e-5),
-    "a100-80gb": _DeviceSpec("A100-80GB", "80GiB", 19.5 * _T, 312 * _T, 312 * _T, 300 * _GB, 5e-6, 25 * _GB, 1, 1e-5),
-    # NVIDIA H100 datasheet (SXM5): FP32 67 TFLOPS, BF16/FP16 Tensor Core 989 TFLOPS dense (1979 sparse).
-    # NVLink 4: 900 GB/s total -> 450 GB/s per direction. DGX H100: 8x ConnectX-7 NDR 400 Gb/s (50 GB/s).
-    "h100-80gb": _DeviceSpec("H100-80GB", "80GiB", 67 * _T, 989 * _T, 989 * _T, 450 * _GB, 5e-6, 50 * _GB, 1, 1e-5),
-    # NVIDIA H200 datasheet (SXM): same compute as H100 SXM (FP32 67, BF16/FP16 989 TFLOPS dense),
-    # 141 GB HBM3e (nvidia-smi reports 143771 MiB), NVLink 900 GB/s total; DGX H200: 8x NDR 400 Gb/s.
-    "h200-141gb": _DeviceSpec(
-        "H200-141GB", "143771MiB", 67 * _T, 989 * _T, 989 * _T, 450 * _GB, 5e-6, 50 * _GB, 1, 1e-5
-    ),
-    # NVIDIA V100 datasheet (SXM2): FP32 15.7 TFLOPS, FP16 Tensor Core 125 TFLOPS; no BF16 hardware
-    # (BF16 runs at the FP32 rate). NVLink 2: 300 GB/s total -> 150 GB/s per direction.
-    # DGX-1: 4x EDR InfiniBand 100 Gb/s (12.5 GB/s) for 8 GPUs -> two GPUs per NIC.
-    "v100-32gb": _DeviceSpec("V100-32GB", "32GiB", 15.7 * _T, 15.7 * _T, 125 * _T, 150 * _GB, 5e-6, 12.5 * _GB, 2, 1e-5),
-    # NVIDIA TITAN RTX spec sheet: FP32 16.3 TFLOPS, 130 Tensor TFLOPS FP16; no BF16 hardware.
-    # No NVLink between the cards: PCIe 3.0 x16, 15.75 GB/s per direction. The Galvatron paper's
-    # testbed (arXiv 2211.13878, Sec. 5): 8 TITAN RTX per node over PCIe 3.0, nodes on 100 Gb/s
-    # InfiniBand (12.5 GB/s), one NIC shared by the node's devices.
-    "rtx-titan-24gb": _DeviceSpec(
-        "RTX-TITAN-24GB", "24GiB", 16.3 * _T, 16.3 * _T, 130 * _T, 15.75 * _GB, 1e-5, 12.5 * _GB, None, 2e-5
-    ),
-}
+# Presets: galvatron_fx/devices.py (datasheet peaks and the rates public measurements sustain).
+_DEVICES = DEVICES
 _PRESET_RE = re.compile(r"^(?:(\d+)x)?(\d+)x(.+)$", re.IGNORECASE)
 _PRESET_HELP = (
     "valid presets: 'local' (profile the live torch.distributed world), 'NxDEVICE' (N devices in one "
@@ -310,6 +266,9 @@ class Cluster:
     p2p_wakeup_s: float = 0.0
     door_call_s: float = 0.0
     door_param_s: float = 0.0
+    gemm_tile: int = 1
+    attention_efficiency: float = 0.0
+    attention_half_rate_seq: float = 0.0
     profile_spread: dict[str, float] = field(default_factory=dict)  # profiled: figure -> (max - min) / min over rounds
     step_overhead_s: float = 0.0   # calibration (CALIBRATION_FIELDS)
     pipeline_step_s: float = 0.0
@@ -345,6 +304,13 @@ class Cluster:
         if not isinstance(self.name, str):
             raise ConfigError(f"cluster field 'name' must be a string, got {self.name!r}")
         self.fits = self._check_fits(self.fits)
+        self.gemm_tile = _count("gemm_tile", self.gemm_tile)
+        self.attention_efficiency = _positive("attention_efficiency", self.attention_efficiency, allow_zero=True)
+        if self.attention_efficiency > 1:
+            raise ConfigError(f"cluster field 'attention_efficiency' is a fraction of peak in [0, 1], "
+                              f"got {self.attention_efficiency}")
+        self.attention_half_rate_seq = _positive("attention_half_rate_seq", self.attention_half_rate_seq,
+                                                 allow_zero=True)
         for name in OVERHEAD_FIELDS + SYNC_FIELDS + DOOR_FIELDS + CALIBRATION_FIELDS:
             setattr(self, name, _positive(name, getattr(self, name), allow_zero=name not in SCALE_FIELDS))
 
@@ -404,11 +370,39 @@ class Cluster:
         """Seconds one device needs for ``flops`` floating-point operations in ``dtype``."""
         return float(flops) / self.achievable_flops(dtype)
 
-    def attention_time(self, flops: float, dtype: Any = "fp32", backward: bool = False) -> float:
+    def gemm_time(self, batch: float, m: float, n: float, k: float, dtype: Any = "fp32") -> float:
+        """Seconds for ``batch`` matmuls of ``m x k`` by ``k x n`` in ``dtype``: the FLOPs of the
+        tiles they occupy (``m`` and ``n`` rounded up to ``gemm_tile``) at the compute rate, or, for
+        a GEMM too thin for that, its operands' and result's bytes at the memory rate (roofline)."""
+        nbytes = batch * (m * k + k * n + m * n) * _ITEMSIZE[normalize_dtype(dtype)]
+        t = self.gemm_tile
+        if t > 1:
+            m, n = math.ceil(m / t) * t, math.ceil(n / t) * t
+        flops = 2.0 * batch * m * n * k
+        return max(self.compute_time(flops, dtype), self.memory_time(nbytes))
+
+    def memory_time(self, nbytes: float) -> float:
+        """Seconds for an op that reads and writes ``nbytes`` in all (element-wise, reductions,
+        copies): at the rate of the runtime's copies, which write each byte they read
+        (``copy_s_per_byte`` per byte written; 0 when that is not priced)."""
+        return nbytes * self.copy_s_per_byte / 2
+
+    def attention_time(self, flops: float, dtype: Any = "fp32", backward: bool = False,
+                       seq: float | None = None, head_dim: float | None = None) -> float:
         """Seconds one device's fused attention kernel (flash / memory-efficient SDPA) needs for
         ``flops`` FLOPs in ``dtype``, counted as the kernel runs them (a causal kernel skips the
-        blocks above the diagonal); ``backward``: the backward kernel."""
-        return self.compute_time(flops, dtype)
+        blocks above the diagonal); ``backward``: the backward kernel (the same rate: the benchmarks
+        behind it time forward + backward). At ``attention_efficiency`` of the peak (else
+        ``efficiency``), times ``seq / (seq + attention_half_rate_seq)`` for ``seq`` keys and
+        ``(d / (d + 16)) / (128 / 144)`` for head dim ``d`` where the cluster has that curve
+        (:mod:`galvatron_fx.devices`)."""
+        rate = self.peak_flops[normalize_dtype(dtype)] * (self.attention_efficiency or self.efficiency)
+        half = self.attention_half_rate_seq
+        if half and seq:
+            rate *= seq / (seq + half)
+        if half and head_dim:
+            rate *= (head_dim / (head_dim + 16)) / (128 / 144)
+        return float(flops) / rate
 
     def _group(self, ranks: Sequence[int] | int) -> list[int]:
         if isinstance(ranks, numbers.Integral):
@@ -443,6 +437,18 @@ class Cluster:
     def profiled(self) -> bool:
         """Whether this cluster was measured (:meth:`profile`: named ``local-...``)."""
         return self.name.startswith("local-")
+
+    @property
+    def attention_target(self) -> str:
+        """The device family whose SDPA kernels price attention
+        (:data:`galvatron_fx.cost.attention_kernels.TARGETS`): a measured cluster's own device
+        (its name ends with the device type), a preset's GPU (flash attention from sm80 on),
+        CUDA sm80+ for a hand-made cluster."""
+        if self.profiled:
+            return "cpu" if self.name.endswith("cpu") else "cuda"
+        m = _PRESET_RE.match(self.name.strip())
+        spec = _DEVICES.get(m.group(3).lower()) if m else None
+        return spec.attention if spec is not None else "cuda"
 
     def collective_time(self, kind: str, nbytes: float, ranks: Sequence[int] | int, calls: float = 1.0) -> float:
         """Seconds for collective ``kind`` of ``nbytes`` bytes over the global ``ranks``.
@@ -565,6 +571,9 @@ class Cluster:
         if nodes < 1 or per_node < 1:
             raise ConfigError(f"cluster preset {name!r} needs at least one node and one device; {_PRESET_HELP}")
         canonical = f"{per_node}x{spec.display}" if m.group(1) is None else f"{nodes}x{per_node}x{spec.display}"
+        memory_rate = spec.hbm * HBM_EFFICIENCY
+        overheads = dict(GPU_OVERHEADS, copy_s_per_byte=2 / memory_rate,
+                         optimizer_s_per_byte=ADAM_WORDS_PER_PARAMETER / memory_rate)
         return cls(
             memory_bytes=parse_bytes(spec.memory),
             peak_flops={"fp32": spec.fp32, "bf16": spec.bf16, "fp16": spec.fp16},
@@ -574,8 +583,12 @@ class Cluster:
             devices_per_node=per_node,
             inter_bandwidth=spec.inter_share(per_node),
             inter_latency=spec.inter_latency,
+            efficiency=spec.mamf,
+            gemm_tile=GEMM_TILE,
+            attention_efficiency=spec.attention_rate,
+            attention_half_rate_seq=ATTENTION_HALF_RATE_SEQ,
             name=canonical,
-            **GPU_OVERHEADS,
+            **overheads,
         )
 
     @classmethod

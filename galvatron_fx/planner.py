@@ -280,10 +280,14 @@ def _plan(result: SearchResult, names: list[str], world_size: int, fingerprint: 
         if s.cp > 1 and cm is not None:   # explain(): the attention exchanges, seconds per micro-batch
             n = result.global_batch_size / result.micro_batches / s.dp
             lp.extra["cp_exchange_s"] = float(f"{cm.cp_terms(i, n, s)[0]:.6g}")
+        if cm is not None and cm.measure(i).kernels:   # SDPA, priced as the kernel the device picks
+            lp.extra["attention_kernel"] = ",".join(sorted(set(cm.measure(i).kernels)))
+    extra = {"cost_model": dict(cost_options)}
+    if cm is not None:
+        extra["attention_target"] = cm.attention_target
     return Plan(world_size, result.pp, result.schedule, result.micro_batches, result.global_batch_size,
                 [tuple(s) for s in result.stages], layers, _json_estimate(result.estimate), fingerprint,
-                cluster.to_dict(), {"cost_model": dict(cost_options)}, precision=precision,
-                virtual_stages=result.virtual_stages)
+                cluster.to_dict(), extra, precision=precision, virtual_stages=result.virtual_stages)
 
 
 def _json_estimate(est: dict) -> dict:

@@ -16,9 +16,11 @@ such as an attention log-sum-exp or a norm's statistics, to the node running) an
 TP-sharded or replicated with :func:`galvatron_fx.cost.extract.roles_from_analysis`. Floating-point bytes are
 kept as element counts so the cost model can price them in any dtype.
 
-FLOPs: ``FlopCounterMode`` counts matmuls, convolutions and attention; CPU SDPA kernels have no
-formula in torch, so :data:`SDPA_FORMULAS` adds them: ``4 b h s_q s_kv d`` forward, twice that
-backward. Elementwise ops and norms count 0 FLOPs.
+FLOPs: ``FlopCounterMode`` counts matmuls and convolutions; SDPA calls run as the target device's
+kernel (:mod:`.attention_kernels`: ``attention``, e.g. flash attention on an A100), which fixes
+both what they save for backward and the FLOPs they execute (``attn_fwd_flops`` /
+``attn_bwd_flops``, kept apart: the cost model prices them at the attention kernel's rate).
+Elementwise ops and norms count 0 FLOPs.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..sharding.state import op_name
+from .attention_kernels import run_stand_in
 from .extract import LayerGraph
+from .op_work import OpWork
 
 aten = torch.ops.aten
 
@@ -117,6 +122,16 @@ class Point:
     wgrad_row_bias_elems: float = 0.0  # row-parallel outputs with a bias (a second node under TP)
     saved_expert_elems: float = 0.0   # floating elements saved inside experts blocks (also counted above)
     fwd_flops_expert: float = 0.0     # forward FLOPs inside experts blocks (also counted above)
+    attn_fwd_flops: float = 0.0       # SDPA kernels' FLOPs as the target's kernel executes them (sharded)
+    attn_bwd_flops: float = 0.0
+    kernels: tuple = ()               # the attention kernels of its SDPA calls
+    # the ops' work as a device executes it (.op_work): forward matmuls with the dim TP splits
+    # ("n" column-, "k" row-parallel, "b" a batch of heads, "" none) and (batch, m, n, k); bytes the
+    # other ops move, forward (TP-sharded / replicated) and backward
+    fwd_gemms: list = field(default_factory=list)
+    fwd_traffic_sharded: float = 0.0
+    fwd_traffic_rep: float = 0.0
+    bwd_traffic: float = 0.0
     fwd_allreduce_elems: list[float] = field(default_factory=list)  # per TP collective, forward
     bwd_allreduce_elems: list[float] = field(default_factory=list)  # per TP collective, backward
 
@@ -148,6 +163,8 @@ class LayerMeasure:
     fits: dict[str, Affine]
     fwd_allreduce: list[Affine]
     bwd_allreduce: list[Affine]
+    kernels: tuple[str, ...] = ()   # the attention kernels of its SDPA calls (.attention_kernels)
+    fwd_gemms: tuple = ()           # (split dim, (batch, m, n, k) as Affines): Point.fwd_gemms fitted
 
     def __getattr__(self, name: str) -> Affine:
         fits = self.__dict__.get("fits", {})
@@ -159,25 +176,27 @@ class LayerMeasure:
         return {"signature": self.signature, "sizes": list(self.sizes),
                 "fits": {k: [v.a, v.c] for k, v in self.fits.items()},
                 "fwd_allreduce": [[v.a, v.c] for v in self.fwd_allreduce],
-                "bwd_allreduce": [[v.a, v.c] for v in self.bwd_allreduce]}
+                "bwd_allreduce": [[v.a, v.c] for v in self.bwd_allreduce], "kernels": list(self.kernels)}
 
 
 _SCALARS = ("fwd_flops_sharded", "fwd_flops_rep", "bwd_flops", "saved_sharded_elems", "saved_rep_elems",
             "saved_gathered_elems",
             "saved_other_bytes", "input_elems", "input_other_bytes", "output_elems", "wgrad_sharded_elems",
             "wgrad_rep_elems", "wgrad_whole_elems", "wgrad_row_bias_elems", "saved_expert_elems",
-            "fwd_flops_expert")
+            "fwd_flops_expert", "attn_fwd_flops", "attn_bwd_flops", "fwd_traffic_sharded", "fwd_traffic_rep",
+            "bwd_traffic")
 
 
 def measure_layer(layer: LayerGraph, sizes: tuple[int, ...] = MEASURE_SIZES,
-                  compute_dtype: torch.dtype | None = None) -> LayerMeasure:
+                  compute_dtype: torch.dtype | None = None, attention: str = "cpu") -> LayerMeasure:
     """Fit the layer's figures over ``sizes`` samples (see the module docstring). ``compute_dtype``:
-    a mixed-precision run (see :func:`measure_point`)."""
+    a mixed-precision run (see :func:`measure_point`); ``attention``: the device family whose SDPA
+    kernels are priced (:data:`.attention_kernels.TARGETS`)."""
     try:
         with quiet_probe():
-            points = [measure_point(layer, n, compute_dtype) for n in sizes]
+            points = [measure_point(layer, n, compute_dtype, attention) for n in sizes]
     except Exception:  # noqa: BLE001 - a batch size baked into the graph: proportional fallback
-        points = [measure_point(layer, layer.batch, compute_dtype)]
+        points = [measure_point(layer, layer.batch, compute_dtype, attention)]
     p1, p2 = points[0], points[-1] if len(points) > 1 else None
 
     def fit(y1, y2):
@@ -186,7 +205,18 @@ def measure_layer(layer: LayerGraph, sizes: tuple[int, ...] = MEASURE_SIZES,
     fits = {k: fit(getattr(p1, k), getattr(p2, k) if p2 else None) for k in _SCALARS}
     fwd = [fit(y, p2.fwd_allreduce_elems[i] if p2 else None) for i, y in enumerate(p1.fwd_allreduce_elems)]
     bwd = [fit(y, p2.bwd_allreduce_elems[i] if p2 else None) for i, y in enumerate(p1.bwd_allreduce_elems)]
-    return LayerMeasure(layer.signature, tuple(p.n for p in points), fits, fwd, bwd)
+    return LayerMeasure(layer.signature, tuple(p.n for p in points), fits, fwd, bwd, points[0].kernels,
+                        _fit_gemms(p1, p2))
+
+
+def _fit_gemms(p1: Point, p2: Point | None) -> tuple:
+    """Each forward matmul's dims as ``Affine`` fits in the samples (proportional in ``m``, the
+    rows, when only one point was measured or the two runs' matmuls do not pair up)."""
+    if p2 is None or [k for k, _ in p1.fwd_gemms] != [k for k, _ in p2.fwd_gemms]:
+        return tuple((k, (Affine(0, d[0]), Affine(d[1] / p1.n, 0), Affine(0, d[2]), Affine(0, d[3])))
+                     for k, d in p1.fwd_gemms)
+    return tuple((k, tuple(Affine.fit(p1.n, a, p2.n, b) for a, b in zip(d1, d2)))
+                 for (k, d1), (_, d2) in zip(p1.fwd_gemms, p2.fwd_gemms))
 
 
 PROBE_LOGGERS = ("torch._subclasses.fake_tensor",)
@@ -234,18 +264,33 @@ def _numel(t) -> int:
 
 
 class _Recorder(torch.fx.Interpreter):
-    """Runs the layer node by node, noting which node produced each storage and each node's FLOPs."""
+    """Runs the layer node by node, noting which node produced each storage and each node's FLOPs.
+    SDPA calls run as the ``attention`` target's kernel would (:mod:`.attention_kernels`): their
+    kernels and FLOPs are noted in ``attention`` (node -> ``(kernel, forward, backward)``)."""
 
-    def __init__(self, gm, counter: FlopCounterMode):
+    def __init__(self, gm, counter: FlopCounterMode, attention: str = "cpu"):
         super().__init__(gm)
         self.counter = counter
+        self.target = attention
         self.producer: dict[int, str] = {}
         self.current: str | None = None
         self.node_flops: dict[str, int] = {}
         self.values: dict[str, object] = {}
+        self.attention: dict[str, tuple[str, float, float]] = {}
+        self.work = None   # an OpWork mode to tell which node runs
+
+    def call_function(self, target, args, kwargs):
+        node = self.current_node
+        if op_name(node) == "sdpa":
+            out, kernel, (fwd, bwd) = run_stand_in(self.target, args, kwargs)
+            self.attention[node.name] = (kernel, fwd, bwd)
+            return out
+        return super().call_function(target, args, kwargs)
 
     def run_node(self, n):
-        self.current = n.name
+        self.current, self.current_node = n.name, n
+        if self.work is not None:
+            self.work.node = n.name
         before = self.counter.get_total_flops()
         out = super().run_node(n)
         self.node_flops[n.name] = self.counter.get_total_flops() - before
@@ -283,7 +328,8 @@ def make_inputs(layer: LayerGraph, n: int, *, device=None, dtype=None, real: boo
     return out
 
 
-def measure_point(layer: LayerGraph, n: int, compute_dtype: torch.dtype | None = None) -> Point:
+def measure_point(layer: LayerGraph, n: int, compute_dtype: torch.dtype | None = None,
+                  attention: str = "cpu") -> Point:
     """Run the layer on fake CPU tensors with ``n`` samples; see the module docstring.
 
     ``compute_dtype`` (mixed precision): the layer runs as the runtime runs it
@@ -294,17 +340,18 @@ def measure_point(layer: LayerGraph, n: int, compute_dtype: torch.dtype | None =
     fake tensors live there); CUDA's keeps a few more ops (norms, softmax) in fp32.
     """
     p = Point(n)
-    # NOTE: fake tensors live on the CPU (also for meta-device models) so SDPA dispatches to the
-    # flash kernel, which saves what the GPU flash kernels save (q, k, v, out, log-sum-exp), not
-    # the math fallback's full attention matrix. The device constants the graph baked in are
-    # retargeted to that device too (LayerGraph.on_device).
+    # NOTE: fake tensors live on the CPU (also for meta-device models); the device constants the
+    # graph baked in are retargeted there (LayerGraph.on_device). SDPA calls do not dispatch on
+    # them: they run as the target device's kernel would (attention_kernels.StandIn), which saves
+    # what that kernel saves (flash: q, k, v, out, log-sum-exp) and never a score matrix it does
+    # not store.
     with FakeTensorMode(allow_non_fake_inputs=True):
         args = make_inputs(layer, n, dtype=compute_dtype)
         param_storages = {a.untyped_storage()._cdata for a, s in zip(args, layer.inputs)
                           if s.kind in ("param", "buffer")}
         saved: dict[int, tuple] = {}
         counter = flop_counter()
-        rec = _Recorder(layer.on_device(), counter)
+        rec = _Recorder(layer.on_device(), counter, attention)
 
         def pack(t):
             key = t.untyped_storage()._cdata
@@ -313,9 +360,15 @@ def measure_point(layer: LayerGraph, n: int, compute_dtype: torch.dtype | None =
             return t
 
         autocast = torch.autocast("cpu", dtype=compute_dtype, enabled=compute_dtype is not None)
-        with counter, autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        work = rec.work = OpWork(fused_dropout=attention != "cpu")
+        with counter, autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), work:
             outs = rec.run(*args)
+        work.node = None
         outs = [o for o in pytree.tree_leaves(outs) if isinstance(o, torch.Tensor)]
+        p.kernels = tuple(dict.fromkeys(k for k, _, _ in rec.attention.values()))
+        p.attn_fwd_flops = sum(f for _, f, _ in rec.attention.values())
+        p.attn_bwd_flops = sum(b for _, _, b in rec.attention.values())
+        _op_work(layer, work.work, p)
         for name, v in rec.node_flops.items():
             if name in layer.expert_nodes:
                 p.fwd_flops_expert += v
@@ -356,11 +409,36 @@ def measure_point(layer: LayerGraph, n: int, compute_dtype: torch.dtype | None =
         _tp_collectives(layer, rec.values, p)
         grads = [o for o in outs if o.requires_grad]
         if grads:
-            with counter:
+            seeds = [torch.ones_like(o) for o in grads]
+            with counter, work:
                 before = counter.get_total_flops()
-                torch.autograd.backward(grads, [torch.ones_like(o) for o in grads])
+                torch.autograd.backward(grads, seeds)
                 p.bwd_flops = counter.get_total_flops() - before
+            p.bwd_traffic = work.work.traffic.get(None, 0.0)
     return p
+
+
+def _split_dim(layer: LayerGraph, node: str) -> str:
+    """The dim of a node's matmul that tensor parallelism divides (:class:`Point`)."""
+    role = layer.roles.get(node)
+    if role in ("column", "vocab"):
+        return "n"
+    if role == "row":
+        return "k"
+    return "b" if layer.in_sharded.get(node, False) else ""
+
+
+def _op_work(layer: LayerGraph, work, p: Point) -> None:
+    """The forward's matmuls and traffic (:mod:`.op_work`) into ``p``, classified as the FLOPs are."""
+    for node, dims in work.gemms.items():
+        p.fwd_gemms += [(_split_dim(layer, node), d) for d in dims]
+    for node, moved in work.traffic.items():
+        if node is None:
+            continue
+        if layer.roles.get(node) in ("column", "row") or layer.in_sharded.get(node, False):
+            p.fwd_traffic_sharded += moved
+        else:
+            p.fwd_traffic_rep += moved
 
 
 def _weight_gradient_inputs(layer: LayerGraph, values: dict, p: Point) -> None:

@@ -247,7 +247,7 @@ class CostModel:
                  optimizer: str = "adam", mixed_precision: bool = False, reserve_bytes: int | str = "1GiB",
                  bucket_bytes: int | str = "25MiB", cache_dir=None, profile_sizes: tuple[int, ...] | None = None,
                  precision: str | None = None, reduce_dtype: str = "fp32", profile_repeats: int = 5,
-                 moe_imbalance: float = 1.0, cp_overlap: bool = False):
+                 moe_imbalance: float = 1.0, cp_overlap: bool = False, attention_target: str | None = None):
         if mode not in ("analytic", "profiled", None):
             raise ConfigError(f"cost mode must be 'analytic' or 'profiled', got {mode!r}")
         if precision is not None:
@@ -277,6 +277,11 @@ class CostModel:
             raise ConfigError(f"cp_overlap must be true or false (whether the ring's key / value exchanges "
                               f"overlap the attention compute), got {cp_overlap!r}")
         self.cp_overlap = cp_overlap
+        from .attention_kernels import TARGETS
+        if attention_target not in (None,) + TARGETS:
+            raise ConfigError(f"attention_target must be one of {list(TARGETS)} (the device family whose SDPA "
+                              f"kernels price attention; default the cluster's), got {attention_target!r}")
+        self.attention_target = attention_target or cluster.attention_target
         info = gm.meta.get(META_KEY)
         if info is None or not info.layers:
             raise ConfigError("the cost model needs a layer-grouped graph: capture the model with gfx.capture() "
@@ -302,7 +307,8 @@ class CostModel:
             analysis = self.tp_analysis(rec.index, 2)
             roles_from_analysis(graph, None if isinstance(analysis, Exception) else analysis)
             self.graphs[rec.signature] = graph
-            self.measures[rec.signature] = measure_layer(graph, compute_dtype=self.compute_dtype)
+            self.measures[rec.signature] = measure_layer(graph, compute_dtype=self.compute_dtype,
+                                                         attention=self.attention_target)
         self.op_counts = {sig: sum(n.op in _CALLS and n.target not in _FREE for n in g.gm.graph.nodes)
                           for sig, g in self.graphs.items()}
         """Ops (fx call nodes, getitem excluded) per layer signature: what ``op_launch_s`` prices."""
@@ -583,9 +589,7 @@ class CostModel:
     def _plain_compute_times(self, index: int, n: float, s: Strategy) -> tuple[float, float]:
         m = self.measure(index)
         if self.mode == "analytic":
-            fwd_f, bwd_f = self._fwd_flops(m, n, s)
-            fwd = self.cluster.compute_time(fwd_f, self.dtype)
-            bwd = self.cluster.compute_time(bwd_f, self.dtype)
+            fwd, bwd = self._analytic_times(index, m, n, s)
             return fwd, bwd + (fwd if s.ckpt else 0.0)
         # NOTE: checkpointing is priced as the analytic rule does (backward + a recomputed forward)
         # on the plain layer's profile: timed under torch.utils.checkpoint at the small profiling
@@ -593,6 +597,41 @@ class CostModel:
         prof = self.profile(index, s)
         fwd, bwd = prof["fwd"](n), prof["bwd"](n)
         return fwd, bwd + (fwd if s.ckpt else 0.0)
+
+    def _analytic_times(self, index: int, m: LayerMeasure, n: float, s: Strategy) -> tuple[float, float]:
+        """``(forward, backward)`` device seconds of layer ``index`` for ``n`` samples under ``s``
+        from its measured work (module docstring, "FLOPs"): each forward matmul at its shape
+        (:meth:`Cluster.gemm_time`, the dim TP splits divided), the backward's matmul FLOPs at the
+        rate the forward's achieved (its matmuls are the forward's, transposed), the attention at the
+        fused kernel's rate, the other ops' bytes at the memory rate (the backward's split between
+        TP-sharded and replicated as the forward's)."""
+        c, dtype = self.cluster, self.dtype
+        rep_div = s.tp if s.sp else 1
+        fwd_f, bwd_f = self._fwd_flops(m, n, s)
+        gemm_s = gemm_f = 0.0
+        for split, dims in m.fwd_gemms:
+            b, rows, cols, depth = (f(n) for f in dims)
+            if split:
+                b, cols, depth = (b / s.tp if split == "b" else b, cols / s.tp if split == "n" else cols,
+                                  depth / s.tp if split == "k" else depth)
+            elif s.sp:
+                rows /= s.tp
+            gemm_s += c.gemm_time(b, rows, cols, depth, dtype)
+            gemm_f += 2 * b * rows * cols * depth
+        rate = gemm_f / gemm_s if gemm_s else c.achievable_flops(dtype)
+        # NOTE: FLOPs the matmul records miss (grouped expert matmuls) at the forward's rate too
+        fwd = gemm_s + max(fwd_f - gemm_f, 0.0) / rate
+        bwd = bwd_f / rate
+        sharded, rep = m.fwd_traffic_sharded(n), m.fwd_traffic_rep(n)
+        traffic = sharded / s.tp + rep / rep_div
+        fwd += c.memory_time(traffic)
+        bwd += c.memory_time(m.bwd_traffic(n) * (traffic / (sharded + rep) if sharded + rep else 1.0))
+        att = self.attention(index)
+        kw = dict(seq=att.kv_seq or None, head_dim=att.head_dim or None)
+        # NOTE: the attention heads split over TP (and stay split under SP)
+        fwd += c.attention_time(m.attn_fwd_flops(n) / s.tp, dtype, **kw)
+        bwd += c.attention_time(m.attn_bwd_flops(n) / s.tp, dtype, backward=True, **kw)
+        return fwd, bwd
 
     def profile(self, index: int, s: Strategy) -> dict:
         """Profiled ``{"fwd": Affine, "bwd": Affine}`` seconds per sample count for layer ``index``
@@ -658,7 +697,7 @@ class CostModel:
         train_tp = math.ceil(t.sharded / s.tp) + t.replicated           # trainable: gradients, updates
         sync, exposed, regather, reduce_scatter, gather, transient, held = self._param_terms(
             s, elems_tp, train_tp, dp_group(s), index == 0)
-        overhead, optimizer = self._overheads(index, train_tp, s)
+        overhead, optimizer = self._overheads(index, train_tp, s, fwd + bwd)
         pass_copy, step_copy = self._copies(elems_tp, train_tp, s)
         ep_comm = 0.0
         if ep > 1:   # the expert buffers: their own group and ZeRO layout (states_bytes above)
@@ -835,8 +874,10 @@ class CostModel:
                                    if f not in self._frozen) * self.reduce_itemsize
         return self._grad_bytes
 
-    def _overheads(self, index: int, elems_tp: int, s: Strategy) -> tuple[float, float]:
-        """``(overhead_s per micro-batch, optimizer_s per step)`` of layer ``index`` (module docstring)."""
+    def _overheads(self, index: int, elems_tp: int, s: Strategy, device_s: float = 0.0) -> tuple[float, float]:
+        """``(overhead_s per micro-batch, optimizer_s per step)`` of layer ``index`` (module docstring).
+        On a GPU priced analytically the host's launches and bookkeeping run ahead of the device,
+        asynchronously: only what they take beyond the layer's ``device_s`` seconds is exposed."""
         c = self.cluster
         first = index == 0
         overhead = c.layer_overhead_s + (c.microbatch_overhead_s if first else 0.0)
@@ -845,6 +886,8 @@ class CostModel:
             overhead += ops * (c.op_launch_s * (2 if s.ckpt else 1) + c.op_launch_bwd_s)
         if s.ckpt:
             overhead += ops * getattr(c, "checkpoint_op_s", 0.0)
+        if self.mode == "analytic" and self.attention_target != "cpu":
+            overhead = max(0.0, overhead - device_s)
         held = elems_tp if s.sdp == "none" else math.ceil(elems_tp / s.dp)
         # NOTE: the user's optimizer steps one tensor per trainable parameter (runtime/params.py)
         tensors = sum(1 for f in self._owned_params(index) if f not in self._frozen)

@@ -1,0 +1,142 @@
+"""The work of a layer's ops as a device executes them: matrix multiplies by shape, memory traffic.
+
+FLOPs over one compute rate prices a 1x1 matmul like a 16k x 16k one and an element-wise pass over
+a billion values as free. :class:`OpWork` (a ``TorchDispatchMode`` beside the FLOP counter of
+:mod:`.measure`) records every ATen op a layer runs on fake tensors:
+
+* **matmuls** (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``convolution`` as its implicit GEMM):
+  their dims ``(batch, m, n, k)`` (``m x k`` times ``k x n``), per fx node in forward (so tensor
+  parallelism can shrink the dim it splits) and as one list in backward;
+* **everything else that computes** (element-wise ops, reductions, norms, casts, copies, indexing):
+  the bytes it reads and writes (its tensor inputs' and outputs' bytes, a broadcast input counted
+  at its storage's size; a gather (``embedding``, ``index_select``) reads the rows it writes), per
+  fx node in forward and as one sum in backward. Views, ``detach``, metadata queries and
+  allocations without a fill move nothing.
+
+Dropout: on the CPU, ``aten::dropout`` runs as three passes (``bernoulli_`` into a noise tensor of
+the input's dtype, ``div_`` by the keep probability, ``mul``), which is what the CPU executes. On
+CUDA it is one fused kernel (``native_dropout``: reads the input, writes the output and a one-byte
+mask; its backward reads the gradient and the mask). With ``fused_dropout`` the passes are counted
+as that kernel: the noise tensor is a one-byte mask written once, its scaling is free, and a
+multiply by it reads it at one byte per element.
+
+SDPA calls are not here: :mod:`.attention_kernels` prices them as the device's fused kernel.
+:meth:`galvatron_fx.cluster.Cluster.gemm_time` and :meth:`~galvatron_fx.cluster.Cluster.memory_time`
+turn the records into seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+_GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+          aten.convolution.default}
+_FREE = {aten.detach.default, aten.alias.default, aten.lift_fresh.default, aten.empty.memory_format,
+         aten.empty_like.default, aten.new_empty.default, aten.empty_strided.default,
+         aten.new_empty_strided.default, aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,
+         aten._local_scalar_dense.default, aten._unsafe_view.default}
+
+
+_GATHERS = {aten.embedding.default, aten.index_select.default, aten.index.Tensor, aten.gather.default}
+"""Ops that read only the rows they gather from their (possibly huge) source."""
+
+
+def _aliases(func) -> bool:
+    """Whether ``func`` returns a view of an input (no memory moved)."""
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+def tensor_bytes(t: torch.Tensor) -> float:
+    """Bytes an op reads or writes of ``t``: its elements, at most its storage (a broadcast view)."""
+    try:
+        storage = t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        storage = float("inf")
+    return min(t.numel() * t.element_size(), storage)
+
+
+def gemm_dims(func, args) -> tuple[int, int, int, int] | None:
+    """``(batch, m, n, k)`` of a matmul op's call (``m x k`` times ``k x n``), None for another op."""
+    if func in (aten.mm.default, aten.addmm.default):
+        a, b = (args[0], args[1]) if func is aten.mm.default else (args[1], args[2])
+        return 1, int(a.shape[0]), int(b.shape[1]), int(a.shape[1])
+    if func in (aten.bmm.default, aten.baddbmm.default):
+        a, b = (args[0], args[1]) if func is aten.bmm.default else (args[1], args[2])
+        return int(a.shape[0]), int(a.shape[1]), int(b.shape[2]), int(a.shape[2])
+    if func is aten.convolution.default:
+        x, w = args[0], args[1]
+        groups = int(args[8]) if len(args) > 8 else 1
+        return None if x.dim() < 3 else _conv_dims(x, w, groups)
+    return None
+
+
+def _conv_dims(x, w, groups: int) -> tuple[int, int, int, int]:
+    # NOTE: implicit GEMM: one row per output position, one column per output channel, the kernel
+    # window times the input channels of a group as the reduction
+    out_channels, per_group = int(w.shape[0]), int(w.shape[1])
+    window = 1
+    for s in w.shape[2:]:
+        window *= int(s)
+    positions = int(x.shape[0])
+    for s in x.shape[2:]:
+        positions *= int(s)
+    return groups, positions, out_channels // groups, per_group * window
+
+
+@dataclass
+class Work:
+    """What one pass recorded: matmul dims and bytes moved, per fx node (forward) or under
+    ``None`` (backward)."""
+
+    gemms: dict = field(default_factory=dict)     # node -> [(batch, m, n, k), ...]
+    traffic: dict = field(default_factory=dict)   # node -> bytes read + written by the other ops
+
+
+class OpWork(TorchDispatchMode):
+    """Records :class:`Work` (module docstring); ``node`` names the fx node running (None in backward)."""
+
+    def __init__(self, fused_dropout: bool = False):
+        super().__init__()
+        self.node: str | None = None
+        self.work = Work()
+        self.fused_dropout = fused_dropout
+        self._masks: set[int] = set()   # storages of dropout noise tensors (fused_dropout)
+
+    def _mask(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in self._masks
+
+    def _add(self, nbytes: float) -> None:
+        self.work.traffic[self.node] = self.work.traffic.get(self.node, 0.0) + nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _FREE or _aliases(func):
+            return out
+        if self.fused_dropout and func is aten.bernoulli_.float:   # the fused kernel's mask write
+            self._masks.add(args[0].untyped_storage()._cdata)
+            self._add(args[0].numel())
+            return out
+        if self.fused_dropout and func is aten.div_.Scalar and self._mask(args[0]):
+            return out
+        dims = gemm_dims(func, args)
+        if dims is not None:
+            self.work.gemms.setdefault(self.node, []).append(dims)
+            return out
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not outs:   # metadata queries (prim.device, sizes): no kernel
+            return out
+        written = sum(tensor_bytes(t) for t in outs)
+        if func in _GATHERS:   # reads the rows it writes (and the indices), not the whole table
+            read = written + sum(tensor_bytes(t) for t in pytree.tree_leaves((args, kwargs))
+                                 if isinstance(t, torch.Tensor) and not t.is_floating_point())
+        else:
+            read = sum(t.numel() if self._mask(t) else tensor_bytes(t)
+                       for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        self._add(read + written)
+        return out

@@ -1,0 +1,112 @@
+"""The GPU presets' device curves: datasheet peaks and the rates public measurements sustain.
+
+One :class:`DeviceSpec` per device type, used by every plan on that device (never a factor chosen
+per model or per measured row). Each figure carries its source in a comment. Units: FLOP/s,
+bytes/s, seconds.
+
+* **Peaks**: the vendor's dense (no sparsity) FLOP/s per dtype and HBM bandwidth.
+* **Matmuls** (:meth:`galvatron_fx.cluster.Cluster.gemm_time`): ``mamf``, the maximum achievable
+  matmul FLOP/s as a fraction of the bf16 peak, measured over shapes by ``mamf-finder.py``
+  (stas00/ml-engineering, ``compute/accelerator/README.md``); a GEMM's rows and columns are rounded
+  up to the ``gemm_tile`` cuBLAS computes them in (tile quantisation), and a GEMM too thin to be
+  compute-bound is priced at the memory rate (roofline).
+* **Memory traffic** (element-wise ops, reductions, copies: :meth:`Cluster.memory_time`):
+  :data:`HBM_EFFICIENCY` of the datasheet bandwidth.
+* **Fused attention** (:meth:`Cluster.attention_time`): ``attention`` is the long-sequence rate of
+  the SDPA kernel torch dispatches to (FlashAttention-2 on sm80+), as a fraction of the bf16 peak,
+  for head dim 128, causal, forward + backward; shorter sequences run at ``s / (s + 512)`` of it and
+  other head dims at ``(d / (d + 16)) / (128 / 144)`` (module docstring of :mod:`.cluster`).
+* **Collectives** (:meth:`Cluster.collective_time`): ``intra_bandwidth`` is NCCL's bus bandwidth
+  inside a node (nccl-tests ``busbw``, which the ring formulas of :mod:`.cluster` reproduce) and
+  ``nic_bandwidth`` the bus bandwidth one inter-node NIC sustains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_T = 1e12
+_GB = 1e9
+
+HBM_EFFICIENCY = 0.88
+"""Achieved fraction of the datasheet memory bandwidth: an A100-80GB read kernel reaches 1.80 of
+2.04 TB/s (88 %, confirmed by Nsight Compute), and ~90 % was the best any kernel reached in an
+NVIDIA GTC talk (forums.developer.nvidia.com/t/trouble-to-reach-peak-bandwidth-of-a100/339083)."""
+
+ATTENTION_HALF_RATE_SEQ = 512
+"""Sequence length at which the fused attention kernel runs at half its long-sequence rate: the
+FlashAttention-2 forward + backward benchmarks (Dao-AILab/flash-attention, ``assets/flash2_a100_
+fwd_bwd_benchmark.png`` and ``flash2_h100_...``, causal, head dim 128) rise as ``s / (s + 512)``
+on both devices: A100 99 / 133 / 155 / 173 / 182 / 189 TFLOP/s and H100 163 / 221 / 265 / 294 /
+308 / 328 at 0.5k .. 16k tokens (the curve gives 0.51 / 0.67 / 0.80 / 0.89 / 0.94 / 0.97 of its
+limit; the plots 0.52 / 0.70 / 0.82 / 0.92 / 0.96 / 1 of their 16k value)."""
+
+GEMM_TILE = 128
+"""Rows and columns of a GEMM tile (cuBLAS's common 128 x 128 / 256 x 128 tiles for fp16 / bf16
+on A100 and H100; NVIDIA's "Matrix Multiplication Background" guide, tile quantisation)."""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device type (module docstring). ``intra_bandwidth`` / ``nic_bandwidth``: NCCL bus
+    bandwidth per direction; ``devices_per_nic``: devices sharing one NIC (None: one for the node);
+    ``attention``: the SDPA kernel family (``"cuda"``: flash from sm80, ``"cuda-sm70"``:
+    memory-efficient only)."""
+
+    display: str          # canonical spelling in preset names
+    memory: str           # device memory, parse_bytes syntax
+    fp32: float           # peak FLOP/s per dtype
+    bf16: float
+    fp16: float
+    hbm: float            # datasheet memory bandwidth, bytes/s
+    mamf: float           # achievable matmul FLOP/s / bf16 (fp16) peak
+    attention_rate: float  # fused attention's long-sequence FLOP/s / bf16 (fp16) peak
+    intra_bandwidth: float
+    intra_latency: float
+    nic_bandwidth: float
+    devices_per_nic: int | None
+    inter_latency: float
+    attention: str = "cuda"
+
+    def inter_share(self, per_node: int) -> float:
+        """Inter-node bytes/s per device when all ``per_node`` devices send across nodes at once."""
+        sharing = per_node if self.devices_per_nic is None else min(self.devices_per_nic, per_node)
+        return self.nic_bandwidth / sharing
+
+
+# NOTE: the NCCL bus bandwidths are NVIDIA's (GTC24 session S62129, "Collective Communication
+# Bandwidth", nccl-tests all-reduce busbw): NVLink2 (V100) 122 GB/s, NVLink3 (A100) 232, NVLink4
+# (H100) 370 (480 with NVLink SHARP, which only all-reduce uses), a 200 Gb/s RDMA NIC 24, a 400 Gb/s
+# one 48; DGX A100 across nodes 192 = 8 x 24 (NVIDIA/nccl#812: "8x200Gbit/s IB cards ... 192GB/s
+# AllReduce BusBW"); NDR "46-48GB/s per NIC" (NVIDIA/nccl-tests#290); PCIe Gen4 24, so Gen3 12.
+# MAMF (stas00/ml-engineering compute/accelerator/README.md): A100 SXM 271.2 of 312 TFLOP/s
+# (86.9 %, 1024x10240x5120), H100 SXM 794.5 of 989 (80.3 %, 2048x2048x13312; "H200 is the same").
+# FlashAttention-2 causal hd128 forward + backward at 16k tokens: A100 189, H100 328 TFLOP/s
+# (the plots of ATTENTION_HALF_RATE_SEQ): limits 189 / 0.97 = 195 (0.625 of 312) and 328 / 0.97 =
+# 338 (0.342 of 989). V100 and TITAN RTX have no public MAMF or attention figure: the A100's
+# fractions are assumed (their memory-efficient kernel is, if anything, slower).
+DEVICES: dict[str, DeviceSpec] = {
+    # NVIDIA A100 datasheet (SXM4): FP32 19.5, BF16/FP16 Tensor Core 312 TFLOPS dense; HBM2e
+    # 2039 GB/s (80GB) / 1555 GB/s (40GB); DGX A100: 8x HDR 200 Gb/s, one per GPU.
+    "a100-40gb": DeviceSpec("A100-40GB", "40GiB", 19.5 * _T, 312 * _T, 312 * _T, 1555 * _GB, 0.869, 0.625,
+                            232 * _GB, 5e-6, 24 * _GB, 1, 1e-5),
+    "a100-80gb": DeviceSpec("A100-80GB", "80GiB", 19.5 * _T, 312 * _T, 312 * _T, 2039 * _GB, 0.869, 0.625,
+                            232 * _GB, 5e-6, 24 * _GB, 1, 1e-5),
+    # NVIDIA H100 datasheet (SXM5): FP32 67, BF16/FP16 989 TFLOPS dense; HBM3 3350 GB/s;
+    # DGX H100: 8x NDR 400 Gb/s.
+    "h100-80gb": DeviceSpec("H100-80GB", "80GiB", 67 * _T, 989 * _T, 989 * _T, 3350 * _GB, 0.803, 0.342,
+                            370 * _GB, 5e-6, 48 * _GB, 1, 1e-5),
+    # NVIDIA H200 (SXM): the H100's compute, 141 GB HBM3e at 4.8 TB/s (nvidia-smi reports
+    # 143771 MiB); DGX H200: 8x NDR 400 Gb/s.
+    "h200-141gb": DeviceSpec("H200-141GB", "143771MiB", 67 * _T, 989 * _T, 989 * _T, 4800 * _GB, 0.803, 0.342,
+                             370 * _GB, 5e-6, 48 * _GB, 1, 1e-5),
+    # NVIDIA V100 (SXM2): FP32 15.7, FP16 Tensor Core 125 TFLOPS; no BF16 hardware (BF16 at the FP32
+    # rate); HBM2 900 GB/s; DGX-1: 4x EDR 100 Gb/s for 8 GPUs (two per NIC).
+    "v100-32gb": DeviceSpec("V100-32GB", "32GiB", 15.7 * _T, 15.7 * _T, 125 * _T, 900 * _GB, 0.869, 0.625,
+                            122 * _GB, 5e-6, 12 * _GB, 2, 1e-5, "cuda-sm70"),
+    # NVIDIA TITAN RTX: FP32 16.3, 130 Tensor TFLOPS FP16; no BF16 hardware; GDDR6 672 GB/s. No NVLink
+    # between the cards: PCIe 3.0 x16. The Galvatron paper's testbed (arXiv 2211.13878, Sec. 5): 8 per
+    # node over PCIe 3.0, nodes on 100 Gb/s InfiniBand, one NIC for the node.
+    "rtx-titan-24gb": DeviceSpec("RTX-TITAN-24GB", "24GiB", 16.3 * _T, 16.3 * _T, 130 * _T, 672 * _GB, 0.869,
+                                 0.625, 12 * _GB, 1e-5, 12 * _GB, None, 2e-5, "cuda-sm70"),
+}
