@@ -15,14 +15,16 @@ from galvatron_fx.cost.context import (
     GRAD_ITEMSIZE,
     RING_BLOCK_OPS,
     RING_CALL_OPS,
-    RING_CAUSAL_OPS,
-    RING_GQA_OPS,
-    RING_MASK_PASSES,
-    RING_SCORE_PASSES,
+    RING_CAST_OPS,
+    RING_MASK_OPS,
+    RING_MERGE_WRITES,
+    RING_ROWS_OPS,
     RING_SHIFT_OPS,
     RING_TENSORS,
     LayerAttention,
+    attention_backward_flops,
     attention_flops,
+    core_attention_flops,
     cp_attention_ops,
     cp_attention_time,
     cp_compute_time,
@@ -132,41 +134,71 @@ CAUSAL = dataclasses.replace(ATT, causal=True)
 
 def test_ring_blocks_follow_the_runtime_plan():
     from galvatron_fx.runtime.context_parallel import ring_block_pairs
+    from galvatron_fx.runtime.ring_attention import TILE_ROWS
 
     for cp in (2, 4, 8):
-        c = S // (2 * cp)   # zig-zag chunk
-        blocks, area, rows, cols, largest = ring_blocks(S, cp, True)
-        assert blocks == cp + 1 and area == (2 * cp + 1) * c * c == ring_block_pairs(S, cp, 0, True) * c * c
-        assert largest == 2 * c * c and rows + cols == (3 * cp + 2) * c   # c x c, then c x 2c or 2c x c
-        assert ring_blocks(S, cp, False)[:2] == (cp, S * S // cp)         # the whole shard per source
+        c, s = S // (2 * cp), S // cp   # zig-zag chunk, shard
+        blocks = ring_blocks(S, cp, True)
+        # the own shard with the kernel's is_causal, then s x c (earlier sources) or c x s (later)
+        assert len(blocks) == cp and blocks[0] == (s, s, True)
+        assert all((r, k) in ((s, c), (c, s)) and not z for r, k, z in blocks[1:])
+        # the kernel's entries: the causal square's lower half, the rest whole: the 2 cp + 1 chunk pairs
+        entries = s * (s + 1) / 2 + (cp - 1) * 2 * c * c
+        assert entries == pytest.approx(ring_block_pairs(S, cp, 0, True) * c * c - c * c + s / 2)
+        assert ring_blocks(S, cp, False) == ((s, s, False),) * cp    # the whole shard per source
+    # an explicit mask: tiles of TILE_ROWS query rows of one chunk against each key chunk
+    long = 8 * TILE_ROWS
+    tiles = ring_blocks(long, 2, True, masked=True)
+    assert max(r for r, _, _ in tiles) == TILE_ROWS and max(k for _, k, _ in tiles) == long // 4
+    assert sum(r * (r + 1) / 2 if z else r * k for r, k, z in tiles) == pytest.approx(
+        sum(r * (r + 1) / 2 if z else r * k for r, k, z in ring_blocks(long, 2, True)), rel=0.01)
 
 
-def test_ring_work_is_eager_fp32_blocks():
+def test_ring_work_is_fused_kernel_blocks():
     s, n = Strategy(1, 8, cp=4), 0.5
     w = ring_work(CAUSAL, n, s, 2)
-    full = attention_flops(CAUSAL, n, 1)
-    assert w.flops["fwd"] == pytest.approx(full * 9 / 16)        # (2 cp + 1) / (4 cp) of the square
-    assert w.flops["bwd"] == pytest.approx(w.flops["fwd"] * 2.5)  # scores again + 4 products (d = dv)
-    entries = n * 4 * HEADS * ring_blocks(S, 4, True)[1]
-    assert w.copy_bytes["fwd"] > entries * 4 * (RING_SCORE_PASSES["fwd"] + RING_MASK_PASSES)   # + is_causal's
-    assert w.copy_bytes["bwd"] > entries * 4 * (RING_SCORE_PASSES["bwd"] + RING_MASK_PASSES)
-    assert w.block_bytes == n * 4 * HEADS * 2 * (S // 8) ** 2 * 4
+    # the blocks' kernel FLOPs: the causal kernel's at cp = 1 (half the square), per (sample, head)
+    core = core_attention_flops(CAUSAL, n, 1)
+    assert core == attention_flops(CAUSAL, n, 1) / 2
+    assert sum(f for f, _ in w.blocks) == pytest.approx(core, rel=1e-3)
+    assert attention_backward_flops(CAUSAL, 1.0) == 2.5                  # FlashAttention-2's count
+    bh, rows = n * 4 * HEADS, S // 4
+    merge = sum(bh * r * (RING_MERGE_WRITES[0] * D + RING_MERGE_WRITES[1]) * 4 for r, _, _ in ring_blocks(S, 4, True))
+    assert merge < w.copy_bytes["fwd"] < merge + bh * rows * (D + 1) * 4 + bh * rows * D * 2 + 1
     h100 = gfx.Cluster.preset("8xH100-80GB")
     fwd, bwd = cp_compute_time(h100, CAUSAL, n, s, 2, "bf16")
-    # the blocks' fp32 matmuls and memory passes in place of the fused bf16 cores
-    assert fwd == pytest.approx(h100.compute_time(w.flops["fwd"], "fp32") + w.copy_bytes["fwd"] * h100.copy_s_per_byte
-                                - h100.compute_time(full, "bf16"))
-    assert bwd == pytest.approx(h100.compute_time(w.flops["bwd"], "fp32") + w.copy_bytes["bwd"] * h100.copy_s_per_byte
-                                - 2 * h100.compute_time(full, "bf16"))
+
+    def kernel(f, keys, backward):
+        f = attention_backward_flops(CAUSAL, f) if backward else f
+        return h100.attention_time(f, "bf16", backward=backward, seq=keys, head_dim=D)
+    # each kernel call at its own key count in the compute dtype, the merge's bytes, less the cores
+    assert fwd == pytest.approx(sum(kernel(f, k, False) for f, k in w.blocks) + w.copy_bytes["fwd"] * h100.copy_s_per_byte
+                                - kernel(core, S, False))
+    assert bwd == pytest.approx(sum(kernel(f, k, True) for f, k in w.blocks) + w.copy_bytes["bwd"] * h100.copy_s_per_byte
+                                - kernel(core, S, True))
+    # no eager fp32 score blocks any more: at a long context a few percent of the attention itself
+    long = dataclasses.replace(CAUSAL, seq=65536, kv_seq=65536)
+    lf, lb = cp_compute_time(h100, long, n, s, 2, "bf16")
+    lcore = core_attention_flops(long, n, 1)
+    assert 0 < lf < 0.1 * kernel(lcore, 65536, False) and 0 < lb < 0.1 * kernel(lcore, 65536, True)
     uly = cp_compute_time(h100, CAUSAL, n, Strategy(1, 8, cp=4, cp_kind="ulysses"), 2, "bf16")
-    assert 0 < uly[0] < fwd and 0 < uly[1] < bwd
-    # launches: per block (GQA repeats, the causal mask), per shift, per call
-    per = {p: RING_BLOCK_OPS[p] + RING_CAUSAL_OPS + RING_GQA_OPS[p] for p in ("fwd", "bwd")}
-    assert cp_attention_ops(CAUSAL, s, 4) == (5 * per["fwd"] + 3 * RING_SHIFT_OPS + RING_CALL_OPS["fwd"],
-                                              5 * per["bwd"] + 7 * RING_SHIFT_OPS + RING_CALL_OPS["bwd"])
-    # memory: the shifts' buffers and a block's two fp32 score tensors
+    assert 0 < uly[0] and 0 < uly[1]
+    # launches: per block (backward: the blocks not spanning all rows make their LSE contiguous),
+    # per shift, per call (bf16: the casts)
+    partial = sum(r < rows for r, _, _ in ring_blocks(S, 4, True))
+    assert cp_attention_ops(CAUSAL, s, 2) == (
+        4 * RING_BLOCK_OPS["fwd"] + 3 * RING_SHIFT_OPS + RING_CALL_OPS["fwd"] + RING_CAST_OPS["fwd"],
+        4 * RING_BLOCK_OPS["bwd"] + partial * RING_ROWS_OPS + 7 * RING_SHIFT_OPS + RING_CALL_OPS["bwd"]
+        + RING_CAST_OPS["bwd"])
+    masked = dataclasses.replace(CAUSAL, masked=True)
+    assert cp_attention_ops(masked, s, 2)[0] - cp_attention_ops(CAUSAL, s, 2)[0] >= 4 * RING_MASK_OPS["fwd"]
+    # memory: the shifts' buffers and the accumulators / one block's outputs: linear in S / cp
     kv = cp_messages(CAUSAL, n, s, 2)
-    assert cp_transient_bytes(CAUSAL, n, s, 2) == pytest.approx(2 * (kv["fwd"][0] + max(kv["bwd"])) + 2 * w.block_bytes)
+    assert cp_transient_bytes(CAUSAL, n, s, 2) == pytest.approx(2 * (kv["fwd"][0] + max(kv["bwd"]))
+                                                                + max(w.buffers.values()))
+    assert max(w.buffers.values()) < bh * rows * (3 * D + 2) * 4                    # no rows x keys term
+    big = ring_work(dataclasses.replace(CAUSAL, seq=4 * S, kv_seq=4 * S), n, s, 2)
+    assert max(big.buffers.values()) == pytest.approx(4 * max(w.buffers.values()))
 
 
 def test_ulysses_copies_around_its_all_to_alls():
@@ -218,9 +250,9 @@ def test_grouped_query_heads_as_sdpa_receives_them():
     gm = gfx.capture(model, (), kwargs=dict(input_ids=ids, labels=ids), method="dynamo")
     cm = cost_model_for(gm, gfx.Cluster.preset("8xH100-80GB"))
     att = cm.attention(1)
-    # transformers' SDPA path repeats the key / value heads before SDPA: the runtime ships 8 heads
-    # (with enable_gqa SDPA gets the 2: test_llama3_8b_long_context_prefers_cp_small)
-    assert (att.calls, att.heads, att.kv_heads, att.seq) == (1, 8, 8, 32)
+    # without a mask transformers' SDPA path hands SDPA the 2 key / value heads with enable_gqa (as
+    # eager does: capture keeps its mask decisions, galvatron_fx/hf_capture.py): the ring ships 2
+    assert (att.calls, att.heads, att.kv_heads, att.seq) == (1, 8, 2, 32)
 
 
 def test_cp_layer_cost_is_cp1_at_the_same_tokens_plus_exchanges(tiny):
@@ -228,7 +260,7 @@ def test_cp_layer_cost_is_cp1_at_the_same_tokens_plus_exchanges(tiny):
     b = 4
     base, cp = Strategy(1, 4), Strategy(1, 4, cp=4)
     c0, c1 = cm.layer_cost(1, base, b), cm.layer_cost(1, cp, b)
-    # compute: cp = 1's, the ring's eager blocks in place of the attention cores
+    # compute: cp = 1's, the ring's kernel calls and merge in place of the attention cores
     extra = cm.cp_compute(1, b / 4, cp)
     assert (c1.fwd_s, c1.bwd_s) == pytest.approx((c0.fwd_s + extra[0], c0.bwd_s + extra[1]))
     uly = Strategy(1, 4, cp=4, cp_kind="ulysses")
@@ -246,13 +278,17 @@ def test_cp_layer_cost_is_cp1_at_the_same_tokens_plus_exchanges(tiny):
 
 def test_fractional_samples_per_rank_scale_activations(tiny):
     """One sample over 4 ranks (cp 4): a quarter sample's activations each, which cp = 1 cannot run."""
-    _gm, _cluster, cm = tiny
+    gm, cluster, cm = tiny
     quarter = cm.layer_cost(1, Strategy(1, 4, cp=4), 1)
     whole = cm.layer_cost(1, Strategy(1, 4), 4)          # one sample per rank
     assert quarter.activation_bytes == pytest.approx(whole.activation_bytes / 4)
-    own = cm.cp_compute(1, 0.25, Strategy(1, 4, cp=4))[0]   # the ring's blocks beyond the cores
-    assert quarter.fwd_s - own == pytest.approx(whole.fwd_s / 4, rel=0.02)
     assert cm.activation_bytes(1, Strategy(1, 4, cp=4), 1) == quarter.activation_bytes
+    # time: a quarter of the work, priced as FLOPs (these widths fill a fraction of one GEMM tile,
+    # which a quarter sample fills no less)
+    flat = cost_model_for(gm, dataclasses.replace(cluster, gemm_tile=1, copy_s_per_byte=0.0), precision="bf16-mixed")
+    quarter, whole = flat.layer_cost(1, Strategy(1, 4, cp=4), 1), flat.layer_cost(1, Strategy(1, 4), 4)
+    own = flat.cp_compute(1, 0.25, Strategy(1, 4, cp=4))[0]   # the ring's blocks beyond the cores
+    assert quarter.fwd_s - own == pytest.approx(whole.fwd_s / 4, rel=0.02)
 
 
 # ------------------------------------------------------------------------------- boundaries

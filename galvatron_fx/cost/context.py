@@ -13,17 +13,21 @@ one sample (``cp = 1`` needs whole samples). So:
   Parameters are replicated over the CP ranks as over DP and gradients are reduced over the whole
   ``dp`` group: states and their communication do not depend on ``cp``.
 * **Attention compute** (:func:`cp_compute_time`, added to the layer's forward / backward seconds
-  in place of ``cp = 1``'s attention cores, :func:`attention_flops` at the compute rate):
+  in place of ``cp = 1``'s attention cores, :func:`core_attention_flops` at
+  :meth:`Cluster.attention_time`):
 
-  - ``ring``: the runtime computes each (query span, key span) block of its plan
-    (:func:`ring_blocks`: zig-zag under ``is_causal`` skips the chunk pairs above the diagonal) as
-    eager fp32 ops on every device, no fused kernel, and recomputes the blocks in backward
-    (:func:`ring_work`): its matmul FLOPs at the cluster's fp32 rate, the element-wise passes over
-    each block's scores (scale, mask, row max, exp, sums, the merge; backward's softmax gradient)
-    and the operand casts / repeats as memory traffic at the cluster's ``copy_s_per_byte`` (a
-    pass reads and writes a block as a copy does), and its launches (:data:`RING_BLOCK_OPS` per
-    block, per shift, per call: :func:`cp_attention_ops`, ``op_launch_s`` each, both passes).
-    A block's two fp32 score-sized tensors join the transient memory.
+  - ``ring``: the runtime runs one fused SDPA kernel per (query span, key span) block of its plan
+    (:func:`ring_blocks`, the runtime's own: zig-zag under ``is_causal`` gives ``cp`` calls, the
+    own shard's with the kernel's ``is_causal``; an explicit mask cuts blocks into the runtime's
+    tiles of query rows). Each call is priced at :meth:`Cluster.attention_time` in the compute
+    dtype for its FLOPs (a causal call half its square) and its own key count, forward and
+    backward (:func:`attention_backward_flops`, FlashAttention-2's 2.5x). The cores ``cp = 1``
+    prices (:func:`core_attention_flops`, the same kernel on the whole sequence) are subtracted.
+    The log-sum-exp merge and the fp32 accumulators add element-wise bytes at ``copy_s_per_byte``
+    (:func:`ring_work`, :data:`RING_MERGE_WRITES`), and their launches are counted too
+    (:data:`RING_BLOCK_OPS` per block, per shift, per call: :func:`cp_attention_ops`,
+    ``op_launch_s`` each, both passes). Transient memory holds the fp32 output / gradient
+    accumulators, one block's kernel outputs and the shifts' buffers; no score block exists.
   - ``ulysses``: SDPA on head shards does the cores' work; the reshuffles around its all-to-alls
     copy each tensor 2-3 times (:data:`ULYSSES_SEQ_HEADS`), at ``copy_s_per_byte``, plus their
     launches.
@@ -38,10 +42,10 @@ one sample (``cp = 1`` needs whole samples). So:
     the previous at once (``batch_isend_irecv``, one send / receive pair per tensor): priced as
     the two-rank all-to-all of each hop (both directions at once, as the cluster measures it), the
     slowest hop pacing the ring (a ring spanning nodes crosses the inter-node link). Priced on the
-    critical path by default: the runtime starts each shift before a block's work and waits for
-    it after, but its blocks run as separate eager ops (no fused kernel hiding a transfer is
-    assumed); ``overlap=True`` (``CostModel(cp_overlap=True)``) prices a runtime whose shifts hide
-    behind the layer's attention compute (:meth:`Cluster.overlap_time`).
+    critical path by default (conservative: the runtime starts each shift before a source's kernel
+    calls and waits for it after them, so a device whose transfers run beside its kernels hides
+    them); ``overlap=True`` (``CostModel(cp_overlap=True)``) prices the shifts hidden behind the
+    layer's attention compute (:meth:`Cluster.overlap_time`).
   - ``ulysses``: forward four all-to-alls over the CP group (query, key, value before the
     attention core, its output after), each this rank's ``b * S/cp * heads/tp * head_dim``
     elements (key / value with the key / value heads, or the query heads when ``kv_heads / tp``
@@ -84,42 +88,45 @@ from ..sharding.state import node_arg, op_name, tensor_val
 from ..solver.strategy import Strategy
 from .measure import Affine
 
-# Launches (ops that run a kernel or allocate; views not counted) of the runtime's context-parallel
-# attention, counted from :mod:`galvatron_fx.runtime.context_parallel` (a TorchDispatchMode over its
-# functions agrees). All run as plain eager ops inside autograd Functions, backward ones included.
-RING_BLOCK_OPS = {"fwd": 17, "bwd": 15}
-"""Per ring block and pass, no mask, no GQA, fp32 operands: ``_block_forward`` (2 matmuls, scale,
-row max, the merge's maximum / -inf fix / subtract / exp / decay / sum / rescales and adds, the
-max copy) and ``_block_backward`` (5 matmuls, scale, subtract max, exp, divide by the sum, subtract
-delta, product, scale, the three gradient adds)."""
-RING_CAUSAL_OPS = 2
-"""Per block and pass under ``is_causal``: the position comparison and its ``masked_fill``."""
-RING_MASK_OPS = 3
-"""Per block and pass with an explicit mask: its rows / columns selected, cast or inverted, applied."""
+# Launches (ops that run a kernel or allocate; views not counted) of the runtime's ring attention,
+# counted from :mod:`galvatron_fx.runtime.ring_attention` on its CPU / flash path (a TorchDispatchMode
+# over it agrees: tests/test_context_parallel_ops_dist.py). Backward ones run inside its autograd
+# Function: no autograd node of their own.
+RING_BLOCK_OPS = {"fwd": 9, "bwd": 4}
+"""Per block (kernel call) and pass: forward the kernel and the merge's 8 element-wise ops (the
+LSE difference, its NaN guard, the sigmoid weight, the output's difference, scale and add, the new
+LSE and its copy); backward the kernel and the q / k / v gradients' adds."""
+RING_ROWS_OPS = 1
+"""Per backward block whose query rows are not all the rank's: its LSE rows made contiguous."""
+RING_MASK_OPS = {"fwd": 16, "bwd": 3}
+"""Per block and pass with an explicit (bool) mask: forward the plan's scan of the block's mask
+slice (row maximum, live / saturated rows, their ``any`` / ``all`` and the host sync; more on a
+causal tile's square) and the slice converted to an additive bias (3); backward the conversion."""
 RING_GQA_OPS = {"fwd": 2, "bwd": 4}
-"""Per block and pass when key / value heads are repeated for the query heads: the two repeats;
-backward also the two folds of the key / value gradients."""
-RING_CAST_OPS = 3
-"""Per block and pass when the operands are not fp32: ``q``, ``k``, ``v`` rows cast to fp32."""
+"""Per block and pass where a kernel needs the query heads (the memory-efficient kernel: a mask on
+CUDA): the key / value repeats, backward also their gradients' folds."""
+RING_CAST_OPS = {"fwd": 1, "bwd": 3}
+"""Per call when the operands are not fp32: the output cast (forward), q / k / v gradients (backward)."""
 RING_SHIFT_OPS = 2
 """Per shift: the two receive buffers (the sends themselves are priced as calls: :func:`ring_shift_time`)."""
-RING_CALL_OPS = {"fwd": 8, "bwd": 7}
-"""Per attention call and pass: the running output / maximum / sum (forward) or the gradient
-accumulators and ``delta`` (backward), and the final normalisation / casts."""
-RING_SCORE_PASSES = {"fwd": 4.0, "bwd": 7.5}
-"""Element-wise passes over a block's fp32 scores, in copies (read + write once; a reduction, read
-only, is half; a product of two score tensors 1.5): forward scale, row max, subtract, exp, row sum;
-backward scale, subtract the max, exp, divide by the sum, subtract delta, the product with the
-probabilities, scale. ``is_causal`` and an explicit mask add :data:`RING_MASK_PASSES` each."""
-RING_MASK_PASSES = 2.0
-"""Passes per block and pass of ``is_causal`` (or of an explicit mask): its out-of-place
-``masked_fill`` (or ``+ mask``) copies the scores, then fills them."""
+RING_CALL_OPS = {"fwd": 2, "bwd": 5}
+"""Per attention call and pass: the fp32 output and LSE (forward); the LSE's ``+inf`` fill (2), the
+q gradient and the first k / v gradients (backward)."""
+RING_MERGE_WRITES = (3, 5)
+"""Element-wise writes of one forward block's merge, per query row: ``3 dv`` fp32 (the output's
+difference, scale and add) and 5 fp32 (the LSE's difference, guard, weight, new value, copy)."""
+ATTENTION_BACKWARD = (3, 2)
+"""A fused attention kernel's backward FLOPs per forward FLOP (:func:`attention_backward_flops`):
+``2 e (3 d + 2 d_v)`` for the forward's ``2 e (d + d_v)``, FlashAttention-2's count (2.5x at
+``d = d_v``: the scores recomputed, then four products)."""
 ULYSSES_SEQ_HEADS = {"to_heads": (3, 2), "to_seq": (2, 3)}
 """One ``_seq_heads`` reshuffle: ``(launches beyond 2 per CP rank for to_seq, copies of the tensor)``:
 ``to_heads`` makes the send stack contiguous, allocates the output and concatenates the received
 shards by position (3 launches, 2 copies); ``to_seq`` cuts each rank's positions (an allocation and
 a concatenation per CP rank) and stacks them, then concatenates the received head groups (2 + 2 cp
 launches, 3 copies)."""
+
+
 @dataclass(frozen=True)
 class LayerAttention:
     """A layer's attention as context parallelism prices it: ``calls`` SDPA calls of ``heads`` query
@@ -290,7 +297,7 @@ def ring_shift_time(cluster, nbytes: float, group: list[int], calls: float = 1.0
 
 GRAD_ITEMSIZE = 4
 """Bytes per element of the key / value gradients the ring sends home: the runtime accumulates them
-in fp32 (:class:`galvatron_fx.runtime.context_parallel._RingAttention`)."""
+in fp32 (:mod:`galvatron_fx.runtime.ring_attention`)."""
 RING_TENSORS = 2
 """Tensors per ring shift (key and value, or their gradients): one send / receive pair each."""
 
@@ -354,86 +361,131 @@ def cp_attention_time(cluster, att: LayerAttention, n: float, s: Strategy, items
 
 
 # ------------------------------------------------------------------------------ ring block work
-@functools.lru_cache(maxsize=1024)
-def ring_blocks(seq: int, cp: int, causal: bool) -> tuple[int, int, int, int, int]:
-    """The blocks of ring attention on the busiest CP rank over all ``cp`` sources, from the
-    runtime's own plan (:func:`galvatron_fx.runtime.context_parallel._ring_blocks`, no explicit
-    mask): ``(blocks, sum of rows x key columns, sum of rows, sum of key columns, largest rows x
-    columns)`` per (sample, head). Zig-zag under ``is_causal``: ``cp + 1`` blocks of ``(2 cp + 1) c^2``
-    entries in all (``c = S / 2cp``); without: ``cp`` blocks of ``(S / cp)^2``."""
-    from ..runtime.context_parallel import _ring_blocks
+def attention_backward_flops(att: LayerAttention, fwd: float) -> float:
+    """Backward FLOPs of a fused attention kernel whose forward executes ``fwd`` (:data:`ATTENTION_BACKWARD`)."""
+    d, dv = att.head_dim, att.v_head_dim
+    a, b = ATTENTION_BACKWARD
+    return fwd * (a * d + b * dv) / (d + dv) if d + dv else fwd * (a + b) / 2
 
-    best = (0, 0, 0, 0, 0)
-    for index in range(cp):
-        dims = [(b.q[1], b.k[1]) for src in range(cp)
-                for b in _ring_blocks(seq, cp, index, src, causal, None, torch.device("cpu"))]
-        here = (len(dims), sum(r * c for r, c in dims), sum(r for r, _ in dims), sum(c for _, c in dims),
-                max((r * c for r, c in dims), default=0))
-        best = max(best, here, key=lambda t: (t[1], t[0]))
-    return best
+
+def core_attention_flops(att: LayerAttention, n: float, tp: int) -> float:
+    """Forward FLOPs the fused kernel executes for the layer's attention cores at ``cp = 1`` on one
+    rank with ``n`` samples: :func:`attention_flops`, halved under ``is_causal`` (the kernel skips
+    the blocks above the diagonal). What ``cp = 1`` prices at :meth:`Cluster.attention_time`, and what
+    context parallelism's own attention replaces (:func:`cp_compute_time`)."""
+    return attention_flops(att, n, tp) * (0.5 if att.causal else 1.0)
+
+
+@functools.lru_cache(maxsize=1024)
+def ring_blocks(seq: int, cp: int, causal: bool, masked: bool = False) -> tuple[tuple[int, int, bool], ...]:
+    """``(query rows, keys, is_causal)`` of every kernel call ring attention makes on the busiest CP
+    rank over all ``cp`` sources, from the runtime's own plan (:func:`~galvatron_fx.runtime.
+    ring_attention.ring_plan`; with an explicit mask :func:`~galvatron_fx.runtime.ring_attention.
+    ring_tiles` at its ``TILE_ROWS``, none of the mask's own skips assumed). Zig-zag under
+    ``is_causal``: the own ``s x s`` shard causal, then ``cp - 1`` blocks of ``s x c`` or ``c x s``
+    (``c = S / 2cp``); without: ``cp`` blocks of ``s x s``."""
+    from ..runtime.ring_attention import TILE_ROWS, ring_plan, ring_tiles
+
+    def plan(index):
+        return tuple((b.q[1], b.k[1], b.causal) for src in range(cp)
+                     for b in (ring_tiles(seq, cp, index, src, causal, TILE_ROWS) if masked
+                               else ring_plan(seq, cp, index, src, causal)))
+
+    def work(blocks):
+        return sum(_entries(*b) for b in blocks), len(blocks), sum(r < seq // cp for r, _, _ in blocks)
+    return max((plan(i) for i in range(cp)), key=work)
+
+
+def _entries(rows: int, keys: int, causal: bool) -> float:
+    """Score entries a kernel call computes per (sample, head): on and below the diagonal when causal."""
+    return rows * (rows + 1) / 2 if causal else rows * keys
 
 
 @dataclass(frozen=True)
 class RingWork:
-    """One rank's ring attention work per micro-batch and pass (every SDPA call of the layer):
-    matmul FLOPs (fp32), bytes written by element-wise passes and operand copies (in copies: read +
-    write once), launches, and the largest block's fp32 score bytes."""
+    """One rank's ring attention per micro-batch (every SDPA call of the layer): each kernel call's
+    ``(forward FLOPs, keys)`` (one call's; the layer makes ``calls`` of them), the element-wise bytes
+    written and launches per pass, and the largest transient buffers of a pass (bytes)."""
 
-    flops: dict
+    blocks: tuple
     copy_bytes: dict
     ops: dict
-    block_bytes: float
+    buffers: dict
 
 
 def ring_work(att: LayerAttention, n: float, s: Strategy, itemsize: int) -> RingWork:
-    """What the runtime's ring attention computes on one rank with ``n`` samples' tokens per rank
-    (it holds ``b = n cp`` samples of ``S / cp`` positions), :func:`ring_blocks` blocks each:
+    """What the runtime's ring attention runs on one rank with ``n`` samples' tokens per rank (it
+    holds ``b = n cp`` samples of ``s = S / cp`` positions) over :func:`ring_blocks`:
 
-    * FLOPs: forward ``q k^T`` and ``p v`` (``2 (d + dv)`` per score entry), backward the scores
-      again, ``p^T g``, ``g v^T``, ``ds k``, ``ds^T q`` (``2 (3 d + 2 dv)``), all in fp32;
-    * memory traffic: :data:`RING_SCORE_PASSES` over each block's fp32 scores (and
-      :data:`RING_MASK_PASSES` under ``is_causal`` / with a mask), the running output's rescale
-      and add (forward) and the three gradient adds (backward) over their rows, the operand rows'
-      fp32 casts (non-fp32 operands) and repeats (GQA), the key / value gradients' folds (GQA);
-    * launches: :data:`RING_BLOCK_OPS` per block (and the causal / mask / GQA / cast extras),
-      :data:`RING_SHIFT_OPS` per shift, :data:`RING_CALL_OPS` per call.
+    * kernels: per block ``2 e (d + dv)`` forward FLOPs over its ``b heads / tp`` rows (``e``:
+      :func:`_entries`), in the compute dtype (the runtime's kernels run in q's);
+    * element-wise bytes written (fp32 merge and accumulators): per forward block
+      :data:`RING_MERGE_WRITES`; per backward block the q / k / v gradients' adds (and the LSE rows
+      made contiguous); per call the fp32 output / LSE and the backward's accumulators, the casts
+      of non-fp32 operands; with a mask each block's bias conversion (bool -> fp32 -> dtype), with
+      a mask and grouped heads the key / value repeats (the memory-efficient kernel);
+    * launches: :data:`RING_BLOCK_OPS` per block (+ :data:`RING_ROWS_OPS`, :data:`RING_MASK_OPS`,
+      :data:`RING_GQA_OPS`), :data:`RING_SHIFT_OPS` per shift, :data:`RING_CALL_OPS` (+
+      :data:`RING_CAST_OPS`) per call;
+    * buffers: forward the fp32 output and LSE, a block's output and merge temporary; backward
+      the fp32 q gradient and LSE, a block's q / k / v gradients (and with a mask the step's k / v
+      gradients and a bias tile). No score matrix.
     """
+    rows_all = att.seq // s.cp if att.seq % s.cp == 0 else att.seq / s.cp
     if att.seq % s.cp:   # NOTE: a degree the runtime refuses (cp_refuses); priced as whole shards
-        side = att.seq / s.cp
-        blocks, area, rows, cols, largest = s.cp, s.cp * side * side, s.cp * side, s.cp * side, side * side
+        blocks = ((rows_all, rows_all, False),) * s.cp
     else:
-        blocks, area, rows, cols, largest = ring_blocks(att.seq, s.cp, att.causal)
-    bh = n * s.cp * att.heads / s.tp   # (sample, query head) pairs of the rank
-    d, dv = att.head_dim, att.v_head_dim
-    gqa = att.kv_heads != att.heads
+        blocks = ring_blocks(att.seq, s.cp, att.causal, att.masked)
+    b = n * s.cp
+    bh, bkv = b * att.heads / s.tp, b * att.kv_heads / s.tp
+    d, dv, c = att.head_dim, att.v_head_dim, att.calls
+    gqa = att.masked and att.kv_heads != att.heads
     cast = itemsize != 4
-    e = bh * area                      # score entries of all blocks
-    extra = RING_MASK_PASSES * (att.causal + att.masked)
-    flops = {"fwd": e * 2 * (d + dv), "bwd": e * 2 * (3 * d + 2 * dv)}
-    operands = bh * (rows * d * cast + cols * (d + dv) * (gqa or cast))
-    copies = {"fwd": e * (RING_SCORE_PASSES["fwd"] + extra) + bh * rows * dv * 2.5 + operands,
-              "bwd": e * (RING_SCORE_PASSES["bwd"] + extra) + bh * 1.5 * (rows * d + cols * (d + dv))
-              + operands + bh * cols * (d + dv) * 0.5 * gqa}
-    per_block = {p: RING_BLOCK_OPS[p] + RING_CAUSAL_OPS * att.causal + RING_MASK_OPS * att.masked
-                 + RING_GQA_OPS[p] * gqa + RING_CAST_OPS * cast for p in ("fwd", "bwd")}
+    mask_rows = b if att.mask_bytes else 1   # a batched mask converts each sample's slice
+    w_rows, w_row = RING_MERGE_WRITES
+    fwd = bwd = 0.0
+    for r, k, _causal in blocks:
+        fwd += bh * r * (w_rows * dv + w_row) * 4
+        bwd += bh * r * d * 4 + bkv * k * (d + dv) * 4 + bh * r * 4 * (r < rows_all)
+        if att.masked:
+            bias = mask_rows * r * k * (4 + itemsize * cast)
+            fwd, bwd = fwd + bias, bwd + bias
+        if gqa:
+            fwd, bwd = fwd + bh * k * (d + dv) * itemsize, bwd + (bh + bkv) * k * (d + dv) * itemsize
+    fwd += bh * rows_all * (dv + 1) * 4 + bh * rows_all * dv * itemsize * cast
+    bwd += (bh * rows_all * (d * 4 + 5) + bkv * rows_all * (d + dv) * 4
+            + (bh * rows_all * d + bkv * rows_all * (d + dv)) * itemsize * cast)
     shifts = {"fwd": s.cp - 1, "bwd": 2 * s.cp - 1}
-    ops = {p: att.calls * (blocks * per_block[p] + RING_SHIFT_OPS * shifts[p] + RING_CALL_OPS[p])
-           for p in ("fwd", "bwd")}
-    return RingWork({p: att.calls * f for p, f in flops.items()},
-                    {p: att.calls * 4 * c for p, c in copies.items()}, ops, bh * largest * 4)
+    ops = {}
+    for p in ("fwd", "bwd"):
+        per = RING_BLOCK_OPS[p] + RING_MASK_OPS[p] * att.masked + RING_GQA_OPS[p] * gqa
+        partial = sum(r < rows_all for r, _, _ in blocks) * RING_ROWS_OPS * (p == "bwd")
+        ops[p] = c * (len(blocks) * per + partial + RING_SHIFT_OPS * shifts[p] + RING_CALL_OPS[p]
+                      + RING_CAST_OPS[p] * cast)
+    r_max = max(r for r, _, _ in blocks)
+    k_max = max(k for _, k, _ in blocks)
+    bias = mask_rows * r_max * k_max * itemsize if att.masked else 0.0
+    kv_grads = (bh if gqa else bkv) * k_max * (d + dv) * itemsize     # a block's, at the kernel's heads
+    buffers = {"fwd": bh * rows_all * (dv + 1) * 4 + bh * r_max * dv * (itemsize + 4) + bias,
+               "bwd": bh * rows_all * (d + 1) * 4 + bh * r_max * d * itemsize + bias + kv_grads * (1 + gqa)
+               + bkv * rows_all * (d + dv) * 4 * att.masked}
+    return RingWork(tuple((bh * _entries(r, k, cz) * 2 * (d + dv), k) for r, k, cz in blocks),
+                    {"fwd": c * fwd, "bwd": c * bwd}, ops, buffers)
 
 
 def cp_compute_time(cluster, att: LayerAttention, n: float, s: Strategy, itemsize: int,
                     dtype: str) -> tuple[float, float]:
     """``(forward, backward)`` seconds per micro-batch the layer's context-parallel attention computes
-    beyond what ``cp = 1``'s attention costs in the layer's time (the attention cores' FLOPs,
-    :func:`attention_flops`, at the ``dtype`` rate; backward twice), checkpointing's repeat not
-    included (the cost model adds it as for the rest of the forward).
+    beyond what ``cp = 1``'s attention costs in the layer's time (its fused kernel on the whole
+    sequence, :func:`core_attention_flops` at :meth:`Cluster.attention_time`, backward
+    :func:`attention_backward_flops`), checkpointing's repeat not included (the cost model adds it
+    as for the rest of the forward).
 
-    * ring: :func:`ring_work`'s FLOPs at the fp32 matmul rate plus its memory traffic at the
-      cluster's ``copy_s_per_byte`` (the runtime's blocks are eager fp32 ops on every device, no
-      fused kernel), less the cores. May be negative where the fused cores were priced above the
-      ring's causal blocks (their FLOP count ignores the causal half).
+    * ring: each of :func:`ring_work`'s kernel calls at :meth:`Cluster.attention_time` in ``dtype``
+      (with its own key count: short blocks run slower where the cluster has that curve), plus the
+      merge's and accumulators' element-wise bytes at the cluster's ``copy_s_per_byte``, less the
+      cores. Near zero where the kernel's rate does not depend on the key count: the blocks' FLOPs
+      sum to the causal kernel's.
     * ulysses: SDPA on head shards is the cores' work; the reshuffles around each all-to-all copy
       (:data:`ULYSSES_SEQ_HEADS`: forward 2 copies of each of q, k, v and 3 of the output, backward
       the reverse), plus the key / value repeats when their heads do not split over ``cp``.
@@ -442,10 +494,15 @@ def cp_compute_time(cluster, att: LayerAttention, n: float, s: Strategy, itemsiz
         return 0.0, 0.0
     per_byte = getattr(cluster, "copy_s_per_byte", 0.0)
     if s.cp_kind == "ring":
-        w = ring_work(att, n, s, itemsize)
-        core = cluster.compute_time(attention_flops(att, n, s.tp), dtype)
-        return tuple(cluster.compute_time(w.flops[p], "fp32") + w.copy_bytes[p] * per_byte - k * core
-                     for p, k in (("fwd", 1), ("bwd", 2)))
+        w, d = ring_work(att, n, s, itemsize), att.head_dim or None
+
+        def kernel(flops, keys, backward):
+            f = attention_backward_flops(att, flops) if backward else flops
+            return cluster.attention_time(f, dtype, backward=backward, seq=keys, head_dim=d)
+
+        core = core_attention_flops(att, n, s.tp)
+        return tuple(att.calls * sum(kernel(f, k, bw) for f, k in w.blocks) + w.copy_bytes[p] * per_byte
+                     - kernel(core, att.kv_seq or None, bw) for p, bw in (("fwd", False), ("bwd", True)))
     q, k, v, out = (x / itemsize for x in cp_messages(att, n, s, itemsize)["fwd"][:4])
     qkv = q + k + v
     to_h, to_s = ULYSSES_SEQ_HEADS["to_heads"][1], ULYSSES_SEQ_HEADS["to_seq"][1]
@@ -474,17 +531,16 @@ def cp_attention_ops(att: LayerAttention, s: Strategy, itemsize: int = 4) -> tup
 
 
 def cp_transient_bytes(att: LayerAttention, n: float, s: Strategy, itemsize: int) -> float:
-    """The exchange's own buffers at their peak (bytes): the ring's backward step holds the received
-    key / value shards and the key / value gradients in flight, send and receive side (the fp32
-    accumulators are the gradients themselves), and a block's two fp32 score-sized tensors (scores /
-    probabilities and their gradient: the runtime materialises each block); Ulysses the four
-    head-sharded tensors of one pass."""
+    """The attention's own buffers at their peak (bytes). Ring: the k / v shards and the fp32 k / v
+    gradients in flight (send and receive side) and the larger pass's :attr:`RingWork.buffers` (the
+    fp32 output / gradient accumulators and a block's kernel outputs; no score blocks). Ulysses: the
+    four head-sharded tensors of one pass."""
     msgs = cp_messages(att, n, s, itemsize)
     if not msgs["fwd"]:
         return 0.0
     if s.cp_kind == "ring":
         kv = msgs["fwd"][0] if msgs["fwd"] else 0.0
-        return 2 * (kv + max(msgs["bwd"])) + 2 * ring_work(att, n, s, itemsize).block_bytes
+        return 2 * (kv + max(msgs["bwd"])) + max(ring_work(att, n, s, itemsize).buffers.values())
     return sum(msgs["fwd"]) / att.calls
 
 
@@ -503,8 +559,9 @@ class SplitIntercepts:
 
 
 def attention_flops(att: LayerAttention, n: float, tp: int) -> float:
-    """Forward FLOPs of the layer's attention cores on one rank (``4 n heads/tp S^2 d``, the
-    :data:`~galvatron_fx.cost.measure.SDPA_FORMULAS` count; backward is twice this)."""
+    """Forward FLOPs of the layer's attention cores on one rank over all ``S x S`` scores
+    (``4 n heads/tp S^2 d``, the :data:`~galvatron_fx.cost.measure.SDPA_FORMULAS` count; a causal
+    fused kernel executes half: :func:`core_attention_flops`)."""
     return att.calls * 2 * n * att.heads / tp * att.seq * att.kv_seq * (att.head_dim + att.v_head_dim)
 
 

@@ -29,15 +29,16 @@ The boundary pair follows :mod:`.reshard`'s invariant (after backward a rank hol
 gradient of what it holds), so neither sums; ``gather_seq`` is used where every CP rank consumes the
 whole value for its own queries only, so the true gradient is the sum over the CP ranks.
 
-``cp_attention(kind="ring")``: the k / v shards travel around the ring (``cp - 1`` shifts, each
-overlapped with the current block's work). For each (local query span, source key span) pair that
-is not entirely masked (causal positions, the explicit mask's slice: chunk granularity) one block is
-computed in fp32 and merged by online softmax (running row maximum and sum); rows masked in one
-block but not overall get no weight from it, rows masked everywhere give 0 (as SDPA). A mask *and*
-``is_causal`` are both applied. Backward is hand-written (flash-attention style): it recomputes each
-block's scores from the saved ``q, k, v``, output and row maximum / sum, circulates k / v once more,
-and the k / v gradient of each source travels with it, ``cp`` shifts, back home. So no ``[s, S]``
-score matrix is kept for backward, only ``s``-row tensors (and the caller's mask).
+``cp_attention(kind="ring")`` (:mod:`.ring_attention`): the k / v shards travel around the ring
+(``cp - 1`` shifts, each overlapped with the current source's work). Each (query span, key span)
+block runs one fused SDPA kernel that returns its log-sum-exp (torch's CPU flash kernel; on CUDA
+flash or memory-efficient attention; an eager kernel over row tiles where torch would run its
+math backend), and blocks merge exactly by their log-sum-exps in fp32. Under ``is_causal`` a
+zig-zag chunk pair is wholly visible, skipped, or on the diagonal (the kernel's ``is_causal``).
+An explicit mask's slice goes to the kernel with each block, and a mask *and* ``is_causal`` are
+both applied. Backward runs each block's kernel backward with the global output and log-sum-exp,
+circulates k / v once more, and sends the k / v gradient of each source home with it (``cp``
+shifts). No ``[s, S]`` score matrix exists; memory is linear in ``s``.
 
 ``cp_attention(kind="ulysses")``: all-to-all turns the sequence shard ``[..., H, s, D]`` into a head
 shard ``[..., H / cp, S, D]`` (natural order), SDPA runs there with the whole mask (its head dim cut
@@ -45,16 +46,15 @@ to those heads) and ``is_causal`` as given, and all-to-all turns the output back
 backward is the reverse all-to-all. Key / value heads not divisible by ``cp`` are repeated to ``H``.
 
 Exact up to float rounding: SDPA's formula on the whole sequence, dropout excepted (its RNG cannot
-be reproduced over shards: ``dropout_p`` must be 0). NOTE: ring follows SDPA's math definition;
-ulysses runs whichever SDPA kernel torch picks (they differ where a row's only keys carry HF's
-``finfo.min``: torch's CPU flash kernel then returns the wrong gradient, ring the math one).
+be reproduced over shards: ``dropout_p`` must be 0). Both kinds run the fused kernel single-device
+SDPA would pick, so they share its rounding, and on CPU they share its flaw where a row's only
+keys carry HF's ``finfo.min`` (see :mod:`.ring_attention`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -102,12 +102,6 @@ def _pieces(seq: int, cp: int) -> tuple[tuple[int, int, int], ...]:
     """``(rank, offset, length)`` of every chunk of every rank in natural (global) order."""
     return tuple((r, off, n) for _, r, off, n in
                  sorted((a, r, off, n) for r in range(cp) for a, n, off in _chunks(seq, cp, r)))
-
-
-@functools.lru_cache(maxsize=256)
-def _positions(seq: int, cp: int, index: int, device: torch.device) -> torch.Tensor:
-    """:func:`seq_positions` as a LongTensor on ``device`` (cached)."""
-    return torch.tensor(seq_positions(seq, cp, index), dtype=torch.long, device=device)
 
 
 def _cp(ranks: Ranks, index: int) -> int:
@@ -321,13 +315,16 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: t
     seq = q.shape[-2] * cp
     seq_positions(seq, cp, index)   # the length check
     hq, hkv = q.shape[-3], k.shape[-3]
-    if enable_gqa and hq != hkv and hq % hkv:
-        raise ValueError(f"enable_gqa needs the {hkv} key / value heads to divide the {hq} query heads")
-    groups = hq // hkv if enable_gqa and hq != hkv else 1
+    if hq != hkv and (hq % hkv or not (enable_gqa or hkv == 1)):
+        raise ValueError(f"{hq} query heads cannot attend {hkv} key / value heads"
+                         + ("" if enable_gqa else " (without enable_gqa)"))
+    groups = hq // hkv   # one key / value head broadcast to every query head: a single group
     mask = None if attn_mask is None else attn_mask.detach()
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if kind == "ring":
-        return _RingAttention.apply(q, k, v, mask, is_causal, scale, groups, ranks, index)
+        from .ring_attention import ring_attention  # NOTE: imports this module's helpers
+
+        return ring_attention(q, k, v, mask, is_causal, scale, groups, ranks, index)
     return _ulysses(q, k, v, mask, is_causal, scale, groups, ranks, index)
 
 
@@ -384,41 +381,9 @@ def _ulysses(q, k, v, mask, causal, scale, groups, ranks, index):
 
 
 # ------------------------------------------------------------------------------------- ring
-@dataclass(frozen=True)
-class _Block:
-    """One block of ring attention: local query rows ``q`` and source key rows ``k``, each
-    ``(offset, length)``, with their global positions."""
-
-    q: tuple[int, int]
-    k: tuple[int, int]
-    qpos: torch.Tensor
-    kpos: torch.Tensor
-
-
-def _mask_block(mask: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
-    """The whole mask's rows ``qpos`` and columns ``kpos`` (broadcast dims kept)."""
-    if mask.ndim >= 2 and mask.shape[-2] != 1:
-        mask = mask.index_select(-2, qpos)
-    return mask.index_select(-1, kpos) if mask.shape[-1] != 1 else mask
-
-
 def _causal_skip(qc, kc) -> bool:
     """Under a causal mask: every key of chunk ``kc`` comes after every query of chunk ``qc``."""
     return kc[0] > qc[0] + qc[1] - 1
-
-
-def _needed(qc, kc, causal: bool, mask, qpos, kpos) -> bool:
-    """Whether the block of chunks ``qc`` x ``kc`` (``(start, length, offset)``) has an allowed entry."""
-    if causal and _causal_skip(qc, kc):
-        return False
-    if mask is None:
-        return True
-    qpos, kpos = qpos.narrow(0, qc[2], qc[1]), kpos.narrow(0, kc[2], kc[1])
-    m = _mask_block(mask, qpos, kpos)
-    allowed = m if m.dtype == torch.bool else m != _NEG_INF
-    if causal:
-        allowed = allowed & (kpos <= qpos[:, None])
-    return bool(allowed.any())
 
 
 def _spans(chunks) -> list[tuple[int, int]]:
@@ -432,110 +397,9 @@ def _spans(chunks) -> list[tuple[int, int]]:
     return [tuple(s) for s in spans]
 
 
-def _ring_blocks(seq: int, cp: int, index: int, src: int, causal: bool, mask, device) -> list[_Block]:
-    """The blocks rank ``index`` computes against source ``src``'s keys: query chunks needing the
-    same key chunks share a block (the whole shard when nothing is masked)."""
-    qpos, kpos = _positions(seq, cp, index, device), _positions(seq, cp, src, device)
-    by_keys: dict[tuple, list] = {}
-    for a in _chunks(seq, cp, index):
-        keys = tuple(b for b in _chunks(seq, cp, src) if _needed(a, b, causal, mask, qpos, kpos))
-        if keys:
-            by_keys.setdefault(keys, []).append(a)
-    return [_Block(qs, ks, qpos.narrow(0, *qs), kpos.narrow(0, *ks))
-            for keys, qcs in by_keys.items() for qs in _spans(qcs) for ks in _spans(keys)]
-
-
 def ring_block_pairs(seq: int, cp: int, index: int, causal: bool) -> int:
     """How many (local query chunk, key chunk) pairs rank ``index`` computes in ring attention over
     all ``cp`` sources, no explicit mask: ``4 cp`` (``cp`` when contiguous); causal: ``2 cp + 1`` on
     every rank in the zig-zag layout (``index + 1`` when contiguous)."""
     return sum(not (causal and _causal_skip(a, b))
                for src in range(cp) for a in _chunks(seq, cp, index) for b in _chunks(seq, cp, src))
-
-
-def _scores(q, k, mask, blk: _Block, causal: bool, scale: float) -> torch.Tensor:
-    """fp32 ``q k^T * scale`` of a block with the mask's slice and the causal mask applied."""
-    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    if mask is not None:
-        m = _mask_block(mask, blk.qpos, blk.kpos)
-        s = s.masked_fill(~m, _NEG_INF) if m.dtype == torch.bool else s + m.float()
-    if causal:
-        s = s.masked_fill(blk.kpos > blk.qpos[:, None], _NEG_INF)
-    return s
-
-
-def _rows(t: torch.Tensor, span: tuple[int, int], groups: int = 1) -> torch.Tensor:
-    """fp32 rows ``span`` of ``t`` (``[..., H, rows, D]``), heads expanded ``groups`` times."""
-    return _expand(t.narrow(-2, *span), groups).float()
-
-
-def _block_forward(q, k, v, mask, blk, causal, scale, groups, out, m, l) -> None:
-    """Merge one block into the running (online softmax) ``out`` (``[..., Hq, s, Dv]``, unnormalised),
-    row maximum ``m`` and row sum ``l`` (``[..., Hq, s, 1]``, relative to ``m``).
-
-    NOTE: ``m`` and ``l`` are kept apart, not as ``m + log(l)``: with HF's additive ``finfo.min``
-    masks a row's maximum can be ~-3e38, where adding ``log(l)`` would be lost in rounding."""
-    s = _scores(_rows(q, blk.q), _rows(k, blk.k, groups), mask, blk, causal, scale)
-    o, m_old, l_old = out.narrow(-2, *blk.q), m.narrow(-2, *blk.q), l.narrow(-2, *blk.q)
-    new = torch.maximum(m_old, s.amax(-1, keepdim=True))
-    new = new.masked_fill_(new == _NEG_INF, 0.0)      # rows masked so far: every weight below is 0
-    p = s.sub_(new).exp_()
-    decay = (m_old - new).exp_()
-    l_old.mul_(decay).add_(p.sum(-1, keepdim=True))
-    o.mul_(decay).add_(torch.matmul(p, _rows(v, blk.k, groups)))
-    m_old.copy_(new)
-
-
-def _block_backward(q, k, v, mask, blk, causal, scale, groups, grad, delta, m, l, dq, dk, dv) -> None:
-    """Add one block's gradients to ``dq`` (local rows) and ``dk`` / ``dv`` (source rows)."""
-    qb, kb, vb = _rows(q, blk.q), _rows(k, blk.k, groups), _rows(v, blk.k, groups)
-    g = grad.narrow(-2, *blk.q)
-    p = _scores(qb, kb, mask, blk, causal, scale).sub_(m.narrow(-2, *blk.q)).exp_().div_(l.narrow(-2, *blk.q))
-    dv.narrow(-2, *blk.k).add_(_fold(torch.matmul(p.transpose(-1, -2), g), groups, dv.narrow(-2, *blk.k).shape))
-    ds = p.mul_(torch.matmul(g, vb.transpose(-1, -2)).sub_(delta.narrow(-2, *blk.q))).mul_(scale)
-    dq.narrow(-2, *blk.q).add_(torch.matmul(ds, kb).sum_to_size(dq.narrow(-2, *blk.q).shape))
-    dk.narrow(-2, *blk.k).add_(_fold(torch.matmul(ds.transpose(-1, -2), qb), groups, dk.narrow(-2, *blk.k).shape))
-
-
-class _RingAttention(torch.autograd.Function):
-    """Ring attention (module docstring): saves ``q, k, v``, the output and its softmax rows'
-    maximum and sum."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask, causal, scale, groups, ranks, index):
-        cp, seq = len(ranks), q.shape[-2] * len(ranks)
-        plan = [_ring_blocks(seq, cp, index, (index - t) % cp, causal, mask, q.device) for t in range(cp)]
-        batch = torch.broadcast_shapes(q.shape[:-2], (*k.shape[:-3], k.shape[-3] * groups))
-        out = q.new_zeros((*batch, q.shape[-2], v.shape[-1]), dtype=torch.float32)
-        m = q.new_full((*batch, q.shape[-2], 1), _NEG_INF, dtype=torch.float32)
-        l = torch.zeros_like(m)
-        kv = [k, v]
-        for t, blocks in enumerate(plan):
-            shift = _Shift(kv, ranks, index) if t < cp - 1 else None
-            for blk in blocks:
-                _block_forward(q, *kv, mask, blk, causal, scale, groups, out, m, l)
-            if shift is not None:
-                kv = shift.wait()
-        l.masked_fill_(l == 0, 1.0)                      # rows masked everywhere: out 0, as SDPA
-        res = out.div_(l).to(q.dtype)
-        ctx.save_for_backward(q, k, v, mask, res, m.masked_fill_(m == _NEG_INF, 0.0), l)
-        ctx.args = plan, causal, scale, groups, ranks, index
-        return res
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, mask, out, m, l = ctx.saved_tensors
-        plan, causal, scale, groups, ranks, index = ctx.args
-        grad = grad.float()
-        delta = (grad * out.float()).sum(-1, keepdim=True)
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        kv, dkv = [k, v], [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
-        for t, blocks in enumerate(plan):
-            shift = _Shift(kv, ranks, index) if t < len(plan) - 1 else None
-            for blk in blocks:
-                _block_backward(q, *kv, mask, blk, causal, scale, groups, grad, delta, m, l, dq, *dkv)
-            if shift is not None:
-                kv = shift.wait()
-            dkv = _Shift(dkv, ranks, index).wait()     # after cp shifts each source's is home
-        dk, dv = dkv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
