@@ -1,0 +1,314 @@
+"""The cost model against training throughput others measured on GPUs and published.
+
+Each row is a published run written as its plan: the model (a transformers config built on the
+meta device: no weights, no downloads), the published degrees (TP, PP, CP, DP, ZeRO stage),
+global batch, sequence length, recomputation and precision, estimated by ``gfx.estimate`` on the
+matching cluster preset. No figure is fitted to a row: the presets' rates are the public device
+figures of ``galvatron_fx/devices.py``, one curve per device for every row.
+
+* **absolute rows** compare the estimated throughput, in the row's published unit, with the
+  published figure: ratio = estimated / published (>1: the model is optimistic).
+* **ratio rows** are runs with features the model does not price (Float8 matmuls, torch.compile):
+  each is compared only as its throughput relative to a reference row of the same table that
+  shares those features (estimated ratio / published ratio).
+* A publication that omits the micro-batch size or the interleaving depth: every choice that fits
+  the device memory is estimated and the fastest taken (what the authors tuned for).
+
+Sources (every figure below with the table it comes from):
+
+* ``torchtitan``: pytorch/torchtitan ``docs/performance.md`` (A100 tables, 2024-04, 64 A100-80GB,
+  FSDP2, bf16) and ``benchmarks/llama3_h100_202412_torchtitan.md`` (Table 2: Llama-3.1-8B context
+  parallelism on 8 H100, Float8 + torch.compile, full AC, local batch 1).
+* ``megatron``: Narayanan et al., SC'21 (arXiv 2104.04473), Tables 1 and 2: achieved TFLOP/s per
+  GPU by their eq. (3), 96·B·s·l·h²·(1 + s/6h + V/16lh) per iteration, A100-80GB, 16-bit mixed
+  precision, full recomputation. Their attention stores its probabilities (a fused softmax, not
+  flash): priced here as transformers' ``eager`` GPT-2 attention, GELU fused (``gelu_pytorch_tanh``).
+* ``korthikanti``: Korthikanti et al. (arXiv 2205.05198), Table 5, "full recompute" column: seconds
+  per iteration, no data parallelism; the configs of their Table 3.
+* ``llm-foundry``: mosaicml/llm-foundry ``scripts/train/benchmarking/README.md``: MPT models under
+  FSDP (FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2), amp_bf16, flash attention; the 128-GPU rows at
+  2048 tokens of both large-scale tables (H100 80GB, A100 40GB). MPT is priced as GPT-2 with MPT's
+  widths, exact GELU, no dropout (MPT has no biases; the difference is below 0.1 % of the FLOPs).
+
+Further rows (for instance held back by a reviewer) load from a JSON list of row dicts with the keys
+of :data:`ROWS` (``--rows FILE``; ``--only ID...`` selects).
+
+    python benchmarks/published.py [--rows FILE] [--only ID ...] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import parser, print_table, write_json  # noqa: E402
+
+TT_A100 = "torchtitan docs/performance.md (2024-04): Llama on 64 A100-80GB, FSDP2, bf16"
+TT_H100_CP = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 2: Llama-3.1-8B, 8 H100, FSDP + CP, "
+              "Float8 + torch.compile, full AC, local batch 1")
+MEG = "Narayanan et al. SC'21 (arXiv 2104.04473)"
+KORTH = "Korthikanti et al. 2022 (arXiv 2205.05198), Table 5, full recompute"
+LF = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (2024-01)"
+
+LLAMA3_8B = dict(kind="llama", hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8, vocab=128256)
+LLAMA3_70B = dict(kind="llama", hidden=8192, layers=80, ffn=28672, heads=64, kv_heads=8, vocab=128256)
+LLAMA2_13B = dict(kind="llama", hidden=5120, layers=40, ffn=13824, heads=40, kv_heads=40, vocab=32000)
+LLAMA2_70B = dict(kind="llama", hidden=8192, layers=80, ffn=28672, heads=64, kv_heads=8, vocab=32000)
+
+
+def megatron_gpt(hidden, layers, heads):
+    """A Megatron GPT (Narayanan et al. Table 1 / Korthikanti Table 3): 4h FFN, vocab 51200."""
+    return dict(kind="gpt", hidden=hidden, layers=layers, ffn=4 * hidden, heads=heads, vocab=51200,
+                attention="eager", activation="gelu_pytorch_tanh", dropout=0.1)
+
+
+def mpt(hidden, layers, heads):
+    """An MPT model of llm-foundry's yamls (expansion ratio 4, vocab 50368, flash attention)."""
+    return dict(kind="gpt", hidden=hidden, layers=layers, ffn=4 * hidden, heads=heads, vocab=50368,
+                attention="sdpa", activation="gelu", dropout=0.0)
+
+
+def _meg(name, arch, gpus, tp, pp, gbs, value, *, sdp="none", mb=None, interleaved=True, table="Table 1"):
+    return dict(id=f"megatron-{name}", source=f"{MEG}, {table}", arch=arch, cluster=_a100(gpus), seq=2048,
+                gbs=gbs, tp=tp, pp=pp, sdp=sdp, ckpt=True, micro_batch=mb, interleaved=interleaved and pp > 1,
+                unit="megatron_tflops", published=value)
+
+
+def _a100(gpus, memory="80GB"):
+    return f"{gpus // 8}x8xA100-{memory}" if gpus > 8 else f"{gpus}xA100-{memory}"
+
+
+def _lf(id_, name, arch, device, gbs, mb, ckpt, sdp, value):
+    cluster = f"16x8x{device}"
+    return dict(id=f"llm-foundry-{id_}-{name}", source=LF, arch=arch, cluster=cluster, seq=2048, gbs=gbs,
+                sdp=sdp, ckpt=ckpt, micro_batch=mb, unit="tokens/s/GPU", published=value)
+
+
+_KORTH = dict(source=KORTH, seq=2048, tp=8, ckpt=True, micro_batch=1, unit="s/iteration")
+_TT_CP = dict(source=TT_H100_CP, arch=LLAMA3_8B, cluster="8xH100-80GB", ckpt=True, sdp="zero3",
+              unit="tokens/s/GPU", reference="torchtitan-h100-cp1-32k")
+_MPT = {"70b": mpt(8192, 80, 64), "30b": mpt(7168, 48, 64), "13b": mpt(5120, 40, 40), "7b": mpt(4096, 32, 32),
+        "3b": mpt(2560, 32, 20), "1b": mpt(2048, 24, 16), "760m": mpt(1536, 24, 12), "350m": mpt(1024, 24, 16),
+        "125m": mpt(768, 12, 12)}
+
+ROWS: list[dict] = [
+    # torchtitan A100 tables: FSDP over 64 GPUs, one micro-batch ("local batch")
+    dict(id="torchtitan-a100-llama3-70b-full", source=TT_A100, arch=LLAMA3_70B, cluster="8x8xA100-80GB", seq=8192,
+         gbs=64, sdp="zero3", ckpt=True, micro_batch=1, unit="tokens/s/GPU", published=331),
+    dict(id="torchtitan-a100-llama2-13b-none", source=TT_A100, arch=LLAMA2_13B, cluster="8x8xA100-80GB", seq=4096,
+         gbs=128, sdp="zero3", ckpt=False, micro_batch=2, unit="tokens/s/GPU", published=2162),
+    dict(id="torchtitan-a100-llama2-70b-full", source=TT_A100, arch=LLAMA2_70B, cluster="8x8xA100-80GB", seq=4096,
+         gbs=128, sdp="zero3", ckpt=True, micro_batch=2, unit="tokens/s/GPU", published=353),
+    # torchtitan H100 Table 2 (Float8 + compile): relative to its 32k FSDP-8 row
+    dict(id="torchtitan-h100-cp1-32k", seq=32768, gbs=8, published=3890, **{**_TT_CP, "reference": None},
+         ratio_only=True),
+    dict(id="torchtitan-h100-cp2-64k", seq=65536, gbs=4, cp=2, published=2540, **_TT_CP),
+    dict(id="torchtitan-h100-cp4-128k", seq=131072, gbs=2, cp=4, published=1071, **_TT_CP),
+    dict(id="torchtitan-h100-cp8-256k", seq=262144, gbs=1, cp=8, published=548, **_TT_CP),
+    # Megatron-LM SC'21 Table 1 (micro-batch and interleaving depth not published) and Table 2
+    _meg("1.7B", megatron_gpt(2304, 24, 24), 32, 1, 1, 512, 137),
+    _meg("3.6B", megatron_gpt(3072, 30, 32), 64, 2, 1, 512, 138),
+    _meg("7.5B", megatron_gpt(4096, 36, 32), 128, 4, 1, 512, 142),
+    _meg("18.4B", megatron_gpt(6144, 40, 48), 256, 8, 1, 1024, 135),
+    _meg("39.1B", megatron_gpt(8192, 48, 64), 512, 8, 2, 1536, 138),
+    _meg("145.6B", megatron_gpt(12288, 80, 96), 1536, 8, 8, 2304, 148),
+    _meg("174.6B-zero3-384", megatron_gpt(12288, 96, 96), 384, 1, 1, 1536, 144, sdp="zero3", mb=4, table="Table 2"),
+    _meg("174.6B-ptdp-384", megatron_gpt(12288, 96, 96), 384, 8, 12, 1536, 153, mb=1, table="Table 2"),
+    # Korthikanti et al. Table 5 (full recompute), no data parallelism
+    dict(id="korthikanti-22B", arch=megatron_gpt(6144, 48, 64), cluster="8xA100-80GB", gbs=4, pp=1,
+         published=1.42, **{**_KORTH, "micro_batch": 4}),
+    dict(id="korthikanti-175B", arch=megatron_gpt(12288, 96, 96), cluster="8x8xA100-80GB", gbs=64, pp=8,
+         virtual_stages=3, published=18.13, **_KORTH),
+    dict(id="korthikanti-530B", arch=megatron_gpt(20480, 105, 128), cluster="35x8xA100-80GB", gbs=280, pp=35,
+         virtual_stages=3, published=49.05, **_KORTH),
+    dict(id="korthikanti-1T", arch=megatron_gpt(25600, 128, 160), cluster="64x8xA100-80GB", gbs=512, pp=64,
+         published=94.42, **_KORTH),
+    # llm-foundry, 128 GPUs, 2048 tokens: H100 80GB then A100 40GB
+    _lf("003", "70b-h100", _MPT["70b"], "H100-80GB", 1024, 8, True, "zero3", 1058),
+    _lf("006", "30b-h100", _MPT["30b"], "H100-80GB", 1024, 8, True, "zero3", 2199),
+    _lf("009", "13b-h100", _MPT["13b"], "H100-80GB", 2048, 16, True, "zero3", 5080),
+    _lf("012", "7b-h100", _MPT["7b"], "H100-80GB", 768, 6, False, "zero3", 10475),
+    _lf("015", "3b-h100", _MPT["3b"], "H100-80GB", 1024, 8, False, "zero2", 23422),
+    _lf("018", "1b-h100", _MPT["1b"], "H100-80GB", 1536, 12, False, "zero2", 44123),
+    _lf("139", "70b-a100", _MPT["70b"], "A100-40GB", 512, 4, True, "zero3", 376),
+    _lf("141", "30b-a100", _MPT["30b"], "A100-40GB", 768, 6, True, "zero3", 865),
+    _lf("145", "13b-a100", _MPT["13b"], "A100-40GB", 2048, 16, True, "zero3", 1972),
+    _lf("155", "7b-a100", _MPT["7b"], "A100-40GB", 2304, 18, True, "zero3", 3623),
+    _lf("166", "3b-a100", _MPT["3b"], "A100-40GB", 768, 6, False, "zero3", 9538),
+    _lf("177", "1b-a100", _MPT["1b"], "A100-40GB", 1280, 10, False, "zero3", 18647),
+    _lf("188", "760m-a100", _MPT["760m"], "A100-40GB", 1536, 12, False, "zero3", 28940),
+    _lf("199", "350m-a100", _MPT["350m"], "A100-40GB", 2304, 18, False, "zero3", 51934),
+    _lf("210", "125m-a100", _MPT["125m"], "A100-40GB", 3328, 26, False, "zero3", 123936),
+]
+
+
+def build(arch: dict, seq: int):
+    """The row's transformers model on the meta device and its keyword inputs (one sample)."""
+    import transformers as tf
+
+    if arch["kind"] == "llama":
+        cfg = tf.LlamaConfig(vocab_size=arch["vocab"], hidden_size=arch["hidden"], intermediate_size=arch["ffn"],
+                             num_hidden_layers=arch["layers"], num_attention_heads=arch["heads"],
+                             num_key_value_heads=arch["kv_heads"], max_position_embeddings=max(seq, 8192),
+                             rope_theta=500000.0, use_cache=False)
+        cls, impl = tf.LlamaForCausalLM, "sdpa"
+    else:
+        p = arch["dropout"]
+        cfg = tf.GPT2Config(vocab_size=arch["vocab"], n_embd=arch["hidden"], n_layer=arch["layers"],
+                            n_head=arch["heads"], n_inner=arch["ffn"], n_positions=seq,
+                            activation_function=arch["activation"], resid_pdrop=p, embd_pdrop=p, attn_pdrop=p,
+                            use_cache=False)
+        cls, impl = tf.GPT2LMHeadModel, arch["attention"]
+    cfg._attn_implementation = impl
+    with torch.device("meta"):
+        model = cls(cfg)
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    return model, dict(input_ids=ids, labels=ids)
+
+
+def megatron_flops(arch: dict, seq: int, gbs: int) -> float:
+    """FLOPs per iteration by Narayanan et al.'s eq. (3) (recomputation's forward included)."""
+    h, layers, vocab = arch["hidden"], arch["layers"], arch["vocab"]
+    return 96 * gbs * seq * layers * h * h * (1 + seq / (6 * h) + vocab / (16 * layers * h))
+
+
+def in_unit(row: dict, step_s: float, world: int) -> float:
+    """Throughput in the row's published unit for one iteration of ``step_s`` seconds."""
+    if row["unit"] == "tokens/s/GPU":
+        return row["gbs"] * row["seq"] / step_s / world
+    if row["unit"] == "megatron_tflops":
+        return megatron_flops(row["arch"], row["seq"], row["gbs"]) / step_s / world / 1e12
+    if row["unit"] == "s/iteration":
+        return step_s
+    raise ValueError(f"row {row['id']}: unknown unit {row['unit']!r} (tokens/s/GPU, megatron_tflops, s/iteration)")
+
+
+def throughput_ratio(row: dict, estimated: float, published: float) -> float:
+    """estimated / published throughput (seconds per iteration invert)."""
+    return published / estimated if row["unit"] == "s/iteration" else estimated / published
+
+
+def candidates(row: dict, world: int):
+    """The plans a row may be: its published degrees; every micro-batch size and interleaving depth
+    where the publication omits them."""
+    import galvatron_fx as gfx  # noqa: F401
+
+    tp, pp, cp = row.get("tp", 1), row.get("pp", 1), row.get("cp", 1)
+    dp = world // (tp * pp)            # the data-parallel group holds the context-parallel ranks
+    per_rank = row["gbs"] * cp // dp   # samples per data replica (a sample spans cp ranks)
+    sizes = [row["micro_batch"]] if row.get("micro_batch") else [m for m in (1, 2, 4, 8, 16) if per_rank % m == 0]
+    depths = ([row["virtual_stages"]] if row.get("virtual_stages")
+              else [v for v in (2, 3, 4) if row["arch"]["layers"] % (pp * v) == 0] if row.get("interleaved") else [1])
+    for mb in sizes:
+        for v in depths:
+            yield dict(tp=tp, pp=pp, cp=cp, dp=dp, sdp=row.get("sdp", "none"), ckpt=row["ckpt"],
+                       micro_batches=max(1, per_rank // mb), global_batch_size=row["gbs"],
+                       schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v)
+
+
+def block_stages(layers: int, chunks: int) -> list[tuple[int, int]] | None:
+    """Megatron's partition: the blocks evenly over the pipeline chunks, the embedding with the
+    first, the head with the last (layer 0 and ``layers - 1`` of the captured graph), as the
+    publications ran; None where the blocks do not divide (then :meth:`Plan.uniform`'s split)."""
+    blocks = layers - 2
+    if chunks == 1 or blocks % chunks:
+        return None
+    k = blocks // chunks
+    return [(0 if i == 0 else 1 + i * k, layers - 1 if i == chunks - 1 else k + i * k) for i in range(chunks)]
+
+
+def estimate_row(row: dict, captured: dict) -> dict:
+    """The fastest of the row's candidate plans that fits the device memory (else the least memory)."""
+    import galvatron_fx as gfx
+
+    key = json.dumps([row["arch"], row["seq"]], sort_keys=True)
+    if key not in captured:
+        model, kwargs = build(row["arch"], row["seq"])
+        captured[key] = gfx.capture(model, (), kwargs=kwargs)
+    gm = captured[key]
+    cluster = gfx.Cluster.preset(row["cluster"])
+    world = cluster.world_size
+    best = None
+    for kw in candidates(row, world):
+        plan = gfx.Plan.uniform(gm, world, precision="bf16-mixed", **kw)
+        stages = block_stages(len(plan.layers), kw["pp"] * kw["virtual_stages"])
+        if stages is not None:
+            plan = dataclasses.replace(plan, stages=stages)
+        est = gfx.estimate(gm, plan, cluster)
+        memory = max(est["memory_bytes_per_device"])
+        fits = memory <= cluster.memory_bytes
+        score = (fits, -est["step_time_s"] if fits else -memory)
+        if best is None or score > best[0]:
+            best = (score, dict(step_s=est["step_time_s"], memory_gib=memory / 2**30, fits=fits,
+                                micro_batches=kw["micro_batches"], virtual_stages=kw["virtual_stages"]))
+    out = best[1]
+    out["estimated"] = in_unit(row, out["step_s"], world)
+    return out
+
+
+def run(rows: list[dict]) -> tuple[list[dict], dict]:
+    captured, results = {}, {}
+    for row in rows:
+        t0 = time.perf_counter()
+        results[row["id"]] = r = estimate_row(row, captured)
+        r["seconds"] = time.perf_counter() - t0
+        print(f"  {row['id']}: {r['seconds']:.0f} s", file=sys.stderr, flush=True)
+    out = []
+    for row in rows:
+        r = dict(results[row["id"]], id=row["id"], source=row["source"].split(",")[0].split(" (")[0],
+                 unit=row["unit"], published=row["published"], kind="absolute")
+        ref = row.get("reference")
+        if ref:
+            base = next(x for x in rows if x["id"] == ref)
+            r.update(kind=f"ratio to {ref}",
+                     ratio=(r["estimated"] / results[ref]["estimated"]) / (row["published"] / base["published"]))
+        elif row.get("ratio_only"):
+            r.update(kind="reference", ratio=None)
+        else:
+            r["ratio"] = throughput_ratio(row, r["estimated"], row["published"])
+        out.append(r)
+    compared = [r for r in out if r["ratio"] is not None]
+    ratios = [r["ratio"] for r in compared]
+    summary = dict(
+        rows=len(compared), sources=len({r["source"] for r in compared}),
+        within_15pct_fraction=sum(abs(x - 1) <= 0.15 for x in ratios) / len(ratios) if ratios else 0.0,
+        within_30pct_fraction=sum(abs(x - 1) <= 0.30 for x in ratios) / len(ratios) if ratios else 0.0,
+        geomean_ratio=math.exp(sum(math.log(x) for x in ratios) / len(ratios)) if ratios else 0.0,
+        worst_ratio=max(ratios, key=lambda x: abs(math.log(x))) if ratios else 0.0,
+        all_fit=all(r["fits"] for r in out))
+    return out, summary
+
+
+def main(argv=None) -> dict:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--rows", metavar="FILE", help="a JSON list of further rows (the keys of ROWS)")
+    p.add_argument("--only", nargs="+", metavar="ID", help="estimate only these rows (and their references)")
+    args = p.parse_args(argv)
+    rows = list(ROWS)
+    if args.rows:
+        with open(args.rows) as f:
+            rows += json.load(f)
+    if args.only:
+        keep = set(args.only) | {r.get("reference") for r in rows if r["id"] in args.only}
+        rows = [r for r in rows if r["id"] in keep]
+    out, summary = run(rows)
+    print_table(["row", "unit", "published", "estimated", "ratio", "est GiB", "fits", "mbs", "v", "compared"],
+                [[r["id"], r["unit"], r["published"], r["estimated"], r["ratio"] if r["ratio"] is not None else "-",
+                  r["memory_gib"], r["fits"], r["micro_batches"], r["virtual_stages"], r["kind"]] for r in out])
+    print(f"summary: {summary['rows']} rows from {summary['sources']} sources; within 15 %: "
+          f"{summary['within_15pct_fraction']:.0%}; geomean ratio {summary['geomean_ratio']:.3f}; "
+          f"worst {summary['worst_ratio']:.3f}")
+    data = {"summary": summary, "rows": out}
+    write_json(args.json, data)
+    return data
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""benchmarks/published.py: a published row written as its plan, estimated in its own unit; the
+summary keys the benchmark reports; further rows from a file."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+published = pytest.importorskip("published")
+pytest.importorskip("transformers")
+
+
+def test_units_and_partition():
+    row = dict(unit="megatron_tflops", arch=published.megatron_gpt(2304, 24, 24), seq=2048, gbs=512)
+    # eq. (3): 96 B s l h^2 (1 + s / 6h + V / 16 l h) FLOPs per iteration, per GPU per second
+    flops = 96 * 512 * 2048 * 24 * 2304**2 * (1 + 2048 / (6 * 2304) + 51200 / (16 * 24 * 2304))
+    assert published.in_unit(row, 2.0, 32) == pytest.approx(flops / 2.0 / 32 / 1e12)
+    assert published.throughput_ratio(dict(unit="s/iteration"), 2.0, 1.0) == 0.5
+    # Megatron's stages: 128 blocks over 64 stages, the embedding first, the head last
+    stages = published.block_stages(130, 64)
+    assert stages[0] == (0, 2) and stages[1] == (3, 4) and stages[-1] == (127, 129) and len(stages) == 64
+
+
+def test_a_row_estimates_and_reports(tmp_path):
+    extra = tmp_path / "rows.json"
+    extra.write_text(json.dumps([dict(id="held-back", source="a reviewer's table", unit="s/iteration",
+                                      arch=published.megatron_gpt(1024, 2, 16), cluster="8xA100-80GB", seq=1024,
+                                      gbs=8, tp=8, ckpt=True, micro_batch=8, published=0.01)]))
+    out = tmp_path / "out.json"
+    data = published.main(["--rows", str(extra), "--only", "held-back", "--json", str(out)])
+    (row,) = data["rows"]
+    assert row["id"] == "held-back" and row["fits"] and row["estimated"] > 0
+    assert row["ratio"] == pytest.approx(0.01 / row["estimated"])
+    summary = json.loads(out.read_text())["summary"]
+    assert {"rows", "sources", "within_15pct_fraction", "geomean_ratio", "worst_ratio"} <= set(summary)
+    assert summary["rows"] == 1 and summary["sources"] == 1
