@@ -89,3 +89,54 @@ def test_pinning_tp_on_a_layer_that_shards_nothing_warns():
         apply_tensor_parallel(gm, {0: (2, False), 1: (2, False)}, tp_rank_of=lambda layer: 0,
                               tp_group_of=lambda layer: None)
     torch._dynamo.reset()
+
+
+def test_a_layer_tp_shards_nothing_is_priced_replicated(vit):
+    """Pinned tp=2 on ViT's ``pre`` (patch conv, cls token, positions): the layer repeats whole on
+    both TP ranks, so every figure equals tp=1's at the same DP degree (its ZeRO group)."""
+    import dataclasses
+
+    from galvatron_fx.cost.model import CostModel
+    from galvatron_fx.solver.strategy import Strategy
+
+    cm = CostModel(vit, gfx.Cluster.preset("8xA100-80GB"))
+    assert cm.layer_params(0, 2).sharded == 0
+    for sdp in ("none", "zero2", "zero3"):
+        one, two = cm.layer_cost(0, Strategy(1, 4, sdp), 8), cm.layer_cost(0, Strategy(2, 4, sdp), 8)
+        assert dataclasses.asdict(one) == dataclasses.asdict(two), sdp
+
+
+def _vit_states(rank, world):
+    import warnings
+
+    from galvatron_fx.cost import CostModel
+    from galvatron_fx.runtime.groups import Layout
+
+    model, model_inputs = hf_coverage.build("vit", device="cpu")
+    gm = gfx.capture(model, (), kwargs=model_inputs, method="dynamo")
+    batch = next(iter(model_inputs.values())).shape[0]
+    cm = CostModel(gm, gfx.Cluster.preset(f"{world}xA100-80GB"), reserve_bytes=0)
+    out = []
+    for tp in (1, 2):
+        plan = gfx.Plan.uniform(gm, world, global_batch_size=batch, sdp="zero3")
+        plan.layers[0].tp, plan.layers[0].dp = tp, world // tp
+        plan.validate()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # tp=2 on pre shards nothing: the warning is the point above
+            dm = gfx.transform(gm, plan=plan)
+        opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
+        dm.train_step(**model_inputs)
+        opt.step()
+        predicted = sum(cm.states_bytes(i, s, dp_index=Layout(s.tp, s.dp).batch_index(rank)).total
+                        for i, s in enumerate(plan.layer_strategies()))
+        out.append((dm.states_bytes(opt)["total"], predicted))
+    return out
+
+
+@pytest.mark.dist
+def test_live_states_of_a_layer_tp_shards_nothing_equal_the_estimate():
+    from tests.dist_utils import run_distributed
+
+    for rank, pairs in enumerate(run_distributed(_vit_states, 2, timeout=240)):
+        for measured, predicted in pairs:
+            assert measured == predicted, (rank, measured, predicted)
