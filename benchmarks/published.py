@@ -19,6 +19,9 @@ Sources (every figure below with the table it comes from):
 * ``torchtitan``: pytorch/torchtitan ``docs/performance.md`` (A100 tables, 2024-04, 64 A100-80GB,
   FSDP2, bf16) and ``benchmarks/llama3_h100_202412_torchtitan.md`` (Table 2: Llama-3.1-8B context
   parallelism on 8 H100, Float8 + torch.compile, full AC, local batch 1).
+Every model is built in bf16 (each run computed in 16 bits throughout) and estimated as a
+``bf16-mixed`` plan (fp32 masters, gradients and Adam moments).
+
 * ``megatron``: Narayanan et al., SC'21 (arXiv 2104.04473), Tables 1 and 2: achieved TFLOP/s per
   GPU by their eq. (3), 96·B·s·l·h²·(1 + s/6h + V/16lh) per iteration, A100-80GB, 16-bit mixed
   precision, full recomputation. Their attention stores its probabilities (a fused softmax, not
@@ -33,7 +36,10 @@ Sources (every figure below with the table it comes from):
 Further rows (for instance held back by a reviewer) load from a JSON list of row dicts with the keys
 of :data:`ROWS` (``--rows FILE``; ``--only ID...`` selects).
 
-    python benchmarks/published.py [--rows FILE] [--only ID ...] [--json PATH]
+``--sweep`` adds llm-foundry's 64 8-GPU rows of three model sizes over 512 to 65536 tokens
+(:data:`LF_SWEEP`), summarised apart (``sweep_summary``): how the estimate moves with the sequence.
+
+    python benchmarks/published.py [--rows FILE] [--only ID ...] [--sweep] [--json PATH]
 """
 
 from __future__ import annotations
@@ -92,7 +98,7 @@ def _lf(id_, name, arch, device, gbs, mb, ckpt, sdp, value):
 
 
 _KORTH = dict(source=KORTH, seq=2048, tp=8, ckpt=True, micro_batch=1, unit="s/iteration")
-_TT_CP = dict(source=TT_H100_CP, arch=LLAMA3_8B, cluster="8xH100-80GB", ckpt=True, sdp="zero3",
+_TT_CP = dict(source=TT_H100_CP, arch=LLAMA3_8B, cluster="8xH100-96GB", ckpt=True, sdp="zero3",
               unit="tokens/s/GPU", reference="torchtitan-h100-cp1-32k")
 _MPT = {"70b": mpt(8192, 80, 64), "30b": mpt(7168, 48, 64), "13b": mpt(5120, 40, 40), "7b": mpt(4096, 32, 32),
         "3b": mpt(2560, 32, 20), "1b": mpt(2048, 24, 16), "760m": mpt(1536, 24, 12), "350m": mpt(1024, 24, 16),
@@ -149,6 +155,83 @@ ROWS: list[dict] = [
 ]
 
 
+LF_SWEEP = [  # (table row, MPT size, device, tokens, samples per step, micro-batch, full AC, tokens/s/GPU)
+    ("035", "7b", "H100-80GB", 65536, 8, 1, True, 1956),
+    ("036", "7b", "H100-80GB", 32768, 16, 2, True, 3318),
+    ("037", "7b", "H100-80GB", 8192, 64, 8, True, 6935),
+    ("038", "7b", "H100-80GB", 4096, 128, 16, True, 8611),
+    ("039", "7b", "H100-80GB", 2048, 48, 6, False, 10643),
+    ("040", "7b", "H100-80GB", 1024, 512, 64, True, 10203),
+    ("041", "3b", "H100-80GB", 65536, 8, 1, True, 3262),
+    ("042", "3b", "H100-80GB", 32768, 24, 3, True, 5873),
+    ("043", "3b", "H100-80GB", 16384, 8, 1, False, 11152),
+    ("044", "3b", "H100-80GB", 8192, 24, 3, False, 16578),
+    ("045", "3b", "H100-80GB", 4096, 40, 5, False, 20964),
+    ("049", "3b", "H100-80GB", 1024, 160, 20, False, 27046),
+    ("050", "3b", "H100-80GB", 512, 320, 40, False, 27965),
+    ("051", "1b", "H100-80GB", 65536, 8, 1, True, 5506),
+    ("052", "1b", "H100-80GB", 32768, 8, 1, False, 12025),
+    ("053", "1b", "H100-80GB", 16384, 16, 2, False, 19649),
+    ("054", "1b", "H100-80GB", 8192, 24, 3, False, 29157),
+    ("055", "1b", "H100-80GB", 4096, 56, 7, False, 38535),
+    ("059", "1b", "H100-80GB", 2048, 112, 14, False, 45455),
+    ("060", "1b", "H100-80GB", 1024, 144, 18, False, 48910),
+    ("061", "1b", "H100-80GB", 512, 448, 56, False, 52275),
+    ("091", "7b", "A100-80GB", 65536, 8, 1, True, 1013),
+    ("092", "7b", "A100-80GB", 32768, 16, 2, True, 1672),
+    ("093", "7b", "A100-80GB", 16384, 32, 4, True, 2453),
+    ("094", "7b", "A100-80GB", 8192, 64, 8, True, 3206),
+    ("095", "7b", "A100-80GB", 4096, 128, 16, True, 3684),
+    ("096", "7b", "A100-80GB", 2048, 48, 6, False, 4641),
+    ("097", "7b", "A100-80GB", 1024, 512, 64, True, 4357),
+    ("098", "3b", "A100-80GB", 65536, 8, 1, True, 1767),
+    ("099", "3b", "A100-80GB", 32768, 24, 3, True, 3029),
+    ("100", "3b", "A100-80GB", 16384, 8, 1, False, 5529),
+    ("101", "3b", "A100-80GB", 8192, 24, 3, False, 7695),
+    ("102", "3b", "A100-80GB", 4096, 40, 5, False, 9457),
+    ("103", "3b", "A100-80GB", 2048, 80, 10, False, 10811),
+    ("104", "3b", "A100-80GB", 1024, 160, 20, False, 11580),
+    ("105", "3b", "A100-80GB", 512, 320, 40, False, 12127),
+    ("106", "1b", "A100-80GB", 65536, 8, 1, True, 3044),
+    ("107", "1b", "A100-80GB", 32768, 8, 1, False, 6275),
+    ("108", "1b", "A100-80GB", 16384, 16, 2, False, 9956),
+    ("109", "1b", "A100-80GB", 8192, 24, 3, False, 13814),
+    ("110", "1b", "A100-80GB", 4096, 56, 7, False, 17807),
+    ("111", "1b", "A100-80GB", 2048, 112, 14, False, 20513),
+    ("112", "1b", "A100-80GB", 1024, 144, 18, False, 22112),
+    ("113", "1b", "A100-80GB", 512, 448, 56, False, 23148),
+    ("152", "7b", "A100-40GB", 16384, 8, 1, True, 2249),
+    ("153", "7b", "A100-40GB", 8192, 24, 3, True, 2887),
+    ("154", "7b", "A100-40GB", 4096, 48, 6, True, 3366),
+    ("159", "7b", "A100-40GB", 2048, 96, 12, True, 3679),
+    ("160", "7b", "A100-40GB", 1024, 192, 24, True, 3854),
+    ("161", "7b", "A100-40GB", 512, 384, 48, True, 3895),
+    ("162", "3b", "A100-40GB", 32768, 8, 1, True, 2955),
+    ("163", "3b", "A100-40GB", 16384, 16, 2, True, 4465),
+    ("164", "3b", "A100-40GB", 8192, 8, 1, False, 7149),
+    ("165", "3b", "A100-40GB", 4096, 16, 2, False, 8777),
+    ("170", "3b", "A100-40GB", 2048, 40, 5, False, 10065),
+    ("171", "3b", "A100-40GB", 1024, 80, 10, False, 10731),
+    ("172", "3b", "A100-40GB", 512, 160, 20, False, 11324),
+    ("173", "1b", "A100-40GB", 32768, 8, 1, True, 5095),
+    ("174", "1b", "A100-40GB", 16384, 8, 1, False, 9715),
+    ("175", "1b", "A100-40GB", 8192, 16, 2, False, 13474),
+    ("176", "1b", "A100-40GB", 4096, 32, 4, False, 16856),
+    ("181", "1b", "A100-40GB", 2048, 64, 8, False, 19271),
+    ("182", "1b", "A100-40GB", 1024, 128, 16, False, 20959),
+    ("183", "1b", "A100-40GB", 512, 256, 32, False, 21782),
+]
+"""``--sweep``: llm-foundry's 8-GPU rows of the 1b / 3b / 7b models at every published length (512 to
+65536 tokens, bf16, FSDP FULL_SHARD): how the estimate moves with the sequence length."""
+
+
+def sweep_rows() -> list[dict]:
+    return [dict(id=f"llm-foundry-{n}-{size}-{dev.split('-')[0].lower()}-{seq}", source=f"{LF} (8 GPUs)",
+                 arch=_MPT[size], cluster=f"8x{dev}", seq=seq, gbs=gbs, sdp="zero3", ckpt=ckpt, micro_batch=mb,
+                 unit="tokens/s/GPU", published=value)
+            for n, size, dev, seq, gbs, mb, ckpt, value in LF_SWEEP]
+
+
 def build(arch: dict, seq: int):
     """The row's transformers model on the meta device and its keyword inputs (one sample)."""
     import transformers as tf
@@ -168,7 +251,11 @@ def build(arch: dict, seq: int):
         cls, impl = tf.GPT2LMHeadModel, arch["attention"]
     cfg._attn_implementation = impl
     with torch.device("meta"):
-        model = cls(cfg)
+        # NOTE: every run here computes in 16 bits throughout (Megatron's fp16 model, FSDP's bf16
+        # parameters): masks and scores the model builds take that dtype, as they did there (an fp32
+        # model's mask would promote eager attention's scores to fp32); the plan's states are
+        # bf16-mixed's either way
+        model = cls(cfg).to(torch.bfloat16)
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     return model, dict(input_ids=ids, labels=ids)
 
@@ -290,6 +377,8 @@ def main(argv=None) -> dict:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--rows", metavar="FILE", help="a JSON list of further rows (the keys of ROWS)")
     p.add_argument("--only", nargs="+", metavar="ID", help="estimate only these rows (and their references)")
+    p.add_argument("--sweep", action="store_true", help="also llm-foundry's 64 8-GPU rows over sequence length "
+                                                        "(LF_SWEEP; a separate summary)")
     args = p.parse_args(argv)
     rows = list(ROWS)
     if args.rows:
@@ -299,15 +388,23 @@ def main(argv=None) -> dict:
         keep = set(args.only) | {r.get("reference") for r in rows if r["id"] in args.only}
         rows = [r for r in rows if r["id"] in keep]
     out, summary = run(rows)
+    _report(out, summary)
+    data = {"summary": summary, "rows": out}
+    if args.sweep:
+        sweep, sweep_summary = run(sweep_rows())
+        _report(sweep, sweep_summary)
+        data.update(sweep=sweep, sweep_summary=sweep_summary)
+    write_json(args.json, data)
+    return data
+
+
+def _report(out: list[dict], summary: dict) -> None:
     print_table(["row", "unit", "published", "estimated", "ratio", "est GiB", "fits", "mbs", "v", "compared"],
                 [[r["id"], r["unit"], r["published"], r["estimated"], r["ratio"] if r["ratio"] is not None else "-",
                   r["memory_gib"], r["fits"], r["micro_batches"], r["virtual_stages"], r["kind"]] for r in out])
     print(f"summary: {summary['rows']} rows from {summary['sources']} sources; within 15 %: "
           f"{summary['within_15pct_fraction']:.0%}; geomean ratio {summary['geomean_ratio']:.3f}; "
           f"worst {summary['worst_ratio']:.3f}")
-    data = {"summary": summary, "rows": out}
-    write_json(args.json, data)
-    return data
 
 
 if __name__ == "__main__":

@@ -185,7 +185,7 @@ _PRESET_RE = re.compile(r"^(?:(\d+)x)?(\d+)x(.+)$", re.IGNORECASE)
 _PRESET_HELP = (
     "valid presets: 'local' (profile the live torch.distributed world), 'NxDEVICE' (N devices in one "
     "node) or 'MxNxDEVICE' (M nodes of N devices), e.g. '8xA100-80GB', '2x8xA100-80GB'; DEVICE is one of "
-    "A100-40GB, A100-80GB, H100-80GB, H200-141GB, V100-32GB, RTX-TITAN-24GB"
+    + ", ".join(spec.display for spec in _DEVICES.values())
 )
 
 

@@ -96,6 +96,13 @@ DEVICES: dict[str, DeviceSpec] = {
     # DGX H100: 8x NDR 400 Gb/s.
     "h100-80gb": DeviceSpec("H100-80GB", "80GiB", 67 * _T, 989 * _T, 989 * _T, 3350 * _GB, 0.803, 0.342,
                             370 * _GB, 5e-6, 48 * _GB, 1, 1e-5),
+    # The H100 of Meta's Grand Teton hosts that torchtitan's H100 benchmarks ran on
+    # (benchmarks/llama3_h100_202412_torchtitan.md): "96GB HBM2e with 2.4 TB/sec peak memory
+    # bandwidth", the "default 500W power limit", NVLink inside the host, "400 Gb/s per GPU" RDMA;
+    # "the actual peak TFLOPs number is between SXM and NVL": the H100 NVL datasheet's 835 TFLOPS
+    # BF16 dense (FP32 60), the lower bound the source names. The H100 SXM's fractions.
+    "h100-96gb": DeviceSpec("H100-96GB", "96GB", 60 * _T, 835 * _T, 835 * _T, 2400 * _GB, 0.803, 0.342,
+                            370 * _GB, 5e-6, 48 * _GB, 1, 1e-5),
     # NVIDIA H200 (SXM): the H100's compute, 141 GB HBM3e at 4.8 TB/s (nvidia-smi reports
     # 143771 MiB); DGX H200: 8x NDR 400 Gb/s.
     "h200-141gb": DeviceSpec("H200-141GB", "143771MiB", 67 * _T, 989 * _T, 989 * _T, 4800 * _GB, 0.803, 0.342,

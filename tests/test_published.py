@@ -38,3 +38,18 @@ def test_a_row_estimates_and_reports(tmp_path):
     summary = json.loads(out.read_text())["summary"]
     assert {"rows", "sources", "within_15pct_fraction", "geomean_ratio", "worst_ratio"} <= set(summary)
     assert summary["rows"] == 1 and summary["sources"] == 1
+
+
+def test_gpu_check_runs_on_the_cpu(tmp_path):
+    """benchmarks/gpu_check.py's smoke mode on this CPU (a one-rank gloo world): the ring's block
+    kernels merge to SDPA's result, and the program's fp32 losses equal eager's."""
+    import subprocess
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_check.py")
+    out = tmp_path / "gpu.json"
+    env = dict(os.environ, MASTER_PORT="29547")
+    r = subprocess.run([sys.executable, script, "--device", "cpu", "--small", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["ring_ok"] and summary["loss_max_rel_diff"] < 1e-5
