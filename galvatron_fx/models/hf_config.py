@@ -7,7 +7,9 @@ builds the model with ``AutoModelForCausalLM.from_config`` (``AutoModelForSeq2Se
 encoder-decoders, ``AutoModelForMaskedLM`` for encoder-only configs) on ``device`` (``meta``: no
 weight memory, for planning) and returns keyword example inputs ``input_ids`` / ``labels`` of
 ``batch x seq_len`` tokens, as a training loop calls the model. The KV cache is turned off
-(``use_cache=False``): training never reads it.
+(``use_cache=False``): training never reads it. Attention is transformers' SDPA path (as the model
+runs on a GPU; eager where the architecture has none or the config names another), so the cost
+model prices the fused kernel the device would pick.
 """
 
 from __future__ import annotations
@@ -56,6 +58,18 @@ def model_class(config):
     return transformers.AutoModelForCausalLM
 
 
+def _build(cls, config):
+    """The model with the attention a GPU runs it with: SDPA (flash / memory-efficient kernels,
+    priced as such: :mod:`galvatron_fx.cost.attention_kernels`) unless the config names an
+    implementation or the architecture has no SDPA path (then transformers' default, eager)."""
+    if getattr(config, "_attn_implementation_internal", None) is None:
+        try:
+            return cls.from_config(config, attn_implementation="sdpa")
+        except (ValueError, ImportError):   # no SDPA path for this architecture
+            pass
+    return cls.from_config(config)
+
+
 def from_config(spec: str, device: str = "meta", seq_len: int | None = None, batch: int = 8,
                 seed: int = 0, **overrides):
     """``(model, {"input_ids", "labels"})`` for the config at ``spec`` (module docstring);
@@ -74,7 +88,7 @@ def from_config(spec: str, device: str = "meta", seq_len: int | None = None, bat
     cls = model_class(config)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = cls.from_config(config)
+        model = _build(cls, config)
     vocab = int(config.vocab_size)
     g = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
