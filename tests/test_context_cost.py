@@ -451,3 +451,29 @@ def test_llama3_8b_long_context_prefers_cp_small():
 @pytest.mark.parametrize("seq", [131072, 262144])
 def test_llama3_8b_long_context_prefers_cp(seq):
     _acceptance(seq, 32)
+
+
+LLAMA3_8B_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+                    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                    "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0,
+                    "max_position_embeddings": 262144, "rms_norm_eps": 1e-05, "hidden_act": "silu",
+                    "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("seq, gbs", [(131072, 2), (262144, 1)])
+def test_llama3_8b_config_plans_long_context_within_the_device(tmp_path, seq, gbs):
+    """The command a user runs on Llama-3-8B's config.json: 128k tokens (batch 2) and 256k (batch 1)
+    on 8 H100-80GB find a plan within the 80 GiB (before the fused kernels were priced: none below
+    390 GiB); it names flash attention and uses context parallelism."""
+    pytest.importorskip("transformers")
+    from galvatron_fx.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA3_8B_CONFIG))
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(config), "--cluster", "8xH100-80GB", "--global-batch-size", str(gbs),
+                 "--seq-len", str(seq), "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert max(plan["estimate"]["memory_bytes_per_device"]) <= 80 * 2**30
+    assert any(lp["cp"] > 1 for lp in plan["layers"])
+    assert {lp.get("attention_kernel") for lp in plan["layers"]} >= {"flash"}
