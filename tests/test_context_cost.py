@@ -13,13 +13,6 @@ import pytest
 import galvatron_fx as gfx
 from galvatron_fx.cost.context import (
     GRAD_ITEMSIZE,
-    RING_BLOCK_OPS,
-    RING_CALL_OPS,
-    RING_CAST_OPS,
-    RING_MASK_OPS,
-    RING_MERGE_WRITES,
-    RING_ROWS_OPS,
-    RING_SHIFT_OPS,
     RING_TENSORS,
     LayerAttention,
     attention_backward_flops,
@@ -31,8 +24,17 @@ from galvatron_fx.cost.context import (
     cp_group,
     cp_messages,
     cp_transient_bytes,
-    ring_blocks,
     ring_shift_time,
+)
+from galvatron_fx.cost.ring import (
+    RING_BLOCK_OPS,
+    RING_CALL_OPS,
+    RING_CAST_OPS,
+    RING_MASK_OPS,
+    RING_MERGE_WRITES,
+    RING_ROWS_OPS,
+    RING_SHIFT_OPS,
+    ring_blocks,
     ring_work,
 )
 from galvatron_fx.errors import ConfigError

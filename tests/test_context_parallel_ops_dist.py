@@ -320,7 +320,7 @@ def _launches(rank, world, case):
 def test_ring_launches_match_the_cost_model(world, case):
     """The cost model's launch counts (:mod:`galvatron_fx.cost.context`) are the runtime's, per rank:
     exact without a mask; with one within a quarter (its scans depend on the mask's content)."""
-    from galvatron_fx.cost.context import (
+    from galvatron_fx.cost.ring import (
         RING_BLOCK_OPS,
         RING_CALL_OPS,
         RING_CAST_OPS,
