@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .chunked_tensor import ChunkedTensor
 from .chunks import Piece, layer_pieces, piece_view
 from .grad_norm import HANDLERS, total_norm
 
@@ -258,12 +259,20 @@ class ShardedGrad(_Sharded, torch.Tensor):
         return g
 
 
-def _chunked(p: ShardedParameter, owned: bool):
-    from .sharded_state import ChunkedTensor
+def _chunked(p: ShardedParameter, owned: bool) -> ChunkedTensor:
+    spec = p._gfx
+    return chunked(spec.global_shape, p.to_local(), spec.pieces(owned))
 
-    spec, part = p._gfx, p.to_local()
-    return ChunkedTensor(spec.global_shape, part.dtype,
-                         [(pc.global_offsets, ParamSpec.view(part, pc)) for pc in spec.pieces(owned)])
+
+def chunked(global_shape, part: torch.Tensor, pieces, copy: bool = False) -> ChunkedTensor:
+    """The :class:`ChunkedTensor` of ``pieces`` (:meth:`ParamSpec.pieces`) of ``part``, a
+    parameter's local part or an optimizer state shaped alike: views of it, or with ``copy`` host
+    copies (an asynchronous save's staging)."""
+    views = []
+    for pc in pieces:
+        v = ParamSpec.view(part, pc)
+        views.append((pc.global_offsets, v.to("cpu", copy=True) if copy else v))
+    return ChunkedTensor(global_shape, part.dtype, views)
 
 
 def _register_foreach() -> None:

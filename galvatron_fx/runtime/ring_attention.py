@@ -74,8 +74,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from .context_parallel import _causal_skip, _chunks, _expand, _fold, _Shift, _spans
 from .groups import Ranks
+from .seq_layout import _causal_skip, _chunks, _expand, _fold, _Shift, _spans
 
 __all__ = ["KERNELS", "TILE_ROWS", "choose_kernel", "ring_attention", "ring_plan", "ring_tiles"]
 
