@@ -14,12 +14,12 @@ Public API (see ../shared/CONTRACT.md and README.md)::
 
 from . import checkpoint, models
 from ._version import __version__
+from .api import search, transform
 from .cluster import Cluster
 from .errors import CaptureError, ConfigError, GalvatronError, InfeasibleError, PlanMismatchError
 from .frontend import capture, layers
-from .parallelize import transform
 from .plan import Plan
-from .planner import baselines, estimate, search
+from .planner import baselines, estimate
 from .units import format_bytes, parse_bytes
 
 __all__ = [

@@ -131,7 +131,8 @@ def _capture(model, example, method: str):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search a plan for MODEL on a cluster under a memory budget; optionally print baselines."""
-    from .planner import baselines, resolve_cluster, resolve_precision, search, speedups
+    from .api import search
+    from .planner import baselines, resolve_cluster, resolve_precision, speedups
     from .selection import measured_lines
     from .units import parse_bytes
 

@@ -96,18 +96,16 @@ def parallelize_passes(ctx: ParallelContext, bind: dict | None = None) -> list[G
     return passes
 
 
-def transform(gm: torch.fx.GraphModule, plan: Plan | None = None, loss_fn=None, *,
+def transform(gm: torch.fx.GraphModule, plan: Plan, loss_fn=None, *,
               bucket_bytes: int = DEFAULT_BUCKET_BYTES, bind: dict | None = None,
-              reduce_dtype: str | None = None, **search_options) -> DistributedModel | PipelineModel:
+              reduce_dtype: str | None = None) -> DistributedModel | PipelineModel:
     """This rank's distributed module for ``plan`` (see the module docstring and
     :class:`~galvatron_fx.runtime.module.DistributedModel` for ``train_step``).
 
     Args:
         gm: a graph from :func:`galvatron_fx.capture` (not modified; parameters are copied).
-        plan: the parallel plan; its ``world_size``, fingerprint and layer names must match.
-            ``None``: rank 0 searches one (:func:`galvatron_fx.planner.search_on_rank0`, cluster
-            profiled from the live world unless ``search_options`` has ``cluster``; global batch
-            the captured one) and every rank runs it.
+        plan: the parallel plan; its ``world_size``, fingerprint and layer names must match
+            (``gfx.transform(gm)``, :func:`galvatron_fx.api.transform`, searches one first).
         loss_fn: ``loss_fn(output, *targets) -> scalar mean`` when the graph's output is not the loss.
         bucket_bytes: largest single DP gradient all-reduce, in bytes.
         reduce_dtype: mixed-precision plans: the dtype gradients are reduced in over DP, ``"fp32"``
@@ -126,13 +124,9 @@ def transform(gm: torch.fx.GraphModule, plan: Plan | None = None, loss_fn=None, 
     info = gm.meta.get(META_KEY)
     if not isinstance(info, GraphInfo) or not info.layers:
         raise ConfigError("gfx.transform needs a graph from gfx.capture() (with its layer records)")
-    if plan is None:
-        from .planner import search_on_rank0
-
-        search_options.setdefault("global_batch_size", graph_batch_size(gm))
-        plan = search_on_rank0(gm, **search_options)
-    elif search_options:
-        raise ConfigError(f"gfx.transform: {sorted(search_options)} only apply when it searches (plan=None)")
+    if not isinstance(plan, Plan):
+        raise ConfigError(f"transform builds a given plan, got {type(plan).__name__}; gfx.transform(gm) "
+                          "(galvatron_fx.api.transform) searches one first")
     world = dist.get_world_size()
     plan.validate_for(world_size=world, fingerprint=info.fingerprint, layer_names=[rec.name for rec in info.layers])
     _check_pipeline(gm, plan, world)

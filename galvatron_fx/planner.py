@@ -323,7 +323,7 @@ def _engine(gm, cluster, world_size, budget, global_batch_size, constraints, cos
 def search(model, cluster=None, memory_budget=None, global_batch_size: int | None = None, *,
            example_inputs=None, constraints: dict | None = None, world_size: int | None = None,
            method: str = "dynamo", progress: bool | Callable[[str], None] = False, precision: str | None = None,
-           measure: int = 0, measure_options: dict | None = None, **cost_options) -> Plan:
+           **cost_options) -> Plan:
     """Search the best plan for ``model`` (a captured graph, or an ``nn.Module`` with
     ``example_inputs``, meta-device models welcome) on ``cluster`` under ``memory_budget`` bytes per
     device (default: the device memory). ``global_batch_size=None`` chooses it for throughput.
@@ -334,22 +334,11 @@ def search(model, cluster=None, memory_budget=None, global_batch_size: int | Non
     legacy ``dtype`` / ``mixed_precision`` map onto ``precision``). The result is the best plan of
     the whole space under the cost model (:mod:`galvatron_fx.solver.engine` states the space and the
     argument). Raises :class:`InfeasibleError` naming the least memory any plan needs when nothing
-    fits, or the restriction that excluded every plan.
-
-    ``measure=K`` (collective: every rank calls it under torch.distributed) times the ``K`` best
-    distinct plans by estimate and the best plan of every baseline family on the live world and
-    returns the fastest measured (:mod:`galvatron_fx.selection`; ``measure_options``: its budget);
-    ``plan.extra["measured"]`` records every candidate's estimated and measured step.
+    fits, or the restriction that excluded every plan. ``gfx.search`` (:func:`galvatron_fx.api.search`)
+    adds the measured selection (``measure=K``).
     """
     cluster = resolve_cluster(cluster)
     gm = _as_graph(model, example_inputs, method)
-    if measure:
-        from .selection import measured_search
-
-        def search_fn(extra: dict) -> Plan:
-            return search(gm, cluster, memory_budget, global_batch_size, constraints={**(constraints or {}), **extra},
-                          world_size=world_size, progress=progress, precision=precision, **cost_options)
-        return measured_search(gm, search_fn, int(measure), cluster, constraints, measure_options)
     world = int(world_size or cluster.world_size)
     budget = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else cluster.device_memory
     if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
@@ -511,17 +500,3 @@ def on_rank0(make: Callable[[], Any]) -> Any:
     if status != "ok":
         raise ConfigError(f"the plan search on rank 0 failed: {value}")
     return value
-
-
-def search_on_rank0(gm: torch.fx.GraphModule, cluster=None, memory_budget=None,
-                    global_batch_size: int | None = None, **kwargs) -> Plan:
-    """:func:`search` for the live world on rank 0, the plan broadcast to every rank (collective).
-    ``cluster=None`` profiles the live world (collective on every rank too). With ``measure=K`` every
-    rank searches along (the candidates come from rank 0) and times the candidates."""
-    import torch.distributed as dist
-
-    cluster = resolve_cluster(cluster)
-    if kwargs.get("measure"):
-        return search(gm, cluster, memory_budget, global_batch_size, world_size=dist.get_world_size(), **kwargs)
-    return broadcast_plan(lambda: search(gm, cluster, memory_budget, global_batch_size,
-                                         world_size=dist.get_world_size(), **kwargs))

@@ -26,7 +26,7 @@ from .options import BackendOptions, stats
 
 def _search(graph, opts: BackendOptions, batch: int, cluster):
     """Search a plan (rank 0). Separate so tests can count or forbid it."""
-    from ..planner import search
+    from ..api import search
 
     stats["searches"] += 1
     cost = {}
