@@ -201,11 +201,6 @@ def graph_info(gm: torch.fx.GraphModule) -> GraphInfo | None:
     return gm.meta.get(META_KEY)
 
 
-def param_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """Nodes that hold parameters or buffers of the original model."""
-    return [n for n in gm.graph.nodes if META_KEY in n.meta and n.meta[META_KEY].param is not None]
-
-
 def tensor_meta(node: torch.fx.Node) -> tuple[tuple[int, ...], torch.dtype] | None:
     """(shape, dtype) of a node's tensor value from ``node.meta['val']``, or None."""
     val = node.meta.get("val")

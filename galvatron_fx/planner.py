@@ -20,7 +20,6 @@ from .ir import META_KEY
 from .plan import LayerPlan, Plan
 from .solver.engine import Engine, SearchOptions, SearchResult, stderr_progress
 from .solver.objective import estimate_plan
-from .solver.strategy import Strategy
 from .units import parse_bytes
 
 # constraint key -> where it goes: SearchOptions field, or strategy_space keyword
@@ -470,11 +469,6 @@ def speedups(plan: Plan, base: dict[str, Any]) -> dict[str, float | None]:
     """Searched throughput over each baseline's (None where the baseline is "oom")."""
     t = plan.estimate["throughput_samples_s"]
     return {k: (t / v["throughput_samples_s"] if isinstance(v, dict) else None) for k, v in base.items()}
-
-
-def plan_strategy(plan: Plan, index: int) -> Strategy:
-    return plan.layers[index].strategy
-
 
 
 def broadcast_plan(make_plan: Callable[[], Plan]) -> Plan:

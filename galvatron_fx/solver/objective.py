@@ -105,11 +105,6 @@ def layer_step_time(terms: LayerTerms, slots: float) -> float:
     return slots * terms.time_per_microbatch_s + terms.step_sync_s
 
 
-def layer_memory(terms: LayerTerms, inflight: int) -> float:
-    """A layer's additive contribution to its device's memory (bytes), transient excluded."""
-    return terms.states_bytes + inflight * terms.activation_bytes
-
-
 def p2p_time_per_microbatch(costs: CostSource, cluster: Any, last_layer: int, strategy: Strategy,
                             micro_batch_size: int, src: int, dst: int) -> float:
     """Seconds per micro-batch to send stage outputs forward and their gradients back, and the
