@@ -80,7 +80,7 @@ field                       what it prices
 
 The last five (:data:`SYNC_FIELDS`, :data:`DOOR_FIELDS`) are measured only: presets and hand-made
 clusters leave them 0; ``Cluster.profile()`` measures the drift, ``galvatron-fx profile`` the door too
-(0.9-1.8 ms per step on gpt-tiny's 69 tensors over 4 profiles, 2 gloo ranks, 2026-12-03). The door enters
+(measured: docs/measurements.md, "Figures behind the design"). The door enters
 the estimate of a plan the backend searches or loads (``estimate["door_s"]``), not the search's
 ranking: every plan of one model pays the same.
 

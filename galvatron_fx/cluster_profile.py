@@ -183,12 +183,8 @@ def _in_stream(timer: Timer, work, ops: dict, calls: int = STREAM_CALLS) -> dict
     """Seconds per call of each collective of ``ops`` inside a stream of ``calls`` x (a stretch of
     compute ``work``, the collective), as a layer runs them, minus the compute alone. On a shared
     CPU host the transport threads wait to be scheduled and the ranks' compute drifts apart between
-    calls, so that a call costs more than alone (2 gloo ranks, 512 KiB all-reduce: 0.6-1.4 ms alone,
-    1.0-2.0 ms after one matmul, 2.0-3.2 ms in a stream of 16, 2.0-2.5 ms in one of 4 (a profile of
-    11 s, 18-37 s with 8); TP2 training measured 2-5 ms per call). The mean over runs, not the
-    median: the calls' times have a heavy tail that a step pays on average (512 KiB all-reduces
-    after 0-4 ms of compute: median 0.5-0.9 ms, mean 1.2-2.2 ms, one in ten over 3 ms; inside a TP2
-    step median 0.65 ms, mean 1.63 ms; 2026-12-04)."""
+    calls, so that a call costs more than alone. The mean over runs, not the median: the calls'
+    times have a heavy tail that a step pays on average (measured: docs/measurements.md, "Figures behind the design")."""
     excess = timer.excess(lambda: [work() for _ in range(calls)],
                           {s: (lambda op=op: [(work(), op()) for _ in range(calls)]) for s, op in ops.items()},
                           stat=statistics.fmean)
@@ -595,8 +591,8 @@ SYNC_STRETCHES = (2, 16)
 """Matmuls per compute stretch of :func:`_sync_figures`' short and long streams (8 calls each)."""
 SYNC_WINDOWS = 3
 """Consecutive windows of ``repeats`` runs of the short stream, the latency the quietest one's median:
-the wait after a short stretch moves 190-470 us from minute to minute on the 2-core host (2 gloo ranks,
-2026-12-03), and a quiet window is the reproducible figure (the drift term prices the rest)."""
+the wait after a short stretch moves from minute to minute on a shared host (measured: docs/measurements.md, "Figures behind the design"), and a quiet
+window is the reproducible figure (the drift term prices the rest)."""
 
 
 def _sync_figures(device: torch.device, pg, repeats: int) -> tuple[float, float, float]:
@@ -605,8 +601,7 @@ def _sync_figures(device: torch.device, pg, repeats: int) -> tuple[float, float,
     the longer the stretch the longer (the ranks' per-op jitter adds up). Timed as (compute +
     one-element all-reduce) x calls minus the compute alone, per call, after a short stretch (the
     latency, rank skew included) and after one 8x longer; the drift ``c`` fits the extra wait as
-    ``c * (sqrt(S_long) - sqrt(S_short))``. 2 gloo ranks on this host: ~0.2 ms after 0.2 ms of
-    compute, 0.3 / 0.6 / 1.2 ms after 0.7 / 3.3 / 16.6 ms (2026-12-03). Each stream is timed in turn
+    ``c * (sqrt(S_long) - sqrt(S_short))`` (measured: docs/measurements.md, "Figures behind the design"). Each stream is timed in turn
     with its compute alone, run by run (:meth:`Timer.interleaved`)."""
     one = torch.zeros(1, device=device)
     side = 256 if device.type == "cpu" else 2048
@@ -646,9 +641,7 @@ def _measure_overlap(device, pg, nbytes, world, side, repeats, warmup, say) -> f
     the main thread (how the runtime overlaps ZeRO's gathers and reduce-scatters with a layer's
     compute; NCCL on its own stream): ``1 + (together - longer) / shorter`` of the two timed alone,
     the compute sized to the collective, the median over rounds (:func:`stable_figures`), slowest
-    rank. The former probe timed the collective beside a matmul thread and gave 1.3-3.8 over
-    fourteen profiles on the 2-core host, so the model hid ZeRO-3's collectives in one profile and
-    not in the next (cost_model_accuracy.py ZeRO-3 -10 to -29 %, 2026-12-04)."""
+    rank. A collective timed beside a matmul thread instead read too unstable a figure (measured: docs/measurements.md, "Figures behind the design")."""
     if world < 2:
         return 1.0
     timer = Timer(device, pg, repeats, warmup)
@@ -698,9 +691,8 @@ def _pipelined_p2p(fit: dict[str, float], device, pg, first: bool, overheads: di
     backward (timed alone, on both ranks at once), the micro-batch overhead and two transfers
     (activation, gradient), as the cost model prices a pipeline slot; what remains, halved, is one
     transfer's seconds, priced as ``Cluster.p2p_time`` prices it (bytes / bandwidth + latency +
-    the per-call latency). Ping-pong alone prices a transfer at its wire time: on the 2-core CPU
-    host a pipelined transfer of a few bytes measured 1-1.5 ms against 0.15-0.2 ms ping-pong
-    (2026-12-03; ``benchmarks/pipeline_overhead.py``). Never lowers the ping-pong latency."""
+    the per-call latency). Ping-pong alone prices a transfer at its wire time, well under what a
+    pipelined transfer costs (measured: docs/measurements.md, "Figures behind the design"). Never lowers the ping-pong latency."""
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -745,8 +737,8 @@ def _p2p_wakeup(device, pg, first: bool, say) -> float:
     (five rounds, their median: a figure of interference, it need not settle; with three, two
     back-to-back profiles read 0.32 and 1.33 ms).
     A send moves only once its receiver has posted the receive (gloo: a rendezvous), and then needs
-    the sender's communication thread, which waits for a core while the sender computes: on the
-    2-core CPU host 1.5-2.4 ms on average, 0.2 ms with the sender waiting (2026-12-04). Both ranks
+    the sender's communication thread, which waits for a core while the sender computes
+    (measured: docs/measurements.md, "Figures behind the design"). Both ranks
     of ``pg`` (the pair) call it; the first sends."""
     from torch import nn
 

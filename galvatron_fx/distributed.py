@@ -82,7 +82,7 @@ def shutdown() -> None:
     can a finished collective's work object that cyclic garbage (a training run's model and its
     hooks) still holds when the interpreter finalizes: destroying it then takes the GIL mid
     teardown (pytorch/pytorch#179291). Collect that garbage first, while Python is whole (the
-    train command's ZeRO-3 run aborted so once in a CI run, 2026-12-04)."""
+    train command's ZeRO-3 run aborted so once in CI)."""
     gc.collect()
     if dist.is_initialized():
         dist.barrier()

@@ -76,9 +76,7 @@ def winner(rounds: dict[int, dict[int, float]], estimated: dict[int, float | Non
     median). A candidate is not told apart from the fastest when its median is within ``tie``
     (relative), or within ``doubt`` while at least one round they share had it within ``tie`` of
     the fastest's figure of that round, faster included. Short timings of one plan differ by 5-10 %
-    on a shared host: the main job's selection returned GPipe at 14.0 ms against 1F1B's 14.1 ms
-    (estimated 13.4 and 13.0), and at 12.1 against 12.7 ms (12.6 and 11.6); GPipe then trained 5
-    and 10 % slower (2026-12-04)."""
+    on a shared host (measured: docs/measurements.md, "Figures behind the design")."""
     med = {i: statistics.median(r.values()) for i, r in rounds.items() if r}
     best = min(med, key=lambda i: (med[i], i))
 
@@ -350,11 +348,8 @@ def near_fastest(records: list[dict], close: float) -> list[int]:
     """Indices of the measured candidates within ``close`` of the fastest, at least the
     :data:`FIT_MIN_PER_KIND` fastest: the ones the time scales are fitted to
     (:func:`measured_search`). They are the plans a search chooses among, each timed in the most
-    rounds; slower ones are off for reasons of their own and would move every plan's scale (main
-    job, 2026-12-03: the GPipe, checkpointed and pp1 candidates at 1.1-1.4x their estimates pulled
-    a uniform scale to 1.19-1.21, so the chosen 1F1B, at 0.97-1.03x, was re-priced 20-24 % over its
-    measured step); one short run alone is too noisy to fit to (the fastest measured 10.3 ms in the
-    selection and 13.2 ms over 20 steps)."""
+    rounds; slower ones are off for reasons of their own and would move every plan's scale; one
+    short run alone is too noisy to fit to (measured: docs/measurements.md, "Figures behind the design")."""
     timed = sorted((r["measured_step_s"], i) for i, r in enumerate(records) if r["measured_step_s"] is not None)
     if not timed:
         return []
@@ -372,11 +367,8 @@ def fit_time_scales(records: list[dict], plans: list[Plan], cluster, world: int)
     beyond that moves ``pipeline_time_scale``. Where a kind has fewer than :data:`FIT_MIN_PER_KIND`
     measured candidates, the median of all the ratios moves ``time_scale`` alone (a uniform scale:
     the next search ranks plans as before, its estimates closer): one short run of one plan is too
-    noisy to set a kind's scale (main job, 2026-12-03: the one pp1 candidate at 1.36x its estimate,
-    three pipelined ones at 0.99-1.20x, gave ``time_scale`` 1.38 and ``pipeline_time_scale`` 0.76;
-    that pp1 plan measured 1.05-1.08x in the runs before). The constants are kept. Why scales, not
-    constants: on the main job (2026-12-02/03) every candidate measured 1.15-1.8x its estimate,
-    residuals proportional to the estimate."""
+    noisy to set a kind's scale. The constants are kept. Why scales, not constants: the residuals
+    were proportional to the estimates (measured: docs/measurements.md, "Figures behind the design")."""
     flat, piped = [], []
     for r, plan in zip(records, plans):
         if r["measured_step_s"] is None or not r["estimated_step_s"]:

@@ -153,8 +153,8 @@ def galvatron_backend(gm: torch.fx.GraphModule, example_inputs: list, options: d
         return _Runtime(dm, roles, example_inputs, again)
 
     # NOTE: a measured plan is chosen at the first call, not here: inside dynamo's compile every
-    # Python call runs ~1.4x slower (2026-12-03, this host: 24 of 24 paired samples, none at run
-    # time), which timed the candidates' steps 11-12 % above the same plan's training steps
+    # Python call runs slower, which timed the candidates' steps above the same plan's training
+    # steps (measured: docs/measurements.md, "Figures behind the design")
     runtime = _BuiltAtFirstCall(build) if opts.measure else build()
     _remove_guards(gm, roles)
     return runtime

@@ -8,14 +8,12 @@ called directly on two small zoo models (1 and 8 gpt-tiny blocks, pure data para
 world), all four in turn run by run, and fits ``seconds = door_call_s + tensors * door_param_s``
 over their trainable parameter tensors: the slope is the median over runs of the two models'
 excess difference within a run, so a slow spell of the host cancels in the slope too; each
-figure is the median of three such rounds (fitted from
-two separately timed models, the split moved 0 / 0.6 ms per step and 0 / 9 us per tensor between two
-profiles, 2026-12-03). Every rank of the world calls it; every rank returns the same figures (the
+figure is the median of three such rounds (measured: docs/measurements.md, "Figures behind the design"). Every rank of the world calls it; every rank returns the same figures (the
 slowest rank's).
 
-Traced on gpt-tiny (4 layers, 69 tensors, pp2 m2, 2 gloo ranks, 2026-12-03): the door's step 1.6 ms
-over ``train_step``: dynamo's frame 0.3 ms, the backend's call 0.15 ms, the program inside the
-compiled call ~0.6 ms slower than called directly, the gradient routing 0.35 ms, ``zero_grad`` 0.13 ms.
+What the door costs is dynamo's frame, the backend's call, the program run inside the compiled
+call, the gradient routing and ``zero_grad`` (a trace's split: docs/measurements.md, "Figures
+behind the design").
 """
 
 from __future__ import annotations
@@ -27,8 +25,8 @@ import torch.distributed as dist
 
 DOOR_PROBE = {"layers": (1, 8), "hidden": 32, "seq_len": 16, "batch": 4, "repeats": 15, "rounds": 3}
 """The probe models (gpt-tiny blocks), their shapes, the runs timed per round (each runs all four
-steps) and the rounds, whose median counts (one round's door at gpt-tiny's 69 tensors moved
-0.4-2.5 ms over 14 profiles, 2026-12-04)."""
+steps) and the rounds, whose median counts: one round's figure moves between profiles
+(measured: docs/measurements.md, "Figures behind the design")."""
 
 
 def _door_steps(layers: int, cluster, device: torch.device):

@@ -137,8 +137,8 @@ def _shards(layer: LayerGraph, tp: int) -> dict[str, tuple[int, int]]:
 CHAIN = 3
 """Forwards :func:`time_layer` runs back to back, holding their activations, before their backwards
 in reverse, as a step runs its layers. A layer timed alone in a loop reuses the memory its previous
-iteration freed, warm in cache, and read 6-14 % under the chained figure and 15-27 % under the same
-layer inside a training step (gpt-tiny hidden 128 blocks, CPU, 2026-12-04)."""
+iteration freed, warm in cache, and reads under the chained figure and the same layer inside a
+training step (measured: docs/measurements.md, "Figures behind the design")."""
 
 
 def time_layer(layer: LayerGraph, n: int, *, tp: int = 1, ckpt: bool = False, dtype=None, device=None,

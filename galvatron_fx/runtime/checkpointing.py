@@ -13,7 +13,6 @@ def checkpoint_layer(layer, *args):
     Without early stop: torch stops a recomputation early by raising an exception through the
     layer, and a ``GraphModule`` layer turns every such exception into a traceback extraction
     (torch.fx's ``_WrappedCall``), ~80 us per layer call here; recomputing the layer's last ops
-    instead costs less (gpt-tiny, 2 gloo ranks, 2026-12-03: pp2 m2 with checkpointing 16.2-16.4 vs
-    17.0-17.5 ms per ``train_step``, DP 0.1-0.2 ms faster).
+    instead costs less (measured: docs/measurements.md, "Figures behind the design").
     """
     return torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False, early_stop=False)

@@ -160,8 +160,8 @@ def _receives(cluster: Any, pp: int, pipe: Pipe | None) -> tuple[int, float] | N
 
 
 def pipeline_wait(cluster: Any, pp: int, slowest_stage_s: float, pipe: Pipe | None) -> float:
-    """Seconds a pipelined stage waits at its transfers (measured: a PP2 step's time beyond its
-    stages' compute, transfers and bubble grew by 3-8 ms on 2 gloo ranks, 2026-12-03): for the
+    """Seconds a pipelined stage waits at its transfers (a PP2 step's time beyond its stages'
+    compute, transfers and bubble: docs/measurements.md, "Figures behind the design"): for the
     ranks' drift, each receive ``cluster.sync_wait`` of the compute since the previous one (the
     stage's compute over its receives), and for the senders' wake-ups, :meth:`Pipe.wakeups`. 0
     unpipelined or without the figures. Increasing in ``slowest_stage_s``."""

@@ -262,8 +262,7 @@ def late_transfers(schedule: str, pp: int, virtual_stages: int, micro_batches: i
     made and asked for. Each such input costs the cluster's ``p2p_wakeup_s`` beyond its transfer:
     a point-to-point send (gloo's, and NCCL's) moves only once its receiver has posted the receive,
     and then needs the sender's communication thread, which waits for a core while the sender
-    computes (2-core host: 1.5-2.4 ms on average; a GPipe sender gone on to its next backward
-    delivered an early-asked gradient 1.6 ms late, 2026-12-04). A sender computes if it runs an
+    computes (measured: docs/measurements.md, "Figures behind the design"). A sender computes if it runs an
     action begun before that time, or begun then without having waited. A 1F1B sender that fuses
     its send with the receive it waits on next does not keep the input waiting. An input asked for
     before it is made is written by the sender's own ``isend`` if the sender learnt of the receive
