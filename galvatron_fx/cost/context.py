@@ -83,6 +83,7 @@ import torch
 import torch.fx
 
 from ..ir import META_KEY
+from ..layout import Layout
 from ..sharding.state import node_arg, op_name, tensor_val
 from ..solver.strategy import Strategy
 from .measure import Affine
@@ -234,18 +235,18 @@ def layer_sequence_terms(layer_gm: torch.fx.GraphModule, seq: int, cp: int, batc
 # ---------------------------------------------------------------------------------------- groups
 def dp_ranks(s: Strategy, k: int) -> list[int]:
     """Ranks of the first ``k`` consecutive DP ranks of a stage (``tp`` apart): a CP or EP group."""
-    return [c * s.tp for c in range(k)]
+    return list(Layout(s.tp, s.dp).dp_ranks(0)[:k])
 
 
 def cp_group(s: Strategy) -> list[int]:
-    """Ranks of the first CP group of a stage (:func:`dp_ranks`)."""
-    return dp_ranks(s, s.cp)
+    """Ranks of the first CP group of a stage (:class:`~galvatron_fx.layout.Layout`)."""
+    return list(Layout(s.tp, s.dp, cp=s.cp).cp_ranks(0))
 
 
 def cp_block(s: Strategy) -> list[int]:
     """Ranks of the first block of ``tp * cp`` consecutive ranks: one CP group's TP groups, all
-    holding the same samples."""
-    return list(range(s.tp * s.cp))
+    holding the same samples (:meth:`~galvatron_fx.layout.Layout.batch_slices`)."""
+    return list(Layout(s.tp, s.dp, cp=s.cp).batch_slices().tp_ranks(0))
 
 
 def samples_layout(s: Strategy) -> Strategy:

@@ -77,6 +77,7 @@ import torch.fx
 from ..cluster import Cluster, normalize_dtype
 from ..errors import ConfigError
 from ..ir import META_KEY, TORCH_DTYPES
+from ..layout import Layout
 from ..sharding.experts import MoEBlock, layer_blocks
 from ..sharding.state import tensor_val
 from ..solver.strategy import Strategy
@@ -92,7 +93,6 @@ from .context import (
     cp_compute_time,
     cp_group,
     cp_transient_bytes,
-    dp_ranks,
     layer_attention,
     layer_sequence_terms,
     layout_time,
@@ -195,22 +195,22 @@ def expert_dp_group(strategy: Strategy, expert_tp: bool = False) -> list[int]:
     """Ranks holding the first EP rank's expert weights: every ``ep``-th DP rank, every TP rank
     (``expert_tp``: TP position 0 only, the others hold other slices)."""
     s = strategy
-    return [t + b * s.tp for b in range(0, s.dp, s.ep) for t in range(1 if expert_tp else s.tp)]
+    return list(Layout(s.tp, s.dp, ep=s.ep, etp=expert_tp).expert_dp_ranks(0))
 
 
 def ep_group(strategy: Strategy) -> list[int]:
-    """Ranks of the first EP group: ``ep`` consecutive DP ranks (:func:`.context.dp_ranks`)."""
-    return dp_ranks(strategy, strategy.ep)
+    """Ranks of the first EP group: ``ep`` consecutive DP ranks (:class:`~galvatron_fx.layout.Layout`)."""
+    return list(Layout(strategy.tp, strategy.dp, ep=strategy.ep).ep_ranks(0))
 
 
 def tp_group(strategy: Strategy) -> list[int]:
-    """Ranks of the first TP group of a stage (consecutive)."""
-    return list(range(strategy.tp))
+    """Ranks of the first TP group of a stage (consecutive; :class:`~galvatron_fx.layout.Layout`)."""
+    return list(Layout(strategy.tp, strategy.dp).tp_ranks(0))
 
 
 def dp_group(strategy: Strategy) -> list[int]:
-    """Ranks of the first data-parallel group of a stage (strided by ``tp``)."""
-    return list(range(0, strategy.tp * strategy.dp, strategy.tp))
+    """Ranks of the first data-parallel group of a stage (strided by ``tp``; :class:`~galvatron_fx.layout.Layout`)."""
+    return list(Layout(strategy.tp, strategy.dp).dp_ranks(0))
 
 
 _CALLS = ("call_function", "call_method", "call_module")
