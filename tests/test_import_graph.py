@@ -107,3 +107,13 @@ def test_the_check_sees_function_level_imports():
     assert g.has_edge("galvatron_fx.api", "galvatron_fx.selection")       # inside api.search
     g.add_edge("galvatron_fx.selection", "galvatron_fx.api")
     assert any(len(c) > 1 for c in nx.strongly_connected_components(g))
+
+
+def test_the_runtime_imports_nothing_above_it():
+    """What the generated program calls (``runtime/``) imports neither the search, the cost model,
+    the passes nor the entry points: planner -> passes -> runtime, shared modules below."""
+    above = ("galvatron_fx.solver", "galvatron_fx.cost", "passes", "galvatron_fx.planner", "galvatron_fx.api",
+             "galvatron_fx.selection", "galvatron_fx.parallelize", "galvatron_fx.cli", "galvatron_fx.backend")
+    g = import_graph()
+    wrong = [(a, b) for a, b in g.edges() if a.startswith("galvatron_fx.runtime") and b.startswith(above)]
+    assert not wrong, wrong

@@ -21,7 +21,7 @@ re-runs nothing of the input-gradient chain; ``W`` hands each layer's gradients 
 ``W``.
 
 NOTE: built on ``torch.distributed.pipelining`` (``PipelineStage`` + the schedule classes of
-:data:`~galvatron_fx.solver.schedules.TORCH_SCHEDULES`) with static shapes (no meta-device shape
+:class:`galvatron_fx.schedule.Schedule`) with static shapes (no meta-device shape
 inference, which the stage's collectives would break). ``scale_grads=False``: the loss is scaled by ``1 / (dp * m)`` instead,
 as in pp = 1 training, and the layers' flat buffers run their DP reduction on the schedule's
 ``last_backward``.
@@ -38,7 +38,7 @@ from torch.autograd.graph import GradientEdge
 
 from ..errors import ConfigError
 from ..ir import StageInfo
-from ..solver.schedules import TORCH_SCHEDULES, ZERO_BUBBLE
+from ..schedule import SCHEDULE
 from .dropout import evaluating
 from .groups import group
 from .inputs import apply_steps, match_inputs, to_shards
@@ -573,13 +573,14 @@ class PipelineModel(nn.Module):
             stage.chunk_tag = f"@{info.index}" if len(per_chunk) > 1 else ""   # "F3@2": micro-batch 3, chunk 2
             stage.track_memory = self.track_memory
             stage.stores = runner.stage.stores
-            stage.split = self.plan.schedule in ZERO_BUBBLE   # backward as I, then W
+            stage.split = SCHEDULE[self.plan.schedule].split_backward   # backward as I, then W
             stage.views, stage._mb = {}, None                  # micro-batch -> its parameter views
             stage.held = {}                                    # micro-batch -> gradient bytes held to W
             stage.param_storages = _param_storages(self.stage)
             stages.append(stage)
-        cls = getattr(schedules, TORCH_SCHEDULES[self.plan.schedule])
-        if self.plan.schedule in ("gpipe", "1f1b"):
+        sch = SCHEDULE[self.plan.schedule]
+        cls = getattr(schedules, sch.torch_class)
+        if sch.single_chunk:
             schedule = cls(stages[0], n_microbatches=m, loss_fn=self._scaled_loss, scale_grads=False)
         else:
             schedule = cls(stages, n_microbatches=m, loss_fn=self._scaled_loss, scale_grads=False)

@@ -61,16 +61,17 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, InfeasibleError
+from ..schedule import SCHEDULE
 from ..units import format_bytes
 from .objective import CostSource, estimate_plan, stage_limit, step_time
 from .pipeline import greedy_pack, partition_min_max
-from .schedules import V_SHAPED, ZERO_BUBBLE, check_schedule, chunk_rank, step_slots
+from .schedules import ZERO_BUBBLE, check_schedule, chunk_rank, step_slots
 from .stage import ExactStage, solve_stage_exact
 from .strategy import Strategy, strategy_space
 from .tables import CachedCosts, ConfigTables, layout_groups, least_memory, least_memory_chunks, undominated
 
 MAX_VIRTUAL_STAGES = 8
-SEARCHED_SCHEDULES = ["1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"]
+SEARCHED_SCHEDULES = [n for n, s in SCHEDULE.items() if s.searched]
 """The schedules the search tries (GPipe only when pinned: never faster than 1F1B, never smaller)."""
 """The most chunks per pipeline rank the search tries unpinned (interleaving more adds a send per
 chunk to win back ever less bubble: ``(p - 1) / v`` micro-batch times; a constraint may pin more)."""
@@ -225,12 +226,11 @@ class Engine:
         o = self.opt
         if p == 1 and sched != "1f1b" and not o.schedule:
             return []   # no pipeline: one schedule (pp=1 configurations run 1F1B's space)
-        if sched in ("gpipe", "1f1b"):
-            vs = [o.virtual_stages or 1]
-        elif sched in V_SHAPED:
-            vs = [o.virtual_stages or 2]
+        sch = SCHEDULE[sched]
+        if sch.chunks_per_rank:   # fixed: one chunk per rank, or two in a V
+            vs = [o.virtual_stages or sch.chunks_per_rank]
         else:   # interleaved: v = 2 .. L / p chunks per rank (interleaved-zb also v = 1: ZB-H1)
-            low = 1 if sched == "interleaved-zb" else 2
+            low = sch.min_searched_chunks
             vs = [o.virtual_stages] if o.virtual_stages else list(range(low, min(self.L // p, MAX_VIRTUAL_STAGES) + 1))
         out = []
         for v in vs:

@@ -27,35 +27,35 @@ from __future__ import annotations
 import functools
 
 from ..errors import ConfigError
+from ..schedule import SCHEDULE, schedule_record
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
-"""Every schedule a plan may name (the plan JSON's ``schedule``)."""
-ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
+SCHEDULES = tuple(SCHEDULE)
+"""Every schedule a plan may name (the plan JSON's ``schedule``; :data:`galvatron_fx.schedule.SCHEDULE`)."""
+ZERO_BUBBLE = tuple(n for n, s in SCHEDULE.items() if s.split_backward)
 """Schedules splitting the backward into input- and weight-gradient passes (module docstring)."""
-V_SHAPED = ("zbv", "dualpipev")
+V_SHAPED = tuple(n for n, s in SCHEDULE.items() if s.v_shape)
 """Schedules placing two chunks per rank in a V (rank ``r`` runs chunks ``r`` and ``2p - 1 - r``)."""
 
 
 def default_virtual_stages(schedule: str) -> int:
     """``v`` a schedule implies when the plan does not say: 2 for the V shapes, else 1."""
-    return 2 if schedule in V_SHAPED else 1
+    return schedule_record(schedule).default_chunks_per_rank
 
 
 def check_schedule(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> None:
     """Raise :class:`ConfigError` naming the problem and the fix when a plan cannot combine these."""
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"plan schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
+    sch = schedule_record(schedule)
     v = virtual_stages
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ConfigError(f"plan virtual_stages must be an integer >= 1, got {v!r}")
-    if schedule in ("gpipe", "1f1b") and v != 1:
+    if sch.single_chunk and v != 1:
         raise ConfigError(f"schedule {schedule!r} runs one chunk per pipeline rank, but virtual_stages={v}; "
                           "use virtual_stages=1, or schedule='interleaved-1f1b' for several chunks per rank")
-    if schedule in V_SHAPED and v != 2:
+    if sch.v_shape and v != sch.chunks_per_rank:
         raise ConfigError(f"schedule {schedule!r} places two chunks per rank in a V; set virtual_stages=2 (got {v})")
-    if schedule in ZERO_BUBBLE and pp < 2:
-        raise ConfigError(f"schedule {schedule!r} splits the backward to fill a pipeline's bubble: it needs pp >= 2; "
-                          "with pp=1 use '1f1b'")
+    if pp < sch.min_stages:
+        raise ConfigError(f"schedule {schedule!r} splits the backward to fill a pipeline's bubble: it needs pp >= "
+                          f"{sch.min_stages}; with pp=1 use '1f1b'")
     if v > 1 and pp < 2:
         raise ConfigError(f"virtual_stages={v} needs a pipeline (pp >= 2); with pp=1 use virtual_stages=1")
     if schedule.startswith("interleaved") and pp > 1:
@@ -71,7 +71,7 @@ def check_schedule(schedule: str, pp: int, virtual_stages: int, micro_batches: i
 
 def chunk_rank(schedule: str, chunk: int, pp: int) -> int:
     """The pipeline rank (position in the pipe, 0..p-1) running chunk ``chunk``."""
-    if schedule in V_SHAPED:
+    if schedule_record(schedule).v_shape:
         return chunk if chunk < pp else 2 * pp - 1 - chunk
     return chunk % pp
 
@@ -123,9 +123,7 @@ def rank_order(schedule: str, rank: int, pp: int, virtual_stages: int, micro_bat
     return order
 
 
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-                   "interleaved-zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
-                   "dualpipev": "ScheduleDualPipeV"}
+TORCH_SCHEDULES = {n: s.torch_class for n, s in SCHEDULE.items()}
 """Plan schedule -> the ``torch.distributed.pipelining.schedules`` class the runtime runs it with."""
 
 
@@ -285,7 +283,7 @@ def late_transfers(schedule: str, pp: int, virtual_stages: int, micro_batches: i
     def early_ask_served(sender: int, made_at: float, asked: float) -> bool:
         """An input asked for before it is made that the sender's own ``isend`` writes: the sender
         learnt of the receive while waiting, or (action-list runtimes) the receive was posted ahead."""
-        return asked < made_at and (schedule not in ("gpipe", "1f1b") or idles(sender, asked, made_at))
+        return asked < made_at and (not SCHEDULE[schedule].single_chunk or idles(sender, asked, made_at))
 
     late = frozenset((action, d) for action, d, sender, made, made_at, asked in asks
                      if busy(sender, max(made_at, asked), made + 1, send_waited(schedule, orders[sender], made))
@@ -392,7 +390,7 @@ def step_slots(schedule: str, pp: int, virtual_stages: int, micro_batches: int) 
     zero-bubble schedules: torch's action lists run with equal ``F`` / ``I`` / ``W`` times
     (:func:`_makespan`), divided by a rank's ``3 v`` chunk passes per micro-batch."""
     m, p, v = micro_batches, pp, virtual_stages
-    if schedule in ("gpipe", "1f1b"):
+    if schedule_record(schedule).single_chunk:
         return m + p - 1
     if schedule == "interleaved-1f1b":
         return m + (p - 1) / v
