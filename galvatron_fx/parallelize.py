@@ -1,14 +1,16 @@
 """``gfx.transform``: a captured graph plus a plan -> this rank's distributed module, for every plan.
 
 One list of passes, built from the plan by :func:`parallelize_passes`, runs for ``pp = 1`` and
-``pp > 1`` alike (torchtitan's ``parallelize`` order; each pass is one module of ``passes/`` with
-its contract in its docstring)::
+``pp > 1`` alike, in the order :data:`galvatron_fx.passes.REWRITE_ORDER` declares (the pass manager
+checks it; each pass is one module of ``passes/`` with its contract in its docstring)::
 
     token_loss         a mean cross-entropy -> sum x 1/(global non-ignored tokens): exact under any split
     stage_split        (pp > 1) this rank's stage as a flat graph
     tensor_parallel    layers with tp > 1, on the flat graph
     split_layers       one submodule per layer: layers_0, layers_1, ...
     local_batch        dynamo / export graphs: baked batch constants -> each layer's slice
+    context_parallel   (cp > 1 layers) sequence shards, ring / Ulysses attention
+    expert_parallel    (ep > 1 layers) experts split by expert, token dispatch
     stage_outputs      (pp > 1) values sent on leave in the boundary layout
     checkpointing      ckpt layers run under torch.utils.checkpoint
     data_parallel      flat buffers: DP all-reduce / ZeRO-2 / ZeRO-3 (fp32 masters, working copies)
@@ -33,6 +35,7 @@ import torch.fx
 
 from .errors import ConfigError, PlanMismatchError
 from .ir import META_KEY, GraphInfo, graph_batch_size
+from .passes import REWRITE_ORDER
 from .passes.base import GraphPass, PassManager
 from .passes.bind_parameters import BindParametersPass, release_unheld
 from .passes.checkpointing import CheckpointingPass
@@ -152,7 +155,7 @@ def transform(gm: torch.fx.GraphModule, plan: Plan, loss_fn=None, *,
 
 def _build(gm: torch.fx.GraphModule, ctx: ParallelContext, bind: dict | None) -> DistributedModel:
     """This rank's program for ``ctx`` (one chunk of a pipeline): the pass list run on ``gm``."""
-    manager = PassManager(parallelize_passes(ctx, bind))
+    manager = PassManager(parallelize_passes(ctx, bind), order=REWRITE_ORDER)
     model = manager(gm).graph_module
     model.passes = list(manager.ran)
     model.stage_info = ctx.stage_info

@@ -3,8 +3,18 @@ contract (:mod:`.base`), chained by one :class:`~.base.PassManager`.
 
 Capture side (:func:`galvatron_fx.capture`): ``normalize`` -> ``layer_grouping``; then
 ``cost_annotation`` for the planner. Rewrite side (:func:`galvatron_fx.parallelize.parallelize_passes`,
-the same list for every plan): ``stage_split`` (pp > 1) -> ``tensor_parallel`` -> ``split_layers``
--> ``local_batch`` -> ``stage_boundaries`` (outputs) -> ``checkpointing`` -> ``data_parallel`` ->
-``resharding`` -> ``stage_boundaries`` (inputs) -> ``codegen`` -> ``bind_parameters`` (backend).
-The rewrite passes share one :class:`~.context.ParallelContext`.
+the same list for every plan, each pass present when the plan needs it): :data:`REWRITE_ORDER`, the
+one declaration of their order, which the :class:`~.base.PassManager` checks. The rewrite passes
+share one :class:`~.context.ParallelContext`.
 """
+
+REWRITE_ORDER = ("token_loss", "stage_split", "tensor_parallel", "split_layers", "local_batch", "context_parallel",
+                 "expert_parallel", "stage_outputs", "checkpointing", "data_parallel", "mixed_precision",
+                 "resharding", "stage_inputs", "meta_device", "codegen", "bind_parameters")
+"""The rewrite passes in the order they run (each only when the plan needs it). Why this order: the
+loss's token count reads the whole graph's labels (first); the stage split makes every later pass
+see one stage as a whole model; TP rewrites the flat graph, so the layer submodules, the DP buffers
+and the ZeRO shards are built from TP-local shards; checkpointing wraps whole layer calls before
+data parallelism rewrites them (a ZeRO-3 gather is redone inside the recompute); resharding leaves
+received values alone, so the stage inputs come after it; the meta-device rewrite is the last
+rewrite (the passes before propagate fake tensors), then codegen and the parameter binding."""

@@ -15,7 +15,7 @@ The IR moves through these states; each pass names the state it takes and leaves
 
     CAPTURED --layer_grouping--> GROUPED --stage_split--> STAGE (pp > 1 only)
     GROUPED|STAGE --tensor_parallel--> TP_SHARDED --split_layers--> SPLIT
-    SPLIT --local_batch, stage_outputs, checkpointing, data_parallel, resharding, stage_inputs--> SPLIT
+    SPLIT --the rewrite passes after split_layers (passes.REWRITE_ORDER), up to codegen--> SPLIT
     SPLIT --codegen--> DistributedModel --bind_parameters--> DistributedModel
 """
 
@@ -57,16 +57,29 @@ class GraphPass(PassBase):
         return cls.name or cls.__name__
 
 
+def check_order(names: list[str], order: tuple[str, ...]) -> None:
+    """Raise :class:`ContractError` unless the passes ``names`` that ``order`` lists appear in its
+    relative order (each pair a ``this_before_that`` constraint, as torch.fx's
+    ``this_before_that_pass_constraint``); passes ``order`` does not list are unconstrained."""
+    rank = {n: i for i, n in enumerate(order)}
+    listed = [n for n in names if n in rank]
+    for a, b in zip(listed, listed[1:]):
+        if rank[a] >= rank[b]:
+            raise ContractError(f"pass {b!r} must run before {a!r} (the declared order: {' -> '.join(order)})")
+
+
 class PassManager:
-    """Run ``passes`` in order on a GraphModule (see the module docstring).
+    """Run ``passes`` in order on a GraphModule (see the module docstring); ``order``: the declared
+    pass order they must follow (:func:`check_order`, checked on construction).
 
     ``ran`` lists the names of the passes that completed, in order, after :meth:`__call__`.
     """
 
-    def __init__(self, passes: list[GraphPass], *, lint: bool = True):
+    def __init__(self, passes: list[GraphPass], *, lint: bool = True, order: tuple[str, ...] = ()):
         self.passes = list(passes)
         self.lint = lint
         self.ran: list[str] = []
+        check_order(self.names, order)
 
     @property
     def names(self) -> list[str]:

@@ -301,3 +301,25 @@ def TokenLossPass_(ctx):
     from galvatron_fx.passes.token_loss import TokenLossPass
 
     return TokenLossPass(ctx)
+
+
+def test_the_rewrite_order_is_declared_once_and_checked():
+    """``passes.REWRITE_ORDER`` is the order: parallelize's docstring lists it, every plan's pass list
+    follows it, and the pass manager refuses a list that breaks it."""
+    import re
+
+    import galvatron_fx.parallelize as par
+    from galvatron_fx.passes import REWRITE_ORDER
+    from galvatron_fx.passes.base import ContractError, GraphPass, PassManager
+
+    listed = re.findall(r"^    (\w+) {2,}", par.__doc__, re.M)
+    assert tuple(listed) == REWRITE_ORDER
+
+    def named(name):
+        def call(self, graph_module):
+            raise AssertionError("never run: the order is checked on construction")
+        return type(name, (GraphPass,), {"name": name, "call": call})()
+
+    PassManager([named("tensor_parallel"), named("codegen")], order=REWRITE_ORDER)   # a subset, in order
+    with pytest.raises(ContractError, match="must run before"):
+        PassManager([named("data_parallel"), named("checkpointing")], order=REWRITE_ORDER)
