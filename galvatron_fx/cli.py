@@ -363,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="galvatron-fx",
         description="Automatic hybrid parallelism (DP, ZeRO, TP, PP, checkpointing) for PyTorch models.")
+    from ._version import __version__
+
+    parser.add_argument("--version", action="version", version=f"galvatron-fx {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 

@@ -102,3 +102,11 @@ def test_profile_without_torchrun_measures_this_process(tmp_path, capsys):
     assert main(["profile", "--out", str(tmp_path / "c.json")]) == 0
     data = json.loads((tmp_path / "c.json").read_text())
     assert data["peak_flops"]["fp32"] > 0
+
+
+def test_version(capsys):
+    import galvatron_fx as gfx
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"galvatron-fx {gfx.__version__}"

@@ -21,3 +21,17 @@ def test_ci_runs_the_readme_test_command():
 def test_install_pins_the_cpu_torch_build():
     for cmd in _readme_commands()[:2]:
         assert "torch==2.13.0" in cmd.split("&&")[1]
+
+
+def test_the_python_quick_start_runs_as_written(tmp_path, monkeypatch):
+    """The README's Python block up to its torchrun part (which needs a distributed world: the
+    transform tests run it) runs as written on this machine."""
+    text = (ROOT / "README.md").read_text()
+    block = re.findall(r"```python\n(.*?)```", text, flags=re.S)[0]
+    local = block.split("# under torchrun")[0]
+    monkeypatch.chdir(tmp_path)   # it saves plan.json
+    scope: dict = {}
+    exec(compile(local, "README.md", "exec"), scope)
+    plan, gm, cluster = scope["plan"], scope["gm"], scope["cluster"]
+    assert plan.estimate["throughput_samples_s"] > 0 and len(plan.layers) == len(scope["gfx"].layers(gm))
+    assert scope["gfx"].estimate(gm, plan, cluster)["step_time_s"] == plan.estimate["step_time_s"]
