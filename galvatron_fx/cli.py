@@ -129,17 +129,53 @@ def _capture(model, example, method: str):
     return capture(model, example, method=method)
 
 
+def _budget(text: str, cluster) -> int:
+    """``--memory-budget``: bytes with a unit, at most the device's memory (checked before any work)."""
+    from .units import format_bytes, parse_bytes
+
+    if text.strip().replace(".", "", 1).isdigit():
+        raise ConfigError(f"--memory-budget {text}: give a unit, e.g. {text}GiB (a bare number would be bytes)")
+    budget = parse_bytes(text, "memory budget")
+    if budget > cluster.device_memory:
+        raise ConfigError(f"--memory-budget {text} exceeds the device memory of {cluster.name} "
+                          f"({format_bytes(cluster.device_memory)}); give at most that")
+    return budget
+
+
+def _check_output(path: str | None, flag: str) -> None:
+    """An output file's directory exists and is writable, checked before the search."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{flag} {path}: no such directory {folder}; create it first")
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"{flag} {path}: directory {folder} is not writable")
+
+
+def _check_applies(args: argparse.Namespace, gm) -> None:
+    """Refuse, by name, a dimension pinned on a model where it cannot apply (before the search)."""
+    from .sharding.experts import expert_layers
+
+    if getattr(args, "ep", None) and any(int(x) > 1 for x in str(args.ep).split(",") if x.strip().isdigit()) \
+            and not expert_layers(gm):
+        raise ConfigError(f"--ep {args.ep}: {args.model} has no mixture-of-experts layer to split by expert; "
+                          "drop --ep")
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search a plan for MODEL on a cluster under a memory budget; optionally print baselines."""
     from .api import search
     from .planner import baselines, resolve_cluster, resolve_precision, speedups
     from .selection import measured_lines
-    from .units import parse_bytes
 
     cluster = resolve_cluster(args.cluster)
-    budget = parse_bytes(args.memory_budget) if args.memory_budget else cluster.device_memory
+    budget = _budget(args.memory_budget, cluster) if args.memory_budget else cluster.device_memory
+    _check_output(args.json, "--json")
+    _check_output(getattr(args, "plot", None), "--plot")
     keep: list = []
     gm = _capture_for_planning(args, keep)
+    _check_applies(args, gm)
     cost = {"precision": resolve_precision(cluster, args.precision, args.dtype,
                                            True if args.mixed_precision else None)}
     if args.reserve is not None:
@@ -359,6 +395,16 @@ def _write_json(path: str, data: dict) -> None:
     progress(f"wrote {path}")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="galvatron-fx",
@@ -373,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Capture MODEL (a zoo name or package.module:factory) and print its layers.")
     p.add_argument("model", metavar="MODEL")
     p.add_argument("--method", default="dynamo", choices=["dynamo", "export", "fx"], help="capture front end")
-    p.add_argument("--seq-len", type=int, metavar="N", help="sequence length of the example inputs")
+    p.add_argument("--seq-len", type=_positive_int, metavar="N", help="sequence length of the example inputs")
     p.add_argument("--device", default="meta", choices=["meta", "cpu"],
                    help="build zoo models on meta (no weight memory; default) or cpu")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
@@ -402,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve", help="framework reserve per device (default 1GiB)")
     p.add_argument("--method", choices=["dynamo", "export", "fx"],
                    help="capture front end (default fx; dynamo for a transformers config)")
-    p.add_argument("--seq-len", type=int, metavar="N", help="sequence length of the example inputs")
+    p.add_argument("--seq-len", type=_positive_int, metavar="N", help="sequence length of the example inputs")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override (repeatable)")
     p.add_argument("--baselines", action="store_true",
                    help="also estimate DP, ZeRO-3, TP, PP, 3D, DP+TP, DP+PP and Megatron-style (megatron)")
@@ -435,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL")
     p.add_argument("--data", metavar="FILE", help="text file to train a config.json MODEL on (tokenizer.json "
                    "beside the config, else bytes)")
-    p.add_argument("--seq-len", type=int, metavar="N", help="tokens per sample (--data; default 128)")
+    p.add_argument("--seq-len", type=_positive_int, metavar="N", help="tokens per sample (--data; default 128)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient clipping max norm (--data; default 1.0)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (--data; not on norms, biases)")
     p.add_argument("--warmup", type=int, help="linear warm-up steps (--data; default steps/10, at most 100)")

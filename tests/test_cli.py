@@ -110,3 +110,62 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"galvatron-fx {gfx.__version__}"
+
+
+LLAMA_CFG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 512}
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--json", "/nonexistent/dir/p.json"], "no such directory /nonexistent/dir"),
+    (["--seq-len", "-5"], "expected a positive integer"),
+    (["--seq-len", "0"], "expected a positive integer"),
+    (["--memory-budget", "16"], "give a unit, e.g. 16GiB"),
+    (["--memory-budget", "100GiB"], "exceeds the device memory of 8xA100-80GB"),
+    (["--ep", "2"], "has no mixture-of-experts layer"),
+])
+def test_plan_mistakes_get_one_line_before_any_work(tmp_path, capsys, extra, message):
+    pytest.importorskip("transformers")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA_CFG))
+    err = _error(["plan", str(cfg), "--cluster", "8xA100-80GB", *extra], capsys)
+    assert message in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.startswith("galvatron-fx")]) == 1
+
+
+@pytest.mark.parametrize("spec, message", [("cfg/nope.json", "no such file"), ("nope.json", "no such file"),
+                                           ("{tmp}", "no config.json in this directory")])
+def test_a_missing_model_file_is_named(tmp_path, capsys, spec, message):
+    assert message in _error(["plan", spec.format(tmp=tmp_path), "--cluster", "8xA100-80GB"], capsys)
+
+
+def _error(argv, capsys) -> str:
+    """stderr of a command that fails (argparse exits; a ConfigError returns non-zero)."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    assert code != 0
+    return capsys.readouterr().err
+
+
+def test_a_vision_config_plans_with_its_task_class(tmp_path, capsys):
+    """A ViT config.json is built as image classification (pixel values and class labels), not refused."""
+    pytest.importorskip("transformers")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"architectures": ["ViTForImageClassification"], "model_type": "vit", "hidden_size": 64,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+                               "image_size": 32, "patch_size": 8}))
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(cfg), "--cluster", "8xA100-80GB", "--json", str(out)]) == 0
+    assert [lp["name"] for lp in json.loads(out.read_text())["layers"]][-1] == "post"
+
+
+def test_a_config_transformers_rejects_gets_its_message_in_one_line(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(LLAMA_CFG, hidden_size=4096, num_attention_heads=30, num_key_value_heads=30)))
+    err = _error(["plan", str(cfg), "--cluster", "8xA100-80GB"], capsys)
+    assert "transformers rejects this config: The hidden size (4096) is not a multiple" in err
+    assert "Traceback" not in err

@@ -26,6 +26,7 @@ Structure every model follows, for capture and layer grouping:
 from __future__ import annotations
 
 import importlib
+import os
 
 import torch
 from torch import nn
@@ -143,4 +144,10 @@ def load(spec: str, device: str = "meta", overrides: dict | None = None):
         if not (isinstance(result, tuple) and len(result) == 2):
             raise ConfigError(f"model factory {spec!r} must return (model, example_inputs)")
         return result
+    if spec.endswith(".json") or os.sep in spec or os.path.isdir(spec):   # meant as a file, not a zoo name
+        if os.path.isdir(spec):
+            raise ConfigError(f"{spec!r}: no config.json in this directory; point MODEL at a transformers "
+                              "config.json, or its directory")
+        raise ConfigError(f"{spec!r}: no such file; MODEL is a zoo name ({', '.join(names()[:3])}, ...), a "
+                          "transformers config.json (or its directory) or package.module:factory")
     return build(spec, device=device, **(overrides or {}))

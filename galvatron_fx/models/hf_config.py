@@ -41,18 +41,30 @@ def load_config(path: str):
         raise ConfigError("a config.json MODEL needs the transformers package: pip install transformers") from None
     try:
         return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        msg = str(exc).splitlines()[0]
-        raise ConfigError(f"{path}: not a transformers config this transformers version reads ({msg})") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' validators raise their own classes
+        raise ConfigError(f"{path}: transformers rejects this config: {_reason(exc)}") from None
+
+
+def _reason(exc: BaseException) -> str:
+    """transformers' own message in one line: the innermost cause's last non-empty line."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:300]
 
 
 def model_class(config):
-    """The ``AutoModelFor...`` class that trains ``config`` with a loss from ``labels``."""
+    """The ``AutoModelFor...`` class that trains ``config`` with a loss from ``labels``: seq2seq for
+    encoder-decoders, masked LM for encoder-only text models, image classification for vision
+    encoders, else causal LM."""
     import transformers
 
     if getattr(config, "is_encoder_decoder", False):
         return transformers.AutoModelForSeq2SeqLM
     archs = " ".join(getattr(config, "architectures", None) or [])
+    if "ImageClassification" in archs or (not archs and hasattr(config, "image_size") and hasattr(config, "patch_size")
+                                           and not hasattr(config, "vocab_size")):
+        return transformers.AutoModelForImageClassification
     if "MaskedLM" in archs or (not archs and getattr(config, "model_type", "") in ("bert", "roberta", "distilbert")):
         return transformers.AutoModelForMaskedLM
     return transformers.AutoModelForCausalLM
@@ -87,9 +99,18 @@ def from_config(spec: str, device: str = "meta", seq_len: int | None = None, bat
         raise ConfigError(f"--seq-len {seq} exceeds the config's max_position_embeddings={limit}")
     cls = model_class(config)
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = _build(cls, config)
-    vocab = int(config.vocab_size)
+    try:
+        with torch.device(device):
+            model = _build(cls, config)
+    except ValueError as exc:   # no such model class for this config
+        raise ConfigError(f"{path}: cannot build a model for model_type {getattr(config, 'model_type', '?')!r} "
+                          f"with {cls.__name__}: {_reason(exc)[:200]}") from None
     g = torch.Generator().manual_seed(seed + 1)
+    if cls.__name__ == "AutoModelForImageClassification":
+        size, channels = int(config.image_size), int(getattr(config, "num_channels", 3))
+        pixels = torch.randn(batch, channels, size, size, generator=g).to(device)
+        labels = torch.randint(0, int(config.num_labels), (batch,), generator=g).to(device)
+        return model, {"pixel_values": pixels, "labels": labels}
+    vocab = int(config.vocab_size)
     ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
     return model, {"input_ids": ids, "labels": ids}
