@@ -26,7 +26,9 @@ class Schedule:
     ``v_shape``: rank ``r`` runs chunks ``r`` and ``2p - 1 - r`` (else chunk ``c`` on rank ``c % p``);
     ``split_backward``: the backward runs as an input-gradient pass and a later weight-gradient pass
     (zero bubble); ``min_stages``: the pipeline ranks it needs; ``searched``: the search tries it
-    unpinned (GPipe only when pinned: the same time as 1F1B under the cost model, never less memory).
+    unpinned (GPipe only when pinned: the same time as 1F1B under the cost model, never less memory);
+    ``microbatches_cover_stages``: torch's class needs at least as many micro-batches as stages
+    (``pp * v``) in a pipeline.
     """
 
     name: str
@@ -37,6 +39,7 @@ class Schedule:
     split_backward: bool = False
     min_stages: int = 1
     searched: bool = True
+    microbatches_cover_stages: bool = False
 
     @property
     def single_chunk(self) -> bool:
@@ -51,12 +54,13 @@ class Schedule:
 
 SCHEDULE: dict[str, Schedule] = {s.name: s for s in (
     Schedule("gpipe", "ScheduleGPipe", searched=False),
-    Schedule("1f1b", "Schedule1F1B"),
+    Schedule("1f1b", "Schedule1F1B", microbatches_cover_stages=True),
     Schedule("interleaved-1f1b", "ScheduleInterleaved1F1B", chunks_per_rank=None, min_searched_chunks=2),
     Schedule("interleaved-zb", "ScheduleInterleavedZeroBubble", chunks_per_rank=None, split_backward=True,
              min_stages=2),
     Schedule("zbv", "ScheduleZBVZeroBubble", chunks_per_rank=2, v_shape=True, split_backward=True, min_stages=2),
-    Schedule("dualpipev", "ScheduleDualPipeV", chunks_per_rank=2, v_shape=True, split_backward=True, min_stages=2),
+    Schedule("dualpipev", "ScheduleDualPipeV", chunks_per_rank=2, v_shape=True, split_backward=True, min_stages=2,
+             microbatches_cover_stages=True),
 )}
 """Every schedule a plan may name (the plan JSON's ``schedule``), by name."""
 

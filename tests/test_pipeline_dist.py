@@ -300,8 +300,9 @@ def _errors(rank, world_size):
     model, args = gfx.models.build("t5-large-32", device="cpu", **T5)
     gm = gfx.capture(model, args, method="fx")
     seen = []
-    bad = [gfx.Plan.uniform(gm, world_size * 2, pp=2, tp=1, dp=world_size, global_batch_size=8),
-           gfx.Plan.uniform(gm, world_size, pp=2, tp=2, dp=1, global_batch_size=8)]
+    bad = [gfx.Plan.uniform(gm, world_size * 2, pp=2, tp=1, dp=world_size, global_batch_size=8,
+                            micro_batches=2),
+           gfx.Plan.uniform(gm, world_size, pp=2, tp=2, dp=1, global_batch_size=8, micro_batches=2)]
     for plan in bad:
         try:
             gfx.transform(gm, plan=plan)

@@ -78,7 +78,10 @@ def test_plan_rules_name_the_fix():
         check_schedule("zbv", 2, 3, 4)
     with pytest.raises(ConfigError, match="pp >= 2"):
         check_schedule("interleaved-1f1b", 1, 2, 4)
-    with pytest.raises(ConfigError, match="2 \\* pp"):
+    with pytest.raises(ConfigError, match="or schedule='gpipe'"):   # torch's Schedule1F1B needs m >= pp
+        check_schedule("1f1b", 2, 1, 1)
+    check_schedule("gpipe", 2, 1, 1)
+    with pytest.raises(ConfigError, match="micro_batches >= pp \\* virtual_stages = 8"):
         check_schedule("dualpipev", 4, 2, 4)
     with pytest.raises(ConfigError, match="needs pp >= 2"):
         check_schedule("interleaved-zb", 1, 1, 4)

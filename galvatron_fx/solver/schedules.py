@@ -65,8 +65,11 @@ def check_schedule(schedule: str, pp: int, virtual_stages: int, micro_batches: i
             raise ConfigError(f"schedule {schedule!r} with pp={pp} runs micro-batches in rounds of "
                               f"{micro_batches // rounds}: micro_batches={micro_batches} must be a multiple of "
                               f"{rounds} rounds; use one of {ok[:8]}")
-    if schedule == "dualpipev" and micro_batches < 2 * pp:
-        raise ConfigError(f"schedule 'dualpipev' needs micro_batches >= 2 * pp = {2 * pp}, got {micro_batches}")
+    if sch.microbatches_cover_stages and pp > 1 and micro_batches < pp * v:
+        other = " (or schedule='gpipe')" if sch.single_chunk else ""
+        raise ConfigError(f"schedule {schedule!r} needs at least as many micro-batches as pipeline stages: "
+                          f"micro_batches >= pp * virtual_stages = {pp * v}, got {micro_batches}; raise "
+                          f"micro_batches{other}")
 
 
 def chunk_rank(schedule: str, chunk: int, pp: int) -> int:
