@@ -105,12 +105,39 @@ def _print_tp_details(report, every: bool) -> None:
             print(f"    replicated  {fqn}: {why}")
 
 
+PLAN_SEQ_CAP = 8192
+"""Longest context a transformers config plans at by default (longer ones say so and take
+``--seq-len`` to go beyond): the pre-training length of today's long-context models."""
+
+
+def _config_seq_len(spec: str, given: int | None) -> tuple[int | None, str]:
+    """``(sequence length, where it came from)`` for a transformers config MODEL: ``--seq-len``, or
+    the config's own context length (``max_position_embeddings`` / ``n_positions``) up to
+    :data:`PLAN_SEQ_CAP`."""
+    from .models.hf_config import load_config
+
+    if given:
+        return given, "--seq-len"
+    cfg = load_config(config_path(spec))
+    limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    if not limit:
+        return None, "the zoo default (the config names no context length)"
+    if limit > PLAN_SEQ_CAP:
+        return PLAN_SEQ_CAP, (f"capped from the config's {limit} positions; --seq-len {limit} plans at the full "
+                              "context")
+    return int(limit), "the config's context length"
+
+
 def _capture_for_planning(args: argparse.Namespace, keep: list | None = None):
     overrides = parse_overrides(args.set, args.seq_len)
     method = args.method
     if config_path(args.model):
         overrides.setdefault("batch", 2)   # NOTE: the plan's global batch is separate; meta costs nothing
         method = method or "dynamo"        # NOTE: transformers models do not trace with fx
+        seq, source = _config_seq_len(args.model, args.seq_len)
+        if seq:
+            overrides["seq_len"] = seq
+        args.seq_note = f"seq_len {seq or '?'} ({source})"
     model, example_args = models.load(args.model, device="meta", overrides=overrides)
     if keep is not None:
         keep.append(model)   # the captured graph holds it weakly; measuring initialises from it
@@ -195,6 +222,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     progress(f"search took {time.perf_counter() - t0:.2f}s")
     _calibrate(args, plan.extra.get("measure"))
+    from .sharding.sequence import sequence_length
+
+    seq = sequence_length(gm)
+    if seq:
+        plan.extra["seq_len"] = int(seq)
+    assumed = [getattr(args, "seq_note", None) or (f"seq_len {seq}" if seq else None),
+               f"global batch {plan.global_batch_size} ({'given' if args.global_batch_size else 'searched'})",
+               f"precision {plan.precision} ({'given' if args.precision or args.dtype else 'the cluster default'})",
+               f"memory budget {args.memory_budget or 'the device memory'}"]
+    print("assumed: " + "; ".join(a for a in assumed if a))
     print(plan.explain())
     for line in measured_lines(plan.extra.get("measured", [])):
         print(f"  {line}")
@@ -227,7 +264,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _pipeline_constraints(args: argparse.Namespace) -> dict:
     """Search constraints from ``--pp`` / ``--schedule`` / ``--virtual-stages`` / ``--ep`` / ``--cp`` /
     ``--cp-kind`` (those given)."""
-    out = {k: getattr(args, k) for k in ("pp", "schedule", "virtual_stages") if getattr(args, k, None) is not None}
+    out = {k: getattr(args, k) for k in ("pp", "schedule", "virtual_stages", "micro_batches")
+           if getattr(args, k, None) is not None}
+    if getattr(args, "ckpt", None) is not None:   # --ckpt: every layer; --no-ckpt: none
+        out["ckpt"] = "all" if args.ckpt else False
     for key, example in (("ep", "4 or 1,2,4,8"), ("cp", "4 or 1,2,4,8")):
         if getattr(args, key, None):
             try:
@@ -254,6 +294,10 @@ def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
                    help="pin the pipeline schedule (default: search all but gpipe)")
     p.add_argument("--virtual-stages", type=int, metavar="V",
                    help="pin the chunks per pipeline rank (interleaved schedules; default: searched)")
+    p.add_argument("--micro-batches", type=_positive_int, metavar="N",
+                   help="pin the micro-batches per step (default: searched)")
+    p.add_argument("--ckpt", action=argparse.BooleanOptionalAction, default=None,
+                   help="--ckpt: checkpoint every layer; --no-ckpt: none (default: searched per layer)")
     p.add_argument("--ep", metavar="N[,N...]",
                    help="expert-parallel degrees the MoE layers may take (e.g. 8, or 1,2,4,8; default: searched)")
     p.add_argument("--cp", metavar="N[,N...]",

@@ -169,3 +169,21 @@ def test_a_config_transformers_rejects_gets_its_message_in_one_line(tmp_path, ca
     err = _error(["plan", str(cfg), "--cluster", "8xA100-80GB"], capsys)
     assert "transformers rejects this config: The hidden size (4096) is not a multiple" in err
     assert "Traceback" not in err
+
+
+def test_a_config_plans_at_its_context_length_and_says_what_it_assumed(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA_CFG))   # max_position_embeddings 512
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(cfg), "--cluster", "8xA100-80GB", "--global-batch-size", "16", "--micro-batches", "2",
+                 "--ckpt", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "assumed: seq_len 512 (the config's context length); global batch 16 (given)" in text
+    plan = json.loads(out.read_text())
+    assert plan["seq_len"] == 512 and plan["micro_batches"] == 2 and all(lp["ckpt"] for lp in plan["layers"])
+    assert main(["plan", str(cfg), "--cluster", "8xA100-80GB", "--global-batch-size", "16", "--seq-len", "64",
+                 "--no-ckpt", "--json", str(out)]) == 0
+    assert "seq_len 64 (--seq-len)" in capsys.readouterr().out
+    plan = json.loads(out.read_text())
+    assert plan["seq_len"] == 64 and not any(lp["ckpt"] for lp in plan["layers"])
