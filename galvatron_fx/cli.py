@@ -240,16 +240,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         progress("estimating baselines")
         base = baselines(gm, cluster, budget, plan.global_batch_size, **cost)
         ups = speedups(plan, base)
-        print(f"\nbaselines (same cost model, global batch {plan.global_batch_size}):")
-        print(f"  {'strategy':<10} {'samples/s':>12} {'peak memory':>12}  galvatron_fx speedup")
-        for name, est in base.items():
-            if est == "oom":
-                print(f"  {name:<10} {'oom':>12} {'-':>12}  -")
-            else:
-                print(f"  {name:<10} {est['throughput_samples_s']:>12.3f} "
-                      f"{max(est['memory_bytes_per_device']) / 2**30:>11.2f}G  {ups[name]:.2f}x")
-        print(f"  {'searched':<10} {plan.estimate['throughput_samples_s']:>12.3f} "
-              f"{max(plan.estimate['memory_bytes_per_device']) / 2**30:>11.2f}G")
+        _print_baselines(plan, base, ups)
         data["baselines"] = base
         data["speedups"] = ups  # searched throughput / each baseline's (null where it is oom)
     if args.json:
@@ -316,12 +307,31 @@ def _maybe_plot(plan, path: str | None) -> None:
         progress(f"wrote {plot_plan(plan, path)}")
 
 
+def _print_baselines(plan, base: dict, ups: dict) -> None:
+    """The baselines' estimates beside the searched plan's (``plan --baselines``, ``show``)."""
+    print(f"\nbaselines (same cost model, global batch {plan.global_batch_size}):")
+    print(f"  {'strategy':<10} {'samples/s':>12} {'peak memory':>12}  galvatron_fx speedup")
+    for name, est in base.items():
+        if est == "oom":
+            print(f"  {name:<10} {'oom':>12} {'-':>12}  -")
+        else:
+            up = ups.get(name)
+            print(f"  {name:<10} {est['throughput_samples_s']:>12.3f} "
+                  f"{max(est['memory_bytes_per_device']) / 2**30:>11.2f}G  {f'{up:.2f}x' if up else '-'}")
+    print(f"  {'searched':<10} {plan.estimate['throughput_samples_s']:>12.3f} "
+          f"{max(plan.estimate['memory_bytes_per_device']) / 2**30:>11.2f}G")
+
+
 def cmd_show(args: argparse.Namespace) -> int:
-    """Print a saved plan as a table."""
+    """Print a saved plan as a table, and the baselines stored with it."""
     from .plan import Plan
 
     plan = Plan.load(args.plan)
     print(plan.explain())
+    with open(args.plan) as f:
+        stored = json.load(f)
+    if isinstance(stored.get("baselines"), dict):
+        _print_baselines(plan, stored["baselines"], stored.get("speedups") or {})
     _maybe_plot(plan, args.plot)
     return 0
 
@@ -477,7 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="search a parallel plan for a model on a cluster",
                        description="Search the best hybrid-parallel plan for MODEL (built on the meta device: "
-                                   "no weight memory) on CLUSTER under a per-device memory budget.")
+                                   "no weight memory) on CLUSTER under a per-device memory budget. MODEL is a "
+                                   "transformers config.json (or its directory), a zoo name ("
+                                   + ", ".join(models.names()) + ") or package.module:factory.")
     p.add_argument("model", metavar="MODEL")
     p.add_argument("--cluster", required=True, help="preset (e.g. 8xA100-80GB, 2x8xH100-80GB) or cluster JSON")
     p.add_argument("--memory-budget", help="per-device budget, e.g. 16GiB (default: the device memory)")

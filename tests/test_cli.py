@@ -187,3 +187,13 @@ def test_a_config_plans_at_its_context_length_and_says_what_it_assumed(tmp_path,
     assert "seq_len 64 (--seq-len)" in capsys.readouterr().out
     plan = json.loads(out.read_text())
     assert plan["seq_len"] == 64 and not any(lp["ckpt"] for lp in plan["layers"])
+
+
+def test_show_prints_the_stored_baselines(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "gpt-tiny", *TINY, "--cluster", "4xA100-80GB", "--global-batch-size", "8", "--baselines",
+                 "--json", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["show", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "baselines (same cost model, global batch 8)" in text and "megatron" in text and "searched" in text
