@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch.fx
 
 from .errors import ConfigError
-from .ir import META_KEY, GraphInfo, graph_batch_size
-from .parallelize import DEFAULT_BUCKET_BYTES
+from .ir import graph_batch_size
+from .parallelize import DEFAULT_BUCKET_BYTES, check_transformable
 from .parallelize import transform as build
 from .plan import Plan
 from .planner import _as_graph, broadcast_plan, resolve_cluster
@@ -77,14 +77,7 @@ def transform(gm: torch.fx.GraphModule, plan: Plan | None = None, loss_fn=None, 
     (:func:`search_on_rank0`, with ``search_options``: the cluster profiled from the live world
     unless they name one; the global batch the captured one) and every rank runs it."""
     if plan is None:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ConfigError("gfx.transform needs torch.distributed: call dist.init_process_group() (or "
-                              "galvatron_fx.distributed.init_distributed() under torchrun) first")
-        info = gm.meta.get(META_KEY)
-        if not isinstance(info, GraphInfo) or not info.layers:
-            raise ConfigError("gfx.transform needs a graph from gfx.capture() (with its layer records)")
+        check_transformable(gm)
         search_options.setdefault("global_batch_size", graph_batch_size(gm))
         plan = search_on_rank0(gm, **search_options)
     elif search_options:

@@ -99,6 +99,18 @@ def parallelize_passes(ctx: ParallelContext, bind: dict | None = None) -> list[G
     return passes
 
 
+def check_transformable(gm: torch.fx.GraphModule) -> GraphInfo:
+    """The graph's layer records, once torch.distributed is up and ``gm`` came from ``gfx.capture``;
+    :class:`ConfigError` naming the fix otherwise."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("gfx.transform needs torch.distributed: call dist.init_process_group() (or "
+                          "galvatron_fx.distributed.init_distributed() under torchrun) first")
+    info = gm.meta.get(META_KEY)
+    if not isinstance(info, GraphInfo) or not info.layers:
+        raise ConfigError("gfx.transform needs a graph from gfx.capture() (with its layer records)")
+    return info
+
+
 def transform(gm: torch.fx.GraphModule, plan: Plan, loss_fn=None, *,
               bucket_bytes: int = DEFAULT_BUCKET_BYTES, bind: dict | None = None,
               reduce_dtype: str | None = None) -> DistributedModel | PipelineModel:
@@ -121,12 +133,7 @@ def transform(gm: torch.fx.GraphModule, plan: Plan, loss_fn=None, *,
         ConfigError: torch.distributed not initialised, or a graph without layer records.
         PlanMismatchError: the plan does not match the world size or the model.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ConfigError("gfx.transform needs torch.distributed: call dist.init_process_group() (or "
-                          "galvatron_fx.distributed.init_distributed() under torchrun) first")
-    info = gm.meta.get(META_KEY)
-    if not isinstance(info, GraphInfo) or not info.layers:
-        raise ConfigError("gfx.transform needs a graph from gfx.capture() (with its layer records)")
+    info = check_transformable(gm)
     if not isinstance(plan, Plan):
         raise ConfigError(f"transform builds a given plan, got {type(plan).__name__}; gfx.transform(gm) "
                           "(galvatron_fx.api.transform) searches one first")
