@@ -310,14 +310,15 @@ def _maybe_plot(plan, path: str | None) -> None:
 def _print_baselines(plan, base: dict, ups: dict) -> None:
     """The baselines' estimates beside the searched plan's (``plan --baselines``, ``show``)."""
     print(f"\nbaselines (same cost model, global batch {plan.global_batch_size}):")
-    print(f"  {'strategy':<10} {'samples/s':>12} {'peak memory':>12}  galvatron_fx speedup")
+    print(f"  {'strategy':<10} {'samples/s':>12} {'peak memory':>12}  {'speedup':>7}  configuration")
     for name, est in base.items():
         if est == "oom":
-            print(f"  {name:<10} {'oom':>12} {'-':>12}  -")
+            print(f"  {name:<10} {'oom':>12} {'-':>12}  {'-':>7}")
         else:
             up = ups.get(name)
             print(f"  {name:<10} {est['throughput_samples_s']:>12.3f} "
-                  f"{max(est['memory_bytes_per_device']) / 2**30:>11.2f}G  {f'{up:.2f}x' if up else '-'}")
+                  f"{max(est['memory_bytes_per_device']) / 2**30:>11.2f}G  {f'{up:.2f}x' if up else '-':>7}  "
+                  f"{est.get('config', '')}")
     print(f"  {'searched':<10} {plan.estimate['throughput_samples_s']:>12.3f} "
           f"{max(plan.estimate['memory_bytes_per_device']) / 2**30:>11.2f}G")
 

@@ -424,14 +424,21 @@ BASELINES: dict[str, dict[str, Any]] = {
     "3d": {"uniform": True, "sdp": ["none"], "ckpt": False, "sp": False, "schedule": "1f1b"},
     "dp+tp": {"pp": 1, "sdp": ["none"], "ckpt": False, "sp": False, "micro_batches": 1},
     "dp+pp": {"tp": 1, "sdp": ["none"], "ckpt": False, "sp": False, "schedule": "1f1b"},
-    "megatron": {"uniform": True, "sdp": ["none"], "ckpt": "all", "schedule": "1f1b", "max_micro_batch_size": 8},
+    "megatron": {"uniform": True, "sdp": ["none", "zero2"], "allow_cross_node_tp": False,
+                 "schedule": ["1f1b", "interleaved-1f1b"], "max_micro_batch_size": 8},
+    "fsdp": {"uniform": True, "pp": 1, "tp": 1, "sdp": ["zero3"]},
+    "fsdp+tp": {"uniform": True, "pp": 1, "sdp": ["zero3"], "allow_cross_node_tp": False},
 }
-"""Baseline name -> search constraints. ``tp``: TP over a whole node (or the world, if smaller) then
-DP; ``pp``: one stage per device (or per layer), GPipe; ``3d``: the best uniform DP x TP x PP grid;
-``dp+tp`` / ``dp+pp``: the paper's limited Galvatron variants (per-layer search in two dimensions);
-``megatron``: the best Megatron-LM-style configuration, a uniform TP (within a node) x PP x DP grid
-with full activation recomputation, SP on or off, 1F1B and 1 to 8 samples per device per
-micro-batch (layers split evenly over the stages). None uses context parallelism (``cp = 1``)."""
+"""Baseline name -> search constraints. The Galvatron paper's limited strategies, each pinned as the
+paper runs it (one micro-batch, no recomputation, no SP unless named): ``dp``, ``zero3``; ``tp``:
+TP over a whole node (or the world, if smaller) then DP; ``pp``: one stage per device (or per
+layer), GPipe; ``3d``: the best uniform DP x TP x PP grid, 1F1B; ``dp+tp`` / ``dp+pp``: per-layer
+search in two dimensions. What practitioners run, each searched over its own knobs (micro-batches
+for gradient accumulation, recomputation on or off, SP where TP is on): ``fsdp``: ZeRO-3 over every
+device, torchtitan's 1D; ``fsdp+tp``: TP inside the node, ZeRO-3 across, torchtitan's 2D;
+``megatron``: Megatron-LM's uniform TP (within a node) x PP x DP with the distributed optimizer
+(ZeRO-2 over DP) or without, 1F1B or interleaved 1F1B, 1 to 8 samples per device per micro-batch.
+None uses context parallelism (``cp = 1``)."""
 for _cons in BASELINES.values():   # NOTE: the paper's limited strategies: no context parallelism
     _cons["cp"] = 1
 
@@ -447,11 +454,29 @@ def baselines(gm: torch.fx.GraphModule, cluster=None, memory_budget=None, global
     for name in names or list(BASELINES):
         cons = {**baseline_constraints(name, gm, cluster, world), **(constraints or {})}
         try:
-            out[name] = search(gm, cluster, memory_budget, global_batch_size, constraints=cons,
-                               world_size=world, **cost_options).estimate
+            plan = search(gm, cluster, memory_budget, global_batch_size, constraints=cons, world_size=world,
+                          **cost_options)
         except InfeasibleError:
             out[name] = "oom"
+            continue
+        out[name] = dict(plan.estimate, config=plan_config(plan))
     return out
+
+
+def plan_config(plan: Plan) -> str:
+    """A plan's configuration in one line: ``tp2·dp4·zero3·sp·ckpt pp2 1f1b m4 v2`` (a uniform
+    plan's one strategy, else its strategies' count; ``v`` virtual stages when interleaved)."""
+    kinds = {(lp.tp, lp.dp, lp.sdp, lp.sp, lp.ckpt) for lp in plan.layers}
+    if len(kinds) == 1:
+        tp, dp, sdp, sp, ckpt = kinds.pop()
+        layer = f"tp{tp}·dp{dp}" + (f"·{sdp}" if sdp != "none" else "") + ("·sp" if sp else "") \
+            + ("·ckpt" if ckpt else "")
+    else:
+        layer = f"{len(kinds)} strategies"
+    if plan.pp == 1:   # one stage: no schedule, the micro-batches are gradient accumulation
+        return f"{layer} pp1 m{plan.micro_batches}"
+    v = f" v{plan.virtual_stages}" if plan.virtual_stages > 1 else ""
+    return f"{layer} pp{plan.pp} {plan.schedule} m{plan.micro_batches}{v}"
 
 
 def baseline_constraints(name: str, gm: torch.fx.GraphModule, cluster: Cluster, world: int) -> dict:

@@ -28,7 +28,7 @@ def test_plan_with_baselines_writes_a_loadable_plan(capsys, tmp_path):
     assert "baselines" in out and "searched" in out and "zero3" in out
     plan = Plan.load(path)
     assert plan.world_size == 4 and plan.global_batch_size == 16
-    assert set(plan.extra["baselines"]) == {"dp", "zero3", "tp", "pp", "3d", "dp+tp", "dp+pp", "megatron"}
+    assert set(plan.extra["baselines"]) == {"dp", "zero3", "tp", "pp", "3d", "dp+tp", "dp+pp", "megatron", "fsdp", "fsdp+tp"}
     assert "megatron" in out
     ups = plan.extra["speedups"]
     for name, est in plan.extra["baselines"].items():

@@ -93,7 +93,7 @@ class SearchOptions:
 
     pp: int | None = None
     micro_batches: int | None = None
-    schedule: str | None = None
+    schedule: str | list[str] | None = None   # a list: those schedules only
     virtual_stages: int | None = None
     global_batch_size: int | None = None
     space: dict = field(default_factory=dict)
@@ -202,7 +202,8 @@ class Engine:
         else:
             pps = [p for p in divisors(self.N) if p <= self.L]
         gbss = [o.global_batch_size] if o.global_batch_size else free_batch_sizes(self.N, o.max_global_batch_size)
-        schedules = [o.schedule] if o.schedule else SEARCHED_SCHEDULES
+        schedules = ([o.schedule] if isinstance(o.schedule, str) else list(o.schedule)) if o.schedule \
+            else SEARCHED_SCHEDULES
         out = []
         for gbs in gbss:
             for p in pps:
