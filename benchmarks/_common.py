@@ -48,3 +48,17 @@ def train_stepper(dm, opt, batches):
         opt.step()
         k[0] += 1
     return step
+
+
+def practitioner(gm, cluster, global_batch_size: int, precision: str) -> dict:
+    """The best of the baselines practitioners run (``planner.PRACTITIONER_BASELINES``: Megatron-LM,
+    FSDP, FSDP + TP, each searched over its own knobs) at this batch: ``{"practitioner": samples/s,
+    "practitioner_plan": "name: configuration"}``, or ``{"practitioner_error": ...}`` when none fits."""
+    from galvatron_fx.planner import PRACTITIONER_BASELINES, baselines
+
+    base = baselines(gm, cluster, None, global_batch_size, names=list(PRACTITIONER_BASELINES), precision=precision)
+    fits = {k: v for k, v in base.items() if v != "oom"}
+    if not fits:
+        return {"practitioner_error": "no practitioner baseline fits"}
+    name = max(fits, key=lambda k: fits[k]["throughput_samples_s"])
+    return {"practitioner": fits[name]["throughput_samples_s"], "practitioner_plan": f"{name}: {fits[name]['config']}"}

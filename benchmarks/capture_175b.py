@@ -1,7 +1,7 @@
 """Capture gpt3-175b built on the meta device with each front end: wall time and peak memory.
 
 Each method runs in a fresh process so its peak resident memory (which includes importing torch)
-is its own. Target (issue 2): < 30 s and < 2 GB per capture.
+is its own. Target: < 30 s and < 2 GB per capture.
 
     python benchmarks/capture_175b.py [--model gpt3-175b] [--methods fx dynamo export] [--json out.json]
 """

@@ -43,7 +43,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import parser, print_table, train_stepper, write_json  # noqa: E402
+from _common import parser, practitioner, print_table, train_stepper, write_json  # noqa: E402
 from _dist import interleaved, profiled_cluster, rel_err, spawn, uniform  # noqa: E402
 
 GBS = 8
@@ -150,7 +150,8 @@ def one_case(gm, key: str, seq: int, preset: str) -> dict:
     tplan, test = torchtitan(gm, cluster, plan.precision)
     if tplan is not None:
         row["torchtitan"], row["torchtitan_plan"] = test["throughput_samples_s"], label(tplan)
-    for k in ("cp1", "torchtitan"):
+    row.update(practitioner(gm, cluster, GBS, plan.precision))
+    for k in ("cp1", "torchtitan", "practitioner"):
         if k in row:
             row[f"speedup_vs_{k}"] = row["searched"] / row[k]
     return row
@@ -196,7 +197,9 @@ def table(rows: list[dict]) -> None:
     for r in rows:
         if "searched" in r:
             print(f"  {NAMES[r['model']]} {r['seq'] // 1024}k {r['cluster']}: searched [{r['searched_plan']}]; "
-                  f"cp=1 [{r.get('cp1_plan', '-')}]; torchtitan [{r.get('torchtitan_plan', '-')}]")
+                  f"cp=1 [{r.get('cp1_plan', '-')}]; torchtitan [{r.get('torchtitan_plan', '-')}]; best practitioner "
+                  f"without CP [{r.get('practitioner_plan', r.get('practitioner_error', '-'))}]"
+                  + (f" (searched / it {r['speedup_vs_practitioner']:.3f})" if "speedup_vs_practitioner" in r else ""))
 
 
 # ------------------------------------------------------------------------------ measured part
@@ -307,6 +310,11 @@ def main() -> None:
                                                   if "speedup_vs_torchtitan" in r]),
         "cases_below_cp1_or_torchtitan": sum(min(r.get("speedup_vs_cp1", 1), r.get("speedup_vs_torchtitan", 1))
                                              < 1 - 1e-9 for r in ok),
+        "geomean_speedup_vs_practitioner": geomean([r["speedup_vs_practitioner"] for r in ok
+                                                    if "speedup_vs_practitioner" in r]),
+        "min_speedup_vs_practitioner": min((r["speedup_vs_practitioner"] for r in ok
+                                            if "speedup_vs_practitioner" in r), default=None),
+        "cases_practitioner_no_plan": sum("practitioner_error" in r for r in ok),
         "search_s_max": max((r["search_s"] for r in ok), default=None),
         "layers_cap": args.layers})
     for k in MEASURED if meas else ():

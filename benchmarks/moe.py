@@ -30,7 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import parser, print_table, train_stepper, write_json  # noqa: E402
+from _common import parser, practitioner, print_table, train_stepper, write_json  # noqa: E402
 from _dist import interleaved, profiled_cluster, rel_err, spawn, uniform  # noqa: E402
 
 SEQ, GBS = 4096, 64
@@ -150,7 +150,8 @@ def searched(models: list[str], clusters: list[str], layers: int | None) -> list
             mplan, mest = megatron(gm, cluster, experts, plan.precision)
             if mplan is not None:
                 row["megatron"], row["megatron_plan"] = mest["throughput_samples_s"], label(mplan)
-            for k in ("ep1", "megatron"):
+            row.update(practitioner(gm, cluster, GBS, plan.precision))
+            for k in ("ep1", "megatron", "practitioner"):
                 if k in row:
                     row[f"speedup_vs_{k}"] = row["searched"] / row[k]
             rows.append(row)
@@ -177,7 +178,9 @@ def table(rows: list[dict]) -> None:
     for r in rows:
         if "searched" in r:
             print(f"  {NAMES[r['model']]} {r['cluster']}: searched [{r['searched_plan']}]; ep=1 "
-                  f"[{r.get('ep1_plan', '-')}]; Megatron-EP [{r.get('megatron_plan', '-')}]")
+                  f"[{r.get('ep1_plan', '-')}]; Megatron-EP [{r.get('megatron_plan', '-')}]; best practitioner "
+                  f"[{r.get('practitioner_plan', r.get('practitioner_error', '-'))}] "
+                  f"{_ratio(r, 'speedup_vs_practitioner')}")
 
 
 # ------------------------------------------------------------------------------ part 2: measured
@@ -226,6 +229,10 @@ def measured(steps: int) -> dict:
     return res
 
 
+def _ratio(r: dict, key: str) -> str:
+    return f"(searched / it {r[key]:.3f})" if key in r else ""
+
+
 def geomean(xs: list[float]) -> float | None:
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
@@ -253,6 +260,10 @@ def main() -> None:
         "geomean_speedup_vs_megatron_ep": geomean([r["speedup_vs_megatron"] for r in ok if "speedup_vs_megatron" in r]),
         "cases_below_ep1_or_megatron": sum(min(r.get("speedup_vs_ep1", 1), r.get("speedup_vs_megatron", 1)) < 1 - 1e-9
                                            for r in ok),
+        "geomean_speedup_vs_practitioner": geomean([r["speedup_vs_practitioner"] for r in ok
+                                                    if "speedup_vs_practitioner" in r]),
+        "min_speedup_vs_practitioner": min((r["speedup_vs_practitioner"] for r in ok
+                                            if "speedup_vs_practitioner" in r), default=None),
         "search_s_max": max((r["search_s"] for r in ok), default=None),
         "layers_cap": args.layers})
     for k in ("dp2", "dp2 ep2 allgather", "dp2 ep2 alltoall"):

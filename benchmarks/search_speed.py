@@ -2,7 +2,7 @@
 
 Then a scaling sweep: search time vs layers (24..192) and vs devices (8..1024).
 
-Reference cases (issues 4 and 15): bert-huge-32 on 8xRTX-TITAN-24GB (fp32, as in the paper),
+Reference cases: bert-huge-32 on 8xRTX-TITAN-24GB (fp32, as in the paper),
 llama-70b on 8x8xH100-80GB and gpt3-175b on 128x8xA100-80GB (bf16-mixed), with the whole exact
 space (every pp / micro-batch divisor, checkpointing, SP, ZeRO). Targets: search <= 1 s for <= 64
 devices, <= 5 s for 1024 devices, on one core. ``--json`` writes a top-level ``summary``: the median

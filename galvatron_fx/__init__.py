@@ -1,6 +1,6 @@
 """galvatron_fx: automatic hybrid parallelism for PyTorch training, as a torch.fx compiler.
 
-Public API (README.md)::
+Public API (README.md, docs/)::
 
     gm = gfx.capture(model, example_args, method="dynamo")       # annotated torch.fx.GraphModule
     gfx.layers(gm)                                                # ordered layer records

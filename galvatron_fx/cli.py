@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -180,6 +181,30 @@ def _check_output(path: str | None, flag: str) -> None:
         raise ConfigError(f"{flag} {path}: directory {folder} is not writable")
 
 
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _check_degrees(args: argparse.Namespace, world: int, where: str) -> None:
+    """Pinned degrees that cannot split ``world`` devices, and ``--ep`` on a transformers config
+    without experts, refused by name before the capture."""
+    from .solver.engine import divisors
+
+    cons = _pipeline_constraints(args)
+    ok = ", ".join(map(str, divisors(world)))
+    for key, what in (("pp", "pipeline"), ("ep", "expert-parallel"), ("cp", "context-parallel")):
+        values = cons.get(key)
+        for v in values if isinstance(values, list) else [values] if values else []:
+            if v < 1 or world % v:
+                raise ConfigError(f"--{key} {getattr(args, key)}: a {what} degree must divide the {world} devices of "
+                                  f"{where}; use one of {ok}")
+    if any(e > 1 for e in cons.get("ep", [])) and config_path(args.model):
+        from .models.hf_config import load_config
+
+        cfg = load_config(config_path(args.model))
+        if not any(getattr(cfg, k, None) for k in _EXPERT_KEYS):
+            raise ConfigError(f"--ep {args.ep}: {args.model} is a dense model (its config names no experts); drop --ep")
+
+
 def _check_applies(args: argparse.Namespace, gm) -> None:
     """Refuse, by name, a dimension pinned on a model where it cannot apply (before the search)."""
     from .sharding.experts import expert_layers
@@ -200,6 +225,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     budget = _budget(args.memory_budget, cluster) if args.memory_budget else cluster.device_memory
     _check_output(args.json, "--json")
     _check_output(getattr(args, "plot", None), "--plot")
+    _check_degrees(args, cluster.world_size, cluster.name)
     keep: list = []
     gm = _capture_for_planning(args, keep)
     _check_applies(args, gm)
@@ -280,10 +306,10 @@ def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
     from .planner import CP_MIN_SEQ
     from .solver.schedules import SCHEDULES
 
-    p.add_argument("--pp", type=int, metavar="N", help="pin the pipeline degree of the search")
+    p.add_argument("--pp", type=_positive_int, metavar="N", help="pin the pipeline degree of the search")
     p.add_argument("--schedule", choices=list(SCHEDULES),
                    help="pin the pipeline schedule (default: search all but gpipe)")
-    p.add_argument("--virtual-stages", type=int, metavar="V",
+    p.add_argument("--virtual-stages", type=_positive_int, metavar="V",
                    help="pin the chunks per pipeline rank (interleaved schedules; default: searched)")
     p.add_argument("--micro-batches", type=_positive_int, metavar="N",
                    help="pin the micro-batches per step (default: searched)")
@@ -344,8 +370,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     if "RANK" in os.environ:
         init_distributed()
-    if args.repeats < 1:
-        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
     if "RANK" in os.environ:   # and the torch.compile door's own cost per step (a world of one has none)
         from .backend.door import profile_with_door
 
@@ -363,16 +387,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     transformers config with ``--data FILE`` trains on that text (:mod:`galvatron_fx.text_train`)."""
     from .train import print_log, train
 
+    if args.json:
+        raise ConfigError(f"train --json {args.json}: the training log is --log-json {args.json} (JSON lines: one "
+                          "record per step, then the run's summary)")
+    _check_output(args.log_json, "--log-json")
     if args.data is not None or config_path(args.model):
         return _train_text(args)
-    if args.steps < 1:
-        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
-    if args.global_batch_size is not None and args.global_batch_size < 1:
-        raise ConfigError(f"--global-batch-size must be >= 1, got {args.global_batch_size}")
     if args.plan and not os.path.isfile(args.plan):
         raise ConfigError(f"--plan {args.plan!r}: no such file")
-    if args.measure < 0:
-        raise ConfigError(f"--measure must be >= 0, got {args.measure}")
     log = train(args.model, steps=args.steps, plan=args.plan, memory_budget=args.memory_budget,
                 global_batch_size=args.global_batch_size, cluster=args.cluster, reserve=args.reserve,
                 single_device=args.single_device, lr=args.lr, seed=args.seed,
@@ -382,13 +404,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _report(log: dict, args: argparse.Namespace, show) -> int:
-    """Rank 0 shows a training log (and writes ``--json``); every rank leaves the process group."""
+    """Rank 0 shows a training log and ends ``--log-json`` with the run's record (after the step
+    records: the text trainer wrote its own as it ran); every rank leaves the process group."""
     from .distributed import shutdown
+    from .train import write_log
 
     if log["rank"] == 0:
         show(log)
-        if args.json:
-            _write_json(args.json, log)
+        if args.log_json:
+            write_log(args.log_json, log)
+            progress(f"wrote {args.log_json}")
         # NOTE: the summary has this run's measured selection only: a loaded plan's fit was applied by its run
         _calibrate(args, log["summary"].get("measure"))
     shutdown()
@@ -450,18 +475,59 @@ def _write_json(path: str, data: dict) -> None:
     progress(f"wrote {path}")
 
 
-def _positive_int(text: str) -> int:
+def _int_at_least(low: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
+
+
+_positive_int = _int_at_least(1, "a positive integer")
+_count = _int_at_least(0, "a non-negative integer")
+
+
+def _bytes_arg(text: str) -> float:
+    """A byte size with a unit (``--reserve``), zero allowed."""
+    from .units import parse_bytes
+
+    if text.strip().lstrip("-").replace(".", "", 1).isdigit():
+        if float(text) == 0:   # no reserve: needs no unit
+            return 0
+        raise argparse.ArgumentTypeError(f"give a unit, e.g. {text}GiB (a bare number would be bytes)")
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        value = parse_bytes(text, "size")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Argument mistakes in one line on stderr (argparse prints the whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """``--memory-budget -16GiB`` as ``--memory-budget=-16GiB``: argparse takes a value that starts
+    with ``-`` and a digit for an option, then reports "expected one argument"; joined, the value
+    reaches its own check ("must be positive")."""
+    out: list[str] = []
+    for tok in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.match(r"-\.?\d", tok):
+            out[-1] = f"{out[-1]}={tok}"
+        else:
+            out.append(tok)
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="galvatron-fx",
         description="Automatic hybrid parallelism (DP, ZeRO, TP, PP, checkpointing) for PyTorch models.")
     from ._version import __version__
@@ -479,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="build zoo models on meta (no weight memory; default) or cpu")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="model override, e.g. --set layers=4 --set hidden=256 (repeatable)")
-    p.add_argument("--tp", type=int, metavar="N",
+    p.add_argument("--tp", type=_positive_int, metavar="N",
                    help="also report what tensor parallelism of degree N shards in each layer, and why the rest stays whole")
     p.add_argument("--sp", action="store_true", help="with --tp: analyse with sequence parallelism")
     p.add_argument("--tp-details", action="store_true", help="with --tp: list every parameter of every layer")
@@ -494,7 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL")
     p.add_argument("--cluster", required=True, help="preset (e.g. 8xA100-80GB, 2x8xH100-80GB) or cluster JSON")
     p.add_argument("--memory-budget", help="per-device budget, e.g. 16GiB (default: the device memory)")
-    p.add_argument("--global-batch-size", type=int, help="samples per step (default: chosen for throughput)")
+    p.add_argument("--global-batch-size", type=_positive_int, help="samples per step (default: chosen for throughput)")
     p.add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"],
                    help="training precision (fp32 master weights and optimizer states, compute in bf16 / "
                         "fp16); default by cluster: bf16-mixed on A100/H100/H200, fp16-mixed on V100 / RTX "
@@ -502,14 +568,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="legacy spelling: bf16 / fp16 mean "
                    "--precision bf16-mixed / fp16-mixed")
     p.add_argument("--mixed-precision", action="store_true", help="legacy: with --dtype bf16|fp16")
-    p.add_argument("--reserve", help="framework reserve per device (default 1GiB)")
+    p.add_argument("--reserve", type=_bytes_arg, help="framework reserve per device (default 1GiB)")
     p.add_argument("--method", choices=["dynamo", "export", "fx"],
                    help="capture front end (default fx; dynamo for a transformers config)")
     p.add_argument("--seq-len", type=_positive_int, metavar="N", help="sequence length of the example inputs")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override (repeatable)")
     p.add_argument("--baselines", action="store_true",
                    help="also estimate DP, ZeRO-3, TP, PP, 3D, DP+TP, DP+PP and Megatron-style (megatron)")
-    p.add_argument("--measure", type=int, default=0, metavar="K",
+    p.add_argument("--measure", type=_count, default=0, metavar="K",
                    help="under torchrun: time the K best plans and the baselines on the live ranks (the model's "
                         "parts randomly initialised) and keep the fastest (default 0: the estimate's best)")
     _add_calibrate_arg(p)
@@ -527,7 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Measure collective bandwidth/latency, overlap slowdown and compute "
                                    "throughput of the torch.distributed world (or this process).")
     p.add_argument("--out", metavar="PATH", help="write the cluster JSON to PATH")
-    p.add_argument("--repeats", type=int, default=7, metavar="N",
+    p.add_argument("--repeats", type=_positive_int, default=7, metavar="N",
                    help="timed runs per figure and round (median; default 7): fewer is faster and noisier")
     p.set_defaults(func=cmd_profile)
 
@@ -541,24 +607,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=_positive_int, metavar="N", help="tokens per sample (--data; default 128)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient clipping max norm (--data; default 1.0)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (--data; not on norms, biases)")
-    p.add_argument("--warmup", type=int, help="linear warm-up steps (--data; default steps/10, at most 100)")
+    p.add_argument("--warmup", type=_count, help="linear warm-up steps (--data; default steps/10, at most 100)")
     p.add_argument("--init", metavar="DIR", help="start from from_pretrained(DIR) weights (--data)")
-    p.add_argument("--save-every", type=int, default=0, metavar="N", help="sharded checkpoint every N steps (--data)")
+    p.add_argument("--save-every", type=_count, default=0, metavar="N", help="sharded checkpoint every N steps (--data)")
     p.add_argument("--ckpt-dir", default="checkpoints", help="checkpoint directory (--data; default ./checkpoints)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir (--data)")
-    p.add_argument("--log-json", metavar="PATH", help="one JSON record per step: loss, grad_norm, lr, "
-                   "tokens_per_s, mfu (--data; rank 0)")
+    p.add_argument("--log-json", metavar="PATH", help="the training log, JSON lines (rank 0): one record per step "
+                   "(loss, grad_norm, lr, throughput; mfu with --data), then one {\"run\": ...} record with the "
+                   "summary, per-device memory and the plan; galvatron_fx.train.read_log reads it back")
     p.add_argument("--plan", metavar="PATH", help="plan JSON to run (default: search one at the first step)")
-    p.add_argument("--measure", type=int, default=4, metavar="K",
+    p.add_argument("--measure", type=_count, default=4, metavar="K",
                    help="without --plan: time the K best plans by estimate and the baselines on the live world "
                         "for a few steps each and train the fastest (default 4; 0: the estimate's best)")
     _add_calibrate_arg(p)
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
+    p.add_argument("--steps", type=_positive_int, default=10, help="optimizer steps (default 10)")
     _add_pipeline_args(p)
     p.add_argument("--memory-budget", help="per-device budget for the search, e.g. 16GiB")
-    p.add_argument("--global-batch-size", type=int, help="samples per step (zoo models: sets batch)")
+    p.add_argument("--global-batch-size", type=_positive_int, help="samples per step (zoo models: sets batch)")
     p.add_argument("--cluster", help="preset or cluster JSON for the search (default: profile the world)")
-    p.add_argument("--reserve", help="framework reserve per device for the search (default 1GiB)")
+    p.add_argument("--reserve", type=_bytes_arg, help="framework reserve per device for the search (default 1GiB)")
     p.add_argument("--single-device", action="store_true", help="train eagerly in this one process (reference)")
     p.add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed"],
                    help="training precision: fp32 masters and optimizer states, compute in bf16 / fp16 "
@@ -566,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, help="AdamW learning rate (default 1e-3; 3e-4 with --data)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override (repeatable)")
-    p.add_argument("--json", metavar="PATH", help="write the training log (rank 0)")
+    p.add_argument("--json", metavar="PATH", help=argparse.SUPPRESS)   # NOTE: the former log flag, refused by name
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("consolidate", help="export a checkpoint as safetensors (one process)",
@@ -582,7 +649,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_negative_values(sys.argv[1:] if argv is None else list(argv)))
     if args.command == "train":
         args.lr_given = args.lr is not None
         args.lr = args.lr if args.lr is not None else 1e-3

@@ -1,6 +1,6 @@
 """The parallel plan: what every layer runs as, and how layers are split into pipeline stages.
 
-A :class:`Plan` is plain data (``../shared/CONTRACT.md``, "Plan JSON")::
+A :class:`Plan` is plain data (its JSON form, ``Plan.to_dict``)::
 
     {"format": "galvatron_fx.plan/1", "world_size": 8, "pp": 2, "schedule": "1f1b",
      "micro_batches": 4, "global_batch_size": 32, "stages": [[0, 15], [16, 31]],

@@ -439,6 +439,10 @@ device, torchtitan's 1D; ``fsdp+tp``: TP inside the node, ZeRO-3 across, torchti
 ``megatron``: Megatron-LM's uniform TP (within a node) x PP x DP with the distributed optimizer
 (ZeRO-2 over DP) or without, 1F1B or interleaved 1F1B, 1 to 8 samples per device per micro-batch.
 None uses context parallelism (``cp = 1``)."""
+PRACTITIONER_BASELINES = ("megatron", "fsdp", "fsdp+tp")
+"""The baselines practitioners run (each searched over its own knobs), against which the searched
+plan's speed-up is reported."""
+
 for _cons in BASELINES.values():   # NOTE: the paper's limited strategies: no context parallelism
     _cons["cp"] = 1
 

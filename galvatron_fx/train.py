@@ -13,6 +13,7 @@ model eagerly in one process (the reference). ``--json`` writes the log (rank 0)
 
 from __future__ import annotations
 
+import json
 import resource
 import sys
 import time
@@ -140,6 +141,32 @@ def train(model_spec: str, *, steps: int = 10, plan: str | None = None, memory_b
         if measure and plan is None and log["plan"]:   # this run's measured selection (not a loaded plan's)
             summary["measure"] = log["plan"].get("measure")
     return log
+
+
+def write_log(path: str, log: dict) -> None:
+    """``--log-json``: the step records (``log["steps"]``, unless already written as the run went)
+    as JSON lines, then one ``{"run": ...}`` record with everything else."""
+    steps = log.get("steps")
+    run = {k: v for k, v in log.items() if k not in ("steps", "records")}
+    with open(path, "a" if steps is None else "w") as f:
+        for rec in steps or []:
+            f.write(json.dumps(rec) + "\n")
+        f.write(json.dumps({"run": run}) + "\n")
+
+
+def read_log(path: str) -> dict:
+    """A ``--log-json`` file as ``{"steps": [...], **run}``: the step records by step (a resumed
+    run's re-run steps replace the first run's) and the last run record."""
+    steps: dict[int, dict] = {}
+    run: dict = {}
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line)
+            if "run" in rec:
+                run = rec["run"]
+            else:
+                steps[rec["step"]] = rec
+    return {"steps": [steps[k] for k in sorted(steps)], **run}
 
 
 def _reference_autocast(device: torch.device, precision: str | None):

@@ -1,6 +1,6 @@
 """Test options: ``--run-matrix`` runs the long tests marked ``matrix`` (skipped by default).
 
-The layer-profile cache (``$GALVATRON_CACHE``) points at a folder of this session's, so the suite
+The layer-profile cache (``$GALVATRON_CACHE``) points at a folder of this pytest run's, so the suite
 neither writes into the user's ``~/.cache/galvatron_fx`` nor reads a warm cache an earlier run left
 (spawned ranks inherit the variable)."""
 

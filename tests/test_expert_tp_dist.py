@@ -1,4 +1,4 @@
-"""Expert tensor parallelism (issue #28): the experts of an ``ep > 1`` layer also sharded over TP.
+"""Expert tensor parallelism: the experts of an ``ep > 1`` layer also sharded over TP.
 
 Mixtral (tests/loops.py) on 4 gloo ranks, TP2 x DP2 with EP2 (``extra["expert_tp"]``, the default):
 each rank holds ``[E / ep, F / tp, ...]`` of every grouped expert weight. The training loop of

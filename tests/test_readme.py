@@ -1,6 +1,9 @@
 """The README's commands are the ones CI runs."""
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,3 +38,31 @@ def test_the_python_quick_start_runs_as_written(tmp_path, monkeypatch):
     plan, gm, cluster = scope["plan"], scope["gm"], scope["cluster"]
     assert plan.estimate["throughput_samples_s"] > 0 and len(plan.layers) == len(scope["gfx"].layers(gm))
     assert scope["gfx"].estimate(gm, plan, cluster)["step_time_s"] == plan.estimate["step_time_s"]
+
+
+def _quick_start() -> str:
+    text = (ROOT / "README.md").read_text()
+    return text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_quick_start_cli_blocks_run_as_written_and_print_what_the_readme_shows(tmp_path):
+    """Every bash block of the quick start that needs no torchrun runs as written (``.venv/bin/``
+    is this interpreter's directory), and each line of the printed plan the README shows (rows cut
+    where it says ``...``) is a line of the real output."""
+    section = _quick_start()
+    fences = re.findall(r"^```(\w*)\n(.*?)^```", section, flags=re.S | re.M)
+    runnable = [b for lang, b in fences if lang == "bash" and "torchrun" not in b]
+    assert runnable, "the quick start has a CLI block to run"
+    bindir = os.path.dirname(sys.executable)
+    out = ""
+    for block in runnable:
+        for cmd in block.replace("\\\n", " ").strip().splitlines():
+            cmd = cmd.replace(".venv/bin/", bindir + "/")
+            res = subprocess.run(cmd, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+            assert res.returncode == 0, (cmd, res.stderr[-2000:])
+            out += res.stdout
+    shown = next(b for lang, b in fences if lang == "")
+    got = {line.rstrip() for line in out.splitlines()}
+    for line in shown.splitlines():
+        if line.strip() and line.strip() != "...":
+            assert line.rstrip() in got, f"the README shows a line the command does not print:\n{line}"

@@ -507,7 +507,7 @@ OLD_OPS = {
         "softmax", "log_softmax", "cumsum", "argmax", "argmin",
     ],
 }
-# the rules added for real architectures (issue 14; tests/test_sharding_rules_hf.py)
+# the rules added for real architectures (tests/test_sharding_rules_hf.py)
 NEW_OPS = {
     "linear": ["baddbmm", "einsum", "grouped_mm_fallback", "grouped_mm", "_grouped_mm"],
     "selections": ["index"],

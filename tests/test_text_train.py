@@ -9,7 +9,6 @@ config plans from the meta device with ``--seq-len``. Token and block helpers ar
 from __future__ import annotations
 
 import glob
-import json
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from galvatron_fx.train import read_log
 from tests.dist_utils import free_port
 
 pytest.importorskip("transformers")
@@ -57,7 +57,7 @@ def _train(llama_dir, corpus, log, ckpt, *extra):
            "--log-json", str(log), "--ckpt-dir", str(ckpt), *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env())
     assert out.returncode == 0, out.stderr[-3000:]
-    return out, [json.loads(line) for line in log.read_text().splitlines()]
+    return out, read_log(log)["steps"]
 
 
 @pytest.mark.dist

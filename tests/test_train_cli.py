@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 
+from galvatron_fx.train import read_log
 from tests.dist_utils import free_port
 
 ARGS = ["gpt-tiny", "--steps", "3", "--set", "layers=2", "--global-batch-size", "4",]
@@ -31,12 +31,12 @@ def test_train_two_ranks_matches_single_device(tmp_path, precision, tol):
     gfx.Plan.uniform(gfx.capture(model, args, method="dynamo"), 2, sdp="zero3", global_batch_size=4).save(plan)
     out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 f"--master-port={free_port()}", "-m", "galvatron_fx.cli", "train", *ARGS,
-                "--plan", str(plan), "--json", str(dist_json), "--precision", precision])
+                "--plan", str(plan), "--log-json", str(dist_json), "--precision", precision])
     assert out.returncode == 0, out.stderr[-3000:]
-    ref = _run([sys.executable, "-m", "galvatron_fx.cli", "train", *ARGS, "--single-device", "--json", str(ref_json),
+    ref = _run([sys.executable, "-m", "galvatron_fx.cli", "train", *ARGS, "--single-device", "--log-json", str(ref_json),
                 "--precision", precision])
     assert ref.returncode == 0, ref.stderr[-3000:]
-    d, r = json.loads(dist_json.read_text()), json.loads(ref_json.read_text())
+    d, r = read_log(dist_json), read_log(ref_json)
     assert d["world_size"] == 2 and len(d["steps"]) == 3 and len(d["memory"]) == 2
     for a, b in zip(d["steps"], r["steps"]):
         assert abs(a["loss"] - b["loss"]) <= tol * abs(b["loss"]), (d["steps"], r["steps"])
@@ -45,9 +45,10 @@ def test_train_two_ranks_matches_single_device(tmp_path, precision, tol):
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["--steps", "0"], "--steps must be >= 1"),
+    (["--steps", "0"], "argument --steps: expected a positive integer, got '0'"),
     (["--plan", "/nonexistent/plan.json"], "no such file"),
     ([], "runs under torchrun"),
+    (["--json", "log.json"], "the training log is --log-json log.json"),
 ])
 def test_train_bad_arguments_one_line(extra, needle):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}

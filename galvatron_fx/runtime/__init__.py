@@ -6,5 +6,5 @@ collectives), ``checkpointing``, ``module`` (:class:`DistributedModel`, ``train_
 ``pipeline`` (:class:`PipelineModel` on ``torch.distributed.pipelining``).
 
 NOTE: nothing here imports ``passes/`` or ``cost/``: the graph rewrites sit above the runtime and
-the cost model beside them (imports point one way; README "Layout").
+the cost model beside them (imports point one way; docs/architecture.md).
 """

@@ -1,7 +1,7 @@
 """The pure search core: strategy space, per-stage DP and pipeline partition.
 
 Everything here takes numpy arrays, plain numbers and dataclasses (never a GraphModule or a process
-group), so it can be unit-tested and benchmarked alone (see ../../shared/STYLE.md).
+group), so it can be unit-tested and benchmarked alone.
 
 * :mod:`.strategy` — :class:`Strategy` and :func:`strategy_space` (the per-stage decision tree and
   its pruning :data:`RULES`).
