@@ -139,6 +139,11 @@ def _capture_for_planning(args: argparse.Namespace, keep: list | None = None):
         if seq:
             overrides["seq_len"] = seq
         args.seq_note = f"seq_len {seq or '?'} ({source})"
+        from .models.hf_config import defaulted_sizes
+
+        left = defaulted_sizes(config_path(args.model))
+        if left:
+            args.defaults_note = f"{', '.join(left)} (transformers' defaults: {args.model} does not set them)"
     model, example_args = models.load(args.model, device="meta", overrides=overrides)
     if keep is not None:
         keep.append(model)   # the captured graph holds it weakly; measuring initialises from it
@@ -256,7 +261,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     assumed = [getattr(args, "seq_note", None) or (f"seq_len {seq}" if seq else None),
                f"global batch {plan.global_batch_size} ({'given' if args.global_batch_size else 'searched'})",
                f"precision {plan.precision} ({'given' if args.precision or args.dtype else 'the cluster default'})",
-               f"memory budget {args.memory_budget or 'the device memory'}"]
+               f"memory budget {args.memory_budget or 'the device memory'}", getattr(args, "defaults_note", None)]
     print("assumed: " + "; ".join(a for a in assumed if a))
     print(plan.explain())
     for line in measured_lines(plan.extra.get("measured", [])):

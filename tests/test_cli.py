@@ -174,3 +174,13 @@ def test_show_prints_the_stored_baselines(tmp_path, capsys):
     assert main(["show", str(out)]) == 0
     text = capsys.readouterr().out
     assert "baselines (same cost model, global batch 8)" in text and "megatron" in text and "searched" in text
+
+
+def test_a_config_that_leaves_sizes_to_defaults_says_which(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    assert main(["plan", str(cfg), "--cluster", "8xA100-80GB", "--global-batch-size", "8"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("assumed:"))
+    assert "hidden_size 4096" in line and "num_attention_heads 32" in line and "num_hidden_layers" not in line
+    assert f"(transformers' defaults: {cfg} does not set them)" in line

@@ -114,3 +114,29 @@ def from_config(spec: str, device: str = "meta", seq_len: int | None = None, bat
     vocab = int(config.vocab_size)
     ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
     return model, {"input_ids": ids, "labels": ids}
+
+
+SIZE_FIELDS = ("vocab_size", "hidden_size", "n_embd", "d_model", "intermediate_size", "n_inner", "d_ff",
+               "num_hidden_layers", "n_layer", "num_layers", "num_attention_heads", "n_head", "num_heads",
+               "num_key_value_heads", "max_position_embeddings", "n_positions")
+
+
+def defaulted_sizes(path: str) -> list[str]:
+    """``"hidden_size 4096"`` for each size field the model uses that ``path``'s JSON leaves to the
+    transformers class's default (a config holding only ``num_hidden_layers`` plans a model of the
+    defaults' size: the planner says so)."""
+    import json
+
+    cfg = load_config(path)
+    file = path if path.endswith(".json") else os.path.join(path, "config.json")
+    with open(file) as f:
+        given = set(json.load(f))
+    aliases = getattr(cfg, "attribute_map", {}) or {}
+    given |= {target for alias, target in aliases.items() if alias in given}
+    given |= {alias for alias, target in aliases.items() if target in given}
+    out = []
+    for name in SIZE_FIELDS:
+        value = cfg.__dict__.get(name)
+        if isinstance(value, int) and name not in given:
+            out.append(f"{name} {value}")
+    return out
