@@ -37,8 +37,10 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
+from . import dims
 from .cluster import PRECISIONS
 from .errors import ConfigError, PlanMismatchError
 from .solver.pipeline import even_split
@@ -47,8 +49,10 @@ from .solver.strategy import CP_KINDS, SDP_KINDS, Strategy
 
 FORMAT = "galvatron_fx.plan/1"
 ESTIMATE_KEYS = ("step_time_s", "throughput_samples_s", "memory_bytes_per_device")
-_LAYER_KEYS = ("name", "tp", "sp", "dp", "sdp", "ckpt")
-_OPTIONAL_LAYER_KEYS = ("ep", "cp", "cp_kind")   # plans written before they existed load with 1 / "ring"
+_LAYER_KEYS = ("name",) + tuple(f.name for f in dims.json_fields() if f.json_required)
+_OPTIONAL_LAYER_KEYS = tuple(f.name for f in dims.json_fields() if not f.json_required)
+"""Per-layer JSON keys from the registered dimensions: those every plan had from the start are
+required; a later dimension's key reads as its default when absent (older plans load unchanged)."""
 _TOP_KEYS = ("format", "world_size", "pp", "schedule", "micro_batches", "global_batch_size", "stages",
              "layers", "estimate", "model_fingerprint", "cluster")
 
@@ -90,8 +94,14 @@ class LayerPlan:
     @property
     def strategy(self) -> Strategy:
         """The layer's :class:`~galvatron_fx.solver.strategy.Strategy`."""
-        return Strategy(self.tp, self.dp, self.sdp, self.sp, self.ckpt, self.ep, self.cp, self.cp_kind,
-                        self.extra.get("expert_tp", True) is not False)
+        return Strategy(**{f.name: self.value(f.name, f.default) for f in dims.fields()})
+
+    def value(self, name: str, default: Any = None) -> Any:
+        """A strategy field's value: the attribute, else the layer's extra JSON key (dimensions
+        registered after the attributes keep their values there), else ``default``."""
+        if name in LAYER_ATTRIBUTES:
+            return getattr(self, name)
+        return self.extra.get(name, default)
 
     @property
     def expert_tp(self) -> bool:
@@ -104,8 +114,8 @@ class LayerPlan:
         return self.strategy.shards_experts
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.extra, "name": self.name, "tp": self.tp, "sp": self.sp, "dp": self.dp,
-                "sdp": self.sdp, "ckpt": self.ckpt, "ep": self.ep, "cp": self.cp, "cp_kind": self.cp_kind}
+        return {**self.extra, "name": self.name,
+                **{f.name: self.value(f.name, f.default) for f in dims.json_fields()}}
 
     @classmethod
     def from_dict(cls, d: Any, index: int) -> LayerPlan:
@@ -115,10 +125,14 @@ class LayerPlan:
         missing = [k for k in _LAYER_KEYS if k not in d]
         if missing:
             raise ConfigError(f"plan {where} is missing key(s) {missing}; every layer needs {list(_LAYER_KEYS)}")
-        extra = {k: v for k, v in d.items() if k not in _LAYER_KEYS + _OPTIONAL_LAYER_KEYS}
-        return cls(d["name"], d["tp"], d["dp"], d["sdp"], d["sp"], d["ckpt"], extra, ep=d.get("ep", 1),
-                   cp=d.get("cp", 1), cp_kind=d.get("cp_kind", "ring"))
+        known = {f.name: f for f in dims.json_fields()}
+        extra = {k: v for k, v in d.items() if k not in LAYER_ATTRIBUTES and k != "name"}
+        return cls(d["name"], extra=extra, **{k: d.get(k, known[k].default) for k in LAYER_ATTRIBUTES if k in known})
 
+
+
+LAYER_ATTRIBUTES = frozenset(f.name for f in dataclass_fields(LayerPlan)) - {"name", "extra"}
+"""The strategy fields a :class:`LayerPlan` holds as attributes (the rest live in ``extra``)."""
 
 @dataclass
 class Plan:
@@ -357,9 +371,7 @@ class Plan:
                          f"{_gib(row['activation_bytes']):>10} {_gib(row['transient_bytes']):>10}"
                          if row else "")
                 lines.append(f"  {i:>4}  {layer.name:<26} {layer.strategy.label:<24} {cells}")
-        lines += _tp_lines(self.layers)
-        lines += _ep_lines(self.layers)
-        lines += _cp_lines(self.layers)
+        lines += dims.explain_lines(self.layers)
         return "\n".join(lines)
 
     # ---------------------------------------------------------- serialisation
@@ -514,62 +526,4 @@ def _schedule_lines(chosen: str, found: dict) -> list[str]:
         out.append(f"  {mark:<9} {name:<16} pp{f['pp']} m{f['micro_batches']} v{f['virtual_stages']}: "
                    f"{f['throughput_samples_s']:.2f} samples/s, bubble {100 * f['bubble_fraction']:.1f}%, "
                    f"peak activations {_gib(f['activation_bytes'])} per device")
-    return out
-
-
-def _ep_lines(layers: list[LayerPlan]) -> list[str]:
-    """One line per distinct expert-parallel setting: the layers, ``ep``, the token dispatch and
-    how the experts run over TP (expert TP: sharded; token split: whole, the tokens split)."""
-    groups: dict[tuple, list[str]] = {}
-    for lp in layers:
-        if lp.ep > 1:
-            over_tp = "" if lp.tp == 1 else ", experts sharded over tp" if lp.expert_tp else ", tokens split over tp"
-            groups.setdefault((lp.ep, lp.extra.get("ep_dispatch", "allgather"), over_tp), []).append(lp.name)
-    return [f"expert parallelism: ep {ep} ({dispatch} dispatch{over_tp}) on {len(names)} layer(s): "
-            f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''} (applies to layers with experts; others run ep 1)"
-            for (ep, dispatch, over_tp), names in groups.items()]
-
-
-def _tp_lines(layers: list[LayerPlan]) -> list[str]:
-    """explain(): what TP shards in the ``tp > 1`` layers (the search's ``tp_report``), one line
-    per distinct report, with the parameters that stay whole for a reason."""
-    out, seen = [], {}
-    for i, layer in enumerate(layers):
-        rep = layer.extra.get("tp_report")
-        if not rep:
-            continue
-        key = (layer.tp, rep["summary"], tuple(sorted(set(rep.get("whole", {}).values()))))
-        if key in seen:
-            out[seen[key]] += f", {i}"
-            continue
-        if not out:
-            out.append("tensor parallelism (what TP shards; layers with the same report grouped):")
-        seen[key] = len(out)
-        out.append(f"  tp={layer.tp} {rep['summary']}: layers {i}")
-        out += [f"      whole  {fqn}: {why}" for fqn, why in rep.get("whole", {}).items()]
-    return out
-
-
-def _cp_lines(layers: list[LayerPlan]) -> list[str]:
-    """explain(): one line per context-parallel setting (``cp``, ``cp_kind``): its layers and how their
-    attention exchanges the sequence shards (``extra["cp_exchange_s"]``: the search's seconds per
-    micro-batch, when recorded)."""
-    groups: dict[tuple, list[LayerPlan]] = {}
-    for lp in layers:
-        if lp.cp > 1:
-            groups.setdefault((lp.cp, lp.cp_kind), []).append(lp)
-    out = []
-    for (cp, kind), lps in groups.items():
-        how = (f"key / value shards passed around a ring of {cp} ranks" if kind == "ring"
-               else f"all-to-alls of query / key / value / output over {cp} ranks")
-        names = [lp.name for lp in lps]
-        line = (f"context parallelism: cp {cp} ({kind}: {how}) on {len(names)} layer(s): {', '.join(names[:3])}"
-                f"{' ...' if len(names) > 3 else ''}")
-        spent = sum(lp.extra.get("cp_exchange_s", 0.0) for lp in lps)
-        if spent:
-            line += f"; exchanges {spent * 1e3:.3f} ms per micro-batch"
-        out.append(line)
-    if out:
-        out.append("  (a CP group's ranks hold the same samples, 1/cp of the sequence each; leaving for another "
-                   "layout the sequence is all-gathered)")
     return out

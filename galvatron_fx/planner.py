@@ -14,10 +14,13 @@ from typing import Any
 import torch
 import torch.fx
 
+from . import dims
 from .cluster import PRECISIONS, Cluster, default_precision
+from .dims import as_list
+from .dims.context import kinds_of
 from .errors import ConfigError, GalvatronError, InfeasibleError
 from .ir import META_KEY
-from .plan import LayerPlan, Plan
+from .plan import LAYER_ATTRIBUTES, LayerPlan, Plan
 from .solver.engine import Engine, SearchOptions, SearchResult, stderr_progress
 from .solver.objective import estimate_plan
 from .units import parse_bytes
@@ -27,7 +30,8 @@ _OUTER = ("pp", "micro_batches", "schedule", "virtual_stages", "global_batch_siz
 _SPACE = ("ckpt", "sp", "zero2", "zero3", "max_tp", "allow_cross_node_tp", "power_of_two")
 _COST = ("precision", "dtype", "mode", "mixed_precision", "reserve_bytes", "optimizer")
 CONSTRAINT_KEYS = _OUTER + _SPACE + ("tp", "sdp", "ep", "cp", "cp_kind", "granularity", "uniform",
-                                     "max_global_batch_size", "max_micro_batches", "max_micro_batch_size")
+                                     "max_global_batch_size", "max_micro_batches", "max_micro_batch_size") \
+    + dims.constraint_keys()
 """Keys ``gfx.search(..., constraints={...})`` accepts: ``pp``, ``micro_batches``, ``schedule``,
 ``virtual_stages`` pin the outer loop; ``tp`` (int) pins the TP degree of every layer; ``sdp`` (list of "none",
 "zero2", "zero3") limits data-parallel kinds; ``ckpt``/``sp``/``zero2``/``zero3`` (bool) switch
@@ -130,32 +134,6 @@ def cost_model_for(gm: torch.fx.GraphModule, cluster: Cluster, **cost_options):
     return cache[key]
 
 
-def tp_admissible(cost_model) -> Callable[[int, int], bool]:
-    """``(layer, tp) -> bool``: whether the tensor-parallel pass accepts layer ``layer`` at degree
-    ``tp`` (heads, key/value heads and widths it splits must divide; see galvatron_fx/sharding/).
-    The answer comes from the pass's own analysis, so the search never emits a plan it rejects."""
-    return lambda layer, tp: tp == 1 or not isinstance(cost_model.tp_analysis(layer, tp), Exception)
-
-
-def sp_admissible(cost_model) -> Callable[[int, int], bool]:
-    """``(layer, tp) -> bool``: whether the tensor-parallel pass accepts sequence parallelism on
-    layer ``layer`` at degree ``tp`` (its boundary activations' sequence length divides by tp)."""
-    return lambda layer, tp: tp > 1 and not isinstance(cost_model.tp_analysis(layer, tp, sp=True), Exception)
-
-
-def ep_admissible(cost_model, allowed=None) -> Callable[[int, int], bool]:
-    """``(layer, ep) -> bool``: ``ep == 1`` on layers without experts; on layers with experts the
-    degrees dividing each block's experts (and in ``allowed``, a constraint, when given)."""
-    allowed = None if allowed is None else set(_as_list(allowed, "ep"))
-
-    def ok(layer: int, ep: int) -> bool:
-        ex = cost_model.experts(layer)
-        if ex is None:
-            return ep == 1
-        return (allowed is None or ep in allowed) and ex.allows(ep)
-    return ok
-
-
 def ep_degrees(cost_model, world_size: int) -> list[int]:
     """Expert-parallel degrees some layer of the model admits (divisors of its experts' counts
     up to the world size); ``[1]`` for a model without experts."""
@@ -166,36 +144,11 @@ def ep_degrees(cost_model, world_size: int) -> list[int]:
     return [d for d in range(1, min(g, world_size) + 1) if g % d == 0]
 
 
-def _as_list(value, what: str, cast=int) -> list | None:
-    """A constraint given as one value or a list, as a list (None when not given)."""
-    if value is None:
-        return None
-    items = [value] if isinstance(value, (int, str)) and not isinstance(value, bool) else value
-    try:
-        out = [cast(v) for v in items]
-    except (TypeError, ValueError):
-        raise ConfigError(f"constraint {what} must be one value or a list of them, got {value!r}") from None
-    if not out:
-        raise ConfigError(f"constraint {what} must not be empty")
-    return out
-
-
-def cp_kinds_of(constraints: dict | None) -> list[str]:
-    """The context-parallel kinds the search offers: the ``cp_kind`` constraint's, else all."""
-    from .solver.strategy import CP_KINDS
-
-    kinds = _as_list((constraints or {}).get("cp_kind"), "cp_kind", str) or list(CP_KINDS)
-    bad = [k for k in kinds if k not in CP_KINDS]
-    if bad:
-        raise ConfigError(f"constraint cp_kind must be among {list(CP_KINDS)}, got {bad}")
-    return kinds
-
-
 def cp_degrees(cost_model, world_size: int, constraints: dict | None = None) -> list[int]:
     """Context-parallel degrees the search offers: the ``cp`` constraint's, else (a captured
     sequence of at least :data:`CP_MIN_SEQ` positions) every divisor of the world size that divides
     the sequence, else ``[1]`` (the default search keeps its speed on short sequences)."""
-    asked = _as_list((constraints or {}).get("cp"), "cp")
+    asked = as_list((constraints or {}).get("cp"), "cp")
     if asked is not None:
         if any(c < 1 for c in asked):
             raise ConfigError(f"constraint cp must hold degrees >= 1, got {asked}")
@@ -204,38 +157,6 @@ def cp_degrees(cost_model, world_size: int, constraints: dict | None = None) -> 
     if seq < CP_MIN_SEQ:
         return [1]
     return [d for d in range(1, world_size + 1) if world_size % d == 0 and seq % d == 0]
-
-
-def cp_admissible(cost_model, allowed=None, kinds=None) -> Callable[[int, int, str, int], bool]:
-    """``(layer, cp, kind, tp) -> bool``: whether layer ``layer`` may run at context-parallel degree
-    ``cp`` with attention ``kind`` under TP degree ``tp``: the context-parallel pass takes it
-    (:meth:`~galvatron_fx.cost.CostModel.cp_refuses`), ``cp`` is among ``allowed`` and ``kind``
-    among ``kinds`` (constraints, when given). ``cp == 1`` is allowed where ``allowed`` has 1 or the
-    layer takes none of its degrees at all (at ``tp = 1``; it then runs whole), so ``allowed = {4}``
-    pins cp 4 on every layer that can take it."""
-    from .solver.strategy import CP_KINDS
-
-    allowed = None if allowed is None else set(allowed)
-    kinds = None if kinds is None else set(kinds)
-
-    def takes(layer: int, cp: int, kind: str, tp: int) -> bool:
-        return not cost_model.cp_refuses(layer, cp, kind, tp)
-
-    def ok(layer: int, cp: int, kind: str, tp: int) -> bool:
-        if cp == 1:
-            return allowed is None or 1 in allowed or not any(
-                takes(layer, c, k, 1) for c in allowed if c > 1 for k in (kinds or CP_KINDS))
-        return (allowed is None or cp in allowed) and (kinds is None or kind in kinds) and takes(layer, cp, kind, tp)
-    return ok
-
-
-def tp_useful(cost_model) -> Callable[[int, int], bool]:
-    """``(layer, tp) -> bool``: whether TP at degree ``tp`` shards any parameter of layer ``layer``
-    (:mod:`galvatron_fx.sharding.report`); the search does not offer degrees that shard nothing."""
-    def useful(layer: int, tp: int) -> bool:
-        res = cost_model.tp_analysis(layer, tp)
-        return tp == 1 or (not isinstance(res, Exception) and bool(res.sharded_params))
-    return useful
 
 
 def _options(constraints: dict | None, global_batch_size, reserve: float) -> SearchOptions:
@@ -252,6 +173,9 @@ def _options(constraints: dict | None, global_batch_size, reserve: float) -> Sea
     elif "ckpt" in c and not isinstance(c["ckpt"], bool):
         raise ConfigError(f"constraint ckpt must be true, false or 'all', got {c['ckpt']!r}")
     opt.space = {k: c[k] for k in _SPACE if k in c}
+    more = dims.space_options(c)
+    if more:
+        opt.space["more"] = more
     for k in ("max_global_batch_size", "max_micro_batches", "max_micro_batch_size"):
         if c.get(k) is not None:
             setattr(opt, k, int(c[k]))
@@ -268,7 +192,8 @@ def _options(constraints: dict | None, global_batch_size, reserve: float) -> Sea
 
 def _plan(result: SearchResult, names: list[str], world_size: int, fingerprint: str, cluster: Cluster,
           precision: str, cost_options: dict, cm=None) -> Plan:
-    layers = [LayerPlan(n, s.tp, s.dp, s.sdp, s.sp, s.ckpt, ep=s.ep, cp=s.cp, cp_kind=s.cp_kind)
+    layers = [LayerPlan(n, s.tp, s.dp, s.sdp, s.sp, s.ckpt, dims.extra_fields(s, LAYER_ATTRIBUTES), ep=s.ep,
+                        cp=s.cp, cp_kind=s.cp_kind)
               for n, s in zip(names, result.strategies)]
     for i, (lp, s) in enumerate(zip(layers, result.strategies)):
         if s.ep > 1 and cm is not None:   # the token exchange the cost model found cheaper
@@ -308,12 +233,10 @@ def _engine(gm, cluster, world_size, budget, global_batch_size, constraints, cos
     sigs = [rec.signature for rec in cm.layers]
     reads = [set(rec.params) for rec in cm.layers]
     tied = [i for i, r in enumerate(reads) if any(r & other for j, other in enumerate(reads) if j != i)]
-    cps, kinds = cp_degrees(cm, world_size, constraints), cp_kinds_of(constraints)
-    asked = (constraints or {}).get("cp") is not None
-    return Engine(cm, cluster, sigs, world_size, budget, opt, allowed_tp=tp_admissible(cm), useful_tp=tp_useful(cm),
-                  allowed_sp=sp_admissible(cm), allowed_ep=ep_admissible(cm, (constraints or {}).get("ep")),
-                  ep_degrees=ep_degrees(cm, world_size),
-                  allowed_cp=cp_admissible(cm, cps if asked else None, kinds), cp_degrees=cps, cp_kinds=kinds,
+    cps, kinds = cp_degrees(cm, world_size, constraints), kinds_of(constraints)
+    admits, prefers = dims.admission(cm, constraints)
+    return Engine(cm, cluster, sigs, world_size, budget, opt, admits=admits, prefers=prefers,
+                  ep_degrees=ep_degrees(cm, world_size), cp_degrees=cps, cp_kinds=kinds,
                   tied_layers=tied, batch_coupled=[i for i, rec in enumerate(cm.layers) if rec.batch_coupled],
                   progress=stderr_progress if progress is True else (progress or None),
                   layer_names=[rec.name for rec in cm.layers])
@@ -470,13 +393,8 @@ def baselines(gm: torch.fx.GraphModule, cluster=None, memory_budget=None, global
 def plan_config(plan: Plan) -> str:
     """A plan's configuration in one line: ``tp2·dp4·zero3·sp·ckpt pp2 1f1b m4 v2`` (a uniform
     plan's one strategy, else its strategies' count; ``v`` virtual stages when interleaved)."""
-    kinds = {(lp.tp, lp.dp, lp.sdp, lp.sp, lp.ckpt) for lp in plan.layers}
-    if len(kinds) == 1:
-        tp, dp, sdp, sp, ckpt = kinds.pop()
-        layer = f"tp{tp}·dp{dp}" + (f"·{sdp}" if sdp != "none" else "") + ("·sp" if sp else "") \
-            + ("·ckpt" if ckpt else "")
-    else:
-        layer = f"{len(kinds)} strategies"
+    kinds = {lp.strategy for lp in plan.layers}
+    layer = kinds.pop().label if len(kinds) == 1 else f"{len(kinds)} strategies"
     if plan.pp == 1:   # one stage: no schedule, the micro-batches are gradient accumulation
         return f"{layer} pp1 m{plan.micro_batches}"
     v = f" v{plan.virtual_stages}" if plan.virtual_stages > 1 else ""

@@ -91,11 +91,9 @@ def winner(rounds: dict[int, dict[int, float]], estimated: dict[int, float | Non
 
 
 def label(plan: Plan) -> str:
-    """A short description: ``pp2 m2 1f1b | tp1, tp2 zero3 ckpt``."""
-    kinds = sorted({f"tp{lp.tp}·dp{lp.dp}" + (f" {lp.sdp}" if lp.sdp != "none" else "") + (" ckpt" if lp.ckpt else "")
-                    + (" sp" if lp.sp else "") + (f" ep{lp.ep}" if lp.ep > 1 else "")
-                    + (f" cp{lp.cp}{'u' if lp.cp_kind == 'ulysses' else ''}" if lp.cp > 1 else "")
-                    for lp in plan.layers})
+    """A short description: ``pp2 m2 1f1b | tp1·dp2, tp2·dp1·zero3·ckpt`` (the layers' distinct
+    strategy labels, sorted)."""
+    kinds = sorted({lp.strategy.label for lp in plan.layers})
     return f"pp{plan.pp} m{plan.micro_batches} {plan.schedule} | " + ", ".join(kinds)
 
 
@@ -112,7 +110,7 @@ def plan_key(plan: Plan) -> tuple:
     """What makes two plans the same program: pipeline, micro-batches, schedule, stages and every
     layer's strategy (estimates and records aside)."""
     return (plan.pp, plan.micro_batches, plan.schedule if plan.pp > 1 else "", tuple(map(tuple, plan.stages)),
-            tuple((lp.tp, lp.dp, lp.sdp, lp.sp, lp.ckpt, lp.ep, lp.cp, lp.cp_kind) for lp in plan.layers))
+            tuple(lp.strategy for lp in plan.layers))
 
 
 def candidates(search, best: Plan, k: int, gm: torch.fx.GraphModule, cluster, world: int,

@@ -83,13 +83,15 @@ def test_constraints_pin_the_outer_loop_and_reject_unknown_keys(tiny):
 
 
 def test_tp_never_exceeds_what_the_heads_allow():
-    from galvatron_fx.planner import cost_model_for, tp_admissible
+    from galvatron_fx import dims
+    from galvatron_fx.planner import cost_model_for
+    from galvatron_fx.solver.strategy import Strategy
 
     gm = _gm(heads=2, hidden=64)
     cluster = gfx.Cluster.preset("8xA100-80GB")
-    ok = tp_admissible(cost_model_for(gm, cluster))
+    admits, _ = dims.admission(cost_model_for(gm, cluster))
     block = [la.index for la in gfx.layers(gm) if la.kind == "block"][0]
-    assert ok(block, 2) and not ok(block, 4) and not ok(block, 8)
+    assert admits(block, Strategy(2, 4)) and not admits(block, Strategy(4, 2)) and not admits(block, Strategy(8, 1))
     # a budget only TP could meet on one stage: the search must still keep blocks at tp <= 2
     plan = gfx.search(gm, cluster, "2MiB", 32, reserve_bytes=0, constraints={"pp": 1})
     assert all(la.tp <= 2 for la in plan.layers if la.name.startswith("blocks."))

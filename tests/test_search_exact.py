@@ -36,8 +36,9 @@ import numpy as np
 import pytest
 
 import galvatron_fx as gfx
+from galvatron_fx import dims
 from galvatron_fx.plan import LayerPlan, Plan
-from galvatron_fx.planner import cost_model_for, cp_admissible, sp_admissible, tp_admissible, tp_useful
+from galvatron_fx.planner import cost_model_for
 from galvatron_fx.solver.objective import layer_step_time, layer_terms, p2p_time_per_microbatch, step_constant
 from galvatron_fx.solver.pipeline import balanced_split, even_split, in_flight_microbatches
 from galvatron_fx.solver.schedules import late_transfers, step_slots
@@ -94,15 +95,14 @@ def enumerate_space(gm, cluster, gbs: int, precision: str, cps: tuple[int, ...] 
     constraint switching sequence parallelism off."""
     cm = cost_model_for(gm, cluster, precision=precision, reserve_bytes=0)
     L, N = len(cm.layers), cluster.world_size
-    tp_ok, useful, sp_ok = tp_admissible(cm), tp_useful(cm), sp_admissible(cm)
-    cp_ok = cp_admissible(cm, cps if cps != (1,) else None, cp_kinds)
+    # the layers' own answers (the TP pass's analysis, the experts, the context-parallel pass), as the search asks
+    dims_admit, useful = dims.admission(cm, {"cp_kind": list(cp_kinds), **({"cp": list(cps)} if cps != (1,) else {})})
     experts = [cm.experts(i) for i in range(L)]   # expert parallelism: ep > 1 where it divides the experts
     eps = sorted({e for ex in experts if ex for e in _divisors(min(ex.num_experts)) if e <= N} | {1})
 
     def admits(i, s):
-        return tp_ok(i, s.tp) and (not s.sp or sp_ok(i, s.tp)) and (
-            s.ep == 1 or experts[i] is not None and all(e % s.ep == 0 for e in experts[i].num_experts)) and (
-            cp_ok(i, s.cp, s.cp_kind, s.tp))
+        return dims_admit(i, s) and (
+            s.ep == 1 or experts[i] is not None and all(e % s.ep == 0 for e in experts[i].num_experts))
     coupled = {i for i, r in enumerate(cm.layers) if r.batch_coupled}   # whole batch: one micro-batch
     reads = [set(r.params) for r in cm.layers]
     tied = {i for i, r in enumerate(reads) if any(r & o for j, o in enumerate(reads) if j != i)}
@@ -123,7 +123,7 @@ def enumerate_space(gm, cluster, gbs: int, precision: str, cps: tuple[int, ...] 
             wg = np.array([[x.wgrad_bytes for x in row] for row in plain])   # zero-bubble: per micro-batch I..W
             tr = np.array([[x.transient_bytes for x in row] for row in plain])
             # a TP degree that shards nothing is offered only when the layer has nothing else
-            offered = [[admits(i, s) and useful(i, s.tp) for s in space] for i in range(L)]
+            offered = [[admits(i, s) and useful(i, s) for s in space] for i in range(L)]
             offered = [row if any(row) else [admits(i, s) for s in space] for i, row in enumerate(offered)]
             ok = [[offered[i][k] and (p == 1 or i not in tied or (s.tp == 1 and not (s.sdp == "zero3" and s.ckpt)))
                    and (m == 1 or i not in coupled) for k, s in enumerate(space)] for i in range(L)]

@@ -29,7 +29,9 @@ def test_rules_are_named_and_documented():
     names = [r.name for r in RULES]
     assert len(names) == len(set(names))
     assert set(names) >= {"power_of_two", "tp_within_node", "tp_divides_heads", "tp_divides_hidden",
-                          "max_tp", "sdp_needs_dp", "sp_needs_tp", "switches"}
+                          "max_tp", "sdp_needs_dp", "sp_needs_tp", "sp_switch", "sdp_switch",
+                          "ckpt_switch", "ep_degrees", "cp_degrees", "cp_kind_needs_cp", "cp_without_ep",
+                          "ulysses_divides_heads"}
     assert all(r.doc for r in RULES)
 
 
@@ -50,10 +52,10 @@ def test_space_invariants():
     (Strategy(4, 2), {"max_tp": 2}, "max_tp"),
     (Strategy(8, 1, "zero3"), {}, "sdp_needs_dp"),
     (Strategy(1, 8, "none", sp=True), {}, "sp_needs_tp"),
-    (Strategy(1, 8, ckpt=True), {"ckpt": False}, "switches"),
-    (Strategy(2, 4, sp=True), {"sp": False}, "switches"),
-    (Strategy(2, 4, "zero2"), {"zero2": False}, "switches"),
-    (Strategy(2, 4, "zero3"), {"zero3": False}, "switches"),
+    (Strategy(1, 8, ckpt=True), {"ckpt": False}, "ckpt_switch"),
+    (Strategy(2, 4, sp=True), {"sp": False}, "sp_switch"),
+    (Strategy(2, 4, "zero2"), {"zero2": False}, "sdp_switch"),
+    (Strategy(2, 4, "zero3"), {"zero3": False}, "sdp_switch"),
 ])
 def test_each_rule_prunes(strategy, kwargs, rule):
     assert rejecting_rules(strategy, **kwargs) == [rule]

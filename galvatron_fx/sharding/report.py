@@ -4,7 +4,7 @@ Built from the analysis the TP pass applies (:func:`.analysis.analyze`), so it s
 do, not what a name suggests. It is shown by ``galvatron-fx layers MODEL --tp N``, kept in a searched
 plan (``plan.explain()``) and behind the warning of a plan that pins ``tp > 1`` on a layer where TP
 shards nothing (such a layer only repeats its whole computation on every rank of the TP group; the
-search never offers it that degree, :func:`galvatron_fx.planner.tp_useful`).
+search never offers it that degree, the tensor dimension's preference, :mod:`galvatron_fx.dims.tensor`).
 """
 
 from __future__ import annotations

@@ -51,7 +51,6 @@ Pure: strategies, numbers and a duck-typed cost source in; plain data out.
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
 from collections.abc import Callable, Iterable
@@ -141,12 +140,9 @@ class Engine:
 
     def __init__(self, costs: CostSource, cluster: Any, signatures: list[str], world_size: int,
                  budget_bytes: float, options: SearchOptions | None = None,
-                 allowed_tp: Callable[[int, int], bool] | None = None,
-                 useful_tp: Callable[[int, int], bool] | None = None,
-                 allowed_sp: Callable[[int, int], bool] | None = None,
-                 allowed_ep: Callable[[int, int], bool] | None = None,
+                 admits: Callable[[int, Strategy], bool] | None = None,
+                 prefers: Callable[[int, Strategy], bool] | None = None,
                  ep_degrees: Iterable[int] = (1,),
-                 allowed_cp: Callable[[int, int, str, int], bool] | None = None,
                  cp_degrees: Iterable[int] = (1,),
                  cp_kinds: Iterable[str] = ("ring",),
                  tied_layers: Iterable[int] = (),
@@ -158,15 +154,11 @@ class Engine:
         self.N = world_size
         self.budget = float(budget_bytes)
         self.opt = options or SearchOptions()
-        self.allowed_tp = functools.lru_cache(maxsize=None)(allowed_tp or (lambda layer, tp: True))
-        self.useful_tp = functools.lru_cache(maxsize=None)(useful_tp or (lambda layer, tp: True))
-        self.allowed_sp = functools.lru_cache(maxsize=None)(allowed_sp or (lambda layer, tp: True))
-        # NOTE: expert parallelism: ep > 1 only on layers with experts it can split (allowed_ep)
-        self.allowed_ep = functools.lru_cache(maxsize=None)(allowed_ep or (lambda layer, ep: ep == 1))
-        self.ep_degrees = tuple(sorted(set(ep_degrees) | {1}))
-        # NOTE: context parallelism: cp > 1 on layers the context-parallel pass takes at that degree,
-        # kind and TP degree (allowed_cp(layer, cp, kind, tp)); the degrees and kinds the space offers
-        self.allowed_cp = functools.lru_cache(maxsize=None)(allowed_cp or (lambda layer, cp, kind, tp: cp == 1))
+        # NOTE: one answer per (layer, strategy), every registered dimension's (galvatron_fx.dims.admission):
+        # without one, every layer admits the ep = 1, cp = 1 strategies
+        self.admits = admits or (lambda layer, s: s.ep == 1 and s.cp == 1)
+        self.prefers = prefers or (lambda layer, s: True)
+        self.ep_degrees = tuple(sorted(set(ep_degrees) | {1}))   # the degrees the space offers
         self.cp_degrees = tuple(sorted(set(cp_degrees) | {1}))
         self.cp_kinds = tuple(cp_kinds)
         self.tied_layers = frozenset(tied_layers)
@@ -293,11 +285,6 @@ class Engine:
 
     def _build_tables(self, p: int, m: int, b: int, space: tuple[Strategy, ...]):
         out = np.empty((8, self.L, len(space)))
-        tps = np.array([s.tp for s in space])
-        sps = np.array([s.sp for s in space])
-        eps = np.array([s.ep for s in space])
-        cps = np.array([s.cp for s in space])
-        kinds = np.array([s.cp_kind for s in space])
         whole = np.array([s.tp == 1 and not (s.sdp == "zero3" and s.ckpt) for s in space])
         by_sig: dict[int, np.ndarray] = {}
         for i in range(self.L):
@@ -305,39 +292,28 @@ class Engine:
             if sig not in by_sig:
                 by_sig[sig] = self.tables.rows(i, space, b)
             only = np.full(len(space), m == 1) if i in self.batch_coupled else None
-            ok = self._admissible(i, tps, sps, only, eps, cps, kinds)
+            ok = self._admissible(i, space, only)
             if p > 1 and i in self.tied_layers:
                 ok = ok & whole
             out[:, i, :] = np.where(ok[None, :], by_sig[sig], np.inf)
         return tuple(out)
 
-    def _admissible(self, layer: int, tps: np.ndarray, sps: np.ndarray, only: np.ndarray | None = None,
-                    eps: np.ndarray | None = None, cps: np.ndarray | None = None,
-                    kinds: np.ndarray | None = None) -> np.ndarray:
-        """Whether layer ``layer`` is offered each (TP degree, SP) of ``tps`` / ``sps``: the TP pass
-        accepts it (``allowed_tp``, ``allowed_sp``) and it shards something there (``useful_tp``).
-        A degree that shards nothing only repeats the layer on every TP rank; it is offered only
-        where nothing else is (a tp constraint) or every layer must share one strategy
-        (``uniform_only``). ``only``: the strategies the layer may take at all (a layer mixing the
-        samples of a batch: none under micro-batches), applied first. ``eps``: the strategies'
-        expert-parallel degrees, ``ep > 1`` offered where ``allowed_ep`` says; ``cps`` / ``kinds``:
-        their context-parallel degrees and kinds, ``cp > 1`` offered where ``allowed_cp`` says."""
-        key = (layer, tps.tobytes(), sps.tobytes(), None if only is None else only.tobytes(),
-               None if eps is None else eps.tobytes(), None if cps is None else cps.tobytes(),
-               None if kinds is None else tuple(kinds))
+    def _admissible(self, layer: int, space: tuple[Strategy, ...], only: np.ndarray | None = None) -> np.ndarray:
+        """Whether layer ``layer`` is offered each strategy of ``space``: every dimension admits it
+        there (``admits``: the TP pass accepts the degree and SP, the experts divide by ``ep``, the
+        context-parallel pass takes ``cp`` and its kind) and prefers it (``prefers``: a TP degree
+        that shards nothing only repeats the layer on every TP rank, so it is offered only where
+        nothing else is, or where every layer must share one strategy: ``uniform_only``).
+        ``only``: the strategies the layer may take at all (a layer mixing the samples of a batch:
+        none under micro-batches), applied first."""
+        key = (layer, space, None if only is None else only.tobytes())
         hit = self._adm.get(key)
         if hit is None:
-            hit = np.array([bool(self.allowed_tp(layer, int(tp))) and (not sp or bool(self.allowed_sp(layer, int(tp))))
-                            for tp, sp in zip(tps, sps)])
+            hit = np.array([bool(self.admits(layer, s)) for s in space])
             if only is not None:
                 hit = hit & only
-            if eps is not None:
-                hit = hit & np.array([bool(self.allowed_ep(layer, int(e))) for e in eps])
-            if cps is not None:
-                hit = hit & np.array([bool(self.allowed_cp(layer, int(c), str(k), int(tp)))
-                                      for c, k, tp in zip(cps, kinds, tps)])
             if not self.opt.uniform_only:
-                useful = hit & np.array([tp == 1 or bool(self.useful_tp(layer, int(tp))) for tp in tps])
+                useful = hit & np.array([bool(self.prefers(layer, s)) for s in space])
                 hit = useful if useful.any() else hit
             self._adm[key] = hit
         return hit

@@ -1,0 +1,156 @@
+"""The per-layer parallel dimensions, one module each, read through one registry.
+
+A layer's strategy (:class:`galvatron_fx.solver.strategy.Strategy`) is a value of each registered
+dimension's fields: tensor parallelism with SP (:mod:`.tensor`), the data-parallel degree and kind
+(:mod:`.data`), activation checkpointing (:mod:`.checkpointing`), experts (:mod:`.experts`) and
+context parallelism (:mod:`.context`). Each module builds one :class:`Dimension`:
+
+* ``fields``: its :class:`Field` records (name, type, default, position in the strategy and the
+  decision tree, the values the tree enumerates, its validation);
+* ``rules``: its pruning rules of the strategy space (:class:`Rule`);
+* ``admission(cost_model, constraints)``: whether a layer admits a strategy (the cost model's
+  analysis of the layer: heads a TP degree splits, experts an EP degree divides, attention a CP
+  kind runs), and which admitted strategies it prefers;
+* ``label``: the pieces of the strategy's label it writes;
+* ``explain``: its lines in ``Plan.explain()``;
+* ``passes`` / ``runtime``: the rewrite passes and runtime modules that implement it;
+* ``properties`` / ``checks``: what it adds to the strategy (a derived property, a check across
+  fields);
+* ``constraints`` / ``space_options``: the search constraints it adds (beyond the planner's own)
+  and the options they give its fields' values (``SpaceOptions.more``).
+
+The solver's strategy space is the product of the registered fields (:func:`enumerate_strategies`),
+the engine asks one admissibility callable (:func:`admission`), the plan JSON's per-layer keys and
+``explain()`` lines come from here. :data:`DIMENSIONS` lists the modules in order; adding a
+dimension is adding its module and its line there (``docs/architecture.md``, "Adding a dimension").
+
+Imports: this package sits below the solver, the cost model and the plan (it imports none of
+them); admission reads the cost model it is handed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from ..errors import ConfigError
+from . import checkpointing, context, data, experts, tensor
+from .base import Admission, Dimension, Field, Rule, SpaceOptions, as_list, is_pow2
+
+__all__ = ["DIMENSIONS", "Admission", "Dimension", "Field", "Rule", "SpaceOptions", "admission", "as_list",
+           "enumerate_strategies", "explain_lines", "fields", "is_pow2", "json_fields", "label", "rules",
+           "strategy_namespace", "validate", "constraint_keys", "space_options", "extra_fields"]
+
+DIMENSIONS: tuple[Dimension, ...] = (tensor.DIMENSION, data.DIMENSION, checkpointing.DIMENSION, experts.DIMENSION,
+                                     context.DIMENSION)
+"""Every registered dimension, in order (their fields' positions interleave: see :func:`fields`)."""
+
+
+def fields() -> tuple[Field, ...]:
+    """Every dimension's fields, by position: the strategy's fields in order."""
+    out = sorted((f for d in DIMENSIONS for f in d.fields), key=lambda f: f.position)
+    names = [f.name for f in out]
+    if len(names) != len(set(names)) or len({f.position for f in out}) != len(out):
+        raise RuntimeError(f"dimension fields clash in name or position: {names}")   # pragma: no cover
+    return tuple(out)
+
+
+def rules() -> tuple[Rule, ...]:
+    """Every dimension's pruning rules, in registry order."""
+    return tuple(r for d in DIMENSIONS for r in d.rules)
+
+
+def validate(strategy: Any) -> None:
+    """Raise :class:`ConfigError` naming the first field value a dimension refuses."""
+    for f in fields():
+        if f.check is not None:
+            why = f.check(getattr(strategy, f.name))
+            if why:
+                raise ConfigError(f"Strategy.{f.name} {why}")
+    for d in DIMENSIONS:
+        for check in d.checks:
+            why = check(strategy)
+            if why:
+                raise ConfigError(why)
+
+
+def enumerate_strategies(make: Callable[..., Any], options: SpaceOptions) -> Iterator[Any]:
+    """The decision tree: every combination of the fields' values, in position order (each field's
+    values in their listed order), as ``make(**fields)``; the caller applies the rules."""
+    fs = fields()
+    n = options.devices_per_stage
+
+    def walk(k: int, chosen: dict):
+        if k == len(fs):
+            yield make(**chosen)
+            return
+        f = fs[k]
+        if f.values is not None:
+            options_k = f.values(options, n, chosen)
+        elif f.derive is not None:
+            options_k = (f.derive(n, chosen),)
+        else:
+            options_k = (f.default,)
+        for v in options_k:
+            chosen[f.name] = v
+            yield from walk(k + 1, chosen)
+        chosen.pop(f.name, None)
+
+    yield from walk(0, {})
+
+
+def label(strategy: Any) -> str:
+    """``"tp2·dp4·ep4·cp4u·zero3·sp·ckpt"``: each dimension's pieces, by position."""
+    parts = [p for d in DIMENSIONS if d.label for p in d.label(strategy)]
+    return "·".join(text for _, text in sorted(parts, key=lambda p: p[0]))
+
+
+def admission(cost_model: Any, constraints: Mapping | None = None) -> tuple[Callable[[int, Any], bool],
+                                                                            Callable[[int, Any], bool]]:
+    """``(admits, prefers)`` over every dimension for the layers of ``cost_model``'s model: a layer
+    admits a strategy when every dimension admits it, and prefers it when every dimension does."""
+    answers = [d.admission(cost_model, constraints or {}) for d in DIMENSIONS if d.admission]
+    admits = [a.admits for a in answers if a.admits]
+    prefers = [a.prefers for a in answers if a.prefers]
+
+    def all_admit(layer: int, s: Any) -> bool:
+        return all(fn(layer, s) for fn in admits)
+
+    def all_prefer(layer: int, s: Any) -> bool:
+        return all(fn(layer, s) for fn in prefers)
+    return all_admit, all_prefer
+
+
+def explain_lines(layers: list) -> list[str]:
+    """Every dimension's ``explain()`` lines for a plan's layers, in registry order."""
+    return [line for d in DIMENSIONS if d.explain for line in d.explain(layers)]
+
+
+def json_fields() -> tuple[Field, ...]:
+    """The fields a plan's per-layer JSON carries (absent keys read as the default)."""
+    return tuple(f for f in fields() if f.in_json)
+
+
+def strategy_namespace() -> dict[str, Any]:
+    """The properties dimensions add to the strategy (e.g. ``shards_experts``)."""
+    return {k: v for d in DIMENSIONS for k, v in d.properties.items()}
+
+
+def constraint_keys() -> tuple[str, ...]:
+    """The search constraints the dimensions add (``gfx.search(constraints=...)`` accepts them)."""
+    return tuple(k for d in DIMENSIONS for k in d.constraints)
+
+
+def space_options(constraints: Mapping | None) -> dict:
+    """``SpaceOptions.more``: each dimension's options from the search constraints."""
+    out: dict = {}
+    for d in DIMENSIONS:
+        if d.space_options:
+            out.update(d.space_options(constraints or {}))
+    return out
+
+
+def extra_fields(strategy: Any, attributes: frozenset) -> dict:
+    """The plan-JSON fields of ``strategy`` a ``LayerPlan`` holds in ``extra`` (those that are not
+    its ``attributes``), for dimensions registered after the attributes."""
+    return {f.name: getattr(strategy, f.name) for f in json_fields() if f.name not in attributes}

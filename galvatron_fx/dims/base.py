@@ -1,0 +1,133 @@
+"""The dimension protocol (:class:`Dimension`, :class:`Field`, :class:`Rule`, :class:`Admission`),
+the space options the rules read, and the small checks the dimensions share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SpaceOptions:
+    """The knobs of the strategy space (``strategy_space``'s keywords), as one value the rules and
+    the fields' ``values`` read. ``more``: options of dimensions added after these, by name."""
+
+    devices_per_stage: int
+    heads: int | None = None
+    hidden: int | None = None
+    devices_per_node: int = 8
+    allow_cross_node_tp: bool = False
+    power_of_two: bool = True
+    ckpt: bool = True
+    sp: bool = True
+    zero2: bool = True
+    zero3: bool = True
+    max_tp: int | None = None
+    ep: tuple[int, ...] = (1,)
+    cp: tuple[int, ...] = (1,)
+    cp_kinds: tuple[str, ...] = ("ring", "ulysses")
+    more: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A named pruning rule: ``allows(strategy, options)`` is False when the strategy is pruned."""
+
+    name: str
+    allows: Callable[[Any, SpaceOptions], bool]
+    doc: str
+
+
+def rule(fn: Callable[[Any, SpaceOptions], bool]) -> Rule:
+    """A :class:`Rule` named after ``fn`` (leading underscores dropped), its docstring the doc."""
+    return Rule(fn.__name__.lstrip("_"), fn, (fn.__doc__ or "").strip())
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a strategy. ``position`` orders the fields in the strategy (its positional
+    arguments and sort order), in the decision tree and in the plan JSON. ``values(options, n,
+    chosen)`` lists the values the tree tries given the fields chosen so far (``n``: devices per
+    stage); ``derive(n, chosen)`` computes a field the tree does not enumerate; neither: the default
+    only. ``check(value)`` returns what is wrong with a value, or ``None``. ``in_json``: written in
+    the plan's per-layer JSON; ``json_required``: a plan layer without it is refused (the fields
+    every plan had from the start; a later dimension's key reads as its default when absent, so
+    plans written before it load unchanged)."""
+
+    name: str
+    type: type
+    default: Any
+    position: int
+    values: Callable[[SpaceOptions, int, dict], Iterable] | None = None
+    derive: Callable[[int, dict], Any] | None = None
+    check: Callable[[Any], str | None] | None = None
+    in_json: bool = True
+    json_required: bool = False
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A dimension's answer for the layers of one model: ``admits(layer, strategy)``: whether the
+    layer may run the strategy; ``prefers(layer, strategy)``: among the admitted ones, whether it is
+    worth offering (a TP degree that shards nothing is offered only where nothing else is)."""
+
+    admits: Callable[[int, Any], bool] | None = None
+    prefers: Callable[[int, Any], bool] | None = None
+
+
+@dataclass(frozen=True)
+class Dimension:
+    """One per-layer parallel dimension (module docstring)."""
+
+    name: str
+    fields: tuple[Field, ...]
+    rules: tuple[Rule, ...] = ()
+    admission: Callable[[Any, Mapping], Admission] | None = None
+    label: Callable[[Any], list[tuple[int, str]]] | None = None
+    explain: Callable[[list], list[str]] | None = None
+    passes: tuple[str, ...] = ()
+    runtime: tuple[str, ...] = ()
+    properties: Mapping[str, property] = field(default_factory=dict)
+    checks: tuple[Callable[[Any], str | None], ...] = ()
+    constraints: tuple[str, ...] = ()
+    space_options: Callable[[Mapping], Mapping] | None = None
+
+
+def as_list(value: Any, what: str, cast: Callable = int) -> list | None:
+    """A constraint given as one value or a list, as a list (None when not given)."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, (int, str)) and not isinstance(value, bool) else value
+    try:
+        out = [cast(v) for v in items]
+    except (TypeError, ValueError):
+        raise ConfigError(f"constraint {what} must be one value or a list of them, got {value!r}") from None
+    if not out:
+        raise ConfigError(f"constraint {what} must not be empty")
+    return out
+
+
+def positive_int(value: Any) -> str | None:
+    """A field check: an int >= 1 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return f"must be an int >= 1, got {value!r}"
+    return None
+
+
+def a_bool(value: Any) -> str | None:
+    """A field check: a bool."""
+    return None if isinstance(value, bool) else f"must be a bool, got {value!r}"
+
+
+def one_of(choices: tuple) -> Callable[[Any], str | None]:
+    """A field check: one of ``choices``."""
+    def check(value: Any) -> str | None:
+        return None if value in choices else f"must be one of {choices}, got {value!r}"
+    return check
+
+
+def is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0

@@ -1,0 +1,26 @@
+"""Activation checkpointing: field ``ckpt``.
+
+A checkpointed layer keeps only its inputs through the forward and recomputes its forward in the
+backward. Rewritten by ``passes/checkpointing.py``; run by ``runtime/checkpointing.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import Dimension, Field, SpaceOptions, a_bool, rule
+
+
+def _ckpt_switch(s: Any, o: SpaceOptions) -> bool:
+    """``ckpt=False`` in the options drops the checkpointed strategies."""
+    return not s.ckpt or o.ckpt
+
+
+DIMENSION = Dimension(
+    name="checkpointing",
+    fields=(Field("ckpt", bool, False, 50, values=lambda o, n, c: (False, True), check=a_bool, json_required=True),),
+    rules=(rule(_ckpt_switch),),
+    label=lambda s: [(70, "ckpt")] if s.ckpt else [],
+    passes=("checkpointing",),
+    runtime=("runtime.checkpointing",),
+)

@@ -1,0 +1,104 @@
+"""The dimension registry (galvatron_fx/dims): the strategy, the space, the admission, the plan JSON
+and explain() are read from it, so a dimension added to it reaches each of them."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import types
+
+import pytest
+
+import galvatron_fx as gfx
+from galvatron_fx import dims
+from galvatron_fx.dims import Admission, Dimension, Field, SpaceOptions
+from galvatron_fx.dims.base import a_bool, rule
+from galvatron_fx.passes import REWRITE_ORDER
+from galvatron_fx.plan import LayerPlan
+from galvatron_fx.solver.strategy import Strategy, strategy_space
+
+
+def test_the_strategy_is_the_registered_fields_in_order():
+    names = [f.name for f in dataclasses.fields(Strategy)]
+    assert names == [f.name for f in dims.fields()]
+    assert names[:8] == ["tp", "dp", "sdp", "sp", "ckpt", "ep", "cp", "cp_kind"]   # positional order kept
+    assert len({f.position for f in dims.fields()}) == len(names)
+
+
+def test_every_dimension_names_passes_and_runtime_modules_that_exist():
+    claimed = [p for d in dims.DIMENSIONS for p in d.passes]
+    assert len(claimed) == len(set(claimed)), "a pass belongs to one dimension"
+    for d in dims.DIMENSIONS:
+        for p in d.passes:
+            importlib.import_module(f"galvatron_fx.passes.{p}")
+            assert p in REWRITE_ORDER, (d.name, p)
+        for r in d.runtime:
+            importlib.import_module(f"galvatron_fx.{r}")
+        assert all(r.doc for r in d.rules), d.name
+
+
+def test_plan_json_keys_come_from_the_registry():
+    lp = LayerPlan("blocks.0", 2, 4, "zero3", True, True, ep=2, cp=2, cp_kind="ulysses")
+    d = lp.to_dict()
+    assert {f.name for f in dims.json_fields()} <= set(d) and "expert_tp" not in d
+    again = LayerPlan.from_dict(d, 0)
+    assert again == lp and again.strategy == Strategy(2, 4, "zero3", True, True, 2, 2, "ulysses")
+    old = {k: v for k, v in d.items() if k not in ("ep", "cp", "cp_kind")}   # a plan written before EP / CP
+    assert LayerPlan.from_dict(old, 0).strategy == Strategy(2, 4, "zero3", True, True)
+    with pytest.raises(gfx.ConfigError, match="missing key"):
+        LayerPlan.from_dict({k: v for k, v in d.items() if k != "sdp"}, 0)
+
+
+def _toy() -> Dimension:
+    """A dimension the package does not have: ``offload`` (bool), offered when the constraint asks."""
+    def _offload_needs_dp(s, o):
+        """Offloading is offered with data parallelism only (a stand-in rule)."""
+        return not s.offload or s.dp > 1
+
+    def admission(cost_model, constraints):
+        return Admission(admits=lambda layer, s: not s.offload or layer != 0)
+
+    return Dimension(
+        "offload", (Field("offload", bool, False, 95, check=a_bool,
+                          values=lambda o, n, c: (False, True) if o.more.get("offload") else (False,)),),
+        rules=(rule(_offload_needs_dp),), admission=admission,
+        label=lambda s: [(80, "offload")] if s.offload else [],
+        explain=lambda layers: [f"offload: {sum(bool(lp.value('offload')) for lp in layers)} layer(s)"],
+        constraints=("offload",), space_options=lambda c: {"offload": bool(c.get("offload"))})
+
+
+def test_a_registered_dimension_reaches_the_space_the_admission_the_label_and_explain(monkeypatch):
+    toy = _toy()
+    monkeypatch.setattr(dims, "DIMENSIONS", dims.DIMENSIONS + (toy,))
+    make = types.SimpleNamespace
+    opts = SpaceOptions(4, more=dims.space_options({"offload": True}))
+    tree = list(dims.enumerate_strategies(make, opts))
+    plain = list(dims.enumerate_strategies(make, SpaceOptions(4)))
+    assert len(tree) == 2 * len(plain) and {s.offload for s in tree} == {False, True}
+    kept = [s for s in tree if all(r.allows(s, opts) for r in dims.rules())]
+    assert kept and all(not s.offload or s.dp > 1 for s in kept)
+    assert "offload_needs_dp" in [r.name for r in dims.rules()] and "offload" in dims.constraint_keys()
+    s = make(tp=2, dp=2, sdp="zero3", sp=False, ckpt=True, ep=1, cp=1, cp_kind="ring", expert_tp=True, offload=True)
+    assert dims.label(s) == "tp2·dp2·zero3·ckpt·offload"
+
+    class _Model:   # the cost model's analyses, as the admissions read them
+        def tp_analysis(self, layer, tp, sp=False):
+            return types.SimpleNamespace(sharded_params=["w"])
+
+        def experts(self, layer):
+            return None
+
+        def cp_refuses(self, layer, cp, kind, tp):
+            return None
+    admits, _ = dims.admission(_Model())
+    assert admits(1, s) and not admits(0, s)
+    assert dims.explain_lines([LayerPlan("a", 1, 2, extra={"offload": True})])[-1] == "offload: 1 layer(s)"
+    assert dims.extra_fields(s, frozenset({"tp", "dp", "sdp", "sp", "ckpt", "ep", "cp", "cp_kind"})) == {"offload": True}
+
+
+def test_the_space_is_the_product_the_rules_filter():
+    for n in (1, 2, 4, 8, 16):
+        space = strategy_space(n, ep=(1, 2), cp=(1, 2))
+        o = SpaceOptions(n, ep=(1, 2), cp=(1, 2))
+        product = [s for s in dims.enumerate_strategies(Strategy, o) if all(r.allows(s, o) for r in dims.rules())]
+        assert space == product and len(set(space)) == len(space)
