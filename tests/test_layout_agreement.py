@@ -10,7 +10,7 @@ import itertools
 import pytest
 
 from galvatron_fx.cost.context import cp_block, cp_group
-from galvatron_fx.cost.model import dp_group, ep_group, expert_dp_group, tp_group
+from galvatron_fx.cost.records import dp_group, ep_group, expert_dp_group, tp_group
 from galvatron_fx.layout import Layout
 from galvatron_fx.parallelize import _rank_sets
 from galvatron_fx.plan import Plan

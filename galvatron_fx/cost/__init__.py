@@ -15,8 +15,9 @@ from .context import LayerAttention, cp_attention_time, cp_messages, find_attent
 from .extract import LayerGraph, extract_layer, retarget_devices, roles_from_analysis
 from .measure import SDPA_FORMULAS, Affine, LayerMeasure, flop_counter, measure_layer
 from .memory import OPTIMIZER_STATES, StatesBytes, states_bytes
-from .model import B, CostModel, LayerCost, dp_group, tp_group
+from .model import CostModel
 from .profile import PROFILE_CALLS, cache_dir, profile_layer
+from .records import B, LayerCost, dp_group, tp_group
 
 __all__ = [
     "Affine", "B", "CostModel", "LayerCost", "LayerGraph", "LayerMeasure", "OPTIMIZER_STATES",

@@ -1,5 +1,11 @@
 """The cost model the search consumes: per-layer time and memory for a strategy and micro-batch.
 
+:class:`CostModel` assembles a layer's :class:`~.records.LayerCost` here (``layer_cost``: the data
+parallel and ZeRO terms, experts' dispatch, context parallelism, a layout change, the symbolic
+form); what each layer is comes from :class:`~.layer_queries.LayerQueries`, its compute, TP and
+overhead times from :class:`~.time_terms.TimeTerms`, the records and rank groups from
+:mod:`.records`.
+
 ``micro_batch_size`` ``b`` is the samples of one micro-batch across the whole stage (all ``dp``
 ranks together, as :attr:`galvatron_fx.plan.Plan.micro_batch_size`); one device runs ``n = b / dp``.
 
@@ -67,8 +73,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
-from dataclasses import asdict, dataclass
 
 import sympy
 import torch
@@ -77,15 +81,9 @@ import torch.fx
 from ..cluster import Cluster, normalize_dtype
 from ..errors import ConfigError
 from ..ir import META_KEY, TORCH_DTYPES
-from ..layout import Layout
-from ..sharding.experts import MoEBlock, layer_blocks
-from ..sharding.state import tensor_val
 from ..solver.strategy import Strategy
 from ..units import parse_bytes
 from .context import (
-    NO_ATTENTION,
-    LayerAttention,
-    LayerSequenceTerms,
     SplitIntercepts,
     attention_flops,
     cp_attention_ops,
@@ -93,130 +91,26 @@ from .context import (
     cp_compute_time,
     cp_group,
     cp_transient_bytes,
-    layer_attention,
-    layer_sequence_terms,
     layout_time,
 )
 from .extract import LayerGraph, capture_batch, extract_layer, needs_grad, roles_from_analysis
+from .layer_queries import LayerQueries
 from .measure import LayerMeasure, measure_layer
-from .memory import StatesBytes, states_bytes
-
-ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
-PRECISION_DTYPES = {"fp32": ("fp32", False), "bf16-mixed": ("bf16", True), "fp16-mixed": ("fp16", True)}
-"""precision -> (compute / storage dtype of parameters, gradients and activations, fp32 masters)."""
-B = sympy.Symbol("b", positive=True)
-"""The micro-batch size symbol of :meth:`CostModel.symbolic`."""
-
-
-@dataclass(frozen=True)
-class LayerCost:
-    """One layer under one strategy and micro-batch size, per device. Seconds and bytes.
-
-    ``fwd_s``/``bwd_s``/``tp_comm_s``/``zero3_gather_s``/``reduce_scatter_s`` (ZeRO-2/3's gradient
-    reduce-scatter)/``overhead_s``/``activation_bytes``/``output_bytes`` are per micro-batch; ``grad_sync_s``, ``optimizer_s``, ``exposed_sync_s`` (the
-    part of ``grad_sync_s`` no backward can hide: the last gradient bucket's share) and
-    ``regather_s`` (ZeRO-2's all-gather of the updated shards, beside the next forward) per step; ``param_bytes``/``grad_bytes``/``optimizer_bytes``/
-    ``master_bytes`` (fp32 masters of a mixed plan)/``transient_bytes`` are resident (transient:
-    the layer's largest temporary buffer). Under a split (zero-bubble) backward the layer also
-    takes ``split_extra_s`` more per micro-batch (torch's split walks the graph and re-runs each
-    parameter's consumer: the cluster's ``split_backward_op_s`` per op; a checkpointed layer
-    recomputes its forward in both the input- and the weight-gradient pass) and holds
-    ``split_held_bytes`` (ZeRO-3's gathered buffer, kept from a micro-batch's input-gradient pass to
-    its weight-gradient pass) and, per micro-batch between those passes, ``split_wgrad_bytes`` (the
-    gradients of the outputs where parameters meet activations, which the weight pass starts from).
-    """
-
-    fwd_s: float
-    bwd_s: float
-    tp_comm_s: float
-    grad_sync_s: float
-    zero3_gather_s: float
-    param_bytes: float
-    grad_bytes: float
-    optimizer_bytes: float
-    activation_bytes: float
-    transient_bytes: float
-    output_bytes: float
-    master_bytes: float = 0.0
-    overhead_s: float = 0.0
-    optimizer_s: float = 0.0
-    exposed_sync_s: float = 0.0
-    regather_s: float = 0.0
-    reduce_scatter_s: float = 0.0
-    split_extra_s: float = 0.0
-    split_held_bytes: float = 0.0
-    split_wgrad_bytes: float = 0.0
-
-    @property
-    def states_bytes(self) -> float:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.master_bytes
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class LayerParams:
-    """Element counts of the parameters a layer owns: TP-sharded and replicated."""
-
-    sharded: int
-    replicated: int
-
-
-@dataclass(frozen=True)
-class LayerExperts:
-    """A layer's experts blocks (:mod:`galvatron_fx.sharding.experts`) as expert parallelism prices
-    them: the expert weights' names, the experts per block (``ep`` must divide each), the router's
-    ``top_k``, the tokens' width and the tokens per sample (sequence positions)."""
-
-    fqns: frozenset
-    num_experts: tuple[int, ...]
-    top_k: int
-    hidden: int
-    tokens_per_sample: float
-    loops: tuple = ()   # loop-form blocks: per block, per expert, its parameters' names (whole, not [E, ...])
-
-    def held(self, ep: int) -> dict[str, bool]:
-        """Loop experts' parameter name -> whether EP rank 0 of ``ep`` holds it (the first ``E / ep``
-        experts; every EP rank holds as many of one shape)."""
-        return {f: e < len(block) // ep for block in self.loops for e, names in enumerate(block) for f in names}
-
-    def allows(self, ep: int) -> bool:
-        return all(e % ep == 0 for e in self.num_experts)
-
-    def needing_fraction(self, ep: int) -> float:
-        """Share of a source's tokens one EP rank must see (uniform routing): those with at least
-        one of their ``top_k`` experts among its ``E / ep``: ``1 - C(E - E/ep, k) / C(E, k)``."""
-        e = min(self.num_experts)
-        return 1.0 - math.comb(e - e // ep, self.top_k) / math.comb(e, self.top_k)
-
-
-def expert_dp_group(strategy: Strategy, expert_tp: bool = False) -> list[int]:
-    """Ranks holding the first EP rank's expert weights: every ``ep``-th DP rank, every TP rank
-    (``expert_tp``: TP position 0 only, the others hold other slices)."""
-    s = strategy
-    return list(Layout(s.tp, s.dp, ep=s.ep, etp=expert_tp).expert_dp_ranks(0))
-
-
-def ep_group(strategy: Strategy) -> list[int]:
-    """Ranks of the first EP group: ``ep`` consecutive DP ranks (:class:`~galvatron_fx.layout.Layout`)."""
-    return list(Layout(strategy.tp, strategy.dp, ep=strategy.ep).ep_ranks(0))
-
-
-def tp_group(strategy: Strategy) -> list[int]:
-    """Ranks of the first TP group of a stage (consecutive; :class:`~galvatron_fx.layout.Layout`)."""
-    return list(Layout(strategy.tp, strategy.dp).tp_ranks(0))
-
-
-def dp_group(strategy: Strategy) -> list[int]:
-    """Ranks of the first data-parallel group of a stage (strided by ``tp``; :class:`~galvatron_fx.layout.Layout`)."""
-    return list(Layout(strategy.tp, strategy.dp).dp_ranks(0))
-
-
-_CALLS = ("call_function", "call_method", "call_module")
-_FREE = (operator.getitem,)
-PROFILE_MAX_PARAM_BYTES = 64 * 2**20
-"""Largest layer (fp32 parameter bytes) :func:`default_mode` profiles on a measured cluster."""
+from .records import (
+    CALL_OPS,
+    FREE_TARGETS,
+    ITEMSIZE,
+    PRECISION_DTYPES,
+    PROFILE_MAX_PARAM_BYTES,
+    B,
+    LayerCost,
+    LayerParams,
+    dp_group,
+    ep_group,
+    expert_dp_group,
+    tp_group,
+)
+from .time_terms import TimeTerms
 
 
 def default_mode(cluster: Cluster, cost: CostModel) -> str:
@@ -233,7 +127,7 @@ def default_mode(cluster: Cluster, cost: CostModel) -> str:
     return "profiled" if 4 * biggest <= PROFILE_MAX_PARAM_BYTES else "analytic"
 
 
-class CostModel:
+class CostModel(LayerQueries, TimeTerms):
     """Per-layer costs of a captured graph on a cluster (module docstring for the rules).
 
     ``mode="analytic"`` prices FLOPs with the cluster's compute rate; ``"profiled"`` times the
@@ -309,7 +203,7 @@ class CostModel:
             self.graphs[rec.signature] = graph
             self.measures[rec.signature] = measure_layer(graph, compute_dtype=self.compute_dtype,
                                                          attention=self.attention_target)
-        self.op_counts = {sig: sum(n.op in _CALLS and n.target not in _FREE for n in g.gm.graph.nodes)
+        self.op_counts = {sig: sum(n.op in CALL_OPS and n.target not in FREE_TARGETS for n in g.gm.graph.nodes)
                           for sig, g in self.graphs.items()}
         """Ops (fx call nodes, getitem excluded) per layer signature: what ``op_launch_s`` prices."""
         if self.mode is None:
@@ -317,338 +211,10 @@ class CostModel:
         self._profiles: dict[tuple, dict] = {}
 
     # ------------------------------------------------------------------ inputs
-    def _moe(self) -> tuple[dict, dict]:
-        """``(layer -> LayerExperts, layer -> names of its experts blocks' nodes)``, cached.
-        NOTE: no fx nodes are kept: the cost model lives in the graph's metadata, which the
-        rewrite passes deep-copy."""
-        if "_moe_info" not in self.__dict__:
-            experts, names = {}, {}
-            for i, blocks in layer_blocks(self.gm).items():
-                if not all(isinstance(b, MoEBlock) for b in blocks):
-                    continue
-                x = tensor_val(blocks[0].x)
-                loops = tuple(tuple(tuple(p.target for p in ps) for ps in b.loop.params) for b in blocks if b.loop)
-                experts[i] = LayerExperts(frozenset(p.target for b in blocks for p in b.params),
-                                          tuple(b.num_experts for b in blocks), blocks[0].top_k, int(x.shape[1]),
-                                          int(x.shape[0]) / capture_batch(self.gm), loops)
-                names[i] = frozenset(n.name for b in blocks for n in b.nodes)
-            self._moe_info = (experts, names)
-        return self._moe_info
 
-    def experts(self, index: int) -> LayerExperts | None:
-        """Layer ``index``'s experts, or None when it has none expert parallelism can split."""
-        return self._moe()[0].get(index)
-
-    def attention(self, index: int) -> LayerAttention:
-        """Layer ``index``'s attention as context parallelism prices it (:mod:`.context`), cached
-        for every layer at once (no fx nodes kept)."""
-        if "_attention" not in self.__dict__:
-            self._attention = layer_attention(self.gm, capture_batch(self.gm))
-        return self._attention.get(index, NO_ATTENTION)
-
-    def sequence_length(self) -> int:
-        """The captured sequence length as the context-parallel pass reads it: dim 1 of the first
-        graph input with two or more dims (0 when there is none)."""
-        if "_seq_len" not in self.__dict__:
-            from ..sharding.sequence import sequence_length
-
-            self._seq_len = sequence_length(self.gm) or 0
-        return self._seq_len
-
-    def cp_sequence(self, index: int, cp: int) -> LayerSequenceTerms:
-        """The context-parallel pass's analysis of layer ``index`` at degree ``cp``, as costs
-        (:func:`.context.layer_sequence_terms`; cached per signature and degree)."""
-        key = (self.layers[index].signature, cp)
-        cache = self.__dict__.setdefault("_cp_seq", {})
-        if key not in cache:
-            graph = self.graphs[self.layers[index].signature]
-            cache[key] = layer_sequence_terms(graph.gm, self.sequence_length(), cp, graph.batch,
-                                              self.layers[index].name)
-        return cache[key]
-
-    def cp_refuses(self, index: int, cp: int, kind: str = "ring", tp: int = 1) -> str:
-        """Why layer ``index`` cannot run at context-parallel degree ``cp`` with ``kind`` under TP
-        degree ``tp`` ("" when it can), as the context-parallel pass would refuse it: no sequence
-        to split or one ``cp`` does not divide, a layer mixing the samples of a batch (it runs on
-        the whole batch), the sequence analysis' reason, or its attention's
-        (:meth:`.context.LayerAttention.refuses`)."""
-        if cp == 1:
-            return ""
-        seq = self.sequence_length()
-        if seq < 2 or seq % cp:
-            return f"its inputs' sequence of {seq} positions does not split into cp={cp} shards"
-        if self.layers[index].batch_coupled:
-            return "it mixes the samples of a batch (it runs on the whole batch)"
-        refused = self.cp_sequence(index, cp).refused
-        return refused or self.attention(index).refuses(cp, kind, tp)
-
-    def expert_tp_of(self, index: int, strategy: Strategy) -> int:
-        """The TP degree layer ``index``'s expert weights are sharded over under ``strategy``:
-        ``tp`` under expert tensor parallelism (:attr:`Strategy.shards_experts`, grouped experts
-        split by ``ep > 1``), else 1 (whole over TP: the TP ranks split the tokens)."""
-        ex = self.experts(index)
-        on = strategy.shards_experts and self.ep_of(index, strategy) > 1 and ex is not None and not ex.loops
-        return strategy.tp if on else 1
-
-    def ep_of(self, index: int, strategy: Strategy) -> int:
-        """The expert-parallel degree layer ``index`` runs at under ``strategy`` (1 where it has no
-        experts, or ``ep`` does not divide their number: the search never offers that)."""
-        if strategy.ep == 1:
-            return 1
-        ex = self.experts(index)
-        return strategy.ep if ex is not None and ex.allows(strategy.ep) else 1
-
-    def _owned_params(self, index: int) -> dict[str, int]:
-        """fqn -> elements of the parameters (trainable and frozen) layer ``index`` owns (tied
-        weights: the first user)."""
-        if self._owned is None:
-            self._owned = [{} for _ in self.layers]
-            for n in self.gm.graph.nodes:
-                info = n.meta.get(META_KEY)
-                if n.op == "get_attr" and info is not None and info.layer is not None \
-                        and info.param is not None and info.param.is_param:
-                    self._owned[info.layer][info.param.fqn] = info.param.numel
-                    self._shapes[info.layer][info.param.fqn] = tuple(info.param.shape)
-                    if not info.param.requires_grad:
-                        self._frozen.add(info.param.fqn)
-        return self._owned[index]
-
-    def split_shapes(self, index: int, tp: int, ep: int = 1) -> tuple[list, list]:
-        """:meth:`layer_shapes` split into the trainable parameters' and the frozen ones' (the
-        runtime's two buffers per layer); with ``ep > 1`` the expert weights' are left out (their
-        own buffers: :meth:`expert_shapes`)."""
-        shapes = self.layer_shapes(index, tp, ep)
-        experts = self.experts(index).fqns if ep > 1 else frozenset()
-        fqns = list(self._owned_params(index))
-        train = [s for f, s in zip(fqns, shapes) if f not in self._frozen and f not in experts]
-        return train, [s for f, s in zip(fqns, shapes) if f in self._frozen and f not in experts]
-
-    def expert_shapes(self, index: int, ep: int, tp: int = 1) -> tuple[list, list]:
-        """This rank's expert weights of layer ``index`` under ``ep`` (``E / ep`` experts each, whole
-        over TP, or with ``tp > 1`` (expert tensor parallelism) this TP rank's width slice of each),
-        trainable and frozen: the shapes of its expert buffers."""
-        ex = self.experts(index)
-        held = ex.held(ep)   # a loop's experts: whole, E / ep of them
-        local = dict(zip(self._owned_params(index), self.layer_shapes(index, tp, ep, expert_tp=tp > 1)))
-        shapes = {f: s if f in held else (s[0] // ep, *s[1:]) for f, s in local.items()
-                  if f in ex.fqns and held.get(f, True)}
-        return ([s for f, s in shapes.items() if f not in self._frozen],
-                [s for f, s in shapes.items() if f in self._frozen])
-
-    def layer_shapes(self, index: int, tp: int, ep: int = 1, expert_tp: bool = False) -> list[tuple[int, ...]]:
-        """TP-local shapes of the parameters layer ``index`` owns at degree ``tp``, as the runtime's
-        flat buffer holds them (a sharded dim keeps ``block / tp`` of every block): the input of
-        the buffer layout (:func:`galvatron_fx.runtime.zero_layout.zero_layout`). ``ep > 1``: the
-        experts and their routers stay whole over TP (``expert_tp``: only the routers)."""
-        key = (index, tp, ep > 1, expert_tp and ep > 1)
-        if key not in self._local_shapes:
-            owned = self._owned_params(index)
-            shapes = [self._shapes[index][fqn] for fqn in owned]
-            analysis = self.tp_analysis(index, tp, ep=ep, expert_tp=expert_tp) if tp > 1 else None
-            if analysis is not None and not isinstance(analysis, Exception):
-                rep = {shard.fqn: shard for shard in analysis.param_shards.values()}
-                for i, fqn in enumerate(self._owned_params(analysis.layer)):   # same order (see below)
-                    shard = rep.get(fqn)
-                    if shard is not None and i < len(shapes):
-                        shape = list(shapes[i])
-                        shape[shard.dim] = sum(b // shard.tp for b in shard.blocks)
-                        shapes[i] = tuple(shape)
-            self._local_shapes[key] = shapes
-        return self._local_shapes[key]
-
-    def tp_analysis(self, index: int, tp: int, sp: bool = False, ep: int = 1, expert_tp: bool = False):
-        """The tensor-parallel pass's own analysis of layer ``index`` at degree ``tp`` (with sequence
-        parallelism: ``sp``; ``ep > 1``: experts split by expert, left whole unless ``expert_tp``;
-        cached per signature),
-        or the :class:`ConfigError` it raises when the layer cannot take that degree (heads, widths,
-        or a sequence length not divisible by tp)."""
-        key = (self.layers[index].signature, tp) + ((True,) if sp else ()) + (("ep",) if ep > 1 else ()) \
-            + (("etp",) if ep > 1 and expert_tp else ())
-        if key not in self._tp:
-            from ..sharding.analysis import analyze_layer
-
-            # with the layers sharing its weights
-            self._tp[key] = analyze_layer(self.gm, index, tp, sp, ep, expert_tp)
-        return self._tp[key]
-
-    def layer_params(self, index: int, tp: int, trainable_only: bool = False, ep: int = 1) -> LayerParams:
-        """Owned parameter elements of layer ``index`` (``trainable_only``: without the frozen
-        ones), split by whether TP at degree ``tp`` shards them, exactly as
-        :mod:`galvatron_fx.passes.tensor_parallel` will (vocabularies that do not divide, or
-        linears feeding a norm, stay replicated); ``ep > 1``: without the expert weights (split by
-        expert: :meth:`expert_shapes`)."""
-        key = (index, tp, trainable_only, ep > 1)
-        if key not in self._params:
-            self._params[key] = self._layer_params(index, tp, trainable_only, ep)
-        return self._params[key]
-
-    def _layer_params(self, index: int, tp: int, trainable_only: bool, ep: int = 1) -> LayerParams:
-        owned = self._owned_params(index)
-        experts = self.experts(index).fqns if ep > 1 else frozenset()
-        keep = [not (trainable_only and fqn in self._frozen) and fqn not in experts for fqn in owned]
-        analysis = self.tp_analysis(index, tp, ep=ep) if tp > 1 else None
-        if analysis is None or isinstance(analysis, Exception):
-            return LayerParams(0, sum(n for k, n in zip(keep, owned.values()) if k))
-        # NOTE: the analysis is cached per signature: it may come from another layer of the same
-        # structure, whose parameters correspond to these one to one, in graph order.
-        rep_owned = self._owned_params(analysis.layer)
-        rep_sharded = {shard.fqn for shard in analysis.param_shards.values()}
-        flags = [fqn in rep_sharded for fqn in rep_owned]
-        sharded = sum(n for flag, k, n in zip(flags, keep, owned.values()) if flag and k)
-        return LayerParams(sharded, sum(n for k, n in zip(keep, owned.values()) if k) - sharded)
-
-    def measure(self, index: int) -> LayerMeasure:
-        return self.measures[self.layers[index].signature]
 
     # ------------------------------------------------------------------ public figures
-    def states_bytes(self, index: int, strategy: Strategy, dp_index: int = 0, tp_index: int = 0) -> StatesBytes:
-        """Per-device parameter, gradient and optimizer-state bytes of layer ``index`` (frozen
-        parameters: their weights only); ``dp_index``: which rank of the DP group (0, the default,
-        holds the most: ZeRO shards are cut ``ceil(rows / dp)`` rows per rank). Under expert
-        parallelism the expert weights are ``E / ep`` experts whole over TP (expert tensor
-        parallelism: ``1 / tp`` of their width), sharded (ZeRO) over the ranks holding the same
-        slice (``tp_index``: the rank's place in its TP group)."""
-        ep = self.ep_of(index, strategy)
-        p = self.layer_params(index, strategy.tp, trainable_only=True, ep=ep)
-        train, frozen = self.split_shapes(index, strategy.tp, ep)
-        kw = dict(itemsize=self.itemsize, mixed_precision=self.mixed_precision, optimizer=self.optimizer)
-        st = states_bytes(p.sharded, p.replicated, strategy, shapes=train, frozen_shapes=frozen,
-                          dp_index=dp_index, **kw)
-        if ep == 1:
-            return st
-        xtp = self.expert_tp_of(index, strategy)
-        train, frozen = self.expert_shapes(index, ep, xtp)
-        slot = dp_index // ep if xtp > 1 else dp_index // ep * strategy.tp + tp_index
-        ex = states_bytes(0, sum(math.prod(s) for s in train), self._expert_strategy(strategy, xtp > 1),
-                          shapes=train, frozen_shapes=frozen, dp_index=slot, **kw)
-        return StatesBytes(st.params + ex.params, st.grads + ex.grads, st.optimizer + ex.optimizer,
-                           st.masters + ex.masters)
 
-    @staticmethod
-    def _expert_strategy(s: Strategy, expert_tp: bool = False) -> Strategy:
-        """How a layer's expert buffers are held under ``s``: data-parallel (ZeRO as ``s``) over the
-        ``tp * dp / ep`` ranks holding the same experts whole over TP, or (``expert_tp``) the
-        ``dp / ep`` ranks holding the same width slice."""
-        return Strategy(1, (1 if expert_tp else s.tp) * s.dp // s.ep, s.sdp, False, s.ckpt)
-
-    def boundary_bytes(self, index: int, micro_batch_size: float) -> float:
-        """Bytes of the activations layer ``index`` hands to later layers for ``micro_batch_size``
-        samples (whole micro-batch, unsharded): what a pipeline boundary after it sends in total."""
-        return self.measure(index).output_elems(micro_batch_size) * self.itemsize
-
-    def _fwd_flops(self, m: LayerMeasure, n: float, s: Strategy) -> tuple[float, float]:
-        rep_div = s.tp if s.sp else 1
-        fs, fr = m.fwd_flops_sharded(n), m.fwd_flops_rep(n)
-        total = fs + fr
-        fwd = fs / s.tp + fr / rep_div
-        bwd = m.bwd_flops(n) * (fwd / total if total else 1.0)
-        return fwd, bwd
-
-    def _tp_comm(self, m: LayerMeasure, n: float, s: Strategy, fwd_s: float = 0.0, bwd_s: float = 0.0) -> float:
-        """Seconds per micro-batch of the layer's TP collectives, with the runtime's work at each site
-        and the ranks' drift: each collective is a blocking sync after a stretch of the layer's
-        compute (``fwd_s`` / ``bwd_s`` shared evenly by the pass's collectives), whose wait grows
-        with the stretch (:meth:`Cluster.sync_wait`)."""
-        if s.tp == 1:
-            return 0.0
-        group = tp_group(s)
-        c = self.cluster
-        site = c.op_launch_s + c.op_launch_bwd_s   # the site's autograd Function (forward + backward node)
-        per_site = 2 if s.sp else 1   # collectives per site: all-gather and reduce-scatter under SP
-
-        def drift(compute_s: float, sites: int) -> float:
-            calls = sites * per_site
-            return calls * c.sync_wait(compute_s / calls) if calls else 0.0
-
-        def one(elems: float) -> float:
-            nbytes = elems * self.itemsize
-            if s.sp:
-                # NOTE: runtime/tp_ops.py copies the chunk and the whole (movedim + contiguous on
-                # each side of the all-gather and of the reduce-scatter)
-                copies = 2 * (nbytes + nbytes / s.tp)
-                return (c.collective_time("all_gather", nbytes, group)
-                        + c.collective_time("reduce_scatter", nbytes, group)
-                        + copies * c.copy_s_per_byte + 2 * site)
-            # NOTE: the all-reduce runs on a copy of its input (the Function's output may not alias it)
-            return c.collective_time("all_reduce", nbytes, group) + nbytes * c.copy_s_per_byte + site
-
-        fwd = sum(one(f(n)) for f in m.fwd_allreduce) + drift(fwd_s, len(m.fwd_allreduce))
-        bwd = sum(one(f(n)) for f in m.bwd_allreduce) + drift(bwd_s, len(m.bwd_allreduce))
-        return fwd * (2 if s.ckpt else 1) + bwd
-
-    def _compute_times(self, index: int, n: float, s: Strategy) -> tuple[float, float]:
-        fwd, bwd = self._plain_compute_times(index, n, s)
-        m = self.measure(index)
-        if self.moe_imbalance > 1 and self.ep_of(index, s) > 1:
-            # NOTE: the busiest EP rank sets the pace: its experts' share of the layer's work scaled
-            total = m.fwd_flops_sharded(n) + m.fwd_flops_rep(n)
-            k = 1 + (self.moe_imbalance - 1) * (m.fwd_flops_expert(n) / total if total else 0.0)
-            fwd, bwd = fwd * k, bwd * k
-        return fwd, bwd
-
-    def _plain_compute_times(self, index: int, n: float, s: Strategy) -> tuple[float, float]:
-        m = self.measure(index)
-        if self.mode == "analytic":
-            fwd, bwd = self._analytic_times(index, m, n, s)
-            return fwd, bwd + (fwd if s.ckpt else 0.0)
-        # NOTE: checkpointing is priced as the analytic rule does (backward + a recomputed forward)
-        # on the plain layer's profile: timed under torch.utils.checkpoint at the small profiling
-        # sizes, the per-op saved-tensor hooks overstated the steps measured in training 1.3-2x
-        prof = self.profile(index, s)
-        fwd, bwd = prof["fwd"](n), prof["bwd"](n)
-        return fwd, bwd + (fwd if s.ckpt else 0.0)
-
-    def _analytic_times(self, index: int, m: LayerMeasure, n: float, s: Strategy) -> tuple[float, float]:
-        """``(forward, backward)`` device seconds of layer ``index`` for ``n`` samples under ``s``
-        from its measured work (module docstring, "FLOPs"): each forward matmul at its shape
-        (:meth:`Cluster.gemm_time`, the dim TP splits divided), the backward's matmul FLOPs at the
-        rate the forward's achieved (its matmuls are the forward's, transposed), the attention at the
-        fused kernel's rate, the other ops' bytes at the memory rate (the backward's split between
-        TP-sharded and replicated as the forward's)."""
-        c, dtype = self.cluster, self.dtype
-        rep_div = s.tp if s.sp else 1
-        fwd_f, bwd_f = self._fwd_flops(m, n, s)
-        gemm_s = gemm_f = 0.0
-        for split, dims in m.fwd_gemms:
-            b, rows, cols, depth = (f(n) for f in dims)
-            if split:
-                b, cols, depth = (b / s.tp if split == "b" else b, cols / s.tp if split == "n" else cols,
-                                  depth / s.tp if split == "k" else depth)
-            elif s.sp:
-                rows /= s.tp
-            gemm_s += c.gemm_time(b, rows, cols, depth, dtype)
-            gemm_f += 2 * b * rows * cols * depth
-        rate = gemm_f / gemm_s if gemm_s else c.achievable_flops(dtype)
-        # NOTE: FLOPs the matmul records miss (grouped expert matmuls) at the forward's rate too
-        fwd = gemm_s + max(fwd_f - gemm_f, 0.0) / rate
-        bwd = bwd_f / rate
-        sharded, rep = m.fwd_traffic_sharded(n), m.fwd_traffic_rep(n)
-        traffic = sharded / s.tp + rep / rep_div
-        fwd += c.memory_time(traffic)
-        bwd += c.memory_time(m.bwd_traffic(n) * (traffic / (sharded + rep) if sharded + rep else 1.0))
-        att = self.attention(index)
-        kw = dict(seq=att.kv_seq or None, head_dim=att.head_dim or None)
-        # NOTE: the attention heads split over TP (and stay split under SP)
-        fwd += c.attention_time(m.attn_fwd_flops(n) / s.tp, dtype, **kw)
-        bwd += c.attention_time(m.attn_bwd_flops(n) / s.tp, dtype, backward=True, **kw)
-        return fwd, bwd
-
-    def profile(self, index: int, s: Strategy) -> dict:
-        """Profiled ``{"fwd": Affine, "bwd": Affine}`` seconds per sample count for layer ``index``
-        under ``s``'s TP degree (without checkpointing: :meth:`_compute_times` adds the recompute)."""
-        from .profile import PROFILE_SIZES, profile_layer
-
-        sig = self.layers[index].signature
-        key = (sig, s.tp, s.sp, False)
-        if key not in self._profiles:
-            m = self.measures[sig]
-            fs, fr = m.fwd_flops_sharded(1), m.fwd_flops_rep(1)
-            dtype = TORCH_DTYPES[self.dtype]
-            self._profiles[key] = profile_layer(
-                self.graphs[sig], tp=s.tp, sp=s.sp, ckpt=False, dtype=dtype,
-                sharded_fraction=fs / (fs + fr) if fs + fr else 1.0,
-                sizes=self.profile_sizes or PROFILE_SIZES, cache=self.cache_dir, repeats=self.profile_repeats)
-        return self._profiles[key]
 
     def activation_bytes(self, index: int, strategy: Strategy, micro_batch_size: float) -> float:
         """Bytes saved for backward per micro-batch per device (see the module docstring)."""
@@ -874,57 +440,8 @@ class CostModel:
                                    if f not in self._frozen) * self.reduce_itemsize
         return self._grad_bytes
 
-    def _overheads(self, index: int, elems_tp: int, s: Strategy, device_s: float = 0.0) -> tuple[float, float]:
-        """``(overhead_s per micro-batch, optimizer_s per step)`` of layer ``index`` (module docstring).
-        On a GPU priced analytically the host's launches and bookkeeping run ahead of the device,
-        asynchronously: only what they take beyond the layer's ``device_s`` seconds is exposed."""
-        c = self.cluster
-        first = index == 0
-        overhead = c.layer_overhead_s + (c.microbatch_overhead_s if first else 0.0)
-        ops = self.op_counts[self.layers[index].signature]
-        if self.mode == "analytic":
-            overhead += ops * (c.op_launch_s * (2 if s.ckpt else 1) + c.op_launch_bwd_s)
-        if s.ckpt:
-            overhead += ops * getattr(c, "checkpoint_op_s", 0.0)
-        if self.mode == "analytic" and self.attention_target != "cpu":
-            overhead = max(0.0, overhead - device_s)
-        held = elems_tp if s.sdp == "none" else math.ceil(elems_tp / s.dp)
-        # NOTE: the user's optimizer steps one tensor per trainable parameter (runtime/params.py)
-        tensors = sum(1 for f in self._owned_params(index) if f not in self._frozen)
-        optimizer = (held * 4 * c.optimizer_s_per_byte + tensors * c.optimizer_overhead_s) if elems_tp else 0.0
-        if first and self.cluster.world_size > 1:
-            optimizer += c.collective_latency_s
-        return overhead, optimizer
-
-    def _copies(self, elems_tp: int, train_tp: int, s: Strategy) -> tuple[float, float]:
-        """``(seconds per micro-batch, seconds per step)`` of the runtime's copies around a layer
-        (galvatron_fx/runtime/data_parallel.py) at the cluster's ``copy_s_per_byte``: every pass
-        flattens the layer's gradients into one buffer (ZeRO: into the reduce-scatter staging) and
-        ZeRO-3 copies its parameters out of the all-gather staging twice (forward and backward);
-        once per step DP packs its gradients into buckets and ZeRO-2 copies out the re-gathered
-        parameters."""
-        per_byte = getattr(self.cluster, "copy_s_per_byte", 0.0)
-        if not per_byte:
-            return 0.0, 0.0
-        grads = train_tp * (self.itemsize if s.sdp == "none" else self.reduce_itemsize)
-        params = 2 * elems_tp * self.itemsize if s.sdp == "zero3" else 0.0
-        step = 0.0
-        if s.sdp == "none" and s.dp > 1 and self.bucket_bytes:
-            step = train_tp * self.reduce_itemsize
-        elif s.sdp == "zero2":
-            step = train_tp * self.itemsize
-        return (grads + params) * per_byte, step * per_byte
 
     # ------------------------------------------------------------------ resharding
-    def _gather_time(self, nbytes: float, have: Strategy, want: Strategy) -> float:
-        """Seconds to give each rank of layout ``want`` its slice from layout ``have``."""
-        sample_k = want.tp // have.tp if want.tp > have.tp else 1
-        seq_k = have.tp if have.sp and (not want.sp or want.tp != have.tp) else 1
-        if sample_k * seq_k == 1:
-            return 0.0
-        ranks = sorted({a + have.tp * k for a in range(seq_k) for k in range(sample_k)})
-        need = nbytes / want.dp / (want.tp if want.sp else 1)
-        return self.cluster.collective_time("all_gather", need, ranks)
 
     def reshard_time(self, index: int, prev: Strategy, next: Strategy, micro_batch_size: float) -> float:
         """Seconds per micro-batch to move the activation after layer ``index`` from ``prev``'s layout

@@ -1,0 +1,182 @@
+"""The time terms of one layer under a strategy: FLOPs and compute time (analytic or profiled), TP
+communication, fixed overheads, the runtime's copies and a layout change's gathers
+(:class:`TimeTerms`, a part of :class:`~galvatron_fx.cost.model.CostModel`; the module docstring of
+:mod:`galvatron_fx.cost.model` has the rules)."""
+
+from __future__ import annotations
+
+import math
+
+from ..ir import TORCH_DTYPES
+from ..solver.strategy import Strategy
+from .measure import LayerMeasure
+from .records import tp_group
+
+
+class TimeTerms:
+    """Compute, TP and overhead times of :class:`~galvatron_fx.cost.model.CostModel`."""
+
+    def _fwd_flops(self, m: LayerMeasure, n: float, s: Strategy) -> tuple[float, float]:
+        rep_div = s.tp if s.sp else 1
+        fs, fr = m.fwd_flops_sharded(n), m.fwd_flops_rep(n)
+        total = fs + fr
+        fwd = fs / s.tp + fr / rep_div
+        bwd = m.bwd_flops(n) * (fwd / total if total else 1.0)
+        return fwd, bwd
+
+    def _tp_comm(self, m: LayerMeasure, n: float, s: Strategy, fwd_s: float = 0.0, bwd_s: float = 0.0) -> float:
+        """Seconds per micro-batch of the layer's TP collectives, with the runtime's work at each site
+        and the ranks' drift: each collective is a blocking sync after a stretch of the layer's
+        compute (``fwd_s`` / ``bwd_s`` shared evenly by the pass's collectives), whose wait grows
+        with the stretch (:meth:`Cluster.sync_wait`)."""
+        if s.tp == 1:
+            return 0.0
+        group = tp_group(s)
+        c = self.cluster
+        site = c.op_launch_s + c.op_launch_bwd_s   # the site's autograd Function (forward + backward node)
+        per_site = 2 if s.sp else 1   # collectives per site: all-gather and reduce-scatter under SP
+
+        def drift(compute_s: float, sites: int) -> float:
+            calls = sites * per_site
+            return calls * c.sync_wait(compute_s / calls) if calls else 0.0
+
+        def one(elems: float) -> float:
+            nbytes = elems * self.itemsize
+            if s.sp:
+                # NOTE: runtime/tp_ops.py copies the chunk and the whole (movedim + contiguous on
+                # each side of the all-gather and of the reduce-scatter)
+                copies = 2 * (nbytes + nbytes / s.tp)
+                return (c.collective_time("all_gather", nbytes, group)
+                        + c.collective_time("reduce_scatter", nbytes, group)
+                        + copies * c.copy_s_per_byte + 2 * site)
+            # NOTE: the all-reduce runs on a copy of its input (the Function's output may not alias it)
+            return c.collective_time("all_reduce", nbytes, group) + nbytes * c.copy_s_per_byte + site
+
+        fwd = sum(one(f(n)) for f in m.fwd_allreduce) + drift(fwd_s, len(m.fwd_allreduce))
+        bwd = sum(one(f(n)) for f in m.bwd_allreduce) + drift(bwd_s, len(m.bwd_allreduce))
+        return fwd * (2 if s.ckpt else 1) + bwd
+
+    def _compute_times(self, index: int, n: float, s: Strategy) -> tuple[float, float]:
+        fwd, bwd = self._plain_compute_times(index, n, s)
+        m = self.measure(index)
+        if self.moe_imbalance > 1 and self.ep_of(index, s) > 1:
+            # NOTE: the busiest EP rank sets the pace: its experts' share of the layer's work scaled
+            total = m.fwd_flops_sharded(n) + m.fwd_flops_rep(n)
+            k = 1 + (self.moe_imbalance - 1) * (m.fwd_flops_expert(n) / total if total else 0.0)
+            fwd, bwd = fwd * k, bwd * k
+        return fwd, bwd
+
+    def _plain_compute_times(self, index: int, n: float, s: Strategy) -> tuple[float, float]:
+        m = self.measure(index)
+        if self.mode == "analytic":
+            fwd, bwd = self._analytic_times(index, m, n, s)
+            return fwd, bwd + (fwd if s.ckpt else 0.0)
+        # NOTE: checkpointing is priced as the analytic rule does (backward + a recomputed forward)
+        # on the plain layer's profile: timed under torch.utils.checkpoint at the small profiling
+        # sizes, the per-op saved-tensor hooks overstated the steps measured in training 1.3-2x
+        prof = self.profile(index, s)
+        fwd, bwd = prof["fwd"](n), prof["bwd"](n)
+        return fwd, bwd + (fwd if s.ckpt else 0.0)
+
+    def _analytic_times(self, index: int, m: LayerMeasure, n: float, s: Strategy) -> tuple[float, float]:
+        """``(forward, backward)`` device seconds of layer ``index`` for ``n`` samples under ``s``
+        from its measured work (module docstring, "FLOPs"): each forward matmul at its shape
+        (:meth:`Cluster.gemm_time`, the dim TP splits divided), the backward's matmul FLOPs at the
+        rate the forward's achieved (its matmuls are the forward's, transposed), the attention at the
+        fused kernel's rate, the other ops' bytes at the memory rate (the backward's split between
+        TP-sharded and replicated as the forward's)."""
+        c, dtype = self.cluster, self.dtype
+        rep_div = s.tp if s.sp else 1
+        fwd_f, bwd_f = self._fwd_flops(m, n, s)
+        gemm_s = gemm_f = 0.0
+        for split, dims in m.fwd_gemms:
+            b, rows, cols, depth = (f(n) for f in dims)
+            if split:
+                b, cols, depth = (b / s.tp if split == "b" else b, cols / s.tp if split == "n" else cols,
+                                  depth / s.tp if split == "k" else depth)
+            elif s.sp:
+                rows /= s.tp
+            gemm_s += c.gemm_time(b, rows, cols, depth, dtype)
+            gemm_f += 2 * b * rows * cols * depth
+        rate = gemm_f / gemm_s if gemm_s else c.achievable_flops(dtype)
+        # NOTE: FLOPs the matmul records miss (grouped expert matmuls) at the forward's rate too
+        fwd = gemm_s + max(fwd_f - gemm_f, 0.0) / rate
+        bwd = bwd_f / rate
+        sharded, rep = m.fwd_traffic_sharded(n), m.fwd_traffic_rep(n)
+        traffic = sharded / s.tp + rep / rep_div
+        fwd += c.memory_time(traffic)
+        bwd += c.memory_time(m.bwd_traffic(n) * (traffic / (sharded + rep) if sharded + rep else 1.0))
+        att = self.attention(index)
+        kw = dict(seq=att.kv_seq or None, head_dim=att.head_dim or None)
+        # NOTE: the attention heads split over TP (and stay split under SP)
+        fwd += c.attention_time(m.attn_fwd_flops(n) / s.tp, dtype, **kw)
+        bwd += c.attention_time(m.attn_bwd_flops(n) / s.tp, dtype, backward=True, **kw)
+        return fwd, bwd
+
+    def profile(self, index: int, s: Strategy) -> dict:
+        """Profiled ``{"fwd": Affine, "bwd": Affine}`` seconds per sample count for layer ``index``
+        under ``s``'s TP degree (without checkpointing: :meth:`_compute_times` adds the recompute)."""
+        from .profile import PROFILE_SIZES, profile_layer
+
+        sig = self.layers[index].signature
+        key = (sig, s.tp, s.sp, False)
+        if key not in self._profiles:
+            m = self.measures[sig]
+            fs, fr = m.fwd_flops_sharded(1), m.fwd_flops_rep(1)
+            dtype = TORCH_DTYPES[self.dtype]
+            self._profiles[key] = profile_layer(
+                self.graphs[sig], tp=s.tp, sp=s.sp, ckpt=False, dtype=dtype,
+                sharded_fraction=fs / (fs + fr) if fs + fr else 1.0,
+                sizes=self.profile_sizes or PROFILE_SIZES, cache=self.cache_dir, repeats=self.profile_repeats)
+        return self._profiles[key]
+
+    def _overheads(self, index: int, elems_tp: int, s: Strategy, device_s: float = 0.0) -> tuple[float, float]:
+        """``(overhead_s per micro-batch, optimizer_s per step)`` of layer ``index`` (module docstring).
+        On a GPU priced analytically the host's launches and bookkeeping run ahead of the device,
+        asynchronously: only what they take beyond the layer's ``device_s`` seconds is exposed."""
+        c = self.cluster
+        first = index == 0
+        overhead = c.layer_overhead_s + (c.microbatch_overhead_s if first else 0.0)
+        ops = self.op_counts[self.layers[index].signature]
+        if self.mode == "analytic":
+            overhead += ops * (c.op_launch_s * (2 if s.ckpt else 1) + c.op_launch_bwd_s)
+        if s.ckpt:
+            overhead += ops * getattr(c, "checkpoint_op_s", 0.0)
+        if self.mode == "analytic" and self.attention_target != "cpu":
+            overhead = max(0.0, overhead - device_s)
+        held = elems_tp if s.sdp == "none" else math.ceil(elems_tp / s.dp)
+        # NOTE: the user's optimizer steps one tensor per trainable parameter (runtime/params.py)
+        tensors = sum(1 for f in self._owned_params(index) if f not in self._frozen)
+        optimizer = (held * 4 * c.optimizer_s_per_byte + tensors * c.optimizer_overhead_s) if elems_tp else 0.0
+        if first and self.cluster.world_size > 1:
+            optimizer += c.collective_latency_s
+        return overhead, optimizer
+
+    def _copies(self, elems_tp: int, train_tp: int, s: Strategy) -> tuple[float, float]:
+        """``(seconds per micro-batch, seconds per step)`` of the runtime's copies around a layer
+        (galvatron_fx/runtime/data_parallel.py) at the cluster's ``copy_s_per_byte``: every pass
+        flattens the layer's gradients into one buffer (ZeRO: into the reduce-scatter staging) and
+        ZeRO-3 copies its parameters out of the all-gather staging twice (forward and backward);
+        once per step DP packs its gradients into buckets and ZeRO-2 copies out the re-gathered
+        parameters."""
+        per_byte = getattr(self.cluster, "copy_s_per_byte", 0.0)
+        if not per_byte:
+            return 0.0, 0.0
+        grads = train_tp * (self.itemsize if s.sdp == "none" else self.reduce_itemsize)
+        params = 2 * elems_tp * self.itemsize if s.sdp == "zero3" else 0.0
+        step = 0.0
+        if s.sdp == "none" and s.dp > 1 and self.bucket_bytes:
+            step = train_tp * self.reduce_itemsize
+        elif s.sdp == "zero2":
+            step = train_tp * self.itemsize
+        return (grads + params) * per_byte, step * per_byte
+
+    def _gather_time(self, nbytes: float, have: Strategy, want: Strategy) -> float:
+        """Seconds to give each rank of layout ``want`` its slice from layout ``have``."""
+        sample_k = want.tp // have.tp if want.tp > have.tp else 1
+        seq_k = have.tp if have.sp and (not want.sp or want.tp != have.tp) else 1
+        if sample_k * seq_k == 1:
+            return 0.0
+        ranks = sorted({a + have.tp * k for a in range(seq_k) for k in range(sample_k)})
+        need = nbytes / want.dp / (want.tp if want.sp else 1)
+        return self.cluster.collective_time("all_gather", need, ranks)
