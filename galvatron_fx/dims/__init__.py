@@ -46,13 +46,21 @@ DIMENSIONS: tuple[Dimension, ...] = (tensor.DIMENSION, data.DIMENSION, checkpoin
 """Every registered dimension, in order (their fields' positions interleave: see :func:`fields`)."""
 
 
+_FIELDS: dict[int, tuple[tuple, tuple[Field, ...]]] = {}
+
+
 def fields() -> tuple[Field, ...]:
-    """Every dimension's fields, by position: the strategy's fields in order."""
-    out = sorted((f for d in DIMENSIONS for f in d.fields), key=lambda f: f.position)
+    """Every dimension's fields, by position: the strategy's fields in order (computed once per
+    registry)."""
+    hit = _FIELDS.get(id(DIMENSIONS))
+    if hit is not None and hit[0] is DIMENSIONS:
+        return hit[1]
+    out = tuple(sorted((f for d in DIMENSIONS for f in d.fields), key=lambda f: f.position))
     names = [f.name for f in out]
     if len(names) != len(set(names)) or len({f.position for f in out}) != len(out):
         raise RuntimeError(f"dimension fields clash in name or position: {names}")   # pragma: no cover
-    return tuple(out)
+    _FIELDS[id(DIMENSIONS)] = (DIMENSIONS, out)
+    return out
 
 
 def rules() -> tuple[Rule, ...]:

@@ -135,7 +135,17 @@ def strategy_space(
                  allow_cross_node_tp=allow_cross_node_tp, power_of_two=power_of_two, ckpt=ckpt, sp=sp,
                  zero2=zero2, zero3=zero3, max_tp=max_tp, ep=tuple(sorted({1, *ep})), cp=tuple(sorted({1, *cp})),
                  cp_kinds=kinds, more=dict(more or {}))
-    return [st for st in dims.enumerate_strategies(Strategy, o) if all(r.allows(st, o) for r in RULES)]
+    key = (o, tuple(sorted(o.more.items())))
+    if key not in _SPACES:
+        if len(_SPACES) > 4096:
+            _SPACES.clear()
+        _SPACES[key] = tuple(st for st in dims.enumerate_strategies(Strategy, o) if all(r.allows(st, o) for r in RULES))
+    return list(_SPACES[key])
+
+
+_SPACES: dict[tuple, tuple] = {}
+"""The spaces built so far, by their options: a search asks for the same few spaces per pipeline
+degree many times (one per micro-batch count and schedule)."""
 
 
 def candidate_counts(device_counts: Iterable[int] = (1, 2, 4, 8, 16, 64), **kwargs) -> dict[int, int]:
