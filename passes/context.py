@@ -4,8 +4,10 @@
 handed to every rewrite pass. Inputs (set before the first pass): the whole plan, this rank, the
 world size, the capture front end, the captured global batch, the DP bucket size, the loss and
 the names of the whole model's parameters.
-Products (set by the pass named beside each field) are read by the passes after it and by the
-code generator; nothing else carries state between passes.
+Products (set by the pass named beside each field; ``products`` holds any other dimension's, by
+its name) are read by the passes after it and by the code generator; nothing else carries state
+between passes. A chunk of a multi-chunk schedule starts with none (:meth:`ParallelContext.for_chunk`
+resets every field marked as a product).
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ from .base import GraphPass, check
 from .split_layers import is_split
 
 
+def _product(default: Any):
+    """A field the passes build per chunk: ``default`` is the value (``None``) or a factory
+    (``dict``, ``list``) a new chunk starts from (:meth:`ParallelContext.for_chunk`)."""
+    if callable(default):
+        return field(default_factory=default, metadata={"product": True})
+    return field(default=default, metadata={"product": True})
+
+
 @dataclass
 class ParallelContext:
     """One rank's view of a plan while its program is built (see the module docstring)."""
@@ -44,15 +54,16 @@ class ParallelContext:
     whole_batch: frozenset = frozenset()  # (global) layers mixing the samples of a batch (batch_symbol.coupling)
     seq_len: int | None = None          # the captured sequence (sharding/sequence.py: what cp > 1 splits)
     chunk: int | None = None            # the chunk of plan.stages built (None: this rank's stage; for_chunk)
-    # products
-    token_loss: Any = None                       # token_loss: TokenLoss (count graph, scale buffer)
-    stage_info: StageInfo | None = None          # stage_split
-    tp_shards: dict = field(default_factory=dict)  # tensor_parallel: fqn -> (ShardInfo, TP ranks)
-    expert_params: dict = field(default_factory=dict)  # expert_parallel: layer -> fqns split by expert
-    held_experts: dict = field(default_factory=dict)   # expert_parallel, loop form: fqn -> held by this rank
-    stores: list = field(default_factory=list)     # data_parallel: this rank's FlatParams, layer order
-    output_layout: Layout | None = None          # resharding: layout of the graph output
-    input_layout: Layout | None = None           # resharding: layout the graph inputs arrive in
+    # products: built per chunk (for_chunk starts a chunk with none), each set by the pass named beside it
+    token_loss: Any = _product(None)                  # token_loss: TokenLoss (count graph, scale buffer)
+    stage_info: StageInfo | None = _product(None)     # stage_split
+    tp_shards: dict = _product(dict)                  # tensor_parallel: fqn -> (ShardInfo, TP ranks)
+    expert_params: dict = _product(dict)              # expert_parallel: layer -> fqns split by expert
+    held_experts: dict = _product(dict)               # expert_parallel, loop form: fqn -> held by this rank
+    stores: list = _product(list)                     # data_parallel: this rank's FlatParams, layer order
+    output_layout: Layout | None = _product(None)     # resharding: layout of the graph output
+    input_layout: Layout | None = _product(None)      # resharding: layout the graph inputs arrive in
+    products: dict = _product(dict)                   # any other pass's, by dimension name (galvatron_fx.dims)
 
     @property
     def stage_size(self) -> int:
@@ -72,9 +83,9 @@ class ParallelContext:
     def for_chunk(self, chunk: int) -> ParallelContext:
         """The same inputs, no products, building chunk ``chunk`` (a multi-chunk schedule runs
         several per rank: :mod:`galvatron_fx.solver.schedules`)."""
-        return dataclasses.replace(self, chunk=chunk, token_loss=None, stage_info=None, tp_shards={}, stores=[],
-                                   expert_params={}, held_experts={},
-                                   output_layout=None, input_layout=None)
+        fresh = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                 for f in dataclasses.fields(self) if f.metadata.get("product")}
+        return dataclasses.replace(self, chunk=chunk, **fresh)
 
     @property
     def base(self) -> int:

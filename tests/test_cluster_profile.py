@@ -9,7 +9,8 @@ import torch
 
 from galvatron_fx import distributed as gdist
 from galvatron_fx.cluster import COLLECTIVES, Cluster
-from galvatron_fx.cluster_profile import fit_link, stable_figures
+from galvatron_fx.cluster_profile import fit_link
+from galvatron_fx.cluster_timing import stable_figures
 from galvatron_fx.errors import ConfigError
 from tests.dist_utils import DistributedTestError, run_distributed
 
@@ -77,7 +78,7 @@ def test_a_difference_is_timed_run_by_run_so_a_slow_spell_cancels(monkeypatch):
     # the host runs 3x slower for 3 of 9 runs: timed in turn, both ops of a run see the same spell,
     # and the median of the runs' differences is the quiet one (0.4 ms); timed apart, a spell over
     # the longer op's runs alone would have moved their medians' difference
-    from galvatron_fx.cluster_profile import Timer
+    from galvatron_fx.cluster_timing import Timer
 
     clock = {"t": 0.0, "run": 0}
     def op(ms):
@@ -137,7 +138,7 @@ def _profile_body(rank, world_size, out):
 def _pipelined_p2p_body(rank, world_size):
     import torch.distributed as dist
 
-    from galvatron_fx.cluster_profile import _pipelined_p2p
+    from galvatron_fx.cluster_probes import pipelined_p2p as _pipelined_p2p
 
     quiet = {"collective_latency_s": 0.0, "microbatch_overhead_s": 0.0}
     low = _pipelined_p2p({"bandwidth": 1e9, "latency": 1e-6}, torch.device("cpu"), dist.group.WORLD, rank == 0,

@@ -78,7 +78,7 @@ def measure_door(cluster, repeats: int = DOOR_PROBE["repeats"]) -> dict[str, flo
     one has no door (the backend runs the captured graph as it is): zeros."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return {"door_call_s": 0.0, "door_param_s": 0.0}
-    from ..cluster_profile import Timer, stable_figures
+    from ..cluster_timing import Timer, stable_figures
     from ..distributed import pick_device
 
     device = pick_device()
