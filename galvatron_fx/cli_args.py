@@ -43,7 +43,7 @@ _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num
 def check_degrees(args: argparse.Namespace, world: int, where: str) -> None:
     """Pinned degrees that cannot split ``world`` devices, and ``--ep`` on a transformers config
     without experts, refused by name before the capture."""
-    from .solver.engine import divisors
+    from .solver.configs import divisors
 
     cons = pipeline_constraints(args)
     ok = ", ".join(map(str, divisors(world)))

@@ -11,7 +11,7 @@ import pytest
 import galvatron_fx as gfx
 from galvatron_fx.cli import main
 from galvatron_fx.planner import _engine
-from galvatron_fx.solver.engine import divisors, free_batch_sizes
+from galvatron_fx.solver.configs import divisors, free_batch_sizes
 
 
 @pytest.fixture(scope="module")
