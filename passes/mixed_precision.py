@@ -27,7 +27,7 @@ import torch.fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..ir import StageInfo
-from ..runtime.pipeline import pass_on
+from ..runtime.pipeline_stage import pass_on
 from ..runtime.precision import cast_input, enter_autocast, exit_autocast
 from .base import check
 from .context import ContextPass

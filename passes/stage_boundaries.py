@@ -28,7 +28,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from ..ir import layer_module_name
 from ..runtime import reshard
-from ..runtime.pipeline import pass_on
+from ..runtime.pipeline_stage import pass_on
 from .base import check
 from .context import ContextPass
 from .resharding import chain

@@ -27,7 +27,7 @@ from galvatron_fx.passes.stage_split import StageSplitPass
 from galvatron_fx.passes.tensor_parallel import TensorParallelPass
 from galvatron_fx.runtime.checkpointing import checkpoint_layer
 from galvatron_fx.runtime.module import DistributedModel
-from galvatron_fx.runtime.pipeline import pass_on
+from galvatron_fx.runtime.pipeline_stage import pass_on
 
 
 @pytest.fixture(scope="module")
