@@ -67,6 +67,10 @@ class StageRunner(nn.Module):
 
 
 def make_stage_class():
+    """The ``PipelineStage`` subclass the stages run (built on first use: importing torch's
+    pipelining is deferred until a pipelined plan runs). One function because its methods are the
+    overrides of one torch class, each a few lines around torch's own (forward, the two backward
+    halves, the last-backward hook); they share the class body's state."""
     from torch.distributed.pipelining import PipelineStage
 
     class _Stage(PipelineStage):
