@@ -96,23 +96,20 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 import re
 import sys
-from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch.distributed as dist
 
-from .cluster_profile import COLLECTIVES, P2P, profile
+from .cluster_times import COLLECTIVES, P2P, ClusterTimes  # noqa: F401 - the link kinds: the cluster's names too
 from .devices import ATTENTION_HALF_RATE_SEQ, DEVICES, GEMM_TILE, HBM_EFFICIENCY
 from .errors import ConfigError
-from .units import format_bytes, parse_bytes
+from .units import DTYPES, format_bytes, normalize_dtype, parse_bytes  # noqa: F401 - DTYPES, normalize_dtype: the cluster's names too
 
 FORMAT = "galvatron_fx.cluster/1"
-DTYPES = ("fp32", "bf16", "fp16")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 """Training precisions a plan may name: fp32 throughout, or fp32 master weights and optimizer
 states with bf16 / fp16 compute (parameters, gradients and activations in the low precision)."""
@@ -162,23 +159,6 @@ GPU_OVERHEADS = dict(op_launch_s=7e-6, op_launch_bwd_s=10e-6, collective_latency
 ADAM_WORDS_PER_PARAMETER = 7
 """A fused / foreach Adam step streams ~7 fp32 words per parameter (reads p, g, m, v; writes p, m,
 v): bytes of memory traffic per byte of fp32 parameters it updates."""
-_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-_DTYPE_ALIASES = {
-    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32", "torch.float": "fp32",
-    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16", "torch.half": "fp16",
-}
-
-
-def normalize_dtype(dtype: Any) -> str:
-    """``'fp32' | 'bf16' | 'fp16'`` for a dtype name or a ``torch.dtype``; ConfigError otherwise."""
-    key = str(dtype).lower()
-    if key not in _DTYPE_ALIASES:
-        raise ConfigError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)} (or the torch dtype)")
-    return _DTYPE_ALIASES[key]
-
-
 # Presets: galvatron_fx/devices.py (datasheet peaks and the rates public measurements sustain).
 _DEVICES = DEVICES
 _PRESET_RE = re.compile(r"^(?:(\d+)x)?(\d+)x(.+)$", re.IGNORECASE)
@@ -225,7 +205,7 @@ def _count(name: str, value: Any) -> int:
 
 
 @dataclass
-class Cluster:
+class Cluster(ClusterTimes):
     """A homogeneous GPU (or CPU) cluster: ``nodes`` × ``devices_per_node`` devices.
 
     Units: ``memory_bytes`` bytes per device; ``peak_flops`` FLOP/s per device per dtype (keys
@@ -362,76 +342,7 @@ class Cluster:
         return rank // self.devices_per_node
 
     # ------------------------------------------------------------------ time models
-    def achievable_flops(self, dtype: Any = "fp32") -> float:
-        """Sustained FLOP/s of one device in ``dtype`` (peak × efficiency)."""
-        return self.peak_flops[normalize_dtype(dtype)] * self.efficiency
 
-    def compute_time(self, flops: float, dtype: Any = "fp32") -> float:
-        """Seconds one device needs for ``flops`` floating-point operations in ``dtype``."""
-        return float(flops) / self.achievable_flops(dtype)
-
-    def gemm_time(self, batch: float, m: float, n: float, k: float, dtype: Any = "fp32") -> float:
-        """Seconds for ``batch`` matmuls of ``m x k`` by ``k x n`` in ``dtype``: the FLOPs of the
-        tiles they occupy (``m`` and ``n`` rounded up to ``gemm_tile``) at the compute rate, or, for
-        a GEMM too thin for that, its operands' and result's bytes at the memory rate (roofline)."""
-        nbytes = batch * (m * k + k * n + m * n) * _ITEMSIZE[normalize_dtype(dtype)]
-        t = self.gemm_tile
-        if t > 1:
-            m, n = math.ceil(m / t) * t, math.ceil(n / t) * t
-        flops = 2.0 * batch * m * n * k
-        return max(self.compute_time(flops, dtype), self.memory_time(nbytes))
-
-    def memory_time(self, nbytes: float) -> float:
-        """Seconds for an op that reads and writes ``nbytes`` in all (element-wise, reductions,
-        copies): at the rate of the runtime's copies, which write each byte they read
-        (``copy_s_per_byte`` per byte written; 0 when that is not priced)."""
-        return nbytes * self.copy_s_per_byte / 2
-
-    def attention_time(self, flops: float, dtype: Any = "fp32", backward: bool = False,
-                       seq: float | None = None, head_dim: float | None = None) -> float:
-        """Seconds one device's fused attention kernel (flash / memory-efficient SDPA) needs for
-        ``flops`` FLOPs in ``dtype``, counted as the kernel runs them (a causal kernel skips the
-        blocks above the diagonal); ``backward``: the backward kernel (the same rate: the benchmarks
-        behind it time forward + backward). At ``attention_efficiency`` of the peak (else
-        ``efficiency``), times ``seq / (seq + attention_half_rate_seq)`` for ``seq`` keys and
-        ``(d / (d + 16)) / (128 / 144)`` for head dim ``d`` where the cluster has that curve
-        (:mod:`galvatron_fx.devices`)."""
-        rate = self.peak_flops[normalize_dtype(dtype)] * (self.attention_efficiency or self.efficiency)
-        half = self.attention_half_rate_seq
-        if half and seq:
-            rate *= seq / (seq + half)
-        if half and head_dim:
-            rate *= (head_dim / (head_dim + 16)) / (128 / 144)
-        return float(flops) / rate
-
-    def _group(self, ranks: Sequence[int] | int) -> list[int]:
-        if isinstance(ranks, numbers.Integral):
-            return self._group(range(int(ranks)))
-        group = sorted({int(r) for r in ranks})
-        bad = [r for r in group if not 0 <= r < self.world_size]
-        if bad:
-            raise ConfigError(f"ranks {bad} lie outside this cluster of {self.world_size} devices")
-        return group
-
-    def group_link(self, ranks: Sequence[int] | int) -> tuple[float, float]:
-        """``(bandwidth bytes/s, latency s)`` of the link that bounds a ring over ``ranks``."""
-        per_node = Counter(self.node_of(r) for r in self._group(ranks))
-        if len(per_node) <= 1:
-            return self.intra_bandwidth, self.intra_latency
-        k = max(per_node.values())
-        return min(self.intra_bandwidth, self.inter_bandwidth * k), self.inter_latency
-
-    def _measured_link(self, kind: str, group: list[int]) -> tuple[float, float] | None:
-        fig = self.fits.get(kind, {}).get(str(len(group)))
-        if fig is None:
-            return None
-        # A fit applies to groups laid out like the measured one: consecutive ranks from 0, i.e. the
-        # same number of nodes with the same number of ranks on the busiest one.
-        if sorted(Counter(map(self.node_of, group)).values()) != sorted(
-            Counter(map(self.node_of, range(len(group)))).values()
-        ):
-            return None
-        return fig["bandwidth"], fig["latency"]
 
     @property
     def profiled(self) -> bool:
@@ -450,64 +361,6 @@ class Cluster:
         spec = _DEVICES.get(m.group(3).lower()) if m else None
         return spec.attention if spec is not None else "cuda"
 
-    def collective_time(self, kind: str, nbytes: float, ranks: Sequence[int] | int, calls: float = 1.0) -> float:
-        """Seconds for collective ``kind`` of ``nbytes`` bytes over the global ``ranks``.
-
-        ``kind`` is one of ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``.
-        ``nbytes`` is the full size: the all-reduced buffer, the all-gather **output**, the
-        reduce-scatter **input**, or each rank's all-to-all send buffer. ``ranks`` is a sequence of
-        global ranks (an int ``n`` means ``range(n)``). A group of one rank, or 0 bytes, costs 0.
-        ``calls`` is how many calls the message takes (``collective_latency_s`` each): 1, or a
-        fraction when the runtime packs it into a bucket shared with other messages.
-        """
-        if kind not in COLLECTIVES:
-            raise ConfigError(f"unknown collective {kind!r}; use one of {', '.join(COLLECTIVES)}")
-        key = (kind, ranks if isinstance(ranks, numbers.Integral) else tuple(ranks))
-        links = self.__dict__.setdefault("_links", {})  # NOTE: the search asks for the same groups often
-        if key not in links:
-            group = self._group(ranks)
-            links[key] = (len(group), *(self._measured_link(kind, group) or self.group_link(group)))
-        n, bandwidth, latency = links[key]
-        if n <= 1 or nbytes <= 0:
-            return 0.0
-        steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
-        return steps / n * nbytes / bandwidth + steps * latency + calls * self.collective_latency_s
-
-    def sync_wait(self, stretch_s: float) -> float:
-        """Seconds a blocking collective waits for the other ranks after ``stretch_s`` seconds of
-        compute since the last sync, beyond what ``collective_latency_s`` holds (the wait after the
-        profile's own stretch ``sync_stretch_s``): ``c * (sqrt(S) - sqrt(S0))``, at least 0."""
-        c = self.sync_drift_sqrt_s
-        if c <= 0 or stretch_s <= self.sync_stretch_s:
-            return 0.0
-        return c * (math.sqrt(stretch_s) - math.sqrt(self.sync_stretch_s))
-
-    def door_time(self, tensors: int) -> float:
-        """Seconds per step the torch.compile door adds for a model of ``tensors`` trainable
-        parameter tensors (dynamo's frame, the backend's call, routing each gradient in
-        ``loss.backward()``, the user's ``zero_grad``): ``door_call_s + tensors * door_param_s``."""
-        return self.door_call_s + tensors * self.door_param_s
-
-    def p2p_time(self, nbytes: float, src: int, dst: int) -> float:
-        """Seconds to send ``nbytes`` bytes from global rank ``src`` to ``dst`` (0 when equal)."""
-        group = self._group([src, dst])
-        if len(group) <= 1 or nbytes <= 0:
-            return 0.0
-        bandwidth, latency = self._measured_link(P2P, group) or self.group_link(group)
-        return nbytes / bandwidth + latency + self.collective_latency_s
-
-    def overlap_time(self, compute_s: float, comm_s: float) -> float:
-        """Seconds for ``compute_s`` of compute overlapped with ``comm_s`` of communication.
-
-        While both run, both are slowed by ``overlap_slowdown``: the overlapped stretch takes
-        ``overlap_slowdown × min(compute_s, comm_s)``, the rest of the longer one runs alone. Never
-        more than ``compute_s + comm_s`` (running them one after the other).
-
-        NOTE: the cap matters where compute and communication share CPU cores (gloo on a busy
-        host measures slowdowns above 2, which would make overlapping worse than not overlapping).
-        """
-        short, long = sorted((float(compute_s), float(comm_s)))
-        return min(long + (self.overlap_slowdown - 1.0) * short, long + short)
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -594,6 +447,10 @@ class Cluster:
     @classmethod
     def profile(cls, group=None, out: str | None = None, sizes=None, progress: bool = True, **kwargs) -> Cluster:
         """Measure the live torch.distributed world; see :func:`galvatron_fx.cluster_profile.profile`."""
+        from .cluster_profile import (
+            profile,  # NOTE: the profile sits above the cluster model (it runs the runtime)
+        )
+
         cluster = cls(**profile(group=group, sizes=sizes, progress=progress, **kwargs))
         cluster.save_profile(out, group, progress)
         return cluster
@@ -605,29 +462,6 @@ class Cluster:
             if progress:
                 print(f"[galvatron_fx.profile] wrote {out}", file=sys.stderr, flush=True)
 
-    def summary(self) -> str:
-        """One line per figure, human-readable."""
-        flops = ", ".join(f"{d} {self.peak_flops[d] / 1e12:.3g}" for d in DTYPES)
-        return "\n".join([
-            f"cluster {self.name}: {self.nodes} node(s) x {self.devices_per_node} device(s), "
-            f"{format_bytes(self.memory_bytes)} each",
-            f"  peak TFLOP/s: {flops}; efficiency {self.efficiency:.2f}",
-            f"  intra-node {self.intra_bandwidth / 1e9:.3g} GB/s, {self.intra_latency * 1e6:.3g} us; "
-            f"inter-node {self.inter_bandwidth / 1e9:.3g} GB/s/device, {self.inter_latency * 1e6:.3g} us",
-            f"  overlap slowdown {self.overlap_slowdown:.2f}",
-            f"  overheads: op {self.op_launch_s * 1e6:.3g} + {self.op_launch_bwd_s * 1e6:.3g} us (fwd + bwd), "
-            f"collective {self.collective_latency_s * 1e6:.3g} us, layer {self.layer_overhead_s * 1e6:.3g} us, "
-            f"micro-batch {self.microbatch_overhead_s * 1e6:.3g} us, optimizer "
-            f"{self.optimizer_s_per_byte * 1e12:.3g} ps/byte + {self.optimizer_overhead_s * 1e6:.3g} us/tensor, "
-            f"checkpointing {self.checkpoint_op_s * 1e6:.3g} us/op, copies {self.copy_s_per_byte * 1e12:.3g} ps/byte, "
-            f"split backward {self.split_backward_op_s * 1e6:.3g} us/op, drift "
-            f"{self.sync_drift_sqrt_s * 1e3:.3g} ms/sqrt(s) beyond {self.sync_stretch_s * 1e3:.3g} ms, "
-            f"p2p wake-up {self.p2p_wakeup_s * 1e3:.3g} ms",
-        ] + ([f"  torch.compile door: {self.door_call_s * 1e3:.3g} ms per step + {self.door_param_s * 1e6:.3g} us "
-              "per parameter tensor"] if self.door_call_s or self.door_param_s else [])
-           + ([f"  calibrated by measured steps: stage time x {self.time_scale:.3g} (pipelined x "
-              f"{self.pipeline_time_scale:.3g} more), + {self.step_overhead_s * 1e3:.3g} ms per step "
-              f"(pipelined + {self.pipeline_step_s * 1e3:.3g} ms)"] if self.is_calibrated else []))
 
     @property
     def is_calibrated(self) -> bool:

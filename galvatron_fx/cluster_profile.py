@@ -53,15 +53,11 @@ import torch
 import torch.distributed as dist
 
 from .cluster_probes import p2p_wakeup, pipelined_p2p, stable_overheads
+from .cluster_times import COLLECTIVES, P2P
 from .cluster_timing import MIN_LATENCY, Timer, barrier, stable_figures
 from .distributed import all_gather_single, is_distributed, pick_device, reduce_scatter_single, synchronize
 from .ir import TORCH_DTYPES
 from .runtime.groups import GROUPS
-
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-P2P = "p2p"
-"""The link kinds measured here and priced by :class:`~galvatron_fx.cluster.Cluster` (which
-re-exports them). NOTE: they live here, below ``cluster``, so the import goes one way only."""
 
 # NOTE: a world of one never communicates; these placeholders only keep the Cluster valid.
 _UNMEASURED_BANDWIDTH = 1e12  # bytes/s

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from .errors import ConfigError
 
@@ -47,3 +48,22 @@ def format_bytes(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{int(n)} B"
+
+
+DTYPES = ("fp32", "bf16", "fp16")
+"""The element types a cluster prices and a plan computes in."""
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+_DTYPE_ALIASES = {
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32", "torch.float": "fp32",
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16", "torch.half": "fp16",
+}
+
+
+def normalize_dtype(dtype: Any) -> str:
+    """``'fp32' | 'bf16' | 'fp16'`` for a dtype name or a ``torch.dtype``; ConfigError otherwise."""
+    key = str(dtype).lower()
+    if key not in _DTYPE_ALIASES:
+        raise ConfigError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)} (or the torch dtype)")
+    return _DTYPE_ALIASES[key]
