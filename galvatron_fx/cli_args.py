@@ -170,6 +170,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
+    _add_layers(sub)
+    _add_plan(sub)
+    _add_show(sub)
+    _add_profile(sub)
+    _add_train(sub)
+    _add_consolidate(sub)
+    return parser
+
+
+def _add_layers(sub) -> None:
+    """The ``layers`` command's arguments."""
     p = sub.add_parser("layers", help="capture a model and print its layers",
                        description="Capture MODEL (a zoo name or package.module:factory) and print its layers.")
     p.add_argument("model", metavar="MODEL")
@@ -185,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-details", action="store_true", help="with --tp: list every parameter of every layer")
     p.add_argument("--json", metavar="PATH", help="also write the layer list as JSON")
 
+
+def _add_plan(sub) -> None:
+    """The ``plan`` command's arguments."""
     p = sub.add_parser("plan", help="search a parallel plan for a model on a cluster",
                        description="Search the best hybrid-parallel plan for MODEL (built on the meta device: "
                                    "no weight memory) on CLUSTER under a per-device memory budget. MODEL is a "
@@ -216,10 +230,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PATH", help="draw the plan (PNG/SVG/PDF; needs matplotlib)")
     _add_pipeline_args(p)
 
+
+def _add_show(sub) -> None:
+    """The ``show`` command's arguments."""
     p = sub.add_parser("show", help="print a saved plan", description="Print PLAN.json as a table.")
     p.add_argument("plan", metavar="PLAN.json")
     p.add_argument("--plot", metavar="PATH", help="also draw the plan (PNG/SVG/PDF; needs matplotlib)")
 
+
+def _add_profile(sub) -> None:
+    """The ``profile`` command's arguments."""
     p = sub.add_parser("profile", help="measure the local cluster (run under torchrun for several ranks)",
                        description="Measure collective bandwidth/latency, overlap slowdown and compute "
                                    "throughput of the torch.distributed world (or this process).")
@@ -227,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_positive_int, default=7, metavar="N",
                    help="timed runs per figure and round (median; default 7): fewer is faster and noisier")
 
+
+def _add_train(sub) -> None:
+    """The ``train`` command's arguments."""
     p = sub.add_parser("train", help="train a model with a plan (run under torchrun)",
                        description="Train MODEL on synthetic data with torch.compile(backend='galvatron') under "
                                    "torchrun (gloo on CPU, NCCL on GPU), or eagerly with --single-device; or "
@@ -265,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override (repeatable)")
     p.add_argument("--json", metavar="PATH", help=argparse.SUPPRESS)   # NOTE: the former log flag, refused by name
 
+
+def _add_consolidate(sub) -> None:
+    """The ``consolidate`` command's arguments."""
     p = sub.add_parser("consolidate", help="export a checkpoint as safetensors (one process)",
                        description="Read checkpoint CKPT (gfx.checkpoint.save, any plan) in this one process "
                                    "and write the original model's state dict as DIR/model.safetensors, tensor "
@@ -272,4 +298,4 @@ def build_parser() -> argparse.ArgumentParser:
                                    "save recorded a transformers config (then from_pretrained(DIR) loads it).")
     p.add_argument("checkpoint", metavar="CKPT", help="a complete checkpoint directory")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (created)")
-    return parser
+

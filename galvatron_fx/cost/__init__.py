@@ -13,7 +13,8 @@ See :mod:`galvatron_fx.cost.model` for the scaling rules, :mod:`.memory` for mod
 
 from .context import LayerAttention, cp_attention_time, cp_messages, find_attention, layout_time
 from .extract import LayerGraph, extract_layer, retarget_devices, roles_from_analysis
-from .measure import SDPA_FORMULAS, Affine, LayerMeasure, flop_counter, measure_layer
+from .flop_rules import SDPA_FORMULAS, flop_counter
+from .measure import Affine, LayerMeasure, measure_layer
 from .memory import OPTIMIZER_STATES, StatesBytes, states_bytes
 from .model import CostModel
 from .profile import PROFILE_CALLS, cache_dir, profile_layer

@@ -437,7 +437,7 @@ class SplitIntercepts:
 
 def attention_flops(att: LayerAttention, n: float, tp: int) -> float:
     """Forward FLOPs of the layer's attention cores on one rank over all ``S x S`` scores
-    (``4 n heads/tp S^2 d``, the :data:`~galvatron_fx.cost.measure.SDPA_FORMULAS` count; a causal
+    (``4 n heads/tp S^2 d``, the :data:`~galvatron_fx.cost.flop_rules.SDPA_FORMULAS` count; a causal
     fused kernel executes half: :func:`core_attention_flops`)."""
     return att.calls * 2 * n * att.heads / tp * att.seq * att.kv_seq * (att.head_dim + att.v_head_dim)
 
