@@ -129,6 +129,7 @@ def train_text(config_spec: str, data: str, *, seq_len: int = 128, global_batch_
                progress=None) -> dict:
     """Train the config at ``config_spec`` on ``data`` (module docstring); returns the log
     ``{"records": [...], "summary": {...}}`` (rank 0's; every rank computes the same figures)."""
+    # NOTE: one function (102 lines): the training loop as a user writes it, top to bottom (data, plan, model, optimizer, steps, checkpoints)
     from . import capture, checkpoint, transform
     from .distributed import init_distributed, pick_device, synchronize
     from .models.hf_config import config_path, from_config, load_config

@@ -123,6 +123,7 @@ class NormalizePass(GraphPass):
             raise CaptureError("internal: one name per input tensor is required")
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        # NOTE: one function (102 lines): the normalising rewrites in their required order over one graph walk
         raw = graph_module
         known = model_tensors(self.model)
         by_fqn = {info.fqn: key for key, info in known.items()}

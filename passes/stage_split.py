@@ -104,6 +104,7 @@ class StageSplitPass(GraphPass):
             self.ctx.stage_info = info.stage
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        # NOTE: one function (93 lines): one walk over the graph assigning each node to its stage and wiring the boundaries
         gm, k = graph_module, self.index
         info: GraphInfo = gm.meta[META_KEY]
         first, last = self.stages[k]

@@ -43,6 +43,10 @@ and :func:`tensor_parallel_report` lists, per layer, the sharded and replicated 
 NOTE: dropout is not given per-rank RNG streams (Megatron's RNG tracker): on head / sequence shards
 every rank draws from the same generator state, which is statistically correlated across shards.
 The zoo models have no dropout; a model that trains with dropout under TP should be revisited.
+
+Size: one file, over 500 lines: the TP rewrite of a layer's ops (``_Rewriter``, one method per op
+family of the sharding rules) and the pass around it share the size bookkeeping each rewrite
+updates.
 """
 
 from __future__ import annotations

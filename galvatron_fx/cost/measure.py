@@ -284,6 +284,7 @@ def measure_point(layer: LayerGraph, n: int, compute_dtype: torch.dtype | None =
     so ``elements * itemsize`` is their exact bytes. NOTE: the autocast op policy is the CPU's (the
     fake tensors live there); CUDA's keeps a few more ops (norms, softmax) in fp32.
     """
+    # NOTE: one function (88 lines): one fake-tensor run of the layer recording FLOPs, saved bytes and op work together
     p = Point(n)
     # NOTE: fake tensors live on the CPU (also for meta-device models); the device constants the
     # graph baked in are retargeted there (LayerGraph.on_device). SDPA calls do not dispatch on

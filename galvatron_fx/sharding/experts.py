@@ -285,6 +285,7 @@ def _ancestors(start: torch.fx.Node, within: set) -> set:
 
 
 def _loop_block(nodes, oh, rows) -> MoEBlock | NotAnExpertsBlock:
+    # NOTE: one function (101 lines): one walk over an experts loop, proving each step of the pattern against the last
     where = getattr(oh, "name", "a loop over experts")
     if oh is None:
         return NotAnExpertsBlock(f"{rows[0].name}: rows looked up in something else than a one-hot expert mask "

@@ -269,6 +269,7 @@ def partition_min_max(num_layers: int, pp: int, stage_cost: BoundedCost, *,
       stage is evaluated with the cutoff ``min(cutoff, best so far)`` (anything above cannot win);
       candidates that could *tie* the best are evaluated, so the sum-of-squares tie rule holds.
     """
+    # NOTE: one function (85 lines): one dynamic program with its bounds; the pruning steps refer to each other
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ConfigError(f"num_layers must be an int >= 1, got {num_layers!r}")
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1 or pp > num_layers:

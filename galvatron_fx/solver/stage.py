@@ -48,6 +48,10 @@ solution. Ties: the Viterbi and relaxation walks take the lowest strategy index 
 minima; results are deterministic.
 
 Pure: numpy arrays in, a dataclass out.
+
+Size: one file, over 500 lines: the exact per-stage solver and its optimality argument (the
+relaxation, the A* walk and the Viterbi fallback share one bound and one cost order) read top to
+bottom here.
 """
 
 from __future__ import annotations
@@ -275,6 +279,7 @@ def _astar(rel: _Relaxation, X: np.ndarray, room: float, cutoff: float, limit: i
     ``D(h, g) = max_f R(f, h) - R(f, g)`` the most the resharding into ``h`` can cost beyond that
     into ``g`` (0 for ``h = g``): whatever completes it completes the other at no higher cost.
     """
+    # NOTE: one function (83 lines): one best-first search loop; its pruning steps share the frontier and the bound
     T, R, gid, P, ex = rel.T, rel.R, rel.gid, rel.P, rel.excess
     n = T.shape[0]
     G = int(gid.max()) + 1
@@ -467,6 +472,7 @@ def solve_stage_exact(time, mem, transient=None, reshard=None, budget_bytes: flo
     device. ``units`` / ``granularity`` (bytes per unit) set the relaxation's resolution (speed
     only). Only solutions costing less than ``cutoff`` are sought.
     """
+    # NOTE: one function (88 lines): the exact solve's stages (bounds, relaxation, walk, fallback) in order, sharing their tables
     T, M, X, R, gid, P = _check(time, mem, transient, reshard, groups, final)
     n, S = T.shape
     if units is None:
