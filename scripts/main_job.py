@@ -36,6 +36,7 @@ def main(out: str = "main_job", *flags: str) -> None:
     import galvatron_fx as gfx
     from galvatron_fx.planner import BASELINES
     from galvatron_fx.selection import label, measured_lines, plan_key
+    from galvatron_fx.train import read_log
 
     os.makedirs(out, exist_ok=True)
     p = lambda name: os.path.join(out, name)  # noqa: E731
@@ -62,9 +63,8 @@ def main(out: str = "main_job", *flags: str) -> None:
         if plans[name] is None:   # the first run of the searched plan: search and measure on the ranks
             how = ["--cluster", p("cluster.json"), "--memory-budget", str(budget), "--reserve", "0", "--measure", "4"]
         run(TORCHRUN + CLI + ["train", *MODEL, "--steps", str(STEPS), "--global-batch-size", str(BATCH), *how,
-                              "--json", log])
-        with open(log) as fh:
-            data = json.load(fh)
+                              "--log-json", log])
+        data = read_log(log)
         if k == 0:   # the plan as the backend ran it: its estimate with the door's cost (estimate["door_s"])
             searched_here = plans[name] is None
             plans[name] = gfx.Plan.from_dict(data["plan"])
@@ -107,8 +107,8 @@ def main(out: str = "main_job", *flags: str) -> None:
                 for name in plans:
                     train(name, k)
     run([sys.executable] + CLI + ["train", *MODEL, "--steps", str(STEPS), "--global-batch-size", str(BATCH),
-                                  "--single-device", "--json", p("single.log")])
-    single = json.load(open(p("single.log")))
+                                  "--single-device", "--log-json", p("single.log")])
+    single = read_log(p("single.log"))
     print(f"\nbudget {budget / 2**20:.2f} MiB (0.7 x pure DP's {max(dp['memory_bytes_per_device']) / 2**20:.2f} MiB)")
     print(f"{'step':>4}  {'2 ranks (searched)':>20}  {'single device':>14}  {'rel. diff':>9}")
     for a, b in zip(logs["searched"]["steps"], single["steps"]):

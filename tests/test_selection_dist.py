@@ -216,7 +216,7 @@ def test_a_loaded_plan_does_not_calibrate_the_cluster_again(tmp_path, capsys):
     log = {"model": "m", "mode": "galvatron", "world_size": 2, "rank": 0, "steps": [], "memory": [],
            "plan": {"measure": measure, "measured": [record], "chosen": "searched"},
            "summary": {"samples_per_s": 1.0, "first_step_s": 1.0}}
-    args = NS(json=None, cluster=str(cfile), no_calibrate=False)
+    args = NS(log_json=None, cluster=str(cfile), no_calibrate=False)
     _report(log, args, print_log)
     assert gfx.Cluster.load(str(cfile)).time_scale == 2.0 and "timed" not in capsys.readouterr().out
     log["summary"]["measure"] = measure   # the run that measured: its fit is written, its candidates shown

@@ -5,7 +5,6 @@ search (no TP degree for a layer where it shards nothing) and the pass's warning
 import os
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -13,6 +12,7 @@ import galvatron_fx as gfx
 from galvatron_fx.cli import main
 from galvatron_fx.planner import _engine
 from galvatron_fx.sharding.report import tp_report
+from galvatron_fx.solver.strategy import Strategy
 
 pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -65,13 +65,13 @@ def test_search_does_not_offer_tp_where_it_shards_nothing(vit):
     cluster = gfx.Cluster.preset("8xA100-80GB")
     args = (vit, cluster, 2, 80e9, 8)
     eng = _engine(*args, {"pp": 1}, {}, False)
-    tps, no_sp = np.array([1, 2]), np.array([False, False])
-    assert eng._admissible(0, tps, no_sp).tolist() == [True, False]     # pre: patch conv, cls, positions
-    assert eng._admissible(1, tps, no_sp).tolist() == [True, True]
+    tp1, tp2, tp2_sp = Strategy(1, 2), Strategy(2, 1), Strategy(2, 1, sp=True)
+    assert eng._admissible(0, (tp1, tp2)).tolist() == [True, False]     # pre: patch conv, cls, positions
+    assert eng._admissible(1, (tp1, tp2)).tolist() == [True, True]
     # ViT's 17 tokens split unevenly (9 + 8) under sequence parallelism: admitted, as the pass runs it
-    assert eng._admissible(1, tps, np.array([False, True])).tolist() == [True, True]
+    assert eng._admissible(1, (tp1, tp2_sp)).tolist() == [True, True]
     uniform = _engine(*args, {"pp": 1, "uniform": True}, {}, False)
-    assert uniform._admissible(0, tps, no_sp).tolist() == [True, True]  # a uniform tp plan stays possible
+    assert uniform._admissible(0, (tp1, tp2)).tolist() == [True, True]  # a uniform tp plan stays possible
     # pinned tp=2: nothing else is left for pre, so it keeps tp=2, and explain() says what that shards
     plan = gfx.search(vit, cluster, "80GB", 8, world_size=2, constraints={"pp": 1, "tp": 2})
     assert [la.tp for la in plan.layers] == [2, 2, 2, 2]
