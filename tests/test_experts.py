@@ -151,3 +151,17 @@ def test_a_cost_model_cached_in_the_graph_survives_the_rewrites_copy(mixtral):
     plan = gfx.Plan.uniform(mixtral, 4, dp=4, ep=2, global_batch_size=8)
     gfx.estimate(mixtral, plan, gfx.Cluster.preset("4xA100-80GB"))
     copy.deepcopy(mixtral.meta)
+
+
+def test_grouped_expert_matmuls_are_priced_by_shape_and_regrouped_under_ep(mixtral):
+    """The experts' grouped GEMM is recorded as one GEMM per expert (rows: the tokens' top-k share
+    over the experts) and priced by shape like every matmul; under ``ep`` a rank runs 1/ep of the
+    experts on ep x the rows each: the same FLOPs, and never slower on a GPU's tile roofline."""
+    cm = CostModel(mixtral, gfx.Cluster.preset("8xH100-80GB"), reserve_bytes=0, precision="bf16-mixed")
+    S, k, E = loops.S, 2, 8
+    expert = [(split, dims) for split, dims in cm.measure(1).fwd_gemms if split.startswith("e")]
+    assert expert, "the experts' grouped matmuls are recorded as GEMMs"
+    for _, (b, rows, _cols, _depth) in expert:
+        assert b(4) == E and rows(4) == pytest.approx(4 * S * k / E)
+    one, two = (cm.layer_cost(1, Strategy(1, 4, ep=e), 16) for e in (1, 2))
+    assert two.fwd_s <= one.fwd_s and two.bwd_s <= one.bwd_s

@@ -377,7 +377,9 @@ def _split_dim(layer: LayerGraph, node: str) -> str:
 def _op_work(layer: LayerGraph, work, p: Point) -> None:
     """The forward's matmuls and traffic (:mod:`.op_work`) into ``p``, classified as the FLOPs are."""
     for node, dims in work.gemms.items():
-        p.fwd_gemms += [(_split_dim(layer, node), d) for d in dims]
+        # NOTE: "e" marks an experts block's matmul: expert parallelism regroups it (time_terms)
+        expert = "e" if node in layer.expert_nodes else ""
+        p.fwd_gemms += [(expert + _split_dim(layer, node), d) for d in dims]
     for node, moved in work.traffic.items():
         if node is None:
             continue

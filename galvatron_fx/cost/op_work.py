@@ -62,13 +62,21 @@ def tensor_bytes(t: torch.Tensor) -> float:
 
 
 def gemm_dims(func, args) -> tuple[int, int, int, int] | None:
-    """``(batch, m, n, k)`` of a matmul op's call (``m x k`` times ``k x n``), None for another op."""
+    """``(batch, m, n, k)`` of a matmul op's call (``m x k`` times ``k x n``), None for another op;
+    a grouped GEMM is ``groups`` GEMMs of its rows over the groups each."""
     if func in (aten.mm.default, aten.addmm.default):
         a, b = (args[0], args[1]) if func is aten.mm.default else (args[1], args[2])
         return 1, int(a.shape[0]), int(b.shape[1]), int(a.shape[1])
     if func in (aten.bmm.default, aten.baddbmm.default):
         a, b = (args[0], args[1]) if func is aten.bmm.default else (args[1], args[2])
         return int(a.shape[0]), int(a.shape[1]), int(b.shape[2]), int(a.shape[2])
+    if "grouped_mm" in str(func):   # torch's grouped GEMM (or transformers' stand-in): one GEMM per expert
+        x, w = args[0], args[1]
+        groups = int(w.shape[0])
+        k, n = (int(w.shape[1]), int(w.shape[2])) if int(w.shape[1]) == int(x.shape[-1]) else \
+            (int(w.shape[2]), int(w.shape[1]))
+        # NOTE: the rows split evenly over the groups (a router balanced on average)
+        return groups, int(x.shape[0]) / groups, n, k
     if func is aten.convolution.default:
         x, w = args[0], args[1]
         groups = int(args[8]) if len(args) > 8 else 1

@@ -89,8 +89,13 @@ class TimeTerms:
         rep_div = s.tp if s.sp else 1
         fwd_f, bwd_f = self._fwd_flops(m, n, s)
         gemm_s = gemm_f = 0.0
+        ep = self.ep_of(index, s)
         for split, dims in m.fwd_gemms:
             b, rows, cols, depth = (f(n) for f in dims)
+            if split.startswith("e"):   # an experts matmul: under ep, 1/ep of the experts, ep x the rows each
+                split = split[1:]
+                if ep > 1 and b > 1:
+                    b, rows = b / ep, rows * ep
             if split:
                 b, cols, depth = (b / s.tp if split == "b" else b, cols / s.tp if split == "n" else cols,
                                   depth / s.tp if split == "k" else depth)
