@@ -102,3 +102,24 @@ def test_the_space_is_the_product_the_rules_filter():
         o = SpaceOptions(n, ep=(1, 2), cp=(1, 2))
         product = [s for s in dims.enumerate_strategies(Strategy, o) if all(r.allows(s, o) for r in dims.rules())]
         assert space == product and len(set(space)) == len(space)
+
+
+def test_a_dimensions_cost_terms_add_to_the_layer_cost(monkeypatch):
+    """layer_cost is the base terms plus each registered dimension's: a dimension adding forward
+    seconds, overhead and transient bytes moves exactly those (and what they feed)."""
+    from galvatron_fx.dims import CostTerms
+    from galvatron_fx.planner import cost_model_for
+
+    model, args = gfx.models.build("gpt-tiny", device="meta", layers=1)
+    gm = gfx.capture(model, args, method="fx")
+    cm = cost_model_for(gm, gfx.Cluster.preset("8xA100-80GB"), precision="fp32")
+    s = Strategy(2, 4, "zero2")
+    before = cm.layer_cost(1, s, 8)
+    extra = Dimension("extra", (), compute_terms=lambda cm, i, n, s: (1e-3, 0.0),
+                      cost_terms=lambda cm, i, n, s, fwd: CostTerms(overhead_s=0.5, transient_bytes=100.0))
+    monkeypatch.setattr(dims, "DIMENSIONS", dims.DIMENSIONS + (extra,))
+    after = cm.layer_cost(1, s, 8)
+    assert after.fwd_s == pytest.approx(before.fwd_s + 1e-3) and after.bwd_s == before.bwd_s
+    assert after.overhead_s == pytest.approx(before.overhead_s + 0.5, rel=1e-3)   # its launches grow with fwd
+    assert after.transient_bytes == before.transient_bytes + 100.0
+    assert after.param_bytes == before.param_bytes and after.grad_sync_s == before.grad_sync_s

@@ -78,7 +78,9 @@ import sympy
 import torch
 import torch.fx
 
+from .. import dims
 from ..cluster import Cluster, normalize_dtype
+from ..dims import CostTerms
 from ..errors import ConfigError
 from ..ir import META_KEY, TORCH_DTYPES
 from ..solver.strategy import Strategy
@@ -246,16 +248,20 @@ class CostModel(LayerQueries, TimeTerms):
         return full, full
 
     def layer_cost(self, index: int, strategy: Strategy, micro_batch_size: float) -> LayerCost:
-        """Costs of layer ``index`` under ``strategy`` for a micro-batch of ``micro_batch_size`` samples."""
+        """Costs of layer ``index`` under ``strategy`` for a micro-batch of ``micro_batch_size`` samples:
+        the base terms (tensor parallelism, data parallelism / ZeRO and checkpointing, which every
+        layer has) plus each registered dimension's own (:mod:`galvatron_fx.dims`: its
+        ``compute_terms`` on the forward and backward, then its ``cost_terms``)."""
         s, m = strategy, self.measure(index)
         whole = s.dp > 1 and bool(self.layers[index].batch_coupled)
         # NOTE: a layer mixing the samples of a batch computes on the whole micro-batch, replicated
         # over its DP group (galvatron_fx/batch_symbol.py): activations and FLOPs of all its samples
         n = micro_batch_size if whole else micro_batch_size / s.dp
         fwd, bwd = self._compute_times(index, n, s)
-        if s.cp > 1:   # the CP attention's own work beyond cp = 1's cores (.context: ring blocks, Ulysses copies)
-            cf, cb = self.cp_compute(index, n, s)
-            fwd, bwd = fwd + cf, bwd + cb + (cf if s.ckpt else 0.0)
+        for d in dims.DIMENSIONS:
+            if d.compute_terms is not None:
+                df, db = d.compute_terms(self, index, n, s)
+                fwd, bwd = fwd + df, bwd + db
         st = self.states_bytes(index, s)
         ep = self.ep_of(index, s)
         p, t = self.layer_params(index, s.tp, ep=ep), self.layer_params(index, s.tp, trainable_only=True, ep=ep)
@@ -265,40 +271,13 @@ class CostModel(LayerQueries, TimeTerms):
             s, elems_tp, train_tp, dp_group(s), index == 0)
         overhead, optimizer = self._overheads(index, train_tp, s, fwd + bwd)
         pass_copy, step_copy = self._copies(elems_tp, train_tp, s)
-        ep_comm = 0.0
-        if ep > 1:   # the expert buffers: their own group and ZeRO layout (states_bytes above)
-            xtp = self.expert_tp_of(index, s)
-            train, frozen = self.expert_shapes(index, ep, xtp)
-            xs, xt = self._expert_strategy(s, xtp > 1), sum(math.prod(x) for x in train)
-            xe = xt + sum(math.prod(x) for x in frozen)
-            terms = self._param_terms(xs, xe, xt, expert_dp_group(s, xtp > 1), False)
-            sync, exposed, regather, reduce_scatter, gather, transient, held = (
-                a + b for a, b in zip((sync, exposed, regather, reduce_scatter, gather, transient, held), terms))
-            held_x = xt if xs.sdp == "none" else math.ceil(xt / xs.dp)
-            optimizer += held_x * 4 * self.cluster.optimizer_s_per_byte
-            copies = self._copies(xe, xt, xs)
-            pass_copy, step_copy = pass_copy + copies[0], step_copy + copies[1]
-            ep_comm = self.ep_dispatch(index, n, s)[1]
-            # NOTE: the dispatch's own ops (pads, slices, per-source id masks and row selections,
-            # index copies), counted from runtime/experts.py's all-gather path: 24 + 12 per source
-            c = self.cluster
-            ops = len(self.experts(index).num_experts) * (24 + 12 * s.ep)
-            overhead += ops * (c.op_launch_s * (2 if s.ckpt else 1) + c.op_launch_bwd_s)
         act, recompute = self._activations(m, n, s, ep, index)
         if s.ckpt:
             transient += recompute
-        cp_comm = 0.0
-        if s.cp > 1:   # the attention exchanges over the CP group (.context); the rest is cp = 1's at n
-            cp_comm, ops, cp_buffers = self.cp_terms(index, n, s)
-            # NOTE: plain eager ops in both passes (inside autograd Functions): op_launch_s each
-            overhead += (ops[0] * (2 if s.ckpt else 1) + ops[1]) * self.cluster.op_launch_s
-            transient += cp_buffers
         out = m.output_elems(n) * self.itemsize / (s.tp if s.sp else 1)
-        overhead, optimizer = overhead + pass_copy, optimizer + step_copy
         plain_bwd = bwd - (fwd if s.ckpt else 0.0)   # the recompute is priced as a second forward
         tp_sites = self._tp_comm(m, n, s, fwd, plain_bwd)
-        tp_comm = (tp_sites + (self._whole_batch_gathers(m, n, s) if whole else 0.0) + ep_comm
-                   + cp_comm)
+        tp_comm = tp_sites + (self._whole_batch_gathers(m, n, s) if whole else 0.0)
         # split backward (zero-bubble): the split's own work per op, and a checkpointed layer's second
         # recomputation (its forward and forward TP collectives; the ZeRO-3 buffer is still held);
         # ZeRO-3's whole buffer held between the passes
@@ -306,15 +285,61 @@ class CostModel(LayerQueries, TimeTerms):
         if s.ckpt:
             plain = dataclasses.replace(s, ckpt=False)
             split_extra += fwd + tp_sites - self._tp_comm(m, n, plain, fwd, plain_bwd)
-            if s.cp > 1:   # and its attention's forward exchanges
-                split_extra += cp_comm - self.cp_terms(index, n, plain)[0]
+        terms = CostTerms(tp_comm, sync, gather, transient, overhead + pass_copy, optimizer + step_copy, exposed,
+                          regather, reduce_scatter, split_extra, held)
+        for d in dims.DIMENSIONS:
+            if d.cost_terms is not None:
+                terms = terms + d.cost_terms(self, index, n, s, fwd)
         rep_div = s.tp if s.sp else 1
         wgrad = (m.wgrad_sharded_elems(n) / s.tp + m.wgrad_rep_elems(n) / rep_div
                  + m.wgrad_whole_elems(n) + (m.wgrad_row_bias_elems(n) / rep_div if s.tp > 1 else 0.0)
                  ) * self.itemsize if train_tp else 0.0
-        return LayerCost(fwd, bwd, tp_comm, sync, gather, st.params, st.grads, st.optimizer,
-                         act, transient, out, st.masters, overhead, optimizer, exposed, regather, reduce_scatter,
-                         split_extra, held, wgrad)
+        return LayerCost(fwd, bwd, terms.tp_comm_s, terms.sync_s, terms.gather_s, st.params, st.grads, st.optimizer,
+                         act, terms.transient_bytes, out, st.masters, terms.overhead_s, terms.optimizer_s,
+                         terms.exposed_s, terms.regather_s, terms.reduce_scatter_s, terms.split_extra_s,
+                         terms.held_bytes, wgrad)
+
+    def expert_terms(self, index: int, n: float, s: Strategy) -> CostTerms:
+        """The experts dimension's terms of layer ``index`` (``ep > 1`` on a layer with experts):
+        the expert buffers' own data-parallel group and ZeRO layout (their states are in
+        ``states_bytes``), their optimizer step and copies, the token dispatch and its ops."""
+        ep = self.ep_of(index, s)
+        if ep == 1:
+            return CostTerms()
+        xtp = self.expert_tp_of(index, s)
+        train, frozen = self.expert_shapes(index, ep, xtp)
+        xs, xt = self._expert_strategy(s, xtp > 1), sum(math.prod(x) for x in train)
+        xe = xt + sum(math.prod(x) for x in frozen)
+        sync, exposed, regather, reduce_scatter, gather, transient, held = self._param_terms(
+            xs, xe, xt, expert_dp_group(s, xtp > 1), False)
+        held_x = xt if xs.sdp == "none" else math.ceil(xt / xs.dp)
+        pass_copy, step_copy = self._copies(xe, xt, xs)
+        # NOTE: the dispatch's own ops (pads, slices, per-source id masks and row selections,
+        # index copies), counted from runtime/experts.py's all-gather path: 24 + 12 per source
+        c = self.cluster
+        ops = len(self.experts(index).num_experts) * (24 + 12 * s.ep)
+        overhead = ops * (c.op_launch_s * (2 if s.ckpt else 1) + c.op_launch_bwd_s)
+        return CostTerms(self.ep_dispatch(index, n, s)[1], sync, gather, transient, overhead + pass_copy,
+                         held_x * 4 * c.optimizer_s_per_byte + step_copy, exposed, regather, reduce_scatter, 0.0, held)
+
+    def context_compute(self, index: int, n: float, s: Strategy) -> tuple[float, float]:
+        """The context dimension's device seconds beyond cp = 1's attention cores (:mod:`.context`:
+        the ring's blocks or Ulysses' copies; a checkpointed layer runs the forward's again)."""
+        if s.cp == 1:
+            return 0.0, 0.0
+        cf, cb = self.cp_compute(index, n, s)
+        return cf, cb + (cf if s.ckpt else 0.0)
+
+    def context_terms(self, index: int, n: float, s: Strategy) -> CostTerms:
+        """The context dimension's terms: the attention exchanges over the CP group (:mod:`.context`),
+        their ops (plain eager ops inside autograd Functions: ``op_launch_s`` each) and buffers, and
+        under a split backward a checkpointed layer's second set of forward exchanges."""
+        if s.cp == 1:
+            return CostTerms()
+        cp_comm, ops, cp_buffers = self.cp_terms(index, n, s)
+        overhead = (ops[0] * (2 if s.ckpt else 1) + ops[1]) * self.cluster.op_launch_s
+        split_extra = cp_comm - self.cp_terms(index, n, dataclasses.replace(s, ckpt=False))[0] if s.ckpt else 0.0
+        return CostTerms(tp_comm_s=cp_comm, transient_bytes=cp_buffers, overhead_s=overhead, split_extra_s=split_extra)
 
     def _param_terms(self, s: Strategy, elems_tp: int, train_tp: int, dpg: list[int], first: bool) -> tuple:
         """``(sync, exposed, regather, reduce_scatter, gather, transient, held)`` of one flat buffer

@@ -16,6 +16,9 @@ context parallelism (:mod:`.context`). Each module builds one :class:`Dimension`
 * ``passes`` / ``runtime``: the rewrite passes and runtime modules that implement it;
 * ``properties`` / ``checks``: what it adds to the strategy (a derived property, a check across
   fields);
+* ``compute_terms`` / ``cost_terms``: what it adds to a layer's price beyond the base terms (the
+  tensor, data and checkpointing dimensions every layer has): device seconds of forward and
+  backward, then a :class:`~.base.CostTerms` of communication, overheads and memory;
 * ``constraints`` / ``space_options``: the search constraints it adds (beyond the planner's own)
   and the options they give its fields' values (``SpaceOptions.more``).
 
@@ -35,9 +38,9 @@ from typing import Any
 
 from ..errors import ConfigError
 from . import checkpointing, context, data, experts, tensor
-from .base import Admission, Dimension, Field, Rule, SpaceOptions, as_list, is_pow2
+from .base import Admission, CostTerms, Dimension, Field, Rule, SpaceOptions, as_list, is_pow2
 
-__all__ = ["DIMENSIONS", "Admission", "Dimension", "Field", "Rule", "SpaceOptions", "admission", "as_list",
+__all__ = ["DIMENSIONS", "Admission", "CostTerms", "Dimension", "Field", "Rule", "SpaceOptions", "admission", "as_list",
            "enumerate_strategies", "explain_lines", "fields", "is_pow2", "json_fields", "label", "rules",
            "strategy_namespace", "validate", "constraint_keys", "space_options", "extra_fields"]
 

@@ -4,7 +4,7 @@ the space options the rules read, and the small checks the dimensions share."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
@@ -79,6 +79,32 @@ class Admission:
 
 
 @dataclass(frozen=True)
+class CostTerms:
+    """What a dimension adds to a layer's base cost (:meth:`galvatron_fx.cost.CostModel.layer_cost`),
+    per device; added field by field. Seconds per micro-batch (``tp_comm_s``, ``gather_s``,
+    ``reduce_scatter_s``, ``overhead_s``, ``split_extra_s``) or per step (``sync_s``, ``exposed_s``,
+    ``regather_s``, ``optimizer_s``); bytes resident (``transient_bytes``, ``held_bytes``). The
+    names are those of :class:`galvatron_fx.cost.records.LayerCost` (``sync_s``: ``grad_sync_s``,
+    ``gather_s``: ``zero3_gather_s``, ``exposed_s``: ``exposed_sync_s``, ``held_bytes``:
+    ``split_held_bytes``)."""
+
+    tp_comm_s: float = 0.0
+    sync_s: float = 0.0
+    gather_s: float = 0.0
+    transient_bytes: float = 0.0
+    overhead_s: float = 0.0
+    optimizer_s: float = 0.0
+    exposed_s: float = 0.0
+    regather_s: float = 0.0
+    reduce_scatter_s: float = 0.0
+    split_extra_s: float = 0.0
+    held_bytes: float = 0.0
+
+    def __add__(self, other: CostTerms) -> CostTerms:
+        return CostTerms(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+
+@dataclass(frozen=True)
 class Dimension:
     """One per-layer parallel dimension (module docstring)."""
 
@@ -92,6 +118,8 @@ class Dimension:
     runtime: tuple[str, ...] = ()
     properties: Mapping[str, property] = field(default_factory=dict)
     checks: tuple[Callable[[Any], str | None], ...] = ()
+    compute_terms: Callable[[Any, int, float, Any], tuple[float, float]] | None = None
+    cost_terms: Callable[[Any, int, float, Any, float], CostTerms] | None = None
     constraints: tuple[str, ...] = ()
     space_options: Callable[[Mapping], Mapping] | None = None
 

@@ -124,6 +124,8 @@ DIMENSION = Dimension(
     admission=_admission,
     label=lambda s: [(40, f"cp{s.cp}" + ("u" if s.cp_kind == "ulysses" else ""))] if s.cp > 1 else [],
     explain=_explain,
+    compute_terms=lambda cm, index, n, s: cm.context_compute(index, n, s),
+    cost_terms=lambda cm, index, n, s, fwd: cm.context_terms(index, n, s),
     passes=("context_parallel",),
     runtime=("runtime.context_parallel", "runtime.ring_attention", "runtime.seq_layout"),
     checks=(_cp_divides_dp,),

@@ -73,6 +73,7 @@ DIMENSION = Dimension(
     admission=_admission,
     label=lambda s: [(30, f"ep{s.ep}")] if s.ep > 1 else [],
     explain=_explain,
+    cost_terms=lambda cm, index, n, s, fwd: cm.expert_terms(index, n, s),
     passes=("expert_parallel",),
     runtime=("runtime.experts",),
     properties={"shards_experts": property(_shards_experts)},
