@@ -242,7 +242,8 @@ def _peak(cluster, plan) -> float | None:
     return float(peaks.get(dtype) or peaks.get("fp32") or 0.0) or None
 
 
-def print_summary(log: dict, out=sys.stdout) -> None:
+def print_summary(log: dict, out=None) -> None:
+    out = out or sys.stdout   # NOTE: read when called (a redirected or captured stdout)
     s = log["summary"]
     print(f"trained {s['steps']} steps ({s['tokens']:,} tokens, {s['tokenizer']}): loss {s['first_loss']:.4f} -> "
           f"{s['last_loss']:.4f}, {s['tokens_per_s']:,.0f} tokens/s; plan {s['plan']}", file=out)

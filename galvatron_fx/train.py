@@ -195,7 +195,8 @@ def _memory(model, opt, device, single_device: bool) -> list[dict]:
     return everyone
 
 
-def print_log(log: dict, out=sys.stdout) -> None:
+def print_log(log: dict, out=None) -> None:
+    out = out or sys.stdout   # NOTE: read when called (a redirected or captured stdout)
     s = log["summary"]
     print(f"{log['model']} ({log['mode']}, world {log['world_size']}): {len(log['steps'])} steps, "
           f"{s['samples_per_s']:.2f} samples/s after step 1 (step 1: {s['first_step_s']:.1f}s)", file=out)
