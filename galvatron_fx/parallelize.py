@@ -30,20 +30,20 @@ calls; ``print(dist_model.layers_1.code)`` shows a layer's own parameter collect
 
 from __future__ import annotations
 
+import importlib
+
 import torch.distributed as dist
 import torch.fx
 
+from . import dims
+from . import passes as passes_package
 from .errors import ConfigError, PlanMismatchError
 from .ir import META_KEY, GraphInfo, graph_batch_size
 from .passes import REWRITE_ORDER
 from .passes.base import GraphPass, PassManager
 from .passes.bind_parameters import BindParametersPass, release_unheld
-from .passes.checkpointing import CheckpointingPass
 from .passes.codegen import CodegenPass
 from .passes.context import ParallelContext
-from .passes.context_parallel import ContextParallelPass
-from .passes.data_parallel import DataParallelPass
-from .passes.expert_parallel import ExpertParallelPass
 from .passes.local_batch import LocalBatchPass
 from .passes.meta_device import MetaDevicePass
 from .passes.mixed_precision import MixedPrecisionPass
@@ -51,7 +51,6 @@ from .passes.resharding import ReshardingPass
 from .passes.split_layers import SplitLayersPass
 from .passes.stage_boundaries import StageInputsPass, StageOutputsPass
 from .passes.stage_split import StageSplitPass, cross_stage_params
-from .passes.tensor_parallel import TensorParallelPass
 from .passes.token_loss import TokenLossPass
 from .plan import Plan
 from .runtime import reshard
@@ -65,37 +64,46 @@ from .solver.schedules import check_schedule
 
 
 def parallelize_passes(ctx: ParallelContext, bind: dict | None = None) -> list[GraphPass]:
-    """The passes that turn a captured graph into this rank's module under ``ctx.plan``."""
+    """The passes that turn a captured graph into this rank's module under ``ctx.plan``, in
+    :data:`~galvatron_fx.passes.REWRITE_ORDER`: the skeleton's (below) and each registered
+    dimension's (:class:`~galvatron_fx.dims.PassSpec`: its module's pass class, where the plan needs it)."""
     pipelined = ctx.plan.pp > 1
-    # NOTE: the loss rewrite comes first, on the whole graph: its token count reads the labels of
-    # the global batch, whichever stage computes the loss.
-    passes: list[GraphPass] = [TokenLossPass(ctx)]
-    if pipelined:
+    skeleton = {
+        # NOTE: the loss rewrite comes first, on the whole graph: its token count reads the labels of
+        # the global batch, whichever stage computes the loss
+        "token_loss": lambda: TokenLossPass(ctx),
         # NOTE: the stage split comes first, so every later pass sees one stage as if it were the
-        # whole model (its layers renumbered from 0, its ranks offset by ctx.base).
-        passes.append(StageSplitPass(ctx.plan.stages, ctx.chunk_index, ctx))
-    # NOTE: TP runs on the flat graph, before the layer split, so the layer submodules, the DP
-    # buffers and the ZeRO shards are all built from the TP-local parameter shards.
-    passes += [TensorParallelPass(ctx), SplitLayersPass(), LocalBatchPass(ctx)]
-    if any(lp.cp > 1 for lp in ctx.plan.layers):
-        passes.append(ContextParallelPass(ctx))
-    if any(lp.ep > 1 for lp in ctx.plan.layers):
-        passes.append(ExpertParallelPass(ctx))
-    if pipelined:
-        passes.append(StageOutputsPass(ctx))
-    # NOTE: checkpointing wraps whole layer calls before DP rewrites the layers, so a ZeRO-3
-    # layer's all-gather is inside the checkpoint and is redone in backward (nothing gathered
-    # stays alive between forward and backward).
-    passes += [CheckpointingPass(ctx), DataParallelPass(ctx)]
-    if ctx.precision.mixed:
-        passes.append(MixedPrecisionPass(ctx))
-    passes.append(ReshardingPass(ctx))
-    if pipelined:
-        # NOTE: after resharding, which leaves received values alone: they enter from the
-        # boundary layout, not from a graph input's whole micro-batch.
-        passes.append(StageInputsPass(ctx))
-    # NOTE: last rewrite: the passes before propagate fake tensors with meta-device parameters
-    passes += [MetaDevicePass(ctx), CodegenPass(ctx), BindParametersPass(ctx, bind)]
+        # whole model (its layers renumbered from 0, its ranks offset by ctx.base); TP (a dimension's
+        # pass) follows it, on the flat graph, so the layer submodules, the DP buffers and the ZeRO
+        # shards are all built from the TP-local parameter shards
+        "stage_split": lambda: StageSplitPass(ctx.plan.stages, ctx.chunk_index, ctx) if pipelined else None,
+        "split_layers": SplitLayersPass,
+        "local_batch": lambda: LocalBatchPass(ctx),
+        # NOTE: checkpointing (after this) wraps whole layer calls before DP rewrites the layers, so
+        # a ZeRO-3 layer's all-gather is inside the checkpoint and is redone in backward
+        "stage_outputs": lambda: StageOutputsPass(ctx) if pipelined else None,
+        "mixed_precision": lambda: MixedPrecisionPass(ctx) if ctx.precision.mixed else None,
+        "resharding": lambda: ReshardingPass(ctx),
+        # NOTE: after resharding, which leaves received values alone: they enter from the boundary
+        # layout, not from a graph input's whole micro-batch
+        "stage_inputs": lambda: StageInputsPass(ctx) if pipelined else None,
+        # NOTE: last rewrite: the passes before propagate fake tensors with meta-device parameters
+        "meta_device": lambda: MetaDevicePass(ctx),
+        "codegen": lambda: CodegenPass(ctx),
+        "bind_parameters": lambda: BindParametersPass(ctx, bind),
+    }
+    specs = dims.pass_specs()
+    passes: list[GraphPass] = []
+    for name in REWRITE_ORDER:
+        if name in skeleton:
+            made = skeleton[name]()
+        elif specs[name].when is None or specs[name].when(ctx):
+            spec = specs[name]
+            made = getattr(importlib.import_module(f"{passes_package.__name__}.{spec.name}"), spec.class_name)(ctx)
+        else:
+            made = None
+        if made is not None:
+            passes.append(made)
     return passes
 
 

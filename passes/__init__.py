@@ -8,10 +8,18 @@ one declaration of their order, which the :class:`~.base.PassManager` checks. Th
 share one :class:`~.context.ParallelContext`.
 """
 
-REWRITE_ORDER = ("token_loss", "stage_split", "tensor_parallel", "split_layers", "local_batch", "context_parallel",
-                 "expert_parallel", "stage_outputs", "checkpointing", "data_parallel", "mixed_precision",
-                 "resharding", "stage_inputs", "meta_device", "codegen", "bind_parameters")
-"""The rewrite passes in the order they run (each only when the plan needs it). Why this order: the
+from .. import dims
+
+REWRITE_SKELETON = ("token_loss", "stage_split", "split_layers", "local_batch", "stage_outputs", "mixed_precision",
+                    "resharding", "stage_inputs", "meta_device", "codegen", "bind_parameters")
+"""The rewrite passes every program needs whatever its parallel dimensions (each still only when the
+plan needs it: the stage passes under pp > 1, mixed precision under a mixed plan)."""
+
+REWRITE_ORDER = dims.rewrite_order(REWRITE_SKELETON)
+"""The rewrite passes in the order they run (each only when the plan needs it): the skeleton with
+each dimension's passes after the pass its :class:`~galvatron_fx.dims.PassSpec` names
+(``tensor_parallel`` after ``stage_split``, ``context_parallel`` and ``expert_parallel`` after
+``local_batch``, ``checkpointing`` after ``stage_outputs``, ``data_parallel`` after it). Why this order: the
 loss's token count reads the whole graph's labels (first); the stage split makes every later pass
 see one stage as a whole model; TP rewrites the flat graph, so the layer submodules, the DP buffers
 and the ZeRO shards are built from TP-local shards; checkpointing wraps whole layer calls before

@@ -26,12 +26,12 @@ def test_the_strategy_is_the_registered_fields_in_order():
 
 
 def test_every_dimension_names_passes_and_runtime_modules_that_exist():
-    claimed = [p for d in dims.DIMENSIONS for p in d.passes]
+    claimed = [p.name for d in dims.DIMENSIONS for p in d.passes]
     assert len(claimed) == len(set(claimed)), "a pass belongs to one dimension"
     for d in dims.DIMENSIONS:
         for p in d.passes:
-            importlib.import_module(f"galvatron_fx.passes.{p}")
-            assert p in REWRITE_ORDER, (d.name, p)
+            assert hasattr(importlib.import_module(f"galvatron_fx.passes.{p.name}"), p.class_name), p
+            assert REWRITE_ORDER.index(p.name) > REWRITE_ORDER.index(p.after), (d.name, p)
         for r in d.runtime:
             importlib.import_module(f"galvatron_fx.{r}")
         assert all(r.doc for r in d.rules), d.name
@@ -123,3 +123,17 @@ def test_a_dimensions_cost_terms_add_to_the_layer_cost(monkeypatch):
     assert after.overhead_s == pytest.approx(before.overhead_s + 0.5, rel=1e-3)   # its launches grow with fwd
     assert after.transient_bytes == before.transient_bytes + 100.0
     assert after.param_bytes == before.param_bytes and after.grad_sync_s == before.grad_sync_s
+
+
+def test_the_rewrite_order_places_each_dimensions_passes(monkeypatch):
+    """The order is the skeleton with each dimension's passes after the one it names: a registered
+    dimension's pass lands there (and the plan's pass list builds it from its module by name)."""
+    from galvatron_fx.dims import PassSpec
+    from galvatron_fx.passes import REWRITE_ORDER, REWRITE_SKELETON
+
+    assert dims.rewrite_order(REWRITE_SKELETON) == REWRITE_ORDER
+    extra = Dimension("extra", (), passes=(PassSpec("offload", after="data_parallel"),))
+    monkeypatch.setattr(dims, "DIMENSIONS", dims.DIMENSIONS + (extra,))
+    order = dims.rewrite_order(REWRITE_SKELETON)
+    assert order[order.index("data_parallel") + 1] == "offload" and len(order) == len(REWRITE_ORDER) + 1
+    assert PassSpec("context_parallel", after="local_batch").class_name == "ContextParallelPass"

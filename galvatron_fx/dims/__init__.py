@@ -38,9 +38,9 @@ from typing import Any
 
 from ..errors import ConfigError
 from . import checkpointing, context, data, experts, tensor
-from .base import Admission, CostTerms, Dimension, Field, Rule, SpaceOptions, as_list, is_pow2
+from .base import Admission, CostTerms, Dimension, Field, PassSpec, Rule, SpaceOptions, as_list, is_pow2
 
-__all__ = ["DIMENSIONS", "Admission", "CostTerms", "Dimension", "Field", "Rule", "SpaceOptions", "admission", "as_list",
+__all__ = ["DIMENSIONS", "Admission", "CostTerms", "PassSpec", "rewrite_order", "Dimension", "Field", "Rule", "SpaceOptions", "admission", "as_list",
            "enumerate_strategies", "explain_lines", "fields", "is_pow2", "json_fields", "label", "rules",
            "strategy_namespace", "validate", "constraint_keys", "space_options", "extra_fields"]
 
@@ -165,3 +165,28 @@ def extra_fields(strategy: Any, attributes: frozenset) -> dict:
     """The plan-JSON fields of ``strategy`` a ``LayerPlan`` holds in ``extra`` (those that are not
     its ``attributes``), for dimensions registered after the attributes."""
     return {f.name: getattr(strategy, f.name) for f in json_fields() if f.name not in attributes}
+
+
+def rewrite_order(skeleton: tuple[str, ...]) -> tuple[str, ...]:
+    """The rewrite passes in order: ``skeleton`` (the passes every plan's program needs, whatever
+    its dimensions) with each dimension's :class:`PassSpec` after its ``after`` pass (several after
+    one pass: in registry order)."""
+    order = list(skeleton)
+    followers: dict[str, list[str]] = {}
+    pending = [spec for d in DIMENSIONS for spec in d.passes]
+    while pending:
+        placed = [spec for spec in pending if spec.after in order]
+        if not placed:
+            raise RuntimeError(f"passes {[p.name for p in pending]} name no placed pass to follow")   # pragma: no cover
+        for spec in placed:
+            before = followers.setdefault(spec.after, [])
+            at = order.index(before[-1] if before else spec.after) + 1
+            order.insert(at, spec.name)
+            before.append(spec.name)
+        pending = [spec for spec in pending if spec not in placed]
+    return tuple(order)
+
+
+def pass_specs() -> dict:
+    """Every dimension's :class:`PassSpec`, by pass name."""
+    return {spec.name: spec for d in DIMENSIONS for spec in d.passes}

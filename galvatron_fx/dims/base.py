@@ -79,6 +79,23 @@ class Admission:
 
 
 @dataclass(frozen=True)
+class PassSpec:
+    """A rewrite pass a dimension needs: the module ``galvatron_fx.passes.<name>`` and its class
+    (``make``; default the module name in CamelCase + ``Pass``, built as ``cls(ctx)``), placed right
+    after the pass ``after`` in the rewrite order; ``when(ctx)``: whether the plan needs it
+    (``None``: every plan)."""
+
+    name: str
+    after: str
+    when: Callable[[Any], bool] | None = None
+    make: str = ""
+
+    @property
+    def class_name(self) -> str:
+        return self.make or "".join(w.title() for w in self.name.split("_")) + "Pass"
+
+
+@dataclass(frozen=True)
 class CostTerms:
     """What a dimension adds to a layer's base cost (:meth:`galvatron_fx.cost.CostModel.layer_cost`),
     per device; added field by field. Seconds per micro-batch (``tp_comm_s``, ``gather_s``,
@@ -114,7 +131,7 @@ class Dimension:
     admission: Callable[[Any, Mapping], Admission] | None = None
     label: Callable[[Any], list[tuple[int, str]]] | None = None
     explain: Callable[[list], list[str]] | None = None
-    passes: tuple[str, ...] = ()
+    passes: tuple[PassSpec, ...] = ()
     runtime: tuple[str, ...] = ()
     properties: Mapping[str, property] = field(default_factory=dict)
     checks: tuple[Callable[[Any], str | None], ...] = ()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Dimension, Field, SpaceOptions, a_bool, rule
+from .base import Dimension, Field, PassSpec, SpaceOptions, a_bool, rule
 
 
 def _ckpt_switch(s: Any, o: SpaceOptions) -> bool:
@@ -21,6 +21,6 @@ DIMENSION = Dimension(
     fields=(Field("ckpt", bool, False, 50, values=lambda o, n, c: (False, True), check=a_bool, json_required=True),),
     rules=(rule(_ckpt_switch),),
     label=lambda s: [(70, "ckpt")] if s.ckpt else [],
-    passes=("checkpointing",),
+    passes=(PassSpec("checkpointing", after="stage_outputs"),),
     runtime=("runtime.checkpointing",),
 )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Admission, Dimension, Field, SpaceOptions, as_list, one_of, positive_int, rule
+from .base import Admission, Dimension, Field, PassSpec, SpaceOptions, as_list, one_of, positive_int, rule
 
 CP_KINDS: tuple[str, ...] = ("ring", "ulysses")
 """Context-parallel attention kinds: ``ring`` (key / value blocks passed around the CP group, merged
@@ -126,7 +126,8 @@ DIMENSION = Dimension(
     explain=_explain,
     compute_terms=lambda cm, index, n, s: cm.context_compute(index, n, s),
     cost_terms=lambda cm, index, n, s, fwd: cm.context_terms(index, n, s),
-    passes=("context_parallel",),
+    passes=(PassSpec("context_parallel", after="local_batch",
+                     when=lambda ctx: any(lp.cp > 1 for lp in ctx.plan.layers)),),
     runtime=("runtime.context_parallel", "runtime.ring_attention", "runtime.seq_layout"),
     checks=(_cp_divides_dp,),
 )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Dimension, Field, SpaceOptions, one_of, positive_int, rule
+from .base import Dimension, Field, PassSpec, SpaceOptions, one_of, positive_int, rule
 
 SDP_KINDS: tuple[str, ...] = ("none", "zero2", "zero3")
 """Data-parallel kinds, in enumeration order: plain DP (replicated states), ZeRO-2 (optimizer states
@@ -36,6 +36,6 @@ DIMENSION = Dimension(
             Field("sdp", str, "none", 30, values=lambda o, n, c: SDP_KINDS, check=one_of(SDP_KINDS), json_required=True)),
     rules=(rule(_sdp_needs_dp), rule(_sdp_switch)),
     label=lambda s: [(20, f"dp{s.dp}")] + ([(50, s.sdp)] if s.sdp != "none" else []),
-    passes=("data_parallel", "resharding"),
+    passes=(PassSpec("data_parallel", after="checkpointing"),),
     runtime=("runtime.data_parallel", "runtime.zero_layout", "runtime.reshard"),
 )

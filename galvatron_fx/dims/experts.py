@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Admission, Dimension, Field, SpaceOptions, a_bool, as_list, positive_int, rule
+from .base import Admission, Dimension, Field, PassSpec, SpaceOptions, a_bool, as_list, positive_int, rule
 
 
 def _ep_degrees(s: Any, o: SpaceOptions) -> bool:
@@ -74,7 +74,8 @@ DIMENSION = Dimension(
     label=lambda s: [(30, f"ep{s.ep}")] if s.ep > 1 else [],
     explain=_explain,
     cost_terms=lambda cm, index, n, s, fwd: cm.expert_terms(index, n, s),
-    passes=("expert_parallel",),
+    passes=(PassSpec("expert_parallel", after="context_parallel",
+                     when=lambda ctx: any(lp.ep > 1 for lp in ctx.plan.layers)),),
     runtime=("runtime.experts",),
     properties={"shards_experts": property(_shards_experts)},
     checks=(_ep_divides_dp,),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Admission, Dimension, Field, SpaceOptions, a_bool, is_pow2, positive_int, rule
+from .base import Admission, Dimension, Field, PassSpec, SpaceOptions, a_bool, is_pow2, positive_int, rule
 
 
 def _power_of_two(s: Any, o: SpaceOptions) -> bool:
@@ -113,6 +113,6 @@ DIMENSION = Dimension(
     admission=_admission,
     label=lambda s: [(10, f"tp{s.tp}")] + ([(60, "sp")] if s.sp else []),
     explain=_explain,
-    passes=("tensor_parallel",),
+    passes=(PassSpec("tensor_parallel", after="stage_split"),),
     runtime=("runtime.tp_ops", "runtime.vocab_parallel"),
 )
