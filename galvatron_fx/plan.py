@@ -46,7 +46,7 @@ from .errors import ConfigError, PlanMismatchError
 from .plan_text import explain_plan
 from .solver.pipeline import even_split
 from .solver.schedules import check_schedule, chunk_rank, default_virtual_stages, rank_chunks
-from .solver.strategy import CP_KINDS, SDP_KINDS, Strategy
+from .solver.strategy import Strategy
 
 FORMAT = "galvatron_fx.plan/1"
 ESTIMATE_KEYS = ("step_time_s", "throughput_samples_s", "memory_bytes_per_device")
@@ -237,31 +237,9 @@ class Plan:
                 raise ConfigError(
                     f"plan {w} ({layer.name!r}): tp*dp = {tp}*{dp} = {tp * dp} but each stage has "
                     f"world_size/pp = {per_stage} devices; choose tp and dp with tp*dp == {per_stage}")
-            if layer.sdp not in SDP_KINDS:
-                raise ConfigError(f"plan {w}.sdp must be one of {list(SDP_KINDS)}, got {layer.sdp!r}")
-            for key in ("sp", "ckpt"):
-                if not isinstance(getattr(layer, key), bool):
-                    raise ConfigError(f"plan {w}.{key} must be true or false, got {getattr(layer, key)!r}")
-            if layer.sp and tp == 1:
-                raise ConfigError(f"plan {w} ({layer.name!r}): sp=true needs tp > 1; set sp to false or tp >= 2")
-            ep = _need_int(f"{w}.ep", layer.ep)
-            if dp % ep:
-                raise ConfigError(f"plan {w} ({layer.name!r}): ep={ep} does not divide dp={dp}; the experts are "
-                                  f"split over ep ranks of the data-parallel group: use an ep dividing {dp}")
-            if not isinstance(layer.extra.get("expert_tp", True), bool):
-                raise ConfigError(f"plan {w}.expert_tp must be true or false, got {layer.extra['expert_tp']!r}")
-            cp = _need_int(f"{w}.cp", layer.cp)
-            if dp % cp:
-                raise ConfigError(f"plan {w} ({layer.name!r}): cp={cp} does not divide dp={dp}; the sequence is "
-                                  f"split over cp ranks of the data-parallel group: use a cp dividing {dp}")
-            if layer.cp_kind not in CP_KINDS:
-                raise ConfigError(f"plan {w}.cp_kind must be one of {list(CP_KINDS)}, got {layer.cp_kind!r}")
-            if micro_batch % (dp // cp):
-                what = f"dp={dp}" if cp == 1 else f"dp/cp = {dp}/{cp} = {dp // cp}"
-                raise ConfigError(
-                    f"plan {w} ({layer.name!r}): {what} does not divide the micro-batch of "
-                    f"global_batch_size/micro_batches = {micro_batch} samples; change global_batch_size, "
-                    "micro_batches or dp")
+            problems = dims.plan_problems(w, layer, micro_batch)
+            if problems:
+                raise ConfigError(problems[0])
 
     def _validate_stages(self, pp: int) -> None:
         L = len(self.layers)

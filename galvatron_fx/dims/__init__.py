@@ -19,6 +19,8 @@ context parallelism (:mod:`.context`). Each module builds one :class:`Dimension`
 * ``compute_terms`` / ``cost_terms``: what it adds to a layer's price beyond the base terms (the
   tensor, data and checkpointing dimensions every layer has): device seconds of forward and
   backward, then a :class:`~.base.CostTerms` of communication, overheads and memory;
+* ``plan_checks``: what it refuses in a plan's layer (``check(where, layer, micro_batch)``: the
+  message naming the fix, or ``None``);
 * ``constraints`` / ``space_options``: the search constraints it adds (beyond the planner's own)
   and the options they give its fields' values (``SpaceOptions.more``).
 
@@ -40,7 +42,7 @@ from ..errors import ConfigError
 from . import checkpointing, context, data, experts, tensor
 from .base import Admission, CostTerms, Dimension, Field, PassSpec, Rule, SpaceOptions, as_list, is_pow2
 
-__all__ = ["DIMENSIONS", "Admission", "CostTerms", "PassSpec", "rewrite_order", "Dimension", "Field", "Rule", "SpaceOptions", "admission", "as_list",
+__all__ = ["DIMENSIONS", "Admission", "CostTerms", "PassSpec", "plan_problems", "rewrite_order", "Dimension", "Field", "Rule", "SpaceOptions", "admission", "as_list",
            "enumerate_strategies", "explain_lines", "fields", "is_pow2", "json_fields", "label", "rules",
            "strategy_namespace", "validate", "constraint_keys", "space_options", "extra_fields"]
 
@@ -190,3 +192,8 @@ def rewrite_order(skeleton: tuple[str, ...]) -> tuple[str, ...]:
 def pass_specs() -> dict:
     """Every dimension's :class:`PassSpec`, by pass name."""
     return {spec.name: spec for d in DIMENSIONS for spec in d.passes}
+
+
+def plan_problems(where: str, layer: Any, micro_batch: int) -> list[str]:
+    """What the dimensions refuse in one plan layer, in registry order (the first is raised)."""
+    return [why for d in DIMENSIONS for check in d.plan_checks if (why := check(where, layer, micro_batch))]

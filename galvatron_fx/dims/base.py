@@ -137,6 +137,7 @@ class Dimension:
     checks: tuple[Callable[[Any], str | None], ...] = ()
     compute_terms: Callable[[Any, int, float, Any], tuple[float, float]] | None = None
     cost_terms: Callable[[Any, int, float, Any, float], CostTerms] | None = None
+    plan_checks: tuple[Callable[[str, Any, int], str | None], ...] = ()
     constraints: tuple[str, ...] = ()
     space_options: Callable[[Mapping], Mapping] | None = None
 
@@ -176,3 +177,15 @@ def one_of(choices: tuple) -> Callable[[Any], str | None]:
 
 def is_pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
+
+
+def plan_int(where: str, value: Any) -> str | None:
+    """A plan check: an integer >= 1 (the plan's own message)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return f"plan {where} must be an integer >= 1, got {value!r}; fix the value in the plan"
+    return None
+
+
+def plan_bool(where: str, value: Any) -> str | None:
+    """A plan check: true or false."""
+    return None if isinstance(value, bool) else f"plan {where} must be true or false, got {value!r}"

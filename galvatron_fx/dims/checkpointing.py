@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Dimension, Field, PassSpec, SpaceOptions, a_bool, rule
+from .base import Dimension, Field, PassSpec, SpaceOptions, a_bool, plan_bool, rule
 
 
 def _ckpt_switch(s: Any, o: SpaceOptions) -> bool:
     """``ckpt=False`` in the options drops the checkpointed strategies."""
     return not s.ckpt or o.ckpt
+
+
+def _plan_ckpt(w: str, layer, micro_batch: int) -> str | None:
+    return plan_bool(f"{w}.ckpt", layer.ckpt)
 
 
 DIMENSION = Dimension(
@@ -23,4 +27,5 @@ DIMENSION = Dimension(
     label=lambda s: [(70, "ckpt")] if s.ckpt else [],
     passes=(PassSpec("checkpointing", after="stage_outputs"),),
     runtime=("runtime.checkpointing",),
+    plan_checks=(_plan_ckpt,),
 )

@@ -12,7 +12,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Admission, Dimension, Field, PassSpec, SpaceOptions, as_list, one_of, positive_int, rule
+from .base import (
+    Admission,
+    Dimension,
+    Field,
+    PassSpec,
+    SpaceOptions,
+    as_list,
+    one_of,
+    plan_int,
+    positive_int,
+    rule,
+)
 
 CP_KINDS: tuple[str, ...] = ("ring", "ulysses")
 """Context-parallel attention kinds: ``ring`` (key / value blocks passed around the CP group, merged
@@ -115,6 +126,25 @@ def _explain(layers: list) -> list[str]:
     return out
 
 
+def _plan_cp(w: str, layer, micro_batch: int) -> str | None:
+    """The degree, the kind, and the batch slices (``dp / cp``: a CP group shares its samples) that
+    must divide the micro-batch."""
+    if (why := plan_int(f"{w}.cp", layer.cp)):
+        return why
+    dp, cp = layer.dp, layer.cp
+    if dp % cp:
+        return (f"plan {w} ({layer.name!r}): cp={cp} does not divide dp={dp}; the sequence is "
+                f"split over cp ranks of the data-parallel group: use a cp dividing {dp}")
+    if layer.cp_kind not in CP_KINDS:
+        return f"plan {w}.cp_kind must be one of {list(CP_KINDS)}, got {layer.cp_kind!r}"
+    if micro_batch % (dp // cp):
+        what = f"dp={dp}" if cp == 1 else f"dp/cp = {dp}/{cp} = {dp // cp}"
+        return (f"plan {w} ({layer.name!r}): {what} does not divide the micro-batch of "
+                f"global_batch_size/micro_batches = {micro_batch} samples; change global_batch_size, "
+                "micro_batches or dp")
+    return None
+
+
 DIMENSION = Dimension(
     name="context",
     fields=(Field("cp", int, 1, 70, values=lambda o, n, c: [x for x in o.cp if c["dp"] % x == 0], check=positive_int),
@@ -130,4 +160,5 @@ DIMENSION = Dimension(
                      when=lambda ctx: any(lp.cp > 1 for lp in ctx.plan.layers)),),
     runtime=("runtime.context_parallel", "runtime.ring_attention", "runtime.seq_layout"),
     checks=(_cp_divides_dp,),
+    plan_checks=(_plan_cp,),
 )

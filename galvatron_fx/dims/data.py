@@ -30,6 +30,12 @@ def _sdp_switch(s: Any, o: SpaceOptions) -> bool:
     return not (s.sdp == "zero2" and not o.zero2) and not (s.sdp == "zero3" and not o.zero3)
 
 
+def _plan_sdp(w: str, layer, micro_batch: int) -> str | None:
+    if layer.sdp not in SDP_KINDS:
+        return f"plan {w}.sdp must be one of {list(SDP_KINDS)}, got {layer.sdp!r}"
+    return None
+
+
 DIMENSION = Dimension(
     name="data",
     fields=(Field("dp", int, None, 20, derive=lambda n, chosen: n // chosen["tp"], check=positive_int, json_required=True),
@@ -38,4 +44,5 @@ DIMENSION = Dimension(
     label=lambda s: [(20, f"dp{s.dp}")] + ([(50, s.sdp)] if s.sdp != "none" else []),
     passes=(PassSpec("data_parallel", after="checkpointing"),),
     runtime=("runtime.data_parallel", "runtime.zero_layout", "runtime.reshard"),
+    plan_checks=(_plan_sdp,),
 )

@@ -12,7 +12,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Admission, Dimension, Field, PassSpec, SpaceOptions, a_bool, as_list, positive_int, rule
+from .base import (
+    Admission,
+    Dimension,
+    Field,
+    PassSpec,
+    SpaceOptions,
+    a_bool,
+    as_list,
+    plan_bool,
+    plan_int,
+    positive_int,
+    rule,
+)
 
 
 def _ep_degrees(s: Any, o: SpaceOptions) -> bool:
@@ -63,6 +75,15 @@ def _explain(layers: list) -> list[str]:
             for (ep, dispatch, over_tp), names in groups.items()]
 
 
+def _plan_ep(w: str, layer, micro_batch: int) -> str | None:
+    if (why := plan_int(f"{w}.ep", layer.ep)):
+        return why
+    if layer.dp % layer.ep:
+        return (f"plan {w} ({layer.name!r}): ep={layer.ep} does not divide dp={layer.dp}; the experts are "
+                f"split over ep ranks of the data-parallel group: use an ep dividing {layer.dp}")
+    return plan_bool(f"{w}.expert_tp", layer.extra.get("expert_tp", True))
+
+
 DIMENSION = Dimension(
     name="experts",
     fields=(Field("ep", int, 1, 60, values=lambda o, n, c: [e for e in o.ep if c["dp"] % e == 0], check=positive_int),
@@ -79,4 +100,5 @@ DIMENSION = Dimension(
     runtime=("runtime.experts",),
     properties={"shards_experts": property(_shards_experts)},
     checks=(_ep_divides_dp,),
+    plan_checks=(_plan_ep,),
 )

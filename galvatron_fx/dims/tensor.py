@@ -10,7 +10,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Admission, Dimension, Field, PassSpec, SpaceOptions, a_bool, is_pow2, positive_int, rule
+from .base import (
+    Admission,
+    Dimension,
+    Field,
+    PassSpec,
+    SpaceOptions,
+    a_bool,
+    is_pow2,
+    plan_bool,
+    positive_int,
+    rule,
+)
 
 
 def _power_of_two(s: Any, o: SpaceOptions) -> bool:
@@ -104,6 +115,14 @@ def _divisors(o: SpaceOptions, n: int, chosen: dict):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _plan_sp(w: str, layer, micro_batch: int) -> str | None:
+    if (why := plan_bool(f"{w}.sp", layer.sp)):
+        return why
+    if layer.sp and layer.tp == 1:
+        return f"plan {w} ({layer.name!r}): sp=true needs tp > 1; set sp to false or tp >= 2"
+    return None
+
+
 DIMENSION = Dimension(
     name="tensor",
     fields=(Field("tp", int, None, 10, values=_divisors, check=positive_int, json_required=True),
@@ -115,4 +134,5 @@ DIMENSION = Dimension(
     explain=_explain,
     passes=(PassSpec("tensor_parallel", after="stage_split"),),
     runtime=("runtime.tp_ops", "runtime.vocab_parallel"),
+    plan_checks=(_plan_sp,),
 )
