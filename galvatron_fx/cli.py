@@ -305,7 +305,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.json:
         raise ConfigError(f"train --json {args.json}: the training log is --log-json {args.json} (JSON lines: one "
-                          "record per step, then the run's summary)")
+                          "record per step, the last with the run's summary)")
     check_output(args.log_json, "--log-json")
     if args.data is not None or config_path(args.model):
         return _train_text(args)
@@ -320,8 +320,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _report(log: dict, args: argparse.Namespace, show) -> int:
-    """Rank 0 shows a training log and ends ``--log-json`` with the run's record (after the step
-    records: the text trainer wrote its own as it ran); every rank leaves the process group."""
+    """Rank 0 shows a training log and writes ``--log-json`` (the step records, the last with the
+    run's summary: the text trainer wrote its steps as it ran); every rank leaves the process group."""
     from .distributed import shutdown
     from .train import write_log
 

@@ -266,7 +266,7 @@ def _add_train(sub) -> None:
     p.add_argument("--ckpt-dir", default="checkpoints", help="checkpoint directory (--data; default ./checkpoints)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir (--data)")
     p.add_argument("--log-json", metavar="PATH", help="the training log, JSON lines (rank 0): one record per step "
-                   "(loss, grad_norm, lr, throughput; mfu with --data), then one {\"run\": ...} record with the "
+                   "(loss, grad_norm, lr, throughput; mfu with --data), the last one also holding \"run\": the "
                    "summary, per-device memory and the plan; galvatron_fx.train.read_log reads it back")
     p.add_argument("--plan", metavar="PATH", help="plan JSON to run (default: search one at the first step)")
     p.add_argument("--measure", type=_count, default=4, metavar="K",

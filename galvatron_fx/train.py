@@ -144,14 +144,19 @@ def train(model_spec: str, *, steps: int = 10, plan: str | None = None, memory_b
 
 
 def write_log(path: str, log: dict) -> None:
-    """``--log-json``: the step records (``log["steps"]``, unless already written as the run went)
-    as JSON lines, then one ``{"run": ...}`` record with everything else."""
-    steps = log.get("steps")
+    """``--log-json``: JSON lines, one record per step (``log["steps"]``, unless the run wrote them
+    as it went: the text trainer's), the last one also holding ``"run"``: the summary, per-device
+    memory and the plan (so every line stays a step record)."""
     run = {k: v for k, v in log.items() if k not in ("steps", "records")}
-    with open(path, "a" if steps is None else "w") as f:
-        for rec in steps or []:
+    steps = log.get("steps")
+    if steps is None:
+        with open(path) as f:
+            steps = [json.loads(line) for line in f if line.strip()]
+    steps = [dict(rec) for rec in steps] or [{}]
+    steps[-1]["run"] = run
+    with open(path, "w") as f:
+        for rec in steps:
             f.write(json.dumps(rec) + "\n")
-        f.write(json.dumps({"run": run}) + "\n")
 
 
 def read_log(path: str) -> dict:
@@ -162,9 +167,8 @@ def read_log(path: str) -> dict:
     with open(path) as f:
         for line in f:
             rec = json.loads(line)
-            if "run" in rec:
-                run = rec["run"]
-            else:
+            run = rec.pop("run", run)
+            if "step" in rec:
                 steps[rec["step"]] = rec
     return {"steps": [steps[k] for k in sorted(steps)], **run}
 

@@ -9,6 +9,7 @@ config plans from the meta device with ``--seq-len``. Token and block helpers ar
 from __future__ import annotations
 
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -69,6 +70,8 @@ def test_train_a_config_on_a_text_file(tmp_path, llama_dir, corpus):
     out, records = _train(llama_dir, corpus, log, ckpt, "--steps", "40", "--save-every", "20", "--cluster", str(cfile))
     assert f"calibrated {cfile}" in out.stderr and gfx.Cluster.load(str(cfile)).time_scale > 1   # an A100 timed on a CPU
     assert len(records) == 40 and all({"loss", "grad_norm", "lr", "tokens_per_s"} <= set(r) for r in records)
+    raw = [json.loads(line) for line in log.read_text().splitlines()]   # every line a step record; the last holds the run
+    assert all({"loss", "grad_norm", "lr", "tokens_per_s"} <= set(r) for r in raw) and "summary" in raw[-1]["run"]
     assert records[-1]["loss"] <= 0.9 * records[0]["loss"], (records[0], records[-1])   # >= 10 % lower
     assert records[0]["lr"] < records[5]["lr"]                                              # warm-up
     assert sorted(os.path.basename(p) for p in glob.glob(str(ckpt / "step-*"))) == ["step-20", "step-40"]
