@@ -48,8 +48,7 @@ FAMILIES = {
                                                    rotary_dim=4, use_cache=False, bos_token_id=0, eos_token_id=0)),
     "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(vocab_size=V, hidden_size=32, n_layer=2, n_head=4,
                                                       use_cache=False)),
-    # NOTE: multi-query Falcon (the default) does not capture with dynamo on the meta device (see
-    # KNOWN_CAPTURE_FAILURES); multi-head Falcon captures with both front ends
+    # NOTE: multi-head Falcon; multi-query and the new decoder architecture are falcon_mq / falcon_new
     "falcon": lambda: T.FalconForCausalLM(T.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
                                                          num_attention_heads=4, multi_query=False, use_cache=False)),
     "phi": lambda: T.PhiForCausalLM(T.PhiConfig(**DEC)),
@@ -97,7 +96,7 @@ MATRIX_FAMILIES = {
                                                                      hidden_dim=64, max_position_embeddings=64)),
 }
 
-KNOWN_CAPTURE_FAILURES = {("falcon_mq", "dynamo"), ("falcon_new", "dynamo"), ("gpt_neo", "dynamo")}
+KNOWN_CAPTURE_FAILURES = {("gpt_neo", "dynamo")}
 """dynamo cannot trace these on the meta device (a list index becomes a real meta tensor inside
 FakeTensorMode); a capture limit, not the cost model's."""
 
