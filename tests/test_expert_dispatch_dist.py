@@ -148,7 +148,9 @@ def _activations(rank, world, ep):
 
     batch = loops.collate(1)[0]
     gm = gfx.capture(loops.moe("mixtral"), (), kwargs=batch, method="dynamo")
-    cm = CostModel(gm, gfx.Cluster.preset(f"{world}xA100-80GB"), reserve_bytes=0, precision="fp32")
+    # NOTE: attention priced as this CPU runs it (an A100 preset prices its flash kernel's saved tensors)
+    cm = CostModel(gm, gfx.Cluster.preset(f"{world}xA100-80GB"), reserve_bytes=0, precision="fp32",
+                   attention_target="cpu")
     plan = gfx.Plan.uniform(gm, world, global_batch_size=loops.B, dp=world, ep=ep, precision="fp32")
     dm = gfx.transform(gm, plan=plan)
     index, size = dm.input_shard
