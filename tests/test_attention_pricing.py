@@ -57,11 +57,15 @@ def _saved_bytes(fn) -> int:
     return total[0]
 
 
-@pytest.mark.parametrize("kw", [dict(is_causal=True), dict(attn_mask="bool"), dict(dropout_p=0.0, is_causal=False)])
+@pytest.mark.parametrize("kw", [dict(is_causal=True), dict(attn_mask="bool"), dict(dropout_p=0.0, is_causal=False),
+                                dict(is_causal=True, enable_gqa=True)])
 def test_stand_in_saves_what_the_cpu_kernel_saves(kw):
-    """The CPU kernel's saved tensors (live bytes) equal the stand-in's, which the cost model counts."""
+    """The CPU kernel's saved tensors (live bytes) equal the stand-in's, which the cost model counts
+    (grouped key / value heads: the CPU kernel keeps them as given, not repeated)."""
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 64, 32, requires_grad=True) for _ in range(3))
+    q = torch.randn(2, 4, 64, 32, requires_grad=True)
+    kv_heads = 2 if kw.get("enable_gqa") else 4
+    k, v = (torch.randn(2, kv_heads, 64, 32, requires_grad=True) for _ in range(2))
     if kw.get("attn_mask") == "bool":
         kw = dict(attn_mask=torch.ones(64, 64, dtype=torch.bool).tril())
     live = _saved_bytes(lambda: F.scaled_dot_product_attention(q, k, v, **kw))
@@ -69,7 +73,7 @@ def test_stand_in_saves_what_the_cpu_kernel_saves(kw):
     stand_in = _saved_bytes(lambda: run_stand_in("cpu", (q, k, v), kw))
     assert kernel == "flash_cpu" and out.shape == (2, 4, 64, 32)
     # q, k, v are the caller's (already counted by its producers): compare what the kernel adds
-    inputs = 3 * q.untyped_storage().nbytes()
+    inputs = sum(t.untyped_storage().nbytes() for t in (q, k, v))
     assert stand_in - inputs == live - inputs
 
 

@@ -25,7 +25,8 @@ kernel          where torch picks it                                            
 
 A boolean mask is converted to an additive one in the query's dtype before a fused kernel sees it
 (a new ``[.., s_q, s_kv]`` tensor, which the kernel saves); grouped key / value heads are repeated
-to the query heads (new tensors, saved) by every kernel but ``flash``.
+to the query heads (new tensors, saved) by every kernel but ``flash`` and ``flash_cpu`` (torch 2.13's
+CPU kernel saves the grouped ``k`` and ``v`` as given: ``tests/test_attention_pricing.py``).
 
 FLOPs are counted as the kernel executes them: forward ``2 e (d + d_v)`` for ``e`` score entries,
 backward ``2 e (3 d + 2 d_v)`` (the fused backward recomputes the scores: 2.5 x the forward for
@@ -119,7 +120,8 @@ def saved_for_backward(kernel: str, call: SdpaCall, out: torch.Tensor) -> list[t
     rows = tuple(q.shape[:-2])
     if kernel == "flash":
         return [q, k, v, out, q.new_empty((*rows, sq), dtype=torch.float32)]
-    k, v = _expanded(k, hq), _expanded(v, hq)
+    if kernel != "flash_cpu":   # NOTE: torch's CPU flash kernel takes grouped key / value heads natively
+        k, v = _expanded(k, hq), _expanded(v, hq)
     if kernel in ("efficient", "flash_cpu"):
         pad = LSE_ROWS_EFFICIENT * math.ceil(sq / LSE_ROWS_EFFICIENT) if kernel == "efficient" else sq
         saved = [q, k, v, out, q.new_empty((*rows, pad), dtype=torch.float32)]
