@@ -39,6 +39,11 @@ def write_json(path: str | None, data: dict) -> None:
         print(f"wrote {path}")
 
 
+def ckpt_word(ckpt) -> str:
+    """A layer's checkpointing in a plan label: ``" sac"`` (selective), ``" ckpt"`` (full) or nothing."""
+    return " sac" if ckpt == "selective" else " ckpt" if ckpt else ""
+
+
 def train_stepper(dm, opt, batches):
     """A training step: ``dm.train_step`` on the next batch (cycling), then ``opt.step()``."""
     k = [0]

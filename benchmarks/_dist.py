@@ -19,6 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from _common import ckpt_word  # noqa: E402
+
 from tests.dist_utils import run_distributed  # noqa: E402
 
 MODEL = "gpt-tiny"
@@ -80,7 +82,7 @@ def plan_label(plan) -> str:
     kinds = []
     for lp in plan.layers:
         s = f"tp{lp.tp}" + (f" {lp.sdp}" if lp.sdp != "none" else "") + (" sp" if lp.sp else "") \
-            + (" ckpt" if lp.ckpt else "")
+            + ckpt_word(lp.ckpt)
         if s not in kinds:
             kinds.append(s)
     head = f"pp{plan.pp} m{plan.micro_batches}" + (f" {plan.schedule}" if plan.pp > 1 else "")
@@ -136,7 +138,10 @@ def time_plans(gm, plans: dict, args, steps: int) -> tuple[dict, dict[str, float
 
 def saved_activation_bytes(dm, plan, args) -> int:
     """Bytes saved for backward by one micro-batch's forward on this rank (pp = 1): unique storages,
-    parameter storages (and ZeRO-3's gathered buffers) excluded. The graph is released afterwards."""
+    parameter storages (and ZeRO-3's gathered buffers) excluded, the outputs selective checkpointing
+    keeps included. The graph is released afterwards."""
+    from galvatron_fx.runtime.checkpointing import kept_tensors, recording_kept
+
     seen: dict[int, int] = {}
     params = {p.untyped_storage().data_ptr() for p in dm.parameters()}
 
@@ -149,8 +154,10 @@ def saved_activation_bytes(dm, plan, args) -> int:
 
     b = plan.micro_batch_size
     index, size = dm.input_shard   # the graph takes this rank's slice of a micro-batch
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recording_kept() as regions:
         loss = dm(*[a[:b][index * b // size:(index + 1) * b // size] for a in args])
+    for t in kept_tensors(regions):   # what selective checkpointing keeps beside autograd's saved tensors
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     loss.backward()
     for s in dm.stores:
         s.zero_grad_state()

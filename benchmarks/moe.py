@@ -30,7 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import parser, practitioner, print_table, train_stepper, write_json  # noqa: E402
+from _common import ckpt_word, parser, practitioner, print_table, train_stepper, write_json  # noqa: E402
 from _dist import interleaved, profiled_cluster, rel_err, spawn, uniform  # noqa: E402
 
 SEQ, GBS = 4096, 64
@@ -108,7 +108,7 @@ def label(plan) -> str:
     kinds = []
     for lp in plan.layers:
         s = f"tp{lp.tp}" + (f" ep{lp.ep}" if lp.ep > 1 else "") + (f" {lp.sdp}" if lp.sdp != "none" else "") \
-            + (" sp" if lp.sp else "") + (" ckpt" if lp.ckpt else "")
+            + (" sp" if lp.sp else "") + ckpt_word(lp.ckpt)
         if s not in kinds:
             kinds.append(s)
     return f"pp{plan.pp} m{plan.micro_batches} | " + ", ".join(kinds)

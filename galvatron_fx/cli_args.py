@@ -66,8 +66,8 @@ def pipeline_constraints(args: argparse.Namespace) -> dict:
     ``--cp-kind`` (those given)."""
     out = {k: getattr(args, k) for k in ("pp", "schedule", "virtual_stages", "micro_batches")
            if getattr(args, k, None) is not None}
-    if getattr(args, "ckpt", None) is not None:   # --ckpt: every layer; --no-ckpt: none
-        out["ckpt"] = "all" if args.ckpt else False
+    if getattr(args, "ckpt", None) is not None:   # --ckpt [full | selective]: every layer; --no-ckpt: none
+        out["ckpt"] = {"full": "all", "selective": "selective", "none": False}[args.ckpt]
     for key, example in (("ep", "4 or 1,2,4,8"), ("cp", "4 or 1,2,4,8")):
         if getattr(args, key, None):
             try:
@@ -96,8 +96,12 @@ def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
                    help="pin the chunks per pipeline rank (interleaved schedules; default: searched)")
     p.add_argument("--micro-batches", type=_positive_int, metavar="N",
                    help="pin the micro-batches per step (default: searched)")
-    p.add_argument("--ckpt", action=argparse.BooleanOptionalAction, default=None,
-                   help="--ckpt: checkpoint every layer; --no-ckpt: none (default: searched per layer)")
+    ckpt = p.add_mutually_exclusive_group()
+    ckpt.add_argument("--ckpt", nargs="?", const="full", choices=("full", "selective"), metavar="MODE",
+                      help="--ckpt: checkpoint every layer fully; --ckpt selective: every layer selectively "
+                           "(matmul and attention outputs kept, the rest recomputed); default: searched per layer")
+    ckpt.add_argument("--no-ckpt", dest="ckpt", action="store_const", const="none",
+                      help="checkpoint no layer")
     p.add_argument("--ep", metavar="N[,N...]",
                    help="expert-parallel degrees the MoE layers may take (e.g. 8, or 1,2,4,8; default: searched)")
     p.add_argument("--cp", metavar="N[,N...]",

@@ -75,14 +75,15 @@ def _need_int(where: str, v: Any, minimum: int = 1) -> int:
 @dataclass
 class LayerPlan:
     """One layer's strategy in a plan: ``name`` (the layer record's name), ``tp``, ``dp``, ``sdp``
-    ("none" | "zero2" | "zero3"), ``sp``, ``ckpt``; ``extra`` holds any other per-layer JSON keys."""
+    ("none" | "zero2" | "zero3"), ``sp``, ``ckpt`` (false, "selective" or true); ``extra`` holds any
+    other per-layer JSON keys."""
 
     name: str
     tp: int
     dp: int
     sdp: str = "none"
     sp: bool = False
-    ckpt: bool = False
+    ckpt: bool | str = False
     extra: dict[str, Any] = field(default_factory=dict)
     ep: int = 1
     cp: int = 1
@@ -397,7 +398,7 @@ class Plan:
         dp: int | None = None,
         sdp: str = "none",
         pp: int = 1,
-        ckpt: bool = False,
+        ckpt: bool | str = False,
         sp: bool = False,
         micro_batches: int = 1,
         schedule: str = "1f1b",

@@ -17,6 +17,7 @@ import torch.fx
 from . import dims
 from .cluster import PRECISIONS, Cluster, default_precision
 from .dims import as_list
+from .dims.checkpointing import is_ckpt_mode
 from .dims.context import kinds_of
 from .errors import ConfigError, GalvatronError, InfeasibleError
 from .ir import META_KEY
@@ -35,7 +36,8 @@ CONSTRAINT_KEYS = _OUTER + _SPACE + ("tp", "sdp", "ep", "cp", "cp_kind", "granul
 """Keys ``gfx.search(..., constraints={...})`` accepts: ``pp``, ``micro_batches``, ``schedule``,
 ``virtual_stages`` pin the outer loop; ``tp`` (int) pins the TP degree of every layer; ``sdp`` (list of "none",
 "zero2", "zero3") limits data-parallel kinds; ``ckpt``/``sp``/``zero2``/``zero3`` (bool) switch
-options off, ``ckpt="all"`` checkpoints every layer; ``max_tp``, ``allow_cross_node_tp``,
+options off, ``ckpt="all"`` checkpoints every layer fully, ``ckpt="selective"`` selectively, a list
+(``[false, "selective"]``) limits the checkpointing modes searched; ``max_tp``, ``allow_cross_node_tp``,
 ``power_of_two`` (TP and DP degrees powers of two; off by default) shape the strategy tree;
 ``max_global_batch_size`` / ``max_micro_batches`` bound the searched batch and micro-batch counts,
 ``max_micro_batch_size`` the samples one device runs per micro-batch; ``granularity`` (bytes) sets
@@ -159,6 +161,20 @@ def cp_degrees(cost_model, world_size: int, constraints: dict | None = None) -> 
     return [d for d in range(1, world_size + 1) if world_size % d == 0 and seq % d == 0]
 
 
+def _ckpt_constraint(value) -> bool | tuple:
+    """The ``ckpt`` constraint as the space option: ``false`` (none), ``true`` (searched per layer:
+    none, selective or full), ``"all"`` (every layer fully), ``"selective"`` (every layer
+    selectively) or a list of the modes to search among."""
+    if isinstance(value, bool):
+        return value
+    if value in ("all", "selective"):
+        return (True,) if value == "all" else ("selective",)
+    if isinstance(value, (list, tuple)) and value and all(is_ckpt_mode(v) for v in value):
+        return tuple(value)
+    raise ConfigError(f"constraint ckpt must be true, false, 'all', 'selective' or a list of false / "
+                      f"'selective' / true, got {value!r}")
+
+
 def _options(constraints: dict | None, global_batch_size, reserve: float) -> SearchOptions:
     c = dict(constraints or {})
     unknown = sorted(set(c) - set(CONSTRAINT_KEYS))
@@ -167,11 +183,8 @@ def _options(constraints: dict | None, global_batch_size, reserve: float) -> Sea
     opt = SearchOptions(global_batch_size=global_batch_size, reserve_bytes=reserve)
     for k in ("pp", "micro_batches", "schedule", "virtual_stages"):
         setattr(opt, k, c.get(k))
-    every_ckpt = c.get("ckpt") == "all"
-    if every_ckpt:
-        c["ckpt"] = True
-    elif "ckpt" in c and not isinstance(c["ckpt"], bool):
-        raise ConfigError(f"constraint ckpt must be true, false or 'all', got {c['ckpt']!r}")
+    if "ckpt" in c:
+        c["ckpt"] = _ckpt_constraint(c["ckpt"])
     opt.space = {k: c[k] for k in _SPACE if k in c}
     more = dims.space_options(c)
     if more:
@@ -182,10 +195,9 @@ def _options(constraints: dict | None, global_batch_size, reserve: float) -> Sea
     if "granularity" in c:
         opt.granularity = parse_bytes(c["granularity"], "granularity")
     tp, kinds = c.get("tp"), c.get("sdp")
-    if tp is not None or kinds is not None or every_ckpt:
+    if tp is not None or kinds is not None:
         kinds = [kinds] if isinstance(kinds, str) else kinds
-        opt.strategy_filter = lambda s: ((tp is None or s.tp == tp) and (kinds is None or s.sdp in kinds)
-                                         and (s.ckpt or not every_ckpt))
+        opt.strategy_filter = lambda s: (tp is None or s.tp == tp) and (kinds is None or s.sdp in kinds)
     opt.uniform_only = bool(c.get("uniform", False))
     return opt
 

@@ -1,9 +1,10 @@
 """Checkpointing pass: every ``ckpt`` layer runs under activation checkpointing.
 
 Takes SPLIT (the top graph of :mod:`.split_layers`), leaves SPLIT: the ``call_module`` of each
-layer whose plan entry has ``ckpt`` becomes ``checkpoint_layer(self.layers_<i>, *inputs)``
-(:func:`galvatron_fx.runtime.checkpointing.checkpoint_layer`, non-reentrant), under the call's old
-node name; other layers are untouched.
+layer whose plan entry has ``ckpt: true`` becomes ``checkpoint_layer(self.layers_<i>, *inputs)``
+(:func:`galvatron_fx.runtime.checkpointing.checkpoint_layer`, non-reentrant), and of each with
+``ckpt: "selective"`` ``selective_checkpoint_layer(...)`` (the outputs of matmuls and attention
+kernels saved, the rest recomputed), under the call's old node name; other layers are untouched.
 
 NOTE: it runs before the data-parallel pass, so the checkpoint wraps the whole layer including
 its ZeRO-3 all-gather: backward recomputes with freshly gathered parameters instead of keeping
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch.fx
 from torch.fx.passes.infra.pass_base import PassResult
 
-from ..runtime.checkpointing import checkpoint_layer
+from ..runtime.checkpointing import RUNNERS
 from .base import check
 from .context import ContextPass
 from .split_layers import layer_calls
@@ -35,7 +36,7 @@ class CheckpointingPass(ContextPass):
                 continue
             with top.graph.inserting_before(call):
                 mod = top.graph.get_attr(call.target)
-                new = top.graph.call_function(checkpoint_layer, (mod, *call.args))
+                new = top.graph.call_function(RUNNERS[layers[i].ckpt], (mod, *call.args))
             new.meta = dict(call.meta)
             call.replace_all_uses_with(new)
             top.graph.erase_node(call)
@@ -46,6 +47,7 @@ class CheckpointingPass(ContextPass):
 
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:
         for i, call in layer_calls(graph_module).items():
-            wrapped = call.op == "call_function" and call.target is checkpoint_layer
-            check(wrapped == bool(self.ctx.stage_plan.layers[i].ckpt),
-                  f"layer {i}: checkpointed={wrapped} but the plan says ckpt={self.ctx.stage_plan.layers[i].ckpt}")
+            ckpt = self.ctx.stage_plan.layers[i].ckpt
+            runner = call.target if call.op == "call_function" else None
+            check(runner is RUNNERS.get(ckpt), f"layer {i}: runs under {getattr(runner, '__name__', runner)} "
+                  f"but the plan says ckpt={ckpt!r}")

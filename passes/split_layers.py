@@ -34,7 +34,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from ..errors import CaptureError
 from ..ir import META_KEY, GraphInfo, NodeInfo, layer_module_name
-from ..runtime.checkpointing import checkpoint_layer
+from ..runtime.checkpointing import runs_checkpointed
 from .base import GraphPass, check
 
 
@@ -45,7 +45,7 @@ def layer_calls(top: torch.fx.GraphModule) -> dict[int, torch.fx.Node]:
     for n in top.graph.nodes:
         if n.op == "call_module" and n.target.startswith("layers_"):
             calls[int(n.target.split("_")[1])] = n
-        elif n.op == "call_function" and n.target is checkpoint_layer:
+        elif n.op == "call_function" and runs_checkpointed(n.target):
             calls[int(n.args[0].target.split("_")[1])] = n
     return calls
 

@@ -69,7 +69,7 @@ def test_stand_in_saves_what_the_cpu_kernel_saves(kw):
     if kw.get("attn_mask") == "bool":
         kw = dict(attn_mask=torch.ones(64, 64, dtype=torch.bool).tril())
     live = _saved_bytes(lambda: F.scaled_dot_product_attention(q, k, v, **kw))
-    out, kernel, _ = run_stand_in("cpu", (q, k, v), kw)
+    out, kernel, _, _ = run_stand_in("cpu", (q, k, v), kw)
     stand_in = _saved_bytes(lambda: run_stand_in("cpu", (q, k, v), kw))
     assert kernel == "flash_cpu" and out.shape == (2, 4, 64, 32)
     # q, k, v are the caller's (already counted by its producers): compare what the kernel adds

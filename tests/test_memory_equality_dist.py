@@ -2,7 +2,8 @@
 
 For each plan: the bytes of parameters + gradients + optimizer states held by the live tensors after
 one training step must equal the cost model's figure exactly, and the bytes saved for backward in
-one micro-batch's forward (unique storages, parameters excluded) must be within 5 % of it.
+one micro-batch's forward (unique storages, parameters excluded; under selective checkpointing
+also the outputs its regions keep) must be within 5 % of it.
 """
 
 from __future__ import annotations
@@ -26,12 +27,17 @@ PLANS = [  # label, micro-batches, per-layer spec cycled over the layers
     ("dp2xtp2", 1, [dict(tp=2, dp=2)]),
     ("zero3xtp2", 2, [dict(tp=2, dp=2, sdp="zero3")]),
     ("hetero", 1, [dict(tp=4, dp=1, sp=True), dict(tp=2, dp=2, sdp="zero3", ckpt=True), dict(tp=1, dp=4, sdp="zero2")]),
+    ("sac", 1, [dict(ckpt="selective")]),
+    ("sac-tp-sp", 1, [dict(tp=4, dp=1, sp=True, ckpt="selective")]),
+    ("sac-zero3xtp2", 2, [dict(tp=2, dp=2, sdp="zero3", ckpt="selective")]),
+    ("sac-mixed", 1, [dict(tp=2, dp=2, sp=True, ckpt="selective"), dict(tp=2, dp=2, sp=True, ckpt=True)]),
 ]
 
 
 def _measure(rank, world, model_name, overrides, labels=None, precision="fp32"):
     import galvatron_fx as gfx
     from galvatron_fx.cost import CostModel
+    from galvatron_fx.runtime.checkpointing import kept_tensors, recording_kept
     from galvatron_fx.runtime.groups import Layout
     from galvatron_fx.runtime.reshard import slice_input  # noqa: F401  (imported for the graph)
 
@@ -69,8 +75,10 @@ def _measure(rank, world, model_name, overrides, labels=None, precision="fp32"):
                 seen[st.data_ptr()] = st.nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recording_kept() as regions:
             loss = dm(*inputs)
+        for t in kept_tensors(regions):   # what selective checkpointing keeps outside autograd's saved tensors
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         loss.backward()  # release the graph (its gradients are not used)
         for s in dm.stores:
             s.zero_grad_state()
@@ -79,7 +87,7 @@ def _measure(rank, world, model_name, overrides, labels=None, precision="fp32"):
     return out
 
 
-CI_PLANS = ["dp", "zero3", "tp-sp", "zero3xtp2", "hetero"]   # CI time: --run-matrix measures all of PLANS
+CI_PLANS = ["dp", "zero3", "tp-sp", "zero3xtp2", "hetero", "sac", "sac-tp-sp", "sac-mixed"]   # CI time: --run-matrix measures all of PLANS
 
 
 @pytest.mark.dist
@@ -98,7 +106,7 @@ def test_states_exact_and_activations_close(model_name, overrides, labels):
 @pytest.mark.dist
 def test_mixed_precision_states_exact_and_activations_close():
     """bf16-mixed: working copies + fp32 masters, gradients and moments byte-exact; activations in bf16."""
-    labels = ["dp", "zero2", "zero3", "tp-sp", "ckpt", "zero3xtp2"]
+    labels = ["dp", "zero2", "zero3", "tp-sp", "ckpt", "zero3xtp2", "sac-zero3xtp2"]
     results = run_distributed(_measure, 4, "gpt-tiny", GPT, labels, "bf16-mixed", timeout=300)
     for rank, res in enumerate(results):
         assert sorted(res) == sorted(labels)

@@ -25,7 +25,7 @@ from galvatron_fx.passes.split_layers import SplitLayersPass, layer_calls
 from galvatron_fx.passes.stage_boundaries import StageInputsPass, StageOutputsPass
 from galvatron_fx.passes.stage_split import StageSplitPass
 from galvatron_fx.passes.tensor_parallel import TensorParallelPass
-from galvatron_fx.runtime.checkpointing import checkpoint_layer
+from galvatron_fx.runtime.checkpointing import checkpoint_layer, selective_checkpoint_layer
 from galvatron_fx.runtime.module import DistributedModel
 from galvatron_fx.runtime.pipeline_stage import pass_on
 
@@ -105,8 +105,14 @@ def test_checkpointing_contract(tiny):
     calls = layer_calls(top)
     assert all(c.target is checkpoint_layer for c in calls.values())
     ctx.plan.layers[0].ckpt = False
-    with pytest.raises(ContractError, match="layer 0: checkpointed=True"):
+    with pytest.raises(ContractError, match="layer 0: runs under checkpoint_layer but the plan says ckpt=False"):
         CheckpointingPass(ctx).ensures(top)
+    ctx.plan.layers[0].ckpt = "selective"
+    with pytest.raises(ContractError, match="layer 0: runs under checkpoint_layer but the plan says ckpt='selective'"):
+        CheckpointingPass(ctx).ensures(top)
+    ctx = _ctx(gm, ckpt="selective")
+    calls = layer_calls(CheckpointingPass(ctx)(_split(gm, ctx)).graph_module)
+    assert calls and all(c.target is selective_checkpoint_layer for c in calls.values())
 
 
 def test_data_parallel_and_codegen_contract(tiny):

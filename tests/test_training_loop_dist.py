@@ -165,6 +165,24 @@ CASES = {
     # candidates timed on the keyword graph (synthetic inputs in its shapes)
     "measured-export": dict(method="export", clip="dm", measure=3),
     "measured-compile": dict(matrix=True, door="compile", clip="dm", measure=3),
+    # selective checkpointing: matmul and attention outputs saved, the rest recomputed (torch's
+    # selective checkpoint contexts), alone, under ZeRO / TP+SP / PP with 1F1B and zero-bubble
+    # (a split backward recomputes a layer twice), through the three front ends and torch.compile
+    "sac-zero2": dict(plan=dict(dp=2, sdp="zero2", ckpt="selective")),
+    "sac-tp2-sp-export": dict(method="export", plan=dict(tp=2, dp=1, sp=True, ckpt="selective")),
+    "sac-gpt-fx-zero3": dict(model="gpt", method="fx", plan=dict(dp=2, sdp="zero3", ckpt="selective")),
+    "sac-tp2xdp2-compile": dict(world=4, door="compile", plan=dict(tp=2, dp=2, ckpt="selective")),
+    "sac-pp2-1f1b": dict(clip="dm", plan=dict(pp=2, dp=1, micro_batches=2, ckpt="selective")),
+    "sac-zb-h1-lora": dict(model="lora", clip="dm", plan=dict(pp=2, dp=1, micro_batches=4, schedule="interleaved-zb",
+                                                             virtual_stages=1, ckpt="selective")),
+    "sac-zbv-pp2xdp2-zero3-export": dict(matrix=True, world=4, method="export", clip="dm",
+                                         plan=dict(pp=2, dp=2, micro_batches=2, schedule="zbv", sdp="zero3",
+                                                   ckpt="selective")),
+    "sac-pp2xtp2-sp": dict(matrix=True, world=4, clip="dm", plan=dict(pp=2, tp=2, dp=1, sp=True, micro_batches=2,
+                                                                  ckpt="selective")),
+    "sac-bf16-zero2": dict(matrix=True, precision="bf16-mixed", plan=dict(dp=2, sdp="zero2", ckpt="selective")),
+    "sac-frozen-zero3-compile": dict(matrix=True, door="compile", model="frozen",
+                                     plan=dict(dp=2, sdp="zero3", ckpt="selective")),
     # a searched interleaved plan: 6 layers (embeddings, 4 blocks, head) in 4 chunks, cut by the
     # search's balanced split (solver/pipeline.py: balanced_split), not by layer count (2, 2, 1, 1)
     "searched-interleaved": dict(model="llama4", clip="dm", search=dict(

@@ -113,18 +113,33 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.new_empty(mask.shape, dtype=dtype) if mask.dtype == torch.bool else mask
 
 
+def _lse(kernel: str, q: torch.Tensor) -> torch.Tensor:
+    """A fused kernel's log-sum-exp (fp32, ``[.., heads, s_q]``, rows padded by ``efficient``)."""
+    sq = q.shape[-2]
+    pad = LSE_ROWS_EFFICIENT * math.ceil(sq / LSE_ROWS_EFFICIENT) if kernel == "efficient" else sq
+    return q.new_empty((*q.shape[:-2], pad), dtype=torch.float32)
+
+
+def kernel_outputs(kernel: str, call: SdpaCall, out: torch.Tensor) -> list[torch.Tensor]:
+    """What the kernel's ATen op returns, which selective checkpointing keeps: a fused kernel's
+    output and log-sum-exp; on the math path, its two batched matmuls' outputs (the scores
+    ``[.., s_q, s_kv]`` and the output). New ones are empty stand-ins."""
+    if kernel == "math":
+        return [call.q.new_empty((*call.q.shape[:-1], call.k.shape[-2])), out]
+    return [out, _lse(kernel, call.q)]
+
+
 def saved_for_backward(kernel: str, call: SdpaCall, out: torch.Tensor) -> list[torch.Tensor]:
     """The tensors the kernel keeps for backward (module docstring); new ones are empty stand-ins."""
     q, k, v, mask = call.q, call.k, call.v, call.mask
     hq, sq = q.shape[-3], q.shape[-2]
     rows = tuple(q.shape[:-2])
     if kernel == "flash":
-        return [q, k, v, out, q.new_empty((*rows, sq), dtype=torch.float32)]
+        return [q, k, v, out, _lse(kernel, q)]
     if kernel != "flash_cpu":   # NOTE: torch's CPU flash kernel takes grouped key / value heads natively
         k, v = _expanded(k, hq), _expanded(v, hq)
     if kernel in ("efficient", "flash_cpu"):
-        pad = LSE_ROWS_EFFICIENT * math.ceil(sq / LSE_ROWS_EFFICIENT) if kernel == "efficient" else sq
-        saved = [q, k, v, out, q.new_empty((*rows, pad), dtype=torch.float32)]
+        saved = [q, k, v, out, _lse(kernel, q)]
         return saved + ([_additive(mask, q.dtype)] if mask is not None else [])
     probs = q.new_empty((*rows, sq, k.shape[-2]))
     saved = [q.new_empty(q.shape), k, v, probs]
@@ -166,9 +181,10 @@ def sdpa_call(args: tuple, kwargs: dict) -> SdpaCall:
                     bool(kwargs.get("enable_gqa", False)))
 
 
-def run_stand_in(target: str, args: tuple, kwargs: dict) -> tuple[torch.Tensor, str, tuple[float, float]]:
-    """``(output, kernel, (forward, backward) FLOPs)`` of an SDPA call measured for ``target``."""
+def run_stand_in(target: str, args: tuple, kwargs: dict) -> tuple[torch.Tensor, str, tuple[float, float], list]:
+    """``(output, kernel, (forward, backward) FLOPs, the kernel op's outputs)`` of an SDPA call
+    measured for ``target`` (:func:`kernel_outputs`)."""
     call = sdpa_call(args, kwargs)
     kernel = attention_kernel(target, call)
     out = StandIn.apply(call.q, call.k, call.v, call.mask, kernel, call.dropout, call.causal, call.gqa)
-    return out, kernel, attention_flops(call, kernel)
+    return out, kernel, attention_flops(call, kernel), kernel_outputs(kernel, call, out)

@@ -40,6 +40,8 @@ from .attention_kernels import run_stand_in
 from .extract import LayerGraph
 from .flop_rules import flop_counter
 from .op_work import OpWork
+from .selective import SelectiveSaves
+from .selective import classify as classify_selective
 
 aten = torch.ops.aten
 MEASURE_SIZES = (1, 2)
@@ -67,6 +69,13 @@ class Point:
     wgrad_row_bias_elems: float = 0.0  # row-parallel outputs with a bias (a second node under TP)
     saved_expert_elems: float = 0.0   # floating elements saved inside experts blocks (also counted above)
     fwd_flops_expert: float = 0.0     # forward FLOPs inside experts blocks (also counted above)
+    # outputs of the ops selective checkpointing saves (.selective): floating elements TP-sharded,
+    # whole (row-parallel partial sums), replicated, inside experts blocks; other bytes
+    sac_sharded_elems: float = 0.0
+    sac_whole_elems: float = 0.0
+    sac_rep_elems: float = 0.0
+    sac_expert_elems: float = 0.0
+    sac_other_bytes: float = 0.0
     attn_fwd_flops: float = 0.0       # SDPA kernels' FLOPs as the target's kernel executes them (sharded)
     attn_bwd_flops: float = 0.0
     kernels: tuple = ()               # the attention kernels of its SDPA calls
@@ -129,7 +138,8 @@ _SCALARS = ("fwd_flops_sharded", "fwd_flops_rep", "bwd_flops", "saved_sharded_el
             "saved_other_bytes", "input_elems", "input_other_bytes", "output_elems", "wgrad_sharded_elems",
             "wgrad_rep_elems", "wgrad_whole_elems", "wgrad_row_bias_elems", "saved_expert_elems",
             "fwd_flops_expert", "attn_fwd_flops", "attn_bwd_flops", "fwd_traffic_sharded", "fwd_traffic_rep",
-            "bwd_traffic")
+            "bwd_traffic", "sac_sharded_elems", "sac_whole_elems", "sac_rep_elems", "sac_expert_elems",
+            "sac_other_bytes")
 
 
 def measure_layer(layer: LayerGraph, sizes: tuple[int, ...] = MEASURE_SIZES,
@@ -223,19 +233,23 @@ class _Recorder(torch.fx.Interpreter):
         self.values: dict[str, object] = {}
         self.attention: dict[str, tuple[str, float, float]] = {}
         self.work = None   # an OpWork mode to tell which node runs
+        self.saves = None  # a SelectiveSaves mode, likewise
 
     def call_function(self, target, args, kwargs):
         node = self.current_node
         if op_name(node) == "sdpa":
-            out, kernel, (fwd, bwd) = run_stand_in(self.target, args, kwargs)
+            out, kernel, (fwd, bwd), outputs = run_stand_in(self.target, args, kwargs)
             self.attention[node.name] = (kernel, fwd, bwd)
+            if self.saves is not None:
+                self.saves.note(outputs)
             return out
         return super().call_function(target, args, kwargs)
 
     def run_node(self, n):
         self.current, self.current_node = n.name, n
-        if self.work is not None:
-            self.work.node = n.name
+        for mode in (self.work, self.saves):
+            if mode is not None:
+                mode.node = n.name
         before = self.counter.get_total_flops()
         out = super().run_node(n)
         self.node_flops[n.name] = self.counter.get_total_flops() - before
@@ -307,9 +321,12 @@ def measure_point(layer: LayerGraph, n: int, compute_dtype: torch.dtype | None =
 
         autocast = torch.autocast("cpu", dtype=compute_dtype, enabled=compute_dtype is not None)
         work = rec.work = OpWork(fused_dropout=attention != "cpu")
-        with counter, autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), work:
+        saves = rec.saves = SelectiveSaves()
+        with counter, autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), work, saves:
             outs = rec.run(*args)
         work.node = None
+        rec.saves = None
+        classify_selective(layer, saves, compute_dtype, p)
         outs = [o for o in pytree.tree_leaves(outs) if isinstance(o, torch.Tensor)]
         p.kernels = tuple(dict.fromkeys(k for k, _, _ in rec.attention.values()))
         p.attn_fwd_flops = sum(f for _, f, _ in rec.attention.values())

@@ -112,6 +112,7 @@ from .records import (
     expert_dp_group,
     tp_group,
 )
+from .selective import selective_bytes
 from .time_terms import TimeTerms
 
 
@@ -234,8 +235,7 @@ class CostModel(LayerQueries, TimeTerms):
         # NOTE: integer tensors (token ids, labels, masks) are saved whole: the runtime does not
         # split them along the sequence
         full = ((m.saved_sharded_elems(n) / s.tp + m.saved_rep_elems(n) / rep_div + m.saved_gathered_elems(n))
-                * self.itemsize
-                + m.saved_other_bytes(n))
+                * self.itemsize + m.saved_other_bytes(n))
         if ep > 1:   # the busiest rank serves moe_imbalance x the mean
             f = ep * self.experts(index).needing_fraction(ep) * self.moe_imbalance
             full += (f - 1) * m.saved_expert_elems(n) * self.itemsize / s.tp
@@ -244,7 +244,10 @@ class CostModel(LayerQueries, TimeTerms):
             full += (s.cp - 1) * n * self.attention(index).mask_bytes
         if s.ckpt:
             extra = (s.cp - 1) * n * self.attention(index).mask_bytes if index is not None and s.cp > 1 else 0.0
-            return m.input_elems(n) * self.itemsize / rep_div + m.input_other_bytes(n) + extra, full
+            kept = m.input_elems(n) * self.itemsize / rep_div + m.input_other_bytes(n) + extra
+            if s.ckpt == "selective":   # and the outputs of its matmuls and attention kernels
+                kept += selective_bytes(m, n, s, self.itemsize)
+            return kept, full
         return full, full
 
     def layer_cost(self, index: int, strategy: Strategy, micro_batch_size: float) -> LayerCost:
@@ -275,7 +278,8 @@ class CostModel(LayerQueries, TimeTerms):
         if s.ckpt:
             transient += recompute
         out = m.output_elems(n) * self.itemsize / (s.tp if s.sp else 1)
-        plain_bwd = bwd - (fwd if s.ckpt else 0.0)   # the recompute is priced as a second forward
+        redo = self.recompute_time(index, n, s, fwd)
+        plain_bwd = bwd - redo   # the backward priced with its recompute (a second forward, or part of one)
         tp_sites = self._tp_comm(m, n, s, fwd, plain_bwd)
         tp_comm = tp_sites + (self._whole_batch_gathers(m, n, s) if whole else 0.0)
         # split backward (zero-bubble): the split's own work per op, and a checkpointed layer's second
@@ -284,7 +288,7 @@ class CostModel(LayerQueries, TimeTerms):
         split_extra = self.op_counts[self.layers[index].signature] * getattr(self.cluster, "split_backward_op_s", 0.0)
         if s.ckpt:
             plain = dataclasses.replace(s, ckpt=False)
-            split_extra += fwd + tp_sites - self._tp_comm(m, n, plain, fwd, plain_bwd)
+            split_extra += redo + tp_sites - self._tp_comm(m, n, plain, fwd, plain_bwd)
         terms = CostTerms(tp_comm, sync, gather, transient, overhead + pass_copy, optimizer + step_copy, exposed,
                           regather, reduce_scatter, split_extra, held)
         for d in dims.DIMENSIONS:

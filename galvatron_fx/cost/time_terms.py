@@ -70,13 +70,26 @@ class TimeTerms:
         m = self.measure(index)
         if self.mode == "analytic":
             fwd, bwd = self._analytic_times(index, m, n, s)
-            return fwd, bwd + (fwd if s.ckpt else 0.0)
+            return fwd, bwd + self.recompute_time(index, n, s, fwd)
         # NOTE: checkpointing is priced as the analytic rule does (backward + a recomputed forward)
         # on the plain layer's profile: timed under torch.utils.checkpoint at the small profiling
         # sizes, the per-op saved-tensor hooks overstated the steps measured in training 1.3-2x
         prof = self.profile(index, s)
         fwd, bwd = prof["fwd"](n), prof["bwd"](n)
-        return fwd, bwd + (fwd if s.ckpt else 0.0)
+        return fwd, bwd + self.recompute_time(index, n, s, fwd)
+
+    def recompute_time(self, index: int, n: float, s: Strategy, fwd: float) -> float:
+        """Seconds the backward spends recomputing layer ``index``'s forward (``fwd`` seconds):
+        all of it under full checkpointing; under selective checkpointing the share of the forward
+        outside the ops it saves (matmuls, attention kernels: :mod:`.selective`), as the analytic
+        rule splits the forward; none without checkpointing."""
+        if not s.ckpt:
+            return 0.0
+        if s.ckpt is True:
+            return fwd
+        parts = self._analytic_parts(index, self.measure(index), n, s)
+        total = sum(parts[:4])
+        return fwd * (parts[1] + parts[2]) / total if total else 0.0
 
     def _analytic_times(self, index: int, m: LayerMeasure, n: float, s: Strategy) -> tuple[float, float]:
         """``(forward, backward)`` device seconds of layer ``index`` for ``n`` samples under ``s``
@@ -85,6 +98,12 @@ class TimeTerms:
         rate the forward's achieved (its matmuls are the forward's, transposed), the attention at the
         fused kernel's rate, the other ops' bytes at the memory rate (the backward's split between
         TP-sharded and replicated as the forward's)."""
+        gemm, other, memory, attention, bwd = self._analytic_parts(index, m, n, s)
+        return gemm + other + memory + attention, bwd
+
+    def _analytic_parts(self, index: int, m: LayerMeasure, n: float, s: Strategy) -> tuple[float, ...]:
+        """:meth:`_analytic_times`'s forward in parts: ``(matmuls, FLOPs outside them, other ops'
+        bytes, attention, backward)`` seconds."""
         c, dtype = self.cluster, self.dtype
         rep_div = s.tp if s.sp else 1
         fwd_f, bwd_f = self._fwd_flops(m, n, s)
@@ -105,18 +124,18 @@ class TimeTerms:
             gemm_f += 2 * b * rows * cols * depth
         rate = gemm_f / gemm_s if gemm_s else c.achievable_flops(dtype)
         # NOTE: FLOPs the matmul records miss (grouped expert matmuls) at the forward's rate too
-        fwd = gemm_s + max(fwd_f - gemm_f, 0.0) / rate
+        other = max(fwd_f - gemm_f, 0.0) / rate
         bwd = bwd_f / rate
         sharded, rep = m.fwd_traffic_sharded(n), m.fwd_traffic_rep(n)
         traffic = sharded / s.tp + rep / rep_div
-        fwd += c.memory_time(traffic)
+        memory = c.memory_time(traffic)
         bwd += c.memory_time(m.bwd_traffic(n) * (traffic / (sharded + rep) if sharded + rep else 1.0))
         att = self.attention(index)
         kw = dict(seq=att.kv_seq or None, head_dim=att.head_dim or None)
         # NOTE: the attention heads split over TP (and stay split under SP)
-        fwd += c.attention_time(m.attn_fwd_flops(n) / s.tp, dtype, **kw)
+        attention = c.attention_time(m.attn_fwd_flops(n) / s.tp, dtype, **kw)
         bwd += c.attention_time(m.attn_bwd_flops(n) / s.tp, dtype, backward=True, **kw)
-        return fwd, bwd
+        return gemm_s, other, memory, attention, bwd
 
     def profile(self, index: int, s: Strategy) -> dict:
         """Profiled ``{"fwd": Affine, "bwd": Affine}`` seconds per sample count for layer ``index``

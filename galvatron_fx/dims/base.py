@@ -21,7 +21,7 @@ class SpaceOptions:
     devices_per_node: int = 8
     allow_cross_node_tp: bool = False
     power_of_two: bool = True
-    ckpt: bool = True
+    ckpt: bool | tuple = True   # False, True (every mode) or a tuple of ckpt modes
     sp: bool = True
     zero2: bool = True
     zero3: bool = True

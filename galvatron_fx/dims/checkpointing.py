@@ -1,30 +1,66 @@
-"""Activation checkpointing: field ``ckpt``.
+"""Activation checkpointing: field ``ckpt``, one of ``False``, ``"selective"``, ``True``.
 
-A checkpointed layer keeps only its inputs through the forward and recomputes its forward in the
-backward. Rewritten by ``passes/checkpointing.py``; run by ``runtime/checkpointing.py``.
+A fully checkpointed layer (``True``) keeps only its inputs through the forward and recomputes its
+whole forward in the backward. A selectively checkpointed one (``"selective"``) also keeps the
+outputs of its matmuls and fused attention kernels and recomputes only the rest (norms,
+activations, dropout, residual adds: cheap in time, large in bytes). Rewritten by
+``passes/checkpointing.py``; run by ``runtime/checkpointing.py``; what selective keeps is measured
+by ``cost/selective.py``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .base import Dimension, Field, PassSpec, SpaceOptions, a_bool, plan_bool, rule
+from .base import Dimension, Field, PassSpec, SpaceOptions, rule
+
+CKPT_MODES = (False, "selective", True)
+"""The values of ``ckpt``, least recomputation first."""
+
+
+def is_ckpt_mode(value: Any) -> bool:
+    """Whether ``value`` is one of :data:`CKPT_MODES` (``1`` and ``0`` are not)."""
+    return isinstance(value, bool) or value == "selective"
+
+
+def ckpt_modes(o: SpaceOptions) -> tuple:
+    """The modes the space offers: ``o.ckpt`` False (none), True (all three) or a tuple of modes."""
+    if isinstance(o.ckpt, bool):
+        return CKPT_MODES if o.ckpt else (False,)
+    return tuple(m for m in CKPT_MODES if m in o.ckpt)
+
+
+def _check(value: Any) -> str | None:
+    return None if is_ckpt_mode(value) else f"must be false, 'selective' or true, got {value!r}"
 
 
 def _ckpt_switch(s: Any, o: SpaceOptions) -> bool:
-    """``ckpt=False`` in the options drops the checkpointed strategies."""
-    return not s.ckpt or o.ckpt
+    """The space options' ``ckpt`` (False, True or a tuple of modes) limits the checkpointing modes."""
+    return s.ckpt in ckpt_modes(o)
+
+
+def _selective_plain(s: Any, o: SpaceOptions) -> bool:
+    """Selective checkpointing is offered to layers without context or expert parallelism: the ring's
+    and the token dispatch's own saved buffers are not measured under its policy yet."""
+    return s.ckpt != "selective" or (s.cp == 1 and s.ep == 1)
 
 
 def _plan_ckpt(w: str, layer, micro_batch: int) -> str | None:
-    return plan_bool(f"{w}.ckpt", layer.ckpt)
+    if is_ckpt_mode(layer.ckpt):
+        return None
+    return f"plan {w}.ckpt must be false, \"selective\" or true, got {layer.ckpt!r}"
+
+
+def _label(s: Any) -> list[tuple[int, str]]:
+    return [(70, "sac")] if s.ckpt == "selective" else [(70, "ckpt")] if s.ckpt else []
 
 
 DIMENSION = Dimension(
     name="checkpointing",
-    fields=(Field("ckpt", bool, False, 50, values=lambda o, n, c: (False, True), check=a_bool, json_required=True),),
-    rules=(rule(_ckpt_switch),),
-    label=lambda s: [(70, "ckpt")] if s.ckpt else [],
+    fields=(Field("ckpt", object, False, 50, values=lambda o, n, c: ckpt_modes(o), check=_check,
+                  json_required=True),),
+    rules=(rule(_ckpt_switch), rule(_selective_plain)),
+    label=_label,
     passes=(PassSpec("checkpointing", after="stage_outputs"),),
     runtime=("runtime.checkpointing",),
     plan_checks=(_plan_ckpt,),

@@ -1,8 +1,34 @@
-"""Activation checkpointing of whole layer submodules."""
+"""Activation checkpointing of whole layer submodules: full (every activation recomputed) or
+selective (the outputs of matmuls and attention kernels saved, the rest recomputed)."""
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
 import torch.utils.checkpoint
+from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    _CachedTorchDispatchMode,
+    create_selective_checkpoint_contexts,
+)
+
+aten = torch.ops.aten
+
+SAVED_OPS = frozenset({
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default})
+"""The ops whose outputs selective checkpointing keeps (torchtitan's "op" policy without its
+every-other-matmul rule): the matmuls, which hold most of a layer's FLOPs, and the fused attention
+kernels (their output and log-sum-exp). Everything else (norms, activations, dropout, residual adds,
+casts, collectives) is recomputed in backward."""
+
+
+def save_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """Selective checkpointing's policy: keep the outputs of :data:`SAVED_OPS`, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def checkpoint_layer(layer, *args):
@@ -16,3 +42,88 @@ def checkpoint_layer(layer, *args):
     instead costs less (measured: docs/measurements.md, "Figures behind the design").
     """
     return torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False, early_stop=False)
+
+
+class _Replayable(_CachedTorchDispatchMode):
+    """torch's recompute-side mode of selective checkpointing with two changes.
+
+    It serves every recomputation of its region, handing out each saved output once per
+    recomputation instead of once in all. NOTE: a split (zero-bubble) backward recomputes a
+    checkpointed layer twice, once for the input gradients and once for the weight gradients
+    (torch's non-reentrant checkpoint drops what it recomputed as it is unpacked), and torch's own
+    mode refuses the second ("Trying to backward an extra time"). Each recomputation here starts
+    from the saved outputs as the forward left them; they are freed with the region's autograd
+    graph, as the other saved tensors are.
+
+    It matches only the saved ops against the forward's. NOTE: the runtime's own bookkeeping inside
+    a layer runs different ops in the recomputation: a ZeRO-3 layer's parameters were gathered (or
+    prefetched) before its forward but are gathered inside its recomputation. torch's mode requires
+    every op to repeat the forward's and refuses that; ops outside :data:`SAVED_OPS` simply run.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in SAVED_OPS:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def __init__(self, cached: _CachedTorchDispatchMode):
+        super().__init__(None, cached.storage, cached.allow_cache_entry_mutation)
+        self._saved: dict | None = None
+
+    def __enter__(self):
+        if self._saved is None:
+            self._saved = {k: dict(v) for k, v in self.storage.items()}
+        else:
+            for k, v in self._saved.items():
+                self.storage[k].update(v)
+        return super().__enter__()
+
+
+_RECORDERS: list[list] = []
+
+
+def _selective_contexts():
+    caching, cached = create_selective_checkpoint_contexts(save_policy)
+    for regions in _RECORDERS:
+        regions.append(caching.storage)
+    return caching, _Replayable(cached)
+
+
+@contextlib.contextmanager
+def recording_kept():
+    """While open, collects the storage of every selective region opened meanwhile; :func:`kept_tensors`
+    lists what they keep. Used to check the memory model against live tensors: what a selective
+    region keeps sits outside autograd's saved tensors."""
+    regions: list = []
+    _RECORDERS.append(regions)
+    try:
+        yield regions
+    finally:
+        _RECORDERS.remove(regions)
+
+
+def kept_tensors(regions: list) -> list[torch.Tensor]:
+    """The saved ops' outputs the recorded regions (:func:`recording_kept`) hold now."""
+    out = []
+    for storage in regions:
+        for entries in storage.values():
+            for entry in entries.values():
+                out += [w.val for w in pytree.tree_leaves(entry) if isinstance(getattr(w, "val", None), torch.Tensor)]
+    return out
+
+
+def selective_checkpoint_layer(layer, *args):
+    """Run ``layer(*args)`` keeping its inputs and the outputs of :data:`SAVED_OPS`; backward
+    recomputes the other ops (torch's selective checkpoint contexts, non-reentrant as
+    :func:`checkpoint_layer`; :class:`_Replayable` lets a split backward recompute twice)."""
+    return torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False, early_stop=False,
+                                             context_fn=_selective_contexts)
+
+
+RUNNERS = {True: checkpoint_layer, "selective": selective_checkpoint_layer}
+"""The function a layer's call runs under, by its ``ckpt`` value."""
+
+
+def runs_checkpointed(target) -> bool:
+    """Whether an fx ``call_function`` target is one of :data:`RUNNERS`."""
+    return target in RUNNERS.values()

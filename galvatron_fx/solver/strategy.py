@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 from .. import dims
 from ..dims import Rule, SpaceOptions
+from ..dims.checkpointing import is_ckpt_mode
 from ..dims.context import CP_KINDS
 from ..dims.data import SDP_KINDS
 from ..errors import ConfigError
@@ -71,6 +72,11 @@ from it)."""
 
 
 def _options(devices_per_stage: int, **kwargs) -> SpaceOptions:
+    ckpt = kwargs.get("ckpt", True)
+    if not isinstance(ckpt, bool):
+        if isinstance(ckpt, str) or not all(is_ckpt_mode(m) for m in ckpt):
+            raise ConfigError(f"ckpt must be a bool or a list of false / 'selective' / true, got {ckpt!r}")
+        kwargs["ckpt"] = tuple(ckpt)
     o = SpaceOptions(devices_per_stage, **kwargs)
     for key in ("devices_per_stage", "devices_per_node"):
         v = getattr(o, key)
@@ -105,7 +111,7 @@ def strategy_space(
     devices_per_node: int = 8,
     allow_cross_node_tp: bool = False,
     power_of_two: bool = True,
-    ckpt: bool = True,
+    ckpt: bool | tuple = True,
     sp: bool = True,
     zero2: bool = True,
     zero3: bool = True,
@@ -123,7 +129,7 @@ def strategy_space(
     search offers ``ep > 1`` only to layers with experts), then the context-parallel degree among
     ``cp`` (dividing ``dp``) and, for ``cp > 1``, the attention kind among ``cp_kinds``
     (:data:`CP_KINDS`). The order is deterministic (ascending ``tp``, then kinds in
-    :data:`SDP_KINDS` order, ``sp`` False before True, ``ckpt`` False before True, ascending ``ep``,
+    :data:`SDP_KINDS` order, ``sp`` False before True, ``ckpt`` False, "selective", True, ascending ``ep``,
     ascending ``cp``, kinds in :data:`CP_KINDS` order), so strategy indices are stable; with the
     default ``cp=(1,)`` the space is the one without context parallelism.
     """
@@ -152,8 +158,9 @@ def candidate_counts(device_counts: Iterable[int] = (1, 2, 4, 8, 16, 64), **kwar
     """Number of per-stage strategies for each device count (keywords as :func:`strategy_space`).
 
     With the defaults (power-of-two degrees, TP within an 8-device node, all switches on) the counts
-    are ``{1: 2, 2: 10, 4: 22, 8: 34, 16: 42, 64: 42}``; without checkpointing (``ckpt=False``) half
-    of that: ``{1: 1, 2: 5, 4: 11, 8: 17, 16: 21, 64: 21}``. From two nodes on the count is flat:
+    are ``{1: 3, 2: 15, 4: 33, 8: 51, 16: 63, 64: 63}`` (three checkpointing modes: none, selective,
+    full); without checkpointing (``ckpt=False``) a third of that: ``{1: 1, 2: 5, 4: 11, 8: 17, 16: 21,
+    64: 21}``. From two nodes on the count is flat:
     TP is capped at the node size and every TP degree then has ``dp > 1`` (all three kinds).
 
     Comparison with the papers' "22 strategies on 8 GPUs" (Galvatron, arXiv 2211.13878, without
