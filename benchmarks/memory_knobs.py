@@ -173,7 +173,8 @@ def _activation_bytes(dm, batch: dict, recording_kept, kept_tensors) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recording_kept() as regions:
-        loss = dm(**shard)
+        out = dm(**shard)
+    loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None) or out[0]
     for t in kept_tensors(regions):
         seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     loss.backward()

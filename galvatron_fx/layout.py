@@ -45,6 +45,7 @@ class Layout:
     ep: int = 1
     cp: int = 1
     etp: bool = False
+    shard: int = 0   # HSDP: ZeRO over shard consecutive DP ranks (0: the whole DP group)
 
     @property
     def size(self) -> int:
@@ -61,6 +62,22 @@ class Layout:
     def dp_ranks(self, rank: int) -> Ranks:
         """Global ranks of ``rank``'s DP group (stride ``tp``)."""
         return tuple(self.base + self.local(rank) % self.tp + k * self.tp for k in range(self.dp))
+
+    def zero_ranks(self, rank: int) -> Ranks:
+        """Global ranks sharing ``rank``'s ZeRO shards: its DP group, or under HSDP (``shard``) the
+        ``shard`` consecutive members of it that ``rank`` is among (the DP ranks of one node)."""
+        dp = self.dp_ranks(rank)
+        if not self.shard or self.shard == self.dp:
+            return dp
+        start = self.batch_index(rank) // self.shard * self.shard
+        return dp[start:start + self.shard]
+
+    def replica_ranks(self, rank: int) -> Ranks:
+        """Global ranks holding the same ZeRO shard as ``rank`` under HSDP (one per shard group:
+        every ``shard``-th DP rank); ``(rank,)`` without HSDP."""
+        if not self.shard or self.shard == self.dp:
+            return (rank,)
+        return self.dp_ranks(rank)[self.batch_index(rank) % self.shard::self.shard]
 
     def ep_ranks(self, rank: int) -> Ranks:
         """Global ranks of ``rank``'s EP group: ``ep`` consecutive members of its DP group."""

@@ -237,7 +237,8 @@ def _rank_sets(plan: Plan, world: int, whole_batch: frozenset = frozenset()) -> 
         sets |= {tuple(j + s * n for s in range(plan.pp)) for j in range(n)}
     for c, (first, last) in enumerate(plan.stages):
         base = plan.chunk_rank(c) * n
-        lays = [Layout(lp.tp, lp.dp, lp.sp, base, lp.ep, lp.cp, lp.expert_tp) for lp in plan.layers[first:last + 1]]
+        lays = [Layout(lp.tp, lp.dp, lp.sp, base, lp.ep, lp.cp, lp.expert_tp, lp.strategy.shard)
+                for lp in plan.layers[first:last + 1]]
         lays += [batch_layout(lp.tp, lp.dp, lp.sp, base, whole_batch=True)
                  for i, lp in enumerate(plan.layers[first:last + 1], first) if i in whole_batch]
         # NOTE: the graph inputs' layout, always: a stage boundary, and the rows a rank's shard of

@@ -112,8 +112,9 @@ class LayerPlan:
         return self.strategy.shards_experts
 
     def to_dict(self) -> dict[str, Any]:
+        # NOTE: a field unset and without a default (HSDP's shard, completed to dp) is left out
         return {**self.extra, "name": self.name,
-                **{f.name: self.value(f.name, f.default) for f in dims.json_fields()}}
+                **{f.name: v for f in dims.json_fields() if (v := self.value(f.name, f.default)) is not None}}
 
     @classmethod
     def from_dict(cls, d: Any, index: int) -> LayerPlan:
@@ -408,6 +409,7 @@ class Plan:
         ep: int = 1,
         cp: int = 1,
         cp_kind: str = "ring",
+        shard: int | None = None,
         expert_layers: set[str] | None = None,
         model_fingerprint: str = "",
         cluster: dict[str, Any] | None = None,
@@ -418,7 +420,7 @@ class Plan:
         more layer), ``pp * virtual_stages`` chunks for the interleaved and V schedules
         (``virtual_stages`` defaults to the schedule's: 2 for ``zbv`` / ``dualpipev``, else 1). ``dp`` defaults to ``world_size / (pp * tp)``. ``precision`` defaults to the
         ``cluster``'s (:func:`galvatron_fx.cluster.default_precision`; ``"fp32"`` without one).
-        Estimates are ``None``."""
+        ``shard``: HSDP's ZeRO group size (default ``dp``: plain ZeRO). Estimates are ``None``."""
         names = list(names)
         _need_int("world_size", world_size)
         _need_int("pp", pp)
@@ -435,7 +437,7 @@ class Plan:
             what = f"pp={pp}" if v == 1 else f"pp * virtual_stages = {pp} * {v}"
             raise ConfigError(f"{what} exceeds the {len(names)} layers; use {what.split('=')[0].strip()} <= {len(names)}")
         layers = [LayerPlan(n, tp, dp, sdp, sp, ckpt, ep=ep if expert_layers is None or n in expert_layers else 1,
-                            cp=cp, cp_kind=cp_kind)
+                            cp=cp, cp_kind=cp_kind, extra={} if shard is None else {"shard": shard})
                   for n in names]
         est = {"step_time_s": None, "throughput_samples_s": None, "memory_bytes_per_device": None}
         if precision is None:

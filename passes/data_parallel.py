@@ -69,7 +69,7 @@ class DataParallelPass(ContextPass):
         buckets: dict[tuple, GradBuckets] = {}
         for i, lp in enumerate(ctx.stage_plan.layers):
             layer = getattr(graph_module, layer_module_name(i))
-            lay = Layout(lp.tp, lp.dp, base=ctx.base, ep=lp.ep, etp=lp.expert_tp)
+            lay = Layout(lp.tp, lp.dp, base=ctx.base, ep=lp.ep, etp=lp.expert_tp, shard=lp.strategy.shard)
             experts = ctx.expert_params.get(i, set())
 
             def kind(fqn, experts=experts):
@@ -86,7 +86,11 @@ class DataParallelPass(ContextPass):
                          and kind(n.target) == expert]
                 # NOTE: a loop's experts stay whole over TP even under expert TP (grouped ones only)
                 xlay = lay if expert == "split" else dataclasses.replace(lay, etp=False)
-                dp_ranks = xlay.expert_dp_ranks(ctx.rank) if expert else lay.dp_ranks(ctx.rank)
+                # NOTE: ZeRO shards over the layer's ZeRO group (HSDP: its shard group; the shards'
+                # gradients are then all-reduced over the replicas), a replicated buffer over its DP group
+                zero = mode != "none" and not expert
+                dp_ranks = (xlay.expert_dp_ranks(ctx.rank) if expert else
+                            lay.zero_ranks(ctx.rank) if zero else lay.dp_ranks(ctx.rank))
                 store = flatten_layer_params(layer, mode, dp_ranks, ctx.rank, ctx.bucket_bytes,
                                              ckpt=lp.ckpt, compute_dtype=ctx.precision.compute_dtype,
                                              reduce_dtype=ctx.precision.reduce_dtype, nodes=nodes, attr=attr)
@@ -97,6 +101,8 @@ class DataParallelPass(ContextPass):
                 # experts are whole on the EP rank holding them (the others' gathered from the EP group
                 # by full_state_dict)
                 store.layer, store.tp_ranks = i, lay.expert_ranks(ctx.rank) if expert == "split" else lay.tp_ranks(ctx.rank)
+                if zero and store.trainable:
+                    store.replica_ranks = lay.replica_ranks(ctx.rank)
                 if expert == "held":
                     store.held_over = lay.ep_ranks(ctx.rank)
                 if ctx.holds_whole_batch(i):   # every DP rank computes the whole batch's gradient

@@ -342,3 +342,17 @@ def test_latest_skips_interrupted_saves_and_recovers_a_replaced_one(tmp_path):
     assert checkpoint.latest(tmp_path) == str(tmp_path / "b.old-2")
     fake("b", 3)                                           # the successor is in place: .old- ignored
     assert checkpoint.latest(tmp_path) == str(tmp_path / "b")
+
+
+@pytest.mark.dist
+def test_hsdp_saves_each_shard_once_and_resumes_into_plain_zero(tmp_path):
+    """HSDP (ZeRO-3 over shard groups of 2, replicated twice) on 4 ranks: exact same-plan resume,
+    resume into plain ZeRO-2 and back; only the first shard group writes the model's bytes."""
+    cases = [("hsdp-to-zero2", dict(sdp="zero3", shard=2), dict(sdp="zero2")),
+             ("zero2-to-hsdp", dict(sdp="zero2", micro_batches=2), dict(sdp="zero2", shard=2))]
+    results = run_distributed(_resume_cases, 4, str(tmp_path), cases, timeout=300)[0]
+    _check(results)
+    _frac, per_file = _chunk_report(tmp_path / "hsdp-to-zero2")
+    assert len(per_file) == 2, per_file   # ranks 0 and 1: one copy of every shard
+    _frac, per_file = _chunk_report(tmp_path / "zero2-to-hsdp")
+    assert len(per_file) == 4, per_file   # plain ZeRO-2 over 4: every rank its quarter

@@ -30,6 +30,9 @@ PLANS = [  # label, micro-batches, per-layer spec cycled over the layers
     ("sac", 1, [dict(ckpt="selective")]),
     ("sac-tp-sp", 1, [dict(tp=4, dp=1, sp=True, ckpt="selective")]),
     ("sac-zero3xtp2", 2, [dict(tp=2, dp=2, sdp="zero3", ckpt="selective")]),
+    ("hsdp-zero2", 2, [dict(sdp="zero2", shard=2)]),
+    ("hsdp-zero3", 1, [dict(sdp="zero3", shard=2)]),
+    ("hsdp-mixed", 1, [dict(sdp="zero3", shard=2, ckpt="selective"), dict(sdp="zero2"), dict(sdp="zero3", shard=1)]),
     ("sac-mixed", 1, [dict(tp=2, dp=2, sp=True, ckpt="selective"), dict(tp=2, dp=2, sp=True, ckpt=True)]),
 ]
 
@@ -56,7 +59,7 @@ def _measure(rank, world, model_name, overrides, labels=None, precision="fp32"):
         opt.step()
         measured = dm.states_bytes(opt)["total"]
         # NOTE: per rank: ZeRO shards hold ceil(rows / dp) rows per rank, the last ranks fewer
-        predicted = sum(cm.states_bytes(i, s, dp_index=Layout(s.tp, s.dp).batch_index(rank)).total
+        predicted = sum(cm.states_bytes(i, s, dp_index=Layout(s.tp, s.dp).batch_index(rank) % s.shard).total
                         for i, s in enumerate(plan.layer_strategies()))
         # saved activations of one micro-batch's forward, parameter storages excluded (a ZeRO-3
         # buffer is re-allocated when gathered: look its storage up when a tensor is saved) and

@@ -37,7 +37,7 @@ import pytest
 
 import galvatron_fx as gfx
 from galvatron_fx import dims
-from galvatron_fx.plan import LayerPlan, Plan
+from galvatron_fx.plan import LAYER_ATTRIBUTES, LayerPlan, Plan
 from galvatron_fx.planner import cost_model_for
 from galvatron_fx.solver.objective import layer_step_time, layer_terms, p2p_time_per_microbatch, step_constant
 from galvatron_fx.solver.pipeline import balanced_split, even_split, in_flight_microbatches
@@ -336,7 +336,8 @@ def _as_plan(gm, cluster, gbs, precision, config, stages, seqs, spaces) -> Plan:
              or len(stages) > p and _placement(sched, c, p) == k for i in range(stages[c][0], stages[c][1] + 1)]
     picked = dict(zip(order, (space[int(s)] for seq in seqs for s in seq)))
     strategies = [picked[i] for i in range(len(info.layers))]
-    layers = [LayerPlan(r.name, s.tp, s.dp, s.sdp, s.sp, s.ckpt, ep=s.ep, cp=s.cp, cp_kind=s.cp_kind)
+    layers = [LayerPlan(r.name, s.tp, s.dp, s.sdp, s.sp, s.ckpt, dims.extra_fields(s, LAYER_ATTRIBUTES), ep=s.ep,
+                        cp=s.cp, cp_kind=s.cp_kind)
               for r, s in zip(info.layers, strategies)]
     est = {"step_time_s": None, "throughput_samples_s": None, "memory_bytes_per_device": None}
     return Plan(cluster.world_size, p, sched, m, gbs, stages, layers, est, info.fingerprint, cluster.to_dict(),
@@ -401,7 +402,9 @@ def _check_setup(blocks, tied, preset, gbs, precision, calibration=None, constra
 
 @pytest.mark.parametrize("blocks, tied, preset, gbs, precision", SETUPS)
 def test_search_equals_the_enumerated_best(blocks, tied, preset, gbs, precision):
-    assert _check_setup(blocks, tied, preset, gbs, precision) == len(FACTORS) + 2
+    chosen: list = []
+    assert _check_setup(blocks, tied, preset, gbs, precision, chosen=chosen) == len(FACTORS) + 2
+    assert chosen   # (2x4: HSDP and selective checkpointing are in both spaces)
 
 
 def test_interleaved_1f1b_wins_where_the_bubble_decides():

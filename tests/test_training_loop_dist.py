@@ -183,6 +183,18 @@ CASES = {
     "sac-bf16-zero2": dict(matrix=True, precision="bf16-mixed", plan=dict(dp=2, sdp="zero2", ckpt="selective")),
     "sac-frozen-zero3-compile": dict(matrix=True, door="compile", model="frozen",
                                      plan=dict(dp=2, sdp="zero3", ckpt="selective")),
+    # HSDP: ZeRO over shard groups of 2 DP ranks, the shards' gradients all-reduced over the 2 replicas
+    "hsdp-zero2-dp4": dict(world=4, plan=dict(dp=4, sdp="zero2", shard=2)),
+    "hsdp-zero3-export": dict(world=4, method="export", plan=dict(dp=4, sdp="zero3", shard=2)),
+    "hsdp-tp2xdp2-shard1-compile": dict(world=4, door="compile", plan=dict(tp=2, dp=2, sdp="zero3", shard=1)),
+    "hsdp-pp2xdp2-zero3-sac": dict(world=4, clip="dm", plan=dict(pp=2, dp=2, micro_batches=2, sdp="zero3", shard=1,
+                                                                  ckpt="selective")),
+    "hsdp-zbv-pp2xdp2-zero2": dict(matrix=True, world=4, clip="dm",
+                                   plan=dict(pp=2, dp=2, micro_batches=2, schedule="zbv", sdp="zero2", shard=1)),
+    "hsdp-gpt-fx-zero3": dict(matrix=True, world=4, model="gpt", method="fx", plan=dict(dp=4, sdp="zero3", shard=2)),
+    "hsdp-frozen-zero3": dict(matrix=True, world=4, model="frozen", plan=dict(dp=4, sdp="zero3", shard=2)),
+    "hsdp-lora-zero2": dict(matrix=True, world=4, model="lora", plan=dict(dp=4, sdp="zero2", shard=2)),
+    "hsdp-bf16-zero3": dict(matrix=True, world=4, precision="bf16-mixed", plan=dict(dp=4, sdp="zero3", shard=2)),
     # a searched interleaved plan: 6 layers (embeddings, 4 blocks, head) in 4 chunks, cut by the
     # search's balanced split (solver/pipeline.py: balanced_split), not by layer count (2, 2, 1, 1)
     "searched-interleaved": dict(model="llama4", clip="dm", search=dict(

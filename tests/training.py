@@ -27,9 +27,14 @@ def reference(model: torch.nn.Module, args: tuple, steps: int = STEPS, eps: floa
 
 def apply_specs(plan, specs: list[dict]):
     """Set each layer's strategy fields from ``specs`` (cycled over the layers); validate the plan."""
+    from galvatron_fx.plan import LAYER_ATTRIBUTES
+
     for i, layer in enumerate(plan.layers):
         for key, value in specs[i % len(specs)].items():
-            setattr(layer, key, value)
+            if key in LAYER_ATTRIBUTES:
+                setattr(layer, key, value)
+            else:   # a dimension registered after the attributes (HSDP's shard): a JSON key
+                layer.extra[key] = value
     return plan.validate()
 
 

@@ -94,13 +94,13 @@ def states_bytes(sharded: int, replicated: int, strategy: Strategy, *, itemsize:
     ones; ``dp_index``: the rank of the DP group priced (0 holds the most)."""
     if shapes is None:
         shapes = [(per_tp_elements(sharded, replicated, strategy.tp),)] if sharded + replicated else []
-    layout = zero_layout(shapes, strategy.dp)
+    layout = zero_layout(shapes, strategy.shard)   # the ZeRO group (HSDP: the shard group)
     padded, shard = layout.padded, layout.shard
-    zero2_params = padded + (shard if strategy.dp > 1 else 0)   # fp32: the shard is a copy
-    opt = layout.held(dp_index) if strategy.sdp != "none" else sum(r * w for r, w in zip(layout.rows, layout.row))
+    zero2_params = padded + (shard if strategy.shard > 1 else 0)   # fp32: the shard is a copy
+    opt = layout.held(dp_index % strategy.shard) if strategy.sdp != "none" else sum(r * w for r, w in zip(layout.rows, layout.row))
     held = {"none": (padded, padded), "zero2": (zero2_params, shard), "zero3": (shard, shard)}[strategy.sdp]
     k = optimizer_states(optimizer)
-    fz = zero_layout(list(frozen_shapes), strategy.dp)
+    fz = zero_layout(list(frozen_shapes), strategy.shard)
     frozen = fz.shard if strategy.sdp == "zero3" else fz.padded   # elements of the frozen buffer
     if not mixed_precision:
         return StatesBytes((held[0] + frozen) * itemsize, held[1] * itemsize, k * opt * itemsize)

@@ -107,10 +107,10 @@ from .records import (
     B,
     LayerCost,
     LayerParams,
-    dp_group,
     ep_group,
     expert_dp_group,
     tp_group,
+    zero_group,
 )
 from .selective import selective_bytes
 from .time_terms import TimeTerms
@@ -271,7 +271,7 @@ class CostModel(LayerQueries, TimeTerms):
         elems_tp = math.ceil(p.sharded / s.tp) + p.replicated           # every parameter (ZeRO-3 gathers)
         train_tp = math.ceil(t.sharded / s.tp) + t.replicated           # trainable: gradients, updates
         sync, exposed, regather, reduce_scatter, gather, transient, held = self._param_terms(
-            s, elems_tp, train_tp, dp_group(s), index == 0)
+            s, elems_tp, train_tp, zero_group(s), index == 0)
         overhead, optimizer = self._overheads(index, train_tp, s, fwd + bwd)
         pass_copy, step_copy = self._copies(elems_tp, train_tp, s)
         act, recompute = self._activations(m, n, s, ep, index)
@@ -376,17 +376,17 @@ class CostModel(LayerQueries, TimeTerms):
                     regather = 0.0
         gather = 2 * ct("all_gather", full_params, dpg) if s.sdp == "zero3" else 0.0
         transient = 0.0
-        if s.sdp == "zero3" and s.dp > 1:
+        if s.sdp == "zero3" and len(dpg) > 1:
             # NOTE: in the layer's backward: its gathered buffer, the neighbour's prefetched buffer
             # and [dp, S] staging buffer (priced at this layer's size: exact inside a stack of
             # equal blocks), then the buffer's gradient, or (the own buffer freed) the gradient's
             # reduce-scatter staging; the forward peak (three buffers) is never larger
             transient = 3 * full_params + max(full_params, full_grads)
-        elif s.sdp == "zero2" and s.dp > 1:
+        elif s.sdp == "zero2" and len(dpg) > 1:
             transient = train_tp * self.itemsize + full_grads   # a pass's gradient and its reduce-scatter staging
-        elif s.dp > 1 and train_tp:
+        elif len(dpg) > 1 and train_tp:
             transient = min(self.bucket_bytes, full_grads)
-        held = full_params if s.sdp == "zero3" and s.dp > 1 else 0.0
+        held = full_params if s.sdp == "zero3" and len(dpg) > 1 else 0.0
         return sync, exposed, regather, reduce_scatter, gather, transient, held
 
     def ep_dispatch(self, index: int, n: float, s: Strategy) -> tuple[str, float]:

@@ -168,7 +168,7 @@ class TimeTerms:
             overhead += ops * getattr(c, "checkpoint_op_s", 0.0)
         if self.mode == "analytic" and self.attention_target != "cpu":
             overhead = max(0.0, overhead - device_s)
-        held = elems_tp if s.sdp == "none" else math.ceil(elems_tp / s.dp)
+        held = elems_tp if s.sdp == "none" else math.ceil(elems_tp / s.shard)
         # NOTE: the user's optimizer steps one tensor per trainable parameter (runtime/params.py)
         tensors = sum(1 for f in self._owned_params(index) if f not in self._frozen)
         optimizer = (held * 4 * c.optimizer_s_per_byte + tensors * c.optimizer_overhead_s) if elems_tp else 0.0

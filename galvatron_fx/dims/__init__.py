@@ -2,8 +2,8 @@
 
 A layer's strategy (:class:`galvatron_fx.solver.strategy.Strategy`) is a value of each registered
 dimension's fields: tensor parallelism with SP (:mod:`.tensor`), the data-parallel degree and kind
-(:mod:`.data`), activation checkpointing (:mod:`.checkpointing`), experts (:mod:`.experts`) and
-context parallelism (:mod:`.context`). Each module builds one :class:`Dimension`:
+(:mod:`.data`), activation checkpointing (:mod:`.checkpointing`), experts (:mod:`.experts`),
+context parallelism (:mod:`.context`) and hybrid sharding (:mod:`.hsdp`). Each module builds one :class:`Dimension`:
 
 * ``fields``: its :class:`Field` records (name, type, default, position in the strategy and the
   decision tree, the values the tree enumerates, its validation);
@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ..errors import ConfigError
-from . import checkpointing, context, data, experts, tensor
+from . import checkpointing, context, data, experts, hsdp, tensor
 from .base import Admission, CostTerms, Dimension, Field, PassSpec, Rule, SpaceOptions, as_list, is_pow2
 
 __all__ = ["DIMENSIONS", "Admission", "CostTerms", "PassSpec", "plan_problems", "rewrite_order", "Dimension", "Field", "Rule", "SpaceOptions", "admission", "as_list",
@@ -47,7 +47,7 @@ __all__ = ["DIMENSIONS", "Admission", "CostTerms", "PassSpec", "plan_problems", 
            "strategy_namespace", "validate", "constraint_keys", "space_options", "extra_fields"]
 
 DIMENSIONS: tuple[Dimension, ...] = (tensor.DIMENSION, data.DIMENSION, checkpointing.DIMENSION, experts.DIMENSION,
-                                     context.DIMENSION)
+                                     context.DIMENSION, hsdp.DIMENSION)
 """Every registered dimension, in order (their fields' positions interleave: see :func:`fields`)."""
 
 
@@ -166,7 +166,8 @@ def space_options(constraints: Mapping | None) -> dict:
 def extra_fields(strategy: Any, attributes: frozenset) -> dict:
     """The plan-JSON fields of ``strategy`` a ``LayerPlan`` holds in ``extra`` (those that are not
     its ``attributes``), for dimensions registered after the attributes."""
-    return {f.name: getattr(strategy, f.name) for f in json_fields() if f.name not in attributes}
+    return {f.name: v for f in json_fields()
+            if f.name not in attributes and (v := getattr(strategy, f.name, f.default)) is not None}
 
 
 def rewrite_order(skeleton: tuple[str, ...]) -> tuple[str, ...]:

@@ -52,7 +52,9 @@ class Field:
     arguments and sort order), in the decision tree and in the plan JSON. ``values(options, n,
     chosen)`` lists the values the tree tries given the fields chosen so far (``n``: devices per
     stage); ``derive(n, chosen)`` computes a field the tree does not enumerate; neither: the default
-    only. ``check(value)`` returns what is wrong with a value, or ``None``. ``in_json``: written in
+    only. ``complete(strategy)``: the value of a strategy built without one (``None``), from its
+    other fields (HSDP's ``shard``: ``dp``). ``check(value)`` returns what is wrong with a value, or
+    ``None``. ``in_json``: written in
     the plan's per-layer JSON; ``json_required``: a plan layer without it is refused (the fields
     every plan had from the start; a later dimension's key reads as its default when absent, so
     plans written before it load unchanged)."""
@@ -66,6 +68,7 @@ class Field:
     check: Callable[[Any], str | None] | None = None
     in_json: bool = True
     json_required: bool = False
+    complete: Callable[[Any], Any] | None = None
 
 
 @dataclass(frozen=True)

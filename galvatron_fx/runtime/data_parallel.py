@@ -101,6 +101,7 @@ class FlatParams(nn.Module):
         self.layer: int | None = None      # stage-local layer index (set by the data-parallel pass)
         self.tp_ranks: Ranks = (rank,)     # the layer's TP group (set by the data-parallel pass)
         self.held_over: Ranks = ()         # a loop's experts: the EP group holding the others (same pass)
+        self.replica_ranks: Ranks = (rank,)  # HSDP: the ranks holding this rank's shard (same pass)
         self.dp = len(self.dp_ranks)
         self.dp_index = self.dp_ranks.index(rank)
         self.fqns = list(tensors)
@@ -338,6 +339,8 @@ class FlatParams(nn.Module):
             if self.mode == "zero3":
                 self.free_full()   # the layer's backward is done with its parameters
             self._launch_reduce_scatter(grads)
+            if self.last_micro_batch and len(self.replica_ranks) > 1:
+                self._launch_replica_all_reduce()
             return
         if self._acc is None:
             self._acc = self._flat(grads).to(self.flat_param.dtype)   # fp32: the concatenation itself
@@ -386,6 +389,14 @@ class FlatParams(nn.Module):
         out = staging.new_empty(self.shard_numel)
         work = reduce_scatter_single(out, staging, group=group(self.dp_ranks), async_op=True)
         self._rs = (work, staging, out)   # the staging buffer stays alive until the op completes
+
+    def _launch_replica_all_reduce(self) -> None:
+        """HSDP: once the step's last reduce-scatter lands, all-reduce the summed shard over the
+        ranks holding the same shard (asynchronously; :meth:`finish_grad_sync` waits)."""
+        self._fold_reduce_scatter()
+        shard, self._rs_sum = self._rs_sum, None
+        work = dist.all_reduce(shard, group=group(self.replica_ranks), async_op=True)
+        self._pending += [(work, None), (None, shard)]
 
     def _fold_reduce_scatter(self) -> None:
         """Wait for the reduce-scatter in flight (if any) and add its shard to the running sum (in

@@ -90,9 +90,11 @@ class ParamSpec:
     @property
     def owner(self) -> bool:
         """Whether this rank's part counts in sums over ranks (one replica of every element: the
-        first DP rank of an ``sdp="none"`` layer, the first TP rank of a parameter TP keeps whole)."""
+        first DP rank of an ``sdp="none"`` layer, the first TP rank of a parameter TP keeps whole,
+        the first shard group under HSDP)."""
         s = self.store
-        return (s.mode != "none" or s.dp_index == 0) and (self.shard is not None or self.tp_index == 0)
+        return ((s.mode != "none" or s.dp_index == 0) and (self.shard is not None or self.tp_index == 0)
+                and s.replica_ranks.index(self.registry.rank) == 0)
 
     def local(self) -> torch.Tensor:
         """This rank's part of the parameter: a view of its flat buffer."""
@@ -114,7 +116,9 @@ class ParamSpec:
         s, i = self.store, self.index
         w = s.layout.row[i]
         a, b = s.layout.held_rows(i, s.dp_index)
-        if s.mode != "none":
+        if owned and s.replica_ranks.index(self.registry.rank) > 0:
+            span = (0, 0, 0)                       # HSDP: the first shard group writes the shards
+        elif s.mode != "none":
             span = (a * w, b * w, -a * w)          # the part starts at row a of the TP-local slice
         elif owned:
             span = (a * w, b * w, 0)               # DP replicas split the writing by dim-0 rows

@@ -168,6 +168,8 @@ def rank_sets(layouts: list[Layout], world: int) -> set[Ranks]:
         for r in range(a.base, a.base + a.size):
             sets.add(a.tp_ranks(r))
             sets.add(a.dp_ranks(r))
+            sets.add(a.zero_ranks(r))
+            sets.add(a.replica_ranks(r))
             if a.ep > 1:
                 sets.add(a.ep_ranks(r))
                 sets.add(a.expert_dp_ranks(r))

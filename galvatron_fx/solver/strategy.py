@@ -31,6 +31,9 @@ __all__ = ["CP_KINDS", "RULES", "SDP_KINDS", "Rule", "SpaceOptions", "Strategy",
 
 
 def _post_init(self) -> None:
+    for f in dims.fields():
+        if f.complete is not None and getattr(self, f.name) is None:
+            object.__setattr__(self, f.name, f.complete(self))   # a frozen dataclass completes itself here
     dims.validate(self)
 
 
@@ -47,7 +50,7 @@ def _label(self) -> str:
 
 Strategy = dataclasses.make_dataclass(
     "Strategy",
-    [(f.name, f.type) if f.default is None else (f.name, f.type, dataclasses.field(default=f.default))
+    [(f.name, f.type) if f.default is None and f.complete is None else (f.name, f.type, dataclasses.field(default=f.default))
      for f in dims.fields()],
     frozen=True, order=True,
     namespace={"__post_init__": _post_init, "devices": property(_devices), "label": property(_label),
@@ -158,8 +161,9 @@ def candidate_counts(device_counts: Iterable[int] = (1, 2, 4, 8, 16, 64), **kwar
     """Number of per-stage strategies for each device count (keywords as :func:`strategy_space`).
 
     With the defaults (power-of-two degrees, TP within an 8-device node, all switches on) the counts
-    are ``{1: 3, 2: 15, 4: 33, 8: 51, 16: 63, 64: 63}`` (three checkpointing modes: none, selective,
-    full); without checkpointing (``ckpt=False``) a third of that: ``{1: 1, 2: 5, 4: 11, 8: 17, 16: 21,
+    are ``{1: 3, 2: 15, 4: 33, 8: 51, 16: 93, 64: 153}`` (three checkpointing modes: none, selective,
+    full; HSDP shard groups from two nodes on); without checkpointing and HSDP a third of the
+    first nodes': ``{1: 1, 2: 5, 4: 11, 8: 17, 16: 21,
     64: 21}``. From two nodes on the count is flat:
     TP is capped at the node size and every TP degree then has ``dp > 1`` (all three kinds).
 
