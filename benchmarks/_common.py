@@ -44,6 +44,28 @@ def ckpt_word(ckpt) -> str:
     return " sac" if ckpt == "selective" else " ckpt" if ckpt else ""
 
 
+def plan_text(plan) -> str:
+    """Short text of a plan: ``pp4 m16 | tp1 ep8 zero2 ckpt`` (distinct layer strategies)."""
+    kinds = []
+    for lp in plan.layers:
+        s = f"tp{lp.tp}" + (f" ep{lp.ep}" if lp.ep > 1 else "") + (f" {lp.sdp}" if lp.sdp != "none" else "") \
+            + (" sp" if lp.sp else "") + ckpt_word(lp.ckpt)
+        if s not in kinds:
+            kinds.append(s)
+    return f"pp{plan.pp} m{plan.micro_batches} | " + ", ".join(kinds)
+
+
+def token_batches(n: int, vocab: int, batch: int, seq: int) -> list[dict]:
+    """``n`` batches of ``batch`` random sequences of ``seq`` tokens (no padding: labels = inputs),
+    the same on every rank (seeded)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        out.append(dict(input_ids=ids, labels=ids.clone()))
+    return out
+
+
 def train_stepper(dm, opt, batches):
     """A training step: ``dm.train_step`` on the next batch (cycling), then ``opt.step()``."""
     k = [0]

@@ -43,7 +43,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import ckpt_word, parser, practitioner, print_table, train_stepper, write_json  # noqa: E402
+from _common import ckpt_word, parser, practitioner, print_table, token_batches, train_stepper, write_json  # noqa: E402
 from _dist import interleaved, profiled_cluster, rel_err, spawn, uniform  # noqa: E402
 
 GBS = 8
@@ -203,17 +203,6 @@ def table(rows: list[dict]) -> None:
 
 
 # ------------------------------------------------------------------------------ measured part
-def _small_batches(n: int) -> list[dict]:
-    """``n`` batches of :data:`SMALL_GBS` random sequences of :data:`SMALL_SEQ` tokens (no padding:
-    labels = inputs), the same on every rank."""
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, SMALL["vocab_size"], (SMALL_GBS, SMALL_SEQ), generator=g)
-        out.append(dict(input_ids=ids, labels=ids.clone()))
-    return out
-
-
 def _measure_rank(rank, world, steps):
     """On each rank: the median step of DP2, DP2 + CP2 ring and DP2 + CP2 Ulysses and their estimates."""
     import tempfile
@@ -227,7 +216,7 @@ def _measure_rank(rank, world, steps):
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL, max_position_embeddings=SMALL_SEQ, use_cache=False,
                                                attn_implementation="sdpa_causal"))
-    batches = _small_batches(4)
+    batches = token_batches(4, SMALL["vocab_size"], SMALL_GBS, SMALL_SEQ)
     gm = gfx.capture(model, (), kwargs=batches[0], method="dynamo")
     plans = {"dp2": uniform(gm, world, SMALL_GBS, dp=world),
              "dp2 cp2 ring": uniform(gm, world, SMALL_GBS, dp=world, cp=2, cp_kind="ring"),

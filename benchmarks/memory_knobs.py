@@ -33,7 +33,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import ckpt_word, parser, print_table, train_stepper, write_json  # noqa: E402
+from _common import parser, plan_text, print_table, token_batches, train_stepper, write_json  # noqa: E402
 from _dist import interleaved, profiled_cluster, rel_err, spawn, uniform  # noqa: E402
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -66,16 +66,6 @@ def capture(config: str, kw: dict, seq: int):
     return gfx.capture(model, (), kwargs=dict(input_ids=ids, labels=ids), method="dynamo")
 
 
-def label(plan) -> str:
-    kinds = []
-    for lp in plan.layers:
-        s = f"tp{lp.tp}" + (f" ep{lp.ep}" if lp.ep > 1 else "") + (f" {lp.sdp}" if lp.sdp != "none" else "") \
-            + (" sp" if lp.sp else "") + ckpt_word(lp.ckpt)
-        if s not in kinds:
-            kinds.append(s)
-    return f"pp{plan.pp} m{plan.micro_batches} | " + ", ".join(kinds)
-
-
 def searched(gm, cluster, gbs: int, constraints: dict | None) -> dict:
     import galvatron_fx as gfx
 
@@ -85,7 +75,7 @@ def searched(gm, cluster, gbs: int, constraints: dict | None) -> dict:
     except gfx.InfeasibleError as e:
         return {"error": "no plan fits", "min_memory_gib": e.min_memory_bytes / 2**30,
                 "search_s": time.perf_counter() - t0}
-    return {"samples_s": plan.estimate["throughput_samples_s"], "plan": label(plan),
+    return {"samples_s": plan.estimate["throughput_samples_s"], "plan": plan_text(plan),
             "selective_layers": sum(lp.ckpt == "selective" for lp in plan.layers),
             "peak_gib": max(plan.estimate["memory_bytes_per_device"]) / 2**30, "search_s": time.perf_counter() - t0}
 
@@ -122,15 +112,6 @@ def uniform_memory(gm, cluster) -> dict:
 
 
 # ------------------------------------------------------------------------------ measured part
-def _batches(n: int) -> list[dict]:
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, SMALL["vocab_size"], (SMALL_GBS, SMALL_SEQ), generator=g)
-        out.append(dict(input_ids=ids, labels=ids.clone()))
-    return out
-
-
 def _measure_rank(rank, world, steps):
     import transformers as tf
 
@@ -140,7 +121,7 @@ def _measure_rank(rank, world, steps):
     cluster = profiled_cluster()
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL, max_position_embeddings=SMALL_SEQ, use_cache=False))
-    batches = _batches(4)
+    batches = token_batches(4, SMALL["vocab_size"], SMALL_GBS, SMALL_SEQ)
     gm = gfx.capture(model, (), kwargs=batches[0], method="dynamo")
     plans = {mode: uniform(gm, world, SMALL_GBS, dp=world, ckpt=ckpt) for mode, ckpt in MODES.items()}
     steps_fn, act = {}, {}

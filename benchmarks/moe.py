@@ -30,7 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import ckpt_word, parser, practitioner, print_table, train_stepper, write_json  # noqa: E402
+from _common import parser, plan_text, practitioner, print_table, train_stepper, write_json  # noqa: E402
 from _dist import interleaved, profiled_cluster, rel_err, spawn, uniform  # noqa: E402
 
 SEQ, GBS = 4096, 64
@@ -103,16 +103,6 @@ def ep_of(plan) -> tuple[int, str]:
     return ep, "/".join(dispatch) or "-"
 
 
-def label(plan) -> str:
-    """Short text of a plan: ``pp4 m16 | tp1 ep8 zero2 ckpt`` (distinct layer strategies)."""
-    kinds = []
-    for lp in plan.layers:
-        s = f"tp{lp.tp}" + (f" ep{lp.ep}" if lp.ep > 1 else "") + (f" {lp.sdp}" if lp.sdp != "none" else "") \
-            + (" sp" if lp.sp else "") + ckpt_word(lp.ckpt)
-        if s not in kinds:
-            kinds.append(s)
-    return f"pp{plan.pp} m{plan.micro_batches} | " + ", ".join(kinds)
-
 
 def searched(models: list[str], clusters: list[str], layers: int | None) -> list[dict]:
     """Part 1: one row per model x cluster."""
@@ -141,21 +131,21 @@ def searched(models: list[str], clusters: list[str], layers: int | None) -> list
             row["search_s"] = time.perf_counter() - t0
             row["ep"], row["dispatch"] = ep_of(plan)
             row["searched"] = plan.estimate["throughput_samples_s"]
-            row["searched_plan"] = label(plan)
+            row["searched_plan"] = plan_text(plan)
             try:
                 ep1 = gfx.search(gm, cluster=cluster, global_batch_size=GBS, constraints={"ep": 1})
-                row["ep1"], row["ep1_plan"] = ep1.estimate["throughput_samples_s"], label(ep1)
+                row["ep1"], row["ep1_plan"] = ep1.estimate["throughput_samples_s"], plan_text(ep1)
             except gfx.InfeasibleError as e:
                 row["ep1_error"] = f"no plan fits ({e.min_memory_bytes / 2**30:.1f} GiB)"
             mplan, mest = megatron(gm, cluster, experts, plan.precision)
             if mplan is not None:
-                row["megatron"], row["megatron_plan"] = mest["throughput_samples_s"], label(mplan)
+                row["megatron"], row["megatron_plan"] = mest["throughput_samples_s"], plan_text(mplan)
             row.update(practitioner(gm, cluster, GBS, plan.precision))
             for k in ("ep1", "megatron", "practitioner"):
                 if k in row:
                     row[f"speedup_vs_{k}"] = row["searched"] / row[k]
             rows.append(row)
-            print(f"  {key} on {preset}: searched {label(plan)}", flush=True)
+            print(f"  {key} on {preset}: searched {plan_text(plan)}", flush=True)
     return rows
 
 
