@@ -125,11 +125,6 @@ def zero_group(strategy: Strategy) -> list[int]:
     return list(Layout(strategy.tp, strategy.dp, shard=strategy.shard).zero_ranks(0))
 
 
-def replica_group(strategy: Strategy) -> list[int]:
-    """Ranks holding the first ZeRO shard of a stage under HSDP (``[0]`` without it)."""
-    return list(Layout(strategy.tp, strategy.dp, shard=strategy.shard).replica_ranks(0))
-
-
 def dp_group(strategy: Strategy) -> list[int]:
     """Ranks of the first data-parallel group of a stage (strided by ``tp``; :class:`~galvatron_fx.layout.Layout`)."""
     return list(Layout(strategy.tp, strategy.dp).dp_ranks(0))
