@@ -22,6 +22,7 @@ from .cli_args import (
     memory_budget_arg,
     pipeline_constraints,
 )
+from .dims.offload import check_host
 from .errors import ConfigError, GalvatronError
 from .models.hf_config import config_path
 
@@ -190,6 +191,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_output(args.json, "--json")
     check_output(getattr(args, "plot", None), "--plot")
     check_degrees(args, cluster.world_size, cluster.name)
+    check_host(cluster, pipeline_constraints(args).get("offload"), "--offload")
     keep: list = []
     gm = _capture_for_planning(args, keep)
     _check_applies(args, gm)

@@ -62,12 +62,14 @@ def check_degrees(args: argparse.Namespace, world: int, where: str) -> None:
 
 
 def pipeline_constraints(args: argparse.Namespace) -> dict:
-    """Search constraints from ``--pp`` / ``--schedule`` / ``--virtual-stages`` / ``--ep`` / ``--cp`` /
-    ``--cp-kind`` (those given)."""
+    """Search constraints from ``--pp`` / ``--schedule`` / ``--virtual-stages`` / ``--ckpt`` /
+    ``--offload`` / ``--ep`` / ``--cp`` / ``--cp-kind`` (those given)."""
     out = {k: getattr(args, k) for k in ("pp", "schedule", "virtual_stages", "micro_batches")
            if getattr(args, k, None) is not None}
     if getattr(args, "ckpt", None) is not None:   # --ckpt [full | selective]: every layer; --no-ckpt: none
         out["ckpt"] = {"full": "all", "selective": "selective", "none": False}[args.ckpt]
+    if getattr(args, "offload", None) is not None:   # --offload: every ZeRO layer; --no-offload: none
+        out["offload"] = "optimizer" if args.offload else False
     for key, example in (("ep", "4 or 1,2,4,8"), ("cp", "4 or 1,2,4,8")):
         if getattr(args, key, None):
             try:
@@ -102,6 +104,12 @@ def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
                            "(matmul and attention outputs kept, the rest recomputed); default: searched per layer")
     ckpt.add_argument("--no-ckpt", dest="ckpt", action="store_const", const="none",
                       help="checkpoint no layer")
+    offload = p.add_mutually_exclusive_group()
+    offload.add_argument("--offload", action="store_const", const=True,
+                         help="CPU offload on every ZeRO layer: optimizer states and fp32 masters in host memory, "
+                              "the optimizer stepping on the host (default: searched per layer where the cluster "
+                              "has a host)")
+    offload.add_argument("--no-offload", dest="offload", action="store_const", const=False, help="offload no layer")
     p.add_argument("--ep", metavar="N[,N...]",
                    help="expert-parallel degrees the MoE layers may take (e.g. 8, or 1,2,4,8; default: searched)")
     p.add_argument("--cp", metavar="N[,N...]",

@@ -78,6 +78,14 @@ field                       what it prices
                             ``loss.backward()``, the user's ``zero_grad``): :meth:`Cluster.door_time`
 ==========================  ===================================================================
 
+**The host** (:data:`HOST_FIELDS`, CPU offload: :mod:`galvatron_fx.dims.offload`):
+``host_memory_bytes`` per node (0: the devices are the host, as on a CPU cluster: nothing to
+offload to), ``host_bandwidth`` bytes/s per direction between one device and the host while every
+device of the node copies, ``host_optimizer_s_per_byte`` the host's optimizer step per byte of
+fp32 parameters one device's share updates while every device's share steps. Presets: the node's
+datasheet (:mod:`galvatron_fx.devices`); hand-made clusters 0 (no offload) unless given;
+:meth:`Cluster.profile` measures the local host.
+
 The last five (:data:`SYNC_FIELDS`, :data:`DOOR_FIELDS`) are measured only: presets and hand-made
 clusters leave them 0; ``Cluster.profile()`` measures the drift, ``galvatron-fx profile`` the door too
 (measured: docs/measurements.md, "Figures behind the design"). The door enters
@@ -105,7 +113,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .cluster_times import COLLECTIVES, P2P, ClusterTimes  # noqa: F401 - the link kinds: the cluster's names too
-from .devices import ATTENTION_HALF_RATE_SEQ, DEVICES, GEMM_TILE, HBM_EFFICIENCY
+from .devices import ATTENTION_HALF_RATE_SEQ, DEVICES, GEMM_TILE, HBM_EFFICIENCY, HOST_STREAM_EFFICIENCY
 from .errors import ConfigError
 from .units import DTYPES, format_bytes, normalize_dtype, parse_bytes  # noqa: F401 - DTYPES, normalize_dtype: the cluster's names too
 
@@ -135,6 +143,8 @@ SYNC_FIELDS = ("sync_drift_sqrt_s", "sync_stretch_s", "p2p_wakeup_s")
 """The ranks' drift between blocking collectives (module docstring; :meth:`Cluster.sync_wait`) and
 the wake-up a late-asked transfer waits for: measured by :meth:`Cluster.profile`, 0 (not priced) on
 presets and hand-made clusters."""
+HOST_FIELDS = ("host_memory_bytes", "host_bandwidth", "host_optimizer_s_per_byte")
+"""The host's figures (module docstring); 0 where there is no host apart from the devices."""
 CALIBRATION_FIELDS = ("step_overhead_s", "pipeline_step_s", "time_scale", "pipeline_time_scale")
 """How a plan's modelled step maps to the measured one: ``step = scale * slowest stage + constant``
 (:func:`galvatron_fx.solver.objective.step_time`). ``time_scale`` multiplies every plan's stage
@@ -250,6 +260,9 @@ class Cluster(ClusterTimes):
     attention_efficiency: float = 0.0
     attention_half_rate_seq: float = 0.0
     profile_spread: dict[str, float] = field(default_factory=dict)  # profiled: figure -> (max - min) / min over rounds
+    host_memory_bytes: int = 0   # the host (HOST_FIELDS)
+    host_bandwidth: float = 0.0
+    host_optimizer_s_per_byte: float = 0.0
     step_overhead_s: float = 0.0   # calibration (CALIBRATION_FIELDS)
     pipeline_step_s: float = 0.0
     time_scale: float = 1.0
@@ -291,7 +304,9 @@ class Cluster(ClusterTimes):
                               f"got {self.attention_efficiency}")
         self.attention_half_rate_seq = _positive("attention_half_rate_seq", self.attention_half_rate_seq,
                                                  allow_zero=True)
-        for name in OVERHEAD_FIELDS + SYNC_FIELDS + DOOR_FIELDS + CALIBRATION_FIELDS:
+        if self.host_memory_bytes != 0:   # 0: no host apart from the devices
+            self.host_memory_bytes = parse_bytes(self.host_memory_bytes, "cluster field 'host_memory_bytes'")
+        for name in OVERHEAD_FIELDS + SYNC_FIELDS + DOOR_FIELDS + CALIBRATION_FIELDS + HOST_FIELDS[1:]:
             setattr(self, name, _positive(name, getattr(self, name), allow_zero=name not in SCALE_FIELDS))
 
     def calibrated(self, fit: Mapping[str, float]) -> Cluster:
@@ -336,6 +351,16 @@ class Cluster(ClusterTimes):
     def device_memory(self) -> int:
         """Memory of one device, in bytes."""
         return self.memory_bytes
+
+    @property
+    def has_host(self) -> bool:
+        """Whether the devices have a host apart from them to offload to (memory and a link)."""
+        return self.host_memory_bytes > 0 and self.host_bandwidth > 0
+
+    @property
+    def host_memory_per_device(self) -> float:
+        """One device's share of its node's host memory, in bytes (0 without a host)."""
+        return self.host_memory_bytes / self.devices_per_node
 
     def node_of(self, rank: int) -> int:
         """The node index of global rank ``rank``."""
@@ -383,8 +408,9 @@ class Cluster(ClusterTimes):
         if missing:
             raise ConfigError(f"cluster key(s) {missing} missing")
         kwargs = {k: v for k, v in data.items() if k != "format"}
-        if isinstance(kwargs.get("memory_bytes"), float) and kwargs["memory_bytes"].is_integer():
-            kwargs["memory_bytes"] = int(kwargs["memory_bytes"])
+        for key in ("memory_bytes", "host_memory_bytes"):
+            if isinstance(kwargs.get(key), float) and kwargs[key].is_integer():
+                kwargs[key] = int(kwargs[key])
         return cls(**kwargs)
 
     def save(self, path: str) -> None:
@@ -427,6 +453,9 @@ class Cluster(ClusterTimes):
         memory_rate = spec.hbm * HBM_EFFICIENCY
         overheads = dict(GPU_OVERHEADS, copy_s_per_byte=2 / memory_rate,
                          optimizer_s_per_byte=ADAM_WORDS_PER_PARAMETER / memory_rate)
+        host_rate = spec.host_memory_rate * HOST_STREAM_EFFICIENCY / per_node   # one device's share
+        host = dict(host_memory_bytes=parse_bytes(spec.host_memory), host_bandwidth=spec.host_link,
+                    host_optimizer_s_per_byte=ADAM_WORDS_PER_PARAMETER / host_rate if host_rate else 0.0)
         return cls(
             memory_bytes=parse_bytes(spec.memory),
             peak_flops={"fp32": spec.fp32, "bf16": spec.bf16, "fp16": spec.fp16},
@@ -442,6 +471,7 @@ class Cluster(ClusterTimes):
             attention_half_rate_seq=ATTENTION_HALF_RATE_SEQ,
             name=canonical,
             **overheads,
+            **host,
         )
 
     @classmethod

@@ -6,6 +6,7 @@ pipeline and a transfer its receiver asks for late."""
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -121,21 +122,10 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
     # from the large ones, whose steps leave the caches cold: that doubled the figure), the slope per tensor
     # NOTE: parameters and gradients of the classes the user's optimizer steps (runtime/params.py:
     # the gradient's __torch_function__ is part of the per-tensor cost, ~19 % of it on 64 tensors of 1024)
-    from .runtime.params import ShardedGrad, ShardedParameter
-
-    def adam_step(numel: int, tensors: int = 4) -> Callable[[], object]:
-        params = [torch.Tensor._make_subclass(ShardedParameter, torch.zeros(numel, device=device), True)
-                  for _ in range(tensors)]
-        for p in params:
-            p.grad = ShardedGrad.wrap(torch.zeros(numel, device=device), None)
-        return torch.optim.AdamW(params, lr=1e-3).step
-
-    small, large = 1024, 2**18 if device.type == "cpu" else 2**22
-    few = adam_step(small)
-    runs = local.interleaved({"small": few, "large": adam_step(large)})
-    extra = statistics.median(b - s for b, s in zip(runs["large"], runs["small"]))
-    per_byte = max(extra, 0.0) / (4 * 4 * (large - small))
-    more = local.excess(few, {"many": adam_step(small, 16)})["many"]
+    small = 1024
+    few = _adam_step(device, small)
+    per_byte = _adam_per_byte(device, local)
+    more = local.excess(few, {"many": _adam_step(device, small, 16)})["many"]
     per_tensor = max(more / 12 - 4 * small * per_byte, 0.0)
     out = dict(op_launch_s=op_fwd, op_launch_bwd_s=op_bwd, collective_latency_s=latency, layer_overhead_s=layer,
                microbatch_overhead_s=micro, optimizer_s_per_byte=per_byte, optimizer_overhead_s=per_tensor,
@@ -152,6 +142,46 @@ def measure_overheads(device: torch.device, pg=None, repeats: int = 7, say: Call
     if say is not None:
         _say_overheads(out, say)
     return out
+
+
+def _adam_step(device: torch.device, numel: int, tensors: int = 4) -> Callable[[], object]:
+    """The step of an AdamW over ``tensors`` parameters of ``numel`` elements on ``device``, of the
+    classes the user's optimizer steps (runtime/params.py: the gradient's ``__torch_function__`` is
+    part of the per-tensor cost, ~19 % of it on 64 tensors of 1024)."""
+    from .runtime.params import ShardedGrad, ShardedParameter
+
+    params = [torch.Tensor._make_subclass(ShardedParameter, torch.zeros(numel, device=device), True)
+              for _ in range(tensors)]
+    for p in params:
+        p.grad = ShardedGrad.wrap(torch.zeros(numel, device=device), None)
+    return torch.optim.AdamW(params, lr=1e-3).step
+
+
+def _adam_per_byte(device: torch.device, timer: Timer) -> float:
+    """AdamW's seconds per fp32 parameter byte on ``device``: the slope between 4 tensors of two
+    sizes (small ones timed apart from the large, whose steps leave the caches cold)."""
+    small, large = 1024, 2**18 if device.type == "cpu" else 2**22
+    runs = timer.interleaved({"small": _adam_step(device, small), "large": _adam_step(device, large)})
+    extra = statistics.median(b - s for b, s in zip(runs["large"], runs["small"]))
+    return max(extra, 0.0) / (4 * 4 * (large - small))
+
+
+def host_figures(device: torch.device, repeats: int) -> dict[str, float]:
+    """The host's figures (:data:`galvatron_fx.cluster.HOST_FIELDS`) for CPU offload, measured from
+    this device while the other ranks of the node measure theirs: its physical memory, pinned
+    copies device -> host and back (64 MiB, bytes/s per direction) and AdamW's seconds per fp32 byte
+    over host tensors. Empty on the CPU (the devices are the host: nothing to offload to)."""
+    if device.type == "cpu":
+        return {}
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    numel = 2**24
+    host = torch.empty(numel, pin_memory=True)
+    dev = torch.empty(numel, device=device)
+    timer = Timer(device, None, repeats, 2)
+    both = timer(lambda: (dev.copy_(host, non_blocking=True), host.copy_(dev, non_blocking=True)))
+    cpu = torch.device("cpu")
+    return dict(host_memory_bytes=memory, host_bandwidth=2 * 4 * numel / both,
+                host_optimizer_s_per_byte=_adam_per_byte(cpu, Timer(cpu, None, repeats, 2)))
 
 
 def _copy_s_per_byte(device: torch.device, repeats: int) -> float:

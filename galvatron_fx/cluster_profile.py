@@ -52,7 +52,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .cluster_probes import p2p_wakeup, pipelined_p2p, stable_overheads
+from .cluster_probes import host_figures, p2p_wakeup, pipelined_p2p, stable_overheads
 from .cluster_times import COLLECTIVES, P2P
 from .cluster_timing import MIN_LATENCY, Timer, barrier, stable_figures
 from .distributed import all_gather_single, is_distributed, pick_device, reduce_scatter_single, synchronize
@@ -259,6 +259,7 @@ def profile(
             memory_bytes=_device_memory(device, 1), peak_flops=flops, efficiency=1.0,
             intra_bandwidth=_UNMEASURED_BANDWIDTH, intra_latency=_UNMEASURED_LATENCY,
             overlap_slowdown=1.0, name=f"local-1x{device.type}", profile_spread=spread, **overheads,
+            **host_figures(device, repeats),
         )
 
     pg = group if group is not None else dist.group.WORLD
@@ -318,11 +319,12 @@ def profile(
 
     overlap = _measure_overlap(device, pg, max(sizes), world, sides["fp32"], repeats, warmup, say)
     flops = _measure_compute(device, sides, repeats, say)
+    host = host_figures(device, repeats)   # every rank at once, as offloaded ranks share their host
 
     box = [None]
     if me_local == 0:
         box[0] = {**_assemble(fits, inter_p2p, per_node, nodes, flops, overlap, device), **overheads,
-                  "p2p_wakeup_s": wakeup, "profile_spread": spread}
+                  "p2p_wakeup_s": wakeup, "profile_spread": spread, **host}
         say(f"done in {time.perf_counter() - say.start:.1f}s")
     dist.broadcast_object_list(box, src=ranks[0], group=pg)
     return box[0]

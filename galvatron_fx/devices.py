@@ -16,6 +16,10 @@ bytes/s, seconds.
   the SDPA kernel torch dispatches to (FlashAttention-2 on sm80+), as a fraction of the bf16 peak,
   for head dim 128, causal, forward + backward; shorter sequences run at ``s / (s + 512)`` of it and
   other head dims at ``(d / (d + 16)) / (128 / 144)`` (module docstring of :mod:`.cluster`).
+* **The host** (CPU offload, :mod:`galvatron_fx.dims.offload`): ``host_memory`` per node,
+  ``host_link`` bytes/s per direction between one device and the host (its PCIe generation's x16
+  rate as measured by copies of pinned memory), ``host_memory_rate`` the node's DRAM bandwidth
+  (channels x transfer rate of its CPUs), of which :data:`HOST_STREAM_EFFICIENCY` is sustained.
 * **Collectives** (:meth:`Cluster.collective_time`): ``intra_bandwidth`` is NCCL's bus bandwidth
   inside a node (nccl-tests ``busbw``, which the ring formulas of :mod:`.cluster` reproduce) and
   ``nic_bandwidth`` the bus bandwidth one inter-node NIC sustains.
@@ -40,6 +44,12 @@ fwd_bwd_benchmark.png`` and ``flash2_h100_...``, causal, head dim 128) rise as `
 on both devices: A100 99 / 133 / 155 / 173 / 182 / 189 TFLOP/s and H100 163 / 221 / 265 / 294 /
 308 / 328 at 0.5k .. 16k tokens (the curve gives 0.51 / 0.67 / 0.80 / 0.89 / 0.94 / 0.97 of its
 limit; the plots 0.52 / 0.70 / 0.82 / 0.92 / 0.96 / 1 of their 16k value)."""
+
+HOST_STREAM_EFFICIENCY = 0.7
+"""Sustained fraction of a server's theoretical DRAM bandwidth for a streaming kernel (STREAM
+triad on two-socket Xeon / EPYC servers reaches ~70-80 %): the host optimizer step streams at it.
+NOTE: an assumption, not a measurement of torch.optim on these hosts; ``Cluster.profile`` measures
+the local host's optimizer step."""
 
 GEMM_TILE = 128
 """Rows and columns of a GEMM tile (cuBLAS's common 128 x 128 / 256 x 128 tiles for fp16 / bf16
@@ -67,6 +77,9 @@ class DeviceSpec:
     devices_per_nic: int | None
     inter_latency: float
     attention: str = "cuda"
+    host_memory: str = "0"         # host memory per node (parse_bytes syntax)
+    host_link: float = 0.0         # device <-> host bytes/s per direction, per device
+    host_memory_rate: float = 0.0  # the node's DRAM bandwidth, bytes/s (datasheet)
 
     def inter_share(self, per_node: int) -> float:
         """Inter-node bytes/s per device when all ``per_node`` devices send across nodes at once."""
@@ -85,35 +98,49 @@ class DeviceSpec:
 # (the plots of ATTENTION_HALF_RATE_SEQ): limits 189 / 0.97 = 195 (0.625 of 312) and 328 / 0.97 =
 # 338 (0.342 of 989). V100 and TITAN RTX have no public MAMF or attention figure: the A100's
 # fractions are assumed (their memory-efficient kernel is, if anything, slower).
+# The hosts (CPU offload): DGX A100 (2x AMD EPYC 7742, 8 channels DDR4-3200 each: 2 x 204.8 GB/s;
+# 1 TB with the 40GB GPUs, 2 TB with the 80GB ones), DGX H100 / H200 (2x Xeon Platinum 8480C, 8
+# channels DDR5-4800 each: 2 x 307.2 GB/s; 2 TB), DGX-1 (2x Xeon E5-2698 v4, 4 channels DDR4-2400
+# each: 2 x 76.8 GB/s; 512 GB) from the DGX datasheets. Device <-> host: PCIe Gen3 / Gen4 / Gen5
+# x16 move 12 / 24 / 48 GB/s of pinned memory per direction (the same links as the NIC figures
+# above). The Grand Teton H100 host is taken as the DGX H100's and the Galvatron testbed's
+# (RTX TITAN, unpublished) as a DGX-1's: assumptions. Shared PCIe switch uplinks are not modelled.
 DEVICES: dict[str, DeviceSpec] = {
     # NVIDIA A100 datasheet (SXM4): FP32 19.5, BF16/FP16 Tensor Core 312 TFLOPS dense; HBM2e
     # 2039 GB/s (80GB) / 1555 GB/s (40GB); DGX A100: 8x HDR 200 Gb/s, one per GPU.
     "a100-40gb": DeviceSpec("A100-40GB", "40GiB", 19.5 * _T, 312 * _T, 312 * _T, 1555 * _GB, 0.869, 0.625,
-                            232 * _GB, 5e-6, 24 * _GB, 1, 1e-5),
+                            232 * _GB, 5e-6, 24 * _GB, 1, 1e-5,
+                            host_memory="1TB", host_link=24 * _GB, host_memory_rate=2 * 204.8 * _GB),
     "a100-80gb": DeviceSpec("A100-80GB", "80GiB", 19.5 * _T, 312 * _T, 312 * _T, 2039 * _GB, 0.869, 0.625,
-                            232 * _GB, 5e-6, 24 * _GB, 1, 1e-5),
+                            232 * _GB, 5e-6, 24 * _GB, 1, 1e-5,
+                            host_memory="2TB", host_link=24 * _GB, host_memory_rate=2 * 204.8 * _GB),
     # NVIDIA H100 datasheet (SXM5): FP32 67, BF16/FP16 989 TFLOPS dense; HBM3 3350 GB/s;
     # DGX H100: 8x NDR 400 Gb/s.
     "h100-80gb": DeviceSpec("H100-80GB", "80GiB", 67 * _T, 989 * _T, 989 * _T, 3350 * _GB, 0.803, 0.342,
-                            370 * _GB, 5e-6, 48 * _GB, 1, 1e-5),
+                            370 * _GB, 5e-6, 48 * _GB, 1, 1e-5,
+                            host_memory="2TB", host_link=48 * _GB, host_memory_rate=2 * 307.2 * _GB),
     # The H100 of Meta's Grand Teton hosts that torchtitan's H100 benchmarks ran on
     # (benchmarks/llama3_h100_202412_torchtitan.md): "96GB HBM2e with 2.4 TB/sec peak memory
     # bandwidth", the "default 500W power limit", NVLink inside the host, "400 Gb/s per GPU" RDMA;
     # "the actual peak TFLOPs number is between SXM and NVL": the H100 NVL datasheet's 835 TFLOPS
     # BF16 dense (FP32 60), the lower bound the source names. The H100 SXM's fractions.
     "h100-96gb": DeviceSpec("H100-96GB", "96GB", 60 * _T, 835 * _T, 835 * _T, 2400 * _GB, 0.803, 0.342,
-                            370 * _GB, 5e-6, 48 * _GB, 1, 1e-5),
+                            370 * _GB, 5e-6, 48 * _GB, 1, 1e-5,
+                            host_memory="2TB", host_link=48 * _GB, host_memory_rate=2 * 307.2 * _GB),
     # NVIDIA H200 (SXM): the H100's compute, 141 GB HBM3e at 4.8 TB/s (nvidia-smi reports
     # 143771 MiB); DGX H200: 8x NDR 400 Gb/s.
     "h200-141gb": DeviceSpec("H200-141GB", "143771MiB", 67 * _T, 989 * _T, 989 * _T, 4800 * _GB, 0.803, 0.342,
-                             370 * _GB, 5e-6, 48 * _GB, 1, 1e-5),
+                             370 * _GB, 5e-6, 48 * _GB, 1, 1e-5,
+                             host_memory="2TB", host_link=48 * _GB, host_memory_rate=2 * 307.2 * _GB),
     # NVIDIA V100 (SXM2): FP32 15.7, FP16 Tensor Core 125 TFLOPS; no BF16 hardware (BF16 at the FP32
     # rate); HBM2 900 GB/s; DGX-1: 4x EDR 100 Gb/s for 8 GPUs (two per NIC).
     "v100-32gb": DeviceSpec("V100-32GB", "32GiB", 15.7 * _T, 15.7 * _T, 125 * _T, 900 * _GB, 0.869, 0.625,
-                            122 * _GB, 5e-6, 12 * _GB, 2, 1e-5, "cuda-sm70"),
+                            122 * _GB, 5e-6, 12 * _GB, 2, 1e-5, "cuda-sm70",
+                            host_memory="512GB", host_link=12 * _GB, host_memory_rate=2 * 76.8 * _GB),
     # NVIDIA TITAN RTX: FP32 16.3, 130 Tensor TFLOPS FP16; no BF16 hardware; GDDR6 672 GB/s. No NVLink
     # between the cards: PCIe 3.0 x16. The Galvatron paper's testbed (arXiv 2211.13878, Sec. 5): 8 per
     # node over PCIe 3.0, nodes on 100 Gb/s InfiniBand, one NIC for the node.
     "rtx-titan-24gb": DeviceSpec("RTX-TITAN-24GB", "24GiB", 16.3 * _T, 16.3 * _T, 130 * _T, 672 * _GB, 0.869,
-                                 0.625, 12 * _GB, 1e-5, 12 * _GB, None, 2e-5, "cuda-sm70"),
+                                 0.625, 12 * _GB, 1e-5, 12 * _GB, None, 2e-5, "cuda-sm70",
+                                host_memory="512GB", host_link=12 * _GB, host_memory_rate=2 * 76.8 * _GB),
 }

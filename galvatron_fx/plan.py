@@ -125,7 +125,9 @@ class LayerPlan:
         if missing:
             raise ConfigError(f"plan {where} is missing key(s) {missing}; every layer needs {list(_LAYER_KEYS)}")
         known = {f.name: f for f in dims.json_fields()}
-        extra = {k: v for k, v in d.items() if k not in LAYER_ATTRIBUTES and k != "name"}
+        # NOTE: a later dimension's field at its default is the same as its key left out
+        extra = {k: v for k, v in d.items() if k not in LAYER_ATTRIBUTES and k != "name"
+                 and not (k in known and v == known[k].default)}
         return cls(d["name"], extra=extra, **{k: d.get(k, known[k].default) for k in LAYER_ATTRIBUTES if k in known})
 
 
@@ -410,6 +412,7 @@ class Plan:
         cp: int = 1,
         cp_kind: str = "ring",
         shard: int | None = None,
+        offload: str = "none",
         expert_layers: set[str] | None = None,
         model_fingerprint: str = "",
         cluster: dict[str, Any] | None = None,
@@ -420,7 +423,9 @@ class Plan:
         more layer), ``pp * virtual_stages`` chunks for the interleaved and V schedules
         (``virtual_stages`` defaults to the schedule's: 2 for ``zbv`` / ``dualpipev``, else 1). ``dp`` defaults to ``world_size / (pp * tp)``. ``precision`` defaults to the
         ``cluster``'s (:func:`galvatron_fx.cluster.default_precision`; ``"fp32"`` without one).
-        ``shard``: HSDP's ZeRO group size (default ``dp``: plain ZeRO). Estimates are ``None``."""
+        ``shard``: HSDP's ZeRO group size (default ``dp``: plain ZeRO); ``offload``: CPU offload
+        (``"optimizer"``: ZeRO layers keep optimizer states and masters in host memory). Estimates
+        are ``None``."""
         names = list(names)
         _need_int("world_size", world_size)
         _need_int("pp", pp)
@@ -436,8 +441,11 @@ class Plan:
         if pp * v > len(names):
             what = f"pp={pp}" if v == 1 else f"pp * virtual_stages = {pp} * {v}"
             raise ConfigError(f"{what} exceeds the {len(names)} layers; use {what.split('=')[0].strip()} <= {len(names)}")
+        extra = {} if shard is None else {"shard": shard}
+        if offload != "none":
+            extra["offload"] = offload
         layers = [LayerPlan(n, tp, dp, sdp, sp, ckpt, ep=ep if expert_layers is None or n in expert_layers else 1,
-                            cp=cp, cp_kind=cp_kind, extra={} if shard is None else {"shard": shard})
+                            cp=cp, cp_kind=cp_kind, extra=dict(extra))
                   for n in names]
         est = {"step_time_s": None, "throughput_samples_s": None, "memory_bytes_per_device": None}
         if precision is None:

@@ -33,7 +33,7 @@ from .context import ContextPass, ParallelContext
 def build_registry(ctx: ParallelContext, stores, user: dict[str, nn.Parameter] | None) -> ParamRegistry:
     """The registry of ``stores`` (see the module docstring)."""
     slots = {fqn: i for i, fqn in enumerate(ctx.param_fqns)}
-    device = stores[0].flat_param.device if stores else torch.device("cpu")
+    device = stores[0].device if stores else torch.device("cpu")
     stage = tuple(range(ctx.base, ctx.base + ctx.stage_size))
     # NOTE: a loop's experts split over EP ranks are, like other stages' parameters, held elsewhere:
     # the norms then add what other ranks asked for

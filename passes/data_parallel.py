@@ -93,7 +93,8 @@ class DataParallelPass(ContextPass):
                             lay.zero_ranks(ctx.rank) if zero else lay.dp_ranks(ctx.rank))
                 store = flatten_layer_params(layer, mode, dp_ranks, ctx.rank, ctx.bucket_bytes,
                                              ckpt=lp.ckpt, compute_dtype=ctx.precision.compute_dtype,
-                                             reduce_dtype=ctx.precision.reduce_dtype, nodes=nodes, attr=attr)
+                                             reduce_dtype=ctx.precision.reduce_dtype, nodes=nodes, attr=attr,
+                                             offload=zero and trainable and lp.strategy.offload != "none")
                 if store is None:
                     continue
                 # NOTE: a grouped expert weight is a dim-0 shard over its EP group (ctx.tp_shards), whole
@@ -144,7 +145,7 @@ def _fetch_owner(root: torch.nn.Module, target: str):
 def flatten_layer_params(layer: torch.fx.GraphModule, mode: str, dp_ranks, rank: int,
                          bucket_bytes: int, ckpt: bool = False, compute_dtype: torch.dtype | None = None,
                          reduce_dtype: torch.dtype | None = None, nodes=None,
-                         attr: str = "flat_params") -> FlatParams | None:
+                         attr: str = "flat_params", offload: bool = False) -> FlatParams | None:
     graph = layer.graph
     if nodes is None:
         nodes = [n for n in graph.nodes if is_trainable_param(n)]
@@ -155,7 +156,8 @@ def flatten_layer_params(layer: torch.fx.GraphModule, mode: str, dp_ranks, rank:
         owner, name = _fetch_owner(layer, n.target)
         tensors[n.target] = getattr(owner, name)
     trainable = is_trainable_param(nodes[0])
-    store = FlatParams(tensors, mode, dp_ranks, rank, bucket_bytes, compute_dtype, reduce_dtype, trainable=trainable)
+    store = FlatParams(tensors, mode, dp_ranks, rank, bucket_bytes, compute_dtype, reduce_dtype, trainable=trainable,
+                       offload=offload)
     layer.add_submodule(attr, store)
     first = next(n for n in graph.nodes if n.op != "placeholder")
     # NOTE: the entry call hands out the buffer's chunks itself, not a buffer the graph slices or

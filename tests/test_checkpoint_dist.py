@@ -356,3 +356,12 @@ def test_hsdp_saves_each_shard_once_and_resumes_into_plain_zero(tmp_path):
     assert len(per_file) == 2, per_file   # ranks 0 and 1: one copy of every shard
     _frac, per_file = _chunk_report(tmp_path / "zero2-to-hsdp")
     assert len(per_file) == 4, per_file   # plain ZeRO-2 over 4: every rank its quarter
+
+
+@pytest.mark.dist
+def test_offload_checkpoints_resume_exactly_and_into_plans_without_it(tmp_path):
+    """CPU offload (masters and optimizer states in host memory) on 2 ranks: exact same-plan resume,
+    resume into plain ZeRO-3, and from plain ZeRO-2 into offload."""
+    cases = [("offload-to-zero3", dict(sdp="zero3", offload="optimizer"), dict(sdp="zero3")),
+             ("zero2-to-offload", dict(sdp="zero2", micro_batches=2), dict(sdp="zero2", offload="optimizer"))]
+    _check(run_distributed(_resume_cases, 2, str(tmp_path), cases, timeout=300)[0])

@@ -28,6 +28,9 @@ FILES = {
     "broken.json": "{oops",
     "notype.json": json.dumps({"hidden_size": 64}),
     "plan.json": "{oops",
+    "nohost.json": json.dumps({"format": "galvatron_fx.cluster/1", "memory_bytes": 2**34, "devices_per_node": 8,
+                               "peak_flops": {"fp32": 1e13, "bf16": 1e14, "fp16": 1e14},
+                               "intra_bandwidth": 1e11, "intra_latency": 1e-5}),
 }
 C = ["--cluster", "8xA100-80GB"]
 
@@ -58,6 +61,7 @@ MORE = [
     (["plan", "cfg.json", *C, "--set", "bogus=1"], "the config has no attribute 'bogus'"),
     (["plan", "cfg.json", *C, "--set", "layers"], "is not KEY=VALUE"),
     (["plan", "broken.json", *C], "is not a valid JSON file"),
+    (["plan", "cfg.json", "--cluster", "nohost.json", "--offload"], "has no host memory apart from its devices"),
     (["plan", "notype.json", *C], "Should have a `model_type` key"),
     (["plan", "cfg.json"], "the following arguments are required: --cluster"),
     (["show", "nonexistent.json"], "cannot read plan file 'nonexistent.json'"),

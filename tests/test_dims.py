@@ -50,36 +50,36 @@ def test_plan_json_keys_come_from_the_registry():
 
 
 def _toy() -> Dimension:
-    """A dimension the package does not have: ``offload`` (bool), offered when the constraint asks."""
-    def _offload_needs_dp(s, o):
-        """Offloading is offered with data parallelism only (a stand-in rule)."""
-        return not s.offload or s.dp > 1
+    """A dimension the package does not have: ``spill`` (bool), offered when the constraint asks."""
+    def _spill_needs_dp(s, o):
+        """Spilling is offered with data parallelism only (a stand-in rule)."""
+        return not s.spill or s.dp > 1
 
     def admission(cost_model, constraints):
-        return Admission(admits=lambda layer, s: not s.offload or layer != 0)
+        return Admission(admits=lambda layer, s: not s.spill or layer != 0)
 
     return Dimension(
-        "offload", (Field("offload", bool, False, 95, check=a_bool,
-                          values=lambda o, n, c: (False, True) if o.more.get("offload") else (False,)),),
-        rules=(rule(_offload_needs_dp),), admission=admission,
-        label=lambda s: [(80, "offload")] if s.offload else [],
-        explain=lambda layers: [f"offload: {sum(bool(lp.value('offload')) for lp in layers)} layer(s)"],
-        constraints=("offload",), space_options=lambda c: {"offload": bool(c.get("offload"))})
+        "spill", (Field("spill", bool, False, 95, check=a_bool,
+                          values=lambda o, n, c: (False, True) if o.more.get("spill") else (False,)),),
+        rules=(rule(_spill_needs_dp),), admission=admission,
+        label=lambda s: [(80, "spill")] if s.spill else [],
+        explain=lambda layers: [f"spill: {sum(bool(lp.value('spill')) for lp in layers)} layer(s)"],
+        constraints=("spill",), space_options=lambda c: {"spill": bool(c.get("spill"))})
 
 
 def test_a_registered_dimension_reaches_the_space_the_admission_the_label_and_explain(monkeypatch):
     toy = _toy()
     monkeypatch.setattr(dims, "DIMENSIONS", dims.DIMENSIONS + (toy,))
     make = types.SimpleNamespace
-    opts = SpaceOptions(4, more=dims.space_options({"offload": True}))
+    opts = SpaceOptions(4, more=dims.space_options({"spill": True}))
     tree = list(dims.enumerate_strategies(make, opts))
     plain = list(dims.enumerate_strategies(make, SpaceOptions(4)))
-    assert len(tree) == 2 * len(plain) and {s.offload for s in tree} == {False, True}
+    assert len(tree) == 2 * len(plain) and {s.spill for s in tree} == {False, True}
     kept = [s for s in tree if all(r.allows(s, opts) for r in dims.rules())]
-    assert kept and all(not s.offload or s.dp > 1 for s in kept)
-    assert "offload_needs_dp" in [r.name for r in dims.rules()] and "offload" in dims.constraint_keys()
-    s = make(tp=2, dp=2, sdp="zero3", sp=False, ckpt=True, ep=1, cp=1, cp_kind="ring", expert_tp=True, offload=True)
-    assert dims.label(s) == "tp2·dp2·zero3·ckpt·offload"
+    assert kept and all(not s.spill or s.dp > 1 for s in kept)
+    assert "spill_needs_dp" in [r.name for r in dims.rules()] and "spill" in dims.constraint_keys()
+    s = make(tp=2, dp=2, sdp="zero3", sp=False, ckpt=True, ep=1, cp=1, cp_kind="ring", expert_tp=True, spill=True)
+    assert dims.label(s) == "tp2·dp2·zero3·ckpt·spill"
 
     class _Model:   # the cost model's analyses, as the admissions read them
         def tp_analysis(self, layer, tp, sp=False):
@@ -92,8 +92,8 @@ def test_a_registered_dimension_reaches_the_space_the_admission_the_label_and_ex
             return None
     admits, _ = dims.admission(_Model())
     assert admits(1, s) and not admits(0, s)
-    assert dims.explain_lines([LayerPlan("a", 1, 2, extra={"offload": True})])[-1] == "offload: 1 layer(s)"
-    assert dims.extra_fields(s, frozenset({"tp", "dp", "sdp", "sp", "ckpt", "ep", "cp", "cp_kind"})) == {"offload": True}
+    assert dims.explain_lines([LayerPlan("a", 1, 2, extra={"spill": True})])[-1] == "spill: 1 layer(s)"
+    assert dims.extra_fields(s, frozenset({"tp", "dp", "sdp", "sp", "ckpt", "ep", "cp", "cp_kind"})) == {"spill": True}
 
 
 def test_the_space_is_the_product_the_rules_filter():

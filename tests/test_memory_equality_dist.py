@@ -1,7 +1,7 @@
 """Per-rank memory of the distributed program vs the cost model's prediction (real gloo ranks).
 
 For each plan: the bytes of parameters + gradients + optimizer states held by the live tensors after
-one training step must equal the cost model's figure exactly, and the bytes saved for backward in
+one training step must equal the cost model's figure exactly (device and, under CPU offload, host), and the bytes saved for backward in
 one micro-batch's forward (unique storages, parameters excluded; under selective checkpointing
 also the outputs its regions keep) must be within 5 % of it.
 """
@@ -34,6 +34,10 @@ PLANS = [  # label, micro-batches, per-layer spec cycled over the layers
     ("hsdp-zero3", 1, [dict(sdp="zero3", shard=2)]),
     ("hsdp-mixed", 1, [dict(sdp="zero3", shard=2, ckpt="selective"), dict(sdp="zero2"), dict(sdp="zero3", shard=1)]),
     ("sac-mixed", 1, [dict(tp=2, dp=2, sp=True, ckpt="selective"), dict(tp=2, dp=2, sp=True, ckpt=True)]),
+    ("offload-zero3", 1, [dict(sdp="zero3", offload="optimizer")]),
+    ("offload-mixed", 2, [dict(sdp="zero2", offload="optimizer"), dict(tp=2, dp=2, sdp="zero3", offload="optimizer",
+                                                                     ckpt="selective"),
+                          dict(sdp="zero3", shard=2, offload="optimizer"), dict(sdp="zero3")]),
 ]
 
 
@@ -57,10 +61,14 @@ def _measure(rank, world, model_name, overrides, labels=None, precision="fp32"):
         opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
         dm.train_step(*args)
         opt.step()
-        measured = dm.states_bytes(opt)["total"]
-        # NOTE: per rank: ZeRO shards hold ceil(rows / dp) rows per rank, the last ranks fewer
-        predicted = sum(cm.states_bytes(i, s, dp_index=Layout(s.tp, s.dp).batch_index(rank) % s.shard).total
-                        for i, s in enumerate(plan.layer_strategies()))
+        live = dm.states_bytes(opt)
+        measured = (live["total"], live["host"])
+        # NOTE: per rank: ZeRO shards hold ceil(rows / dp) rows per rank, the last ranks fewer. An
+        # offloaded layer's gradient shard is on the device only from its backward to the step's
+        # reduction (then on the host): not live at rest
+        est = [(cm.states_bytes(i, s, dp_index=Layout(s.tp, s.dp).batch_index(rank) % s.shard), s.offload != "none")
+               for i, s in enumerate(plan.layer_strategies())]
+        predicted = (sum(e.total - (e.grads if off else 0) for e, off in est), sum(e.host for e, _ in est))
         # saved activations of one micro-batch's forward, parameter storages excluded (a ZeRO-3
         # buffer is re-allocated when gathered: look its storage up when a tensor is saved) and
         # the caller's input batch too (slices of it are views, not memory the program holds)
@@ -90,7 +98,7 @@ def _measure(rank, world, model_name, overrides, labels=None, precision="fp32"):
     return out
 
 
-CI_PLANS = ["dp", "zero3", "tp-sp", "zero3xtp2", "hetero", "sac", "sac-tp-sp", "sac-mixed"]   # CI time: --run-matrix measures all of PLANS
+CI_PLANS = ["dp", "zero3", "tp-sp", "zero3xtp2", "hetero", "sac", "sac-tp-sp", "sac-mixed", "offload-mixed"]   # CI time: --run-matrix measures all of PLANS
 
 
 @pytest.mark.dist
@@ -103,16 +111,18 @@ def test_states_exact_and_activations_close(model_name, overrides, labels):
     for rank, res in enumerate(results):
         for label, (measured, predicted, act, act_pred) in res.items():
             assert measured == predicted, (rank, label, measured, predicted)
+            assert (measured[1] > 0) == label.startswith("offload"), (rank, label, measured)
             assert abs(act - act_pred) <= 0.05 * act_pred, (rank, label, act, act_pred)
 
 
 @pytest.mark.dist
 def test_mixed_precision_states_exact_and_activations_close():
     """bf16-mixed: working copies + fp32 masters, gradients and moments byte-exact; activations in bf16."""
-    labels = ["dp", "zero2", "zero3", "tp-sp", "ckpt", "zero3xtp2", "sac-zero3xtp2"]
+    labels = ["dp", "zero2", "zero3", "tp-sp", "ckpt", "zero3xtp2", "sac-zero3xtp2", "offload-mixed"]
     results = run_distributed(_measure, 4, "gpt-tiny", GPT, labels, "bf16-mixed", timeout=300)
     for rank, res in enumerate(results):
         assert sorted(res) == sorted(labels)
         for label, (measured, predicted, act, act_pred) in res.items():
             assert measured == predicted, (rank, label, measured, predicted)
+            assert (measured[1] > 0) == label.startswith("offload"), (rank, label, measured)
             assert abs(act - act_pred) <= 0.05 * act_pred, (rank, label, act, act_pred)

@@ -39,7 +39,7 @@ def test_uniform_plan_shape():
     assert p.stage_of(3) == 1 and p.num_layers == 6
     d = p.to_dict()
     assert d["format"] == FORMAT and d["stages"] == [[0, 2], [3, 5]]
-    assert set(d["layers"][0]) == {"name", "tp", "sp", "dp", "sdp", "ckpt", "ep", "cp", "cp_kind"}
+    assert set(d["layers"][0]) == {"name", "tp", "sp", "dp", "sdp", "ckpt", "ep", "cp", "cp_kind", "offload"}
     assert set(d["estimate"]) >= {"step_time_s", "throughput_samples_s", "memory_bytes_per_device"}
     assert d["precision"] == "fp32" and p.precision == "fp32"  # no cluster name: fp32
 

@@ -90,9 +90,13 @@ def test_heads_and_hidden_limit_tp():
 
 
 def test_candidate_counts_documented():
-    assert candidate_counts() == {1: 3, 2: 15, 4: 33, 8: 51, 16: 93, 64: 153}   # HSDP from two nodes on
-    assert candidate_counts(ckpt=[False, True], more={"hsdp": False}) == {1: 2, 2: 10, 4: 22, 8: 34, 16: 42, 64: 42}
+    # HSDP from two nodes on; CPU offload doubles the ZeRO strategies (where the cluster has a host)
+    assert candidate_counts() == {1: 3, 2: 21, 4: 51, 8: 81, 16: 165, 64: 285}
+    assert candidate_counts(more={"offload": ("none",)}) == {1: 3, 2: 15, 4: 33, 8: 51, 16: 93, 64: 153}
+    old = {"hsdp": False, "offload": ("none",)}
+    assert candidate_counts(ckpt=[False, True], more=old) == {1: 2, 2: 10, 4: 22, 8: 34, 16: 42, 64: 42}
     assert candidate_counts(ckpt=["selective"]) == candidate_counts(ckpt=False)
-    assert candidate_counts(ckpt=False, more={"hsdp": False}) == {1: 1, 2: 5, 4: 11, 8: 17, 16: 21, 64: 21}
+    assert candidate_counts(ckpt=False, more=old) == {1: 1, 2: 5, 4: 11, 8: 17, 16: 21, 64: 21}
+    assert candidate_counts(ckpt=False, more={"hsdp": False}) == {1: 1, 2: 7, 4: 17, 8: 27, 16: 35, 64: 35}
     assert paper_comparable_count(8) == 16  # + 6 DP-inner placements = the paper's 22
     assert paper_comparable_count(8, zero2=True) == 22

@@ -195,6 +195,24 @@ CASES = {
     "hsdp-frozen-zero3": dict(matrix=True, world=4, model="frozen", plan=dict(dp=4, sdp="zero3", shard=2)),
     "hsdp-lora-zero2": dict(matrix=True, world=4, model="lora", plan=dict(dp=4, sdp="zero2", shard=2)),
     "hsdp-bf16-zero3": dict(matrix=True, world=4, precision="bf16-mixed", plan=dict(dp=4, sdp="zero3", shard=2)),
+    # CPU offload: masters, gradient copies and optimizer states in host memory, the user's AdamW
+    # stepping over host tensors; ZeRO-2 / ZeRO-3, with HSDP, TP+SP, pipelines, frozen weights,
+    # LoRA and bf16, through the three front ends and torch.compile
+    "offload-zero3": dict(plan=dict(dp=2, sdp="zero3", offload="optimizer")),
+    "offload-zero2-export": dict(method="export", plan=dict(dp=2, sdp="zero2", offload="optimizer")),
+    "offload-tp2xdp2-sp-compile": dict(world=4, door="compile", plan=dict(tp=2, dp=2, sp=True, sdp="zero3",
+                                                                       offload="optimizer")),
+    "offload-pp2xdp2-1f1b-sac": dict(world=4, clip="dm", plan=dict(pp=2, dp=2, micro_batches=2, sdp="zero2",
+                                                                   ckpt="selective", offload="optimizer")),
+    "offload-gpt-fx-hsdp": dict(matrix=True, world=4, model="gpt", method="fx",
+                                plan=dict(dp=4, sdp="zero3", shard=2, offload="optimizer")),
+    "offload-zero2-dp1": dict(matrix=True, world=1, plan=dict(dp=1, sdp="zero2", offload="optimizer")),
+    "offload-zbv-pp2-zero3": dict(matrix=True, clip="dm", plan=dict(pp=2, dp=1, micro_batches=2, schedule="zbv",
+                                                                    sdp="zero3", offload="optimizer")),
+    "offload-frozen-zero3-compile": dict(matrix=True, door="compile", model="frozen",
+                                         plan=dict(dp=2, sdp="zero3", offload="optimizer")),
+    "offload-lora-zero2": dict(matrix=True, model="lora", plan=dict(dp=2, sdp="zero2", offload="optimizer")),
+    "offload-bf16-zero3": dict(matrix=True, precision="bf16-mixed", plan=dict(dp=2, sdp="zero3", offload="optimizer")),
     # a searched interleaved plan: 6 layers (embeddings, 4 blocks, head) in 4 chunks, cut by the
     # search's balanced split (solver/pipeline.py: balanced_split), not by layer count (2, 2, 1, 1)
     "searched-interleaved": dict(model="llama4", clip="dm", search=dict(
@@ -348,12 +366,17 @@ def _run_case(rank, world, name):
                    k for k, p in dm.named_parameters() if p.requires_grad])
     if case["model"] == "frozen" or "ep" in case["plan"]:   # per-rank states bytes == the estimate
         cm = CostModel(gm, gfx.Cluster.preset(f"{world}xA100-80GB"), reserve_bytes=0, precision=case["precision"])
-        out["states"] = dm.states_bytes(opt)["total"]
+        measured = dm.states_bytes(opt)
+        out["states"] = (measured["total"], measured["host"])
         n = world // plan.pp   # this rank's stage: its chunks' layers, its place in the stage
         mine = {i for c in plan.rank_chunks(rank // n) for i in range(plan.stages[c][0], plan.stages[c][1] + 1)}
-        out["predicted"] = sum(cm.states_bytes(i, s, dp_index=Layout(s.tp, s.dp).batch_index(rank % n),
-                                               tp_index=Layout(s.tp, s.dp).tp_index(rank % n)).total
-                               for i, s in enumerate(plan.layer_strategies()) if i in mine)
+        est = [cm.states_bytes(i, s, dp_index=Layout(s.tp, s.dp).batch_index(rank % n),
+                               tp_index=Layout(s.tp, s.dp).tp_index(rank % n))
+               for i, s in enumerate(plan.layer_strategies()) if i in mine]
+        # NOTE: an offloaded layer's gradient shard is on the device from its backward until the
+        # step's reduction ends, then on the host: at rest, only the host copy is live
+        off = [s.offload != "none" for i, s in enumerate(plan.layer_strategies()) if i in mine]
+        out["predicted"] = (sum(e.total - (e.grads if o else 0) for e, o in zip(est, off)), sum(e.host for e in est))
     if case["precision"] != "fp32":   # the returned norm is the norm of the whole gradient
         opt.zero_grad()
         dm.train_step(**batches[0])
@@ -632,7 +655,8 @@ def _meta_compiled(rank, world, spec, pretrained):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("spec", [dict(dp=2, sdp="zero3"), dict(tp=2, dp=1), pytest.param(
-    dict(pp=2, dp=1, micro_batches=2, **INTERLEAVED), marks=pytest.mark.matrix)], ids=["zero3", "tp2", "interleaved"])
+    dict(pp=2, dp=1, micro_batches=2, **INTERLEAVED), marks=pytest.mark.matrix), pytest.param(
+    dict(dp=2, sdp="zero3", offload="optimizer"), marks=pytest.mark.matrix)], ids=["zero3", "tp2", "interleaved", "offload"])
 def test_meta_device_model_initialises_and_loads_only_its_parts(tmp_path, spec):
     import transformers as tf
 
@@ -644,7 +668,7 @@ def test_meta_device_model_initialises_and_loads_only_its_parts(tmp_path, spec):
     pre = tf.LlamaForCausalLM.from_pretrained(tmp_path / "pretrained")
     with torch.no_grad():
         want_eval = pre(**loops.collate(1)[0]).loss.item()
-    if spec.get("sdp") == "zero3":   # the torch.compile door: options={"init": "weights" | DIR}
+    if spec.get("sdp") == "zero3" and "offload" not in spec:   # the torch.compile door: options={"init": "weights" | DIR}
         first = tf.LlamaForCausalLM.from_pretrained(tmp_path / "pretrained")(**loops.collate(1)[0]).loss.item()
         for r in run_distributed(_meta_compiled, 2, spec, str(tmp_path / "pretrained")):
             assert loops.rel(r["losses"], losses) < 1e-4, (r["losses"], losses)

@@ -231,7 +231,7 @@ class LayerQueries:
         ex = states_bytes(0, sum(math.prod(s) for s in train), self._expert_strategy(strategy, xtp > 1),
                           shapes=train, frozen_shapes=frozen, dp_index=slot, **kw)
         return StatesBytes(st.params + ex.params, st.grads + ex.grads, st.optimizer + ex.optimizer,
-                           st.masters + ex.masters)
+                           st.masters + ex.masters, st.host + ex.host)
 
     @staticmethod
     def _expert_strategy(s: Strategy, expert_tp: bool = False) -> Strategy:

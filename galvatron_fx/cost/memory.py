@@ -39,6 +39,14 @@ their weights only, no gradients, no optimizer states; whole under DP and ZeRO-2
 mixed: ``2 P_f`` working copy + ``4 P_f`` masters), sharded under ZeRO-3 (``4 S_f``; mixed: the
 fp32 masters ``4 S_f``).
 
+**CPU offload** (``offload="optimizer"``, ZeRO layers only: :mod:`galvatron_fx.dims.offload`): the
+fp32 masters (an fp32 plan's parameters themselves), the optimizer states and a copy of the
+gradient shard live in host memory (``host``: ``4 S + 4 S + 4 k H``); the device keeps what the
+layer computes with (ZeRO-2: the whole buffer ``w P``; ZeRO-3: nothing at rest) plus the shard
+the all-gathers start from, in the compute dtype (``w S``; ZeRO-2 on one rank copies the masters
+straight into its buffer and keeps none), and its gradient shard (``4 S``: reduced there, copied
+to the host once the step's backward is over).
+
 Adam per parameter, DP: 16 bytes in fp32, 18 mixed (the working copy on top of the fp32 states);
 ZeRO-3 mixed: ``16 / dp``. These are exactly the storages the runtime holds
 (:meth:`galvatron_fx.runtime.module.DistributedModel.states_bytes`, checked byte for byte by
@@ -65,6 +73,7 @@ class StatesBytes:
     grads: int
     optimizer: int
     masters: int = 0
+    host: int = 0   # bytes in host memory (CPU offload), not in ``total``
 
     @property
     def total(self) -> int:
@@ -102,6 +111,14 @@ def states_bytes(sharded: int, replicated: int, strategy: Strategy, *, itemsize:
     k = optimizer_states(optimizer)
     fz = zero_layout(list(frozen_shapes), strategy.shard)
     frozen = fz.shard if strategy.sdp == "zero3" else fz.padded   # elements of the frozen buffer
+    if getattr(strategy, "offload", "none") != "none":
+        source = shard if strategy.sdp == "zero3" or strategy.shard > 1 else 0   # the gathers' device shard
+        whole = padded if strategy.sdp == "zero2" else 0
+        frozen_bytes = frozen * itemsize   # frozen parameters stay on the device, as without offload
+        if mixed_precision:
+            frozen_bytes = (0 if strategy.sdp == "zero3" else fz.padded * itemsize) + 4 * frozen
+        return StatesBytes((whole + source) * itemsize + frozen_bytes, 4 * shard, 0,
+                           host=4 * shard + 4 * shard + 4 * k * opt)
     if not mixed_precision:
         return StatesBytes((held[0] + frozen) * itemsize, held[1] * itemsize, k * opt * itemsize)
     working = 0 if strategy.sdp == "zero3" else (padded + fz.padded) * itemsize

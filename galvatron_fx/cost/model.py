@@ -301,7 +301,7 @@ class CostModel(LayerQueries, TimeTerms):
         return LayerCost(fwd, bwd, terms.tp_comm_s, terms.sync_s, terms.gather_s, st.params, st.grads, st.optimizer,
                          act, terms.transient_bytes, out, st.masters, terms.overhead_s, terms.optimizer_s,
                          terms.exposed_s, terms.regather_s, terms.reduce_scatter_s, terms.split_extra_s,
-                         terms.held_bytes, wgrad)
+                         terms.held_bytes, wgrad, st.host)
 
     def expert_terms(self, index: int, n: float, s: Strategy) -> CostTerms:
         """The experts dimension's terms of layer ``index`` (``ep > 1`` on a layer with experts):

@@ -36,6 +36,8 @@ class LayerCost:
     ``split_held_bytes`` (ZeRO-3's gathered buffer, kept from a micro-batch's input-gradient pass to
     its weight-gradient pass) and, per micro-batch between those passes, ``split_wgrad_bytes`` (the
     gradients of the outputs where parameters meet activations, which the weight pass starts from).
+    ``host_bytes``: what the layer keeps in its device's share of host memory (CPU offload: masters,
+    optimizer states, the gradient shard), counted against the host, not the device.
     """
 
     fwd_s: float
@@ -58,6 +60,7 @@ class LayerCost:
     split_extra_s: float = 0.0
     split_held_bytes: float = 0.0
     split_wgrad_bytes: float = 0.0
+    host_bytes: float = 0.0
 
     @property
     def states_bytes(self) -> float:

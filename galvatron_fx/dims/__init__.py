@@ -3,7 +3,7 @@
 A layer's strategy (:class:`galvatron_fx.solver.strategy.Strategy`) is a value of each registered
 dimension's fields: tensor parallelism with SP (:mod:`.tensor`), the data-parallel degree and kind
 (:mod:`.data`), activation checkpointing (:mod:`.checkpointing`), experts (:mod:`.experts`),
-context parallelism (:mod:`.context`) and hybrid sharding (:mod:`.hsdp`). Each module builds one :class:`Dimension`:
+context parallelism (:mod:`.context`), hybrid sharding (:mod:`.hsdp`) and CPU offload (:mod:`.offload`). Each module builds one :class:`Dimension`:
 
 * ``fields``: its :class:`Field` records (name, type, default, position in the strategy and the
   decision tree, the values the tree enumerates, its validation);
@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ..errors import ConfigError
-from . import checkpointing, context, data, experts, hsdp, tensor
+from . import checkpointing, context, data, experts, hsdp, offload, tensor
 from .base import Admission, CostTerms, Dimension, Field, PassSpec, Rule, SpaceOptions, as_list, is_pow2
 
 __all__ = ["DIMENSIONS", "Admission", "CostTerms", "PassSpec", "plan_problems", "rewrite_order", "Dimension", "Field", "Rule", "SpaceOptions", "admission", "as_list",
@@ -47,7 +47,7 @@ __all__ = ["DIMENSIONS", "Admission", "CostTerms", "PassSpec", "plan_problems", 
            "strategy_namespace", "validate", "constraint_keys", "space_options", "extra_fields"]
 
 DIMENSIONS: tuple[Dimension, ...] = (tensor.DIMENSION, data.DIMENSION, checkpointing.DIMENSION, experts.DIMENSION,
-                                     context.DIMENSION, hsdp.DIMENSION)
+                                     context.DIMENSION, hsdp.DIMENSION, offload.DIMENSION)
 """Every registered dimension, in order (their fields' positions interleave: see :func:`fields`)."""
 
 
@@ -165,9 +165,11 @@ def space_options(constraints: Mapping | None) -> dict:
 
 def extra_fields(strategy: Any, attributes: frozenset) -> dict:
     """The plan-JSON fields of ``strategy`` a ``LayerPlan`` holds in ``extra`` (those that are not
-    its ``attributes``), for dimensions registered after the attributes."""
+    its ``attributes``), for dimensions registered after the attributes; a field at its default
+    is left out (a plan without the dimension reads the same)."""
     return {f.name: v for f in json_fields()
-            if f.name not in attributes and (v := getattr(strategy, f.name, f.default)) is not None}
+            if f.name not in attributes and (v := getattr(strategy, f.name, f.default)) is not None
+            and v != f.default}
 
 
 def rewrite_order(skeleton: tuple[str, ...]) -> tuple[str, ...]:

@@ -122,10 +122,11 @@ class ChunkSet(nn.Module):
         return out
 
     def states_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """The chunks' :meth:`DistributedModel.states_bytes` summed (the optimizer's states counted once)."""
-        total = {"params": 0, "masters": 0, "grads": 0, "optimizer": 0, "total": 0}
-        for i, c in enumerate(self.chunks):
-            part = c.states_bytes(optimizer if i == 0 else None)
+        """The chunks' :meth:`DistributedModel.states_bytes` summed (each counts the optimizer's
+        states of its own parameters)."""
+        total = {"params": 0, "masters": 0, "grads": 0, "optimizer": 0, "total": 0, "host": 0}
+        for c in self.chunks:
+            part = c.states_bytes(optimizer)
             for k in total:
                 total[k] += part[k]
         return total

@@ -88,11 +88,14 @@ class FlatParams(nn.Module):
 
     def __init__(self, tensors: dict[str, torch.Tensor], mode: str, dp_ranks: Ranks, rank: int,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, compute_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None, trainable: bool = True):
+                 reduce_dtype: torch.dtype | None = None, trainable: bool = True, offload: bool = False):
         # NOTE: one function (84 lines): lays out the layer's storages (flat buffer, shards, gradients, views) in one pass
         super().__init__()
         if mode not in SDP_MODES:
             raise ValueError(f"sdp mode must be one of {SDP_MODES}, got {mode!r}")
+        if offload and (mode == "none" or not trainable):
+            raise ValueError("CPU offload needs trainable parameters under sdp 'zero2' or 'zero3' (the host "
+                             "holds each rank's shard of the optimizer states)")
         if not trainable and mode == "zero2":
             raise ValueError("frozen parameters have no gradients or optimizer states to shard: use sdp "
                              "'none' (ZeRO-2 keeps parameters whole) or 'zero3'")
@@ -126,6 +129,8 @@ class FlatParams(nn.Module):
         # and no values: runtime/materialize.py fills this rank's parts (init_weights, loads)
         self.initialized = first.device.type != "meta"
         device = first.device if self.initialized else pick_device()
+        self.device = device   # where the layer computes (its buffers; with offload, not its masters)
+        self.offload = bool(offload)
         full = torch.zeros(self.padded, dtype=first.dtype, device=device)
         if self.initialized:
             with torch.no_grad():
@@ -134,7 +139,20 @@ class FlatParams(nn.Module):
         # NOTE: ``flat_param`` is storage, not an ``nn.Parameter``: the user's parameters are
         # per-parameter views of it under their original names (runtime/params.py), and the module
         # tree holds no Parameter of its own
-        if mode == "none":
+        # CPU offload (dims/offload.py): the masters live on the host; the device keeps the shard the
+        # all-gathers start from (``source``, in the compute dtype; ZeRO-2 on one rank copies the
+        # masters into its buffer directly), refreshed from the host after an optimizer step
+        self.source: torch.Tensor | None = None
+        self._host_newer = False   # offload: the host masters changed since ``source`` was copied
+        if self.offload:
+            shard = self.layout.shard_of(full, self.dp_index)
+            if mode == "zero3" or self.dp > 1:
+                self.source = shard.to(self.compute_dtype or full.dtype, copy=True)
+            self.flat_param = _host_copy(shard).requires_grad_(True)
+            self.full = full.to(self.compute_dtype) if self.mixed else full
+            if mode == "zero3":
+                _free(self.full)
+        elif mode == "none":
             self.flat_param = full.requires_grad_(self.trainable)
             self.full = full.detach().to(self.compute_dtype) if self.mixed else None
         elif mode == "zero2" and not self.mixed and self.dp == 1:
@@ -281,13 +299,25 @@ class FlatParams(nn.Module):
     def _start_gather(self, full: torch.Tensor) -> tuple | None:
         """Launch the all-gather filling ``full`` asynchronously: ``(work, staging, shard)`` (the
         cast shard kept alive until it completes); ``dp = 1``: copy now, ``None``."""
-        shard = self.flat_param.data.to(full.dtype)
+        shard = self._source(full.dtype)
         if self.dp == 1:
             full.copy_(shard)
             return None
         staging = full.new_empty(self.padded)
         work = all_gather_single(staging, shard.contiguous(), group=group(self.dp_ranks), async_op=True)
         return work, staging, shard
+
+    def _source(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's shard of the masters in ``dtype`` on the device, for an all-gather. Offload:
+        the device copy in the compute dtype (copied from the host first when the masters changed),
+        or the host masters themselves moved over (another dtype, or ZeRO-2 on one rank)."""
+        if self.source is not None and dtype == self.source.dtype:
+            if self._host_newer:
+                with torch.no_grad():
+                    self.source.copy_(self.flat_param.data, non_blocking=True)
+                self._host_newer = False
+            return self.source
+        return self.flat_param.data.to(device=self.device, dtype=dtype, non_blocking=True)
 
     def _finish_gather(self, pending: tuple, full: torch.Tensor) -> None:
         work, staging, _shard = pending
@@ -310,7 +340,7 @@ class FlatParams(nn.Module):
         elif self.mode == "zero2" and not self.mixed:
             full = self.full.clone()
         else:
-            full = self.flat_param.data.new_empty(self.padded)
+            full = torch.empty(self.padded, dtype=self.flat_param.dtype, device=self.device)
             self._gather_into(full)
         return {fqn: full[off:off + math.prod(shape)].view(shape)
                 for fqn, off, shape in zip(self.fqns, self.offsets, self.shapes)}
@@ -322,7 +352,9 @@ class FlatParams(nn.Module):
         ZeRO-2)."""
         self.free_full()
         self._drop_prefetch()   # ZeRO-2: a re-gather of the old masters
-        self.stale = (self.mode == "zero2" and (self.dp > 1 or self.mixed)) or (self.mode == "none" and self.mixed)
+        self.stale = ((self.mode == "zero2" and (self.dp > 1 or self.mixed or self.offload))
+                      or (self.mode == "none" and self.mixed))
+        self._host_newer = self.offload
 
     # --------------------------------------------------------------- gradients
     def on_grad(self, grads: tuple) -> None:
@@ -370,7 +402,7 @@ class FlatParams(nn.Module):
         dtype = next((g.dtype for g in grads if g is not None), self.flat_param.dtype)
         key = (j, dtype)
         if key not in self._zeros:
-            self._zeros[key] = torch.zeros(self.part_shapes[j], dtype=dtype, device=self.flat_param.device)
+            self._zeros[key] = torch.zeros(self.part_shapes[j], dtype=dtype, device=self.device)
         return self._zeros[key]
 
     def _launch_reduce_scatter(self, grads: tuple) -> None:
@@ -383,7 +415,7 @@ class FlatParams(nn.Module):
             self._rs = (None, None, self._flat(grads))
             return
         # copy-in: each parameter's rows into its [dp, seg] columns of a [dp, S] staging buffer
-        staging = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.flat_param.device)
+        staging = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.device)
         params = [grads[j] for j in self.part_index]
         self.layout.copy_in_params([None if g is None else g.reshape(-1) for g in params], staging)
         out = staging.new_empty(self.shard_numel)
@@ -432,7 +464,9 @@ class FlatParams(nn.Module):
         self._pending = []
         self._acc = None
         if total is not None:
-            self.flat_param.grad = total.detach()
+            # offload: the reduced shard moves to the host (pinned memory on CUDA: asynchronously;
+            # DistributedModel.finish_grad_sync waits before the optimizer reads it)
+            self.flat_param.grad = _host_copy(total.detach()) if self.offload else total.detach()
         # NOTE: whatever optimizer the user built may now update the masters; the working copy
         # (ZeRO-2's whole buffer, a mixed DP copy) is rebuilt before it is read next
         # (sync_after_step), so no hook on the user's optimizer is needed.
@@ -510,6 +544,24 @@ class GradBuckets:
 
     def reset(self) -> None:
         self._open, self._open_bytes, self._in_flight = [], 0, []
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in host memory: pinned when ``t`` is on an accelerator (the copy runs
+    asynchronously: :func:`wait_for_host_copies` before the host reads it), a clone on the CPU."""
+    if t.device.type == "cpu":
+        return t.clone()
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+def wait_for_host_copies(stores) -> None:
+    """Wait until the gradient shards offloaded stores copied to the host have landed (the
+    optimizer reads them next); a no-op without offload or on the CPU."""
+    devices = {s.device for s in stores if s.offload and s.device.type != "cpu"}
+    for device in devices:
+        torch.get_device_module(device).current_stream(device).synchronize()
 
 
 def _free(t: torch.Tensor) -> None:

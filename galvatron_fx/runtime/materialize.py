@@ -220,7 +220,7 @@ def _safetensors_files(directory: str) -> list[str]:
 def _finish(stage, model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
     """Put the materialised buffers into the program, mark the buffers initialised, rebuild the
     working copies (collective for ZeRO-2), and name any buffer still on the meta device."""
-    device = next((s.flat_param.device for s in stage.stores), torch.device("cpu"))
+    device = next((s.device for s in stage.stores), torch.device("cpu"))
     for layer in stage.children():
         for name, buf in list(layer.named_buffers()):
             if buf.device.type == "meta" and name in buffers:

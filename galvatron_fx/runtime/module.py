@@ -23,11 +23,12 @@ from torch.utils._pytree import tree_map_only
 
 from ..errors import ConfigError
 from ..ir import META_KEY
-from .data_parallel import FlatParams
+from .data_parallel import FlatParams, wait_for_host_copies
 from .dropout import evaluating
 from .groups import Layout
 from .inputs import apply_steps, call_batch, gather_rows, match_inputs, to_shards
 from .inputs import split as _split
+from .params import ShardedParameter
 from .precision import DynamicLossScaler, Precision
 from .reshard import plan_batched
 
@@ -224,6 +225,7 @@ class DistributedModel(torch.fx.GraphModule):
         over the world); then hand each parameter its gradient view."""
         for s in self._stores:
             s.finish_grad_sync()
+        wait_for_host_copies(self._stores)
         if self.loss_scaler is not None:
             self.loss_scaler.unscale_or_skip([s for s in self._stores if s.trainable])
         if self.grads_after_step:
@@ -344,7 +346,7 @@ class DistributedModel(torch.fx.GraphModule):
 
                 held: list = [None] * len(s.held_over)
                 dist.all_gather_object(held, mine, group=group(s.held_over))
-                mine = {k: v.to(s.flat_param.device) for d in held for k, v in d.items()}
+                mine = {k: v.to(s.device) for d in held for k, v in d.items()}
             out.update(mine)
         return out
 
@@ -353,7 +355,8 @@ class DistributedModel(torch.fx.GraphModule):
         buffers the layers compute with (fp32: the parameters themselves, ZeRO-2's whole buffer
         included; mixed: the low-precision working copies; ZeRO-3's gathered buffer is empty at
         rest), ``masters`` the fp32 masters of a mixed plan (0 for fp32), ``grads``, ``optimizer``
-        and ``total``."""
+        and ``total``; ``host``: what offloaded layers keep in host memory (their masters, gradient
+        copies and optimizer states: not in the other figures)."""
         seen: set[int] = set()
 
         def size(tensors) -> int:
@@ -366,17 +369,27 @@ class DistributedModel(torch.fx.GraphModule):
                 n += st.nbytes()
             return n
 
-        working = [s.full for s in self._stores if s.full is not None]
+        on = [s for s in self._stores if not s.offload]
+        off = [s for s in self._stores if s.offload]
+        working = [s.full for s in self._stores if s.full is not None] + [s.source for s in off if s.source is not None]
         mixed = any(s.mixed for s in self._stores)
-        masters = size([s.flat_param for s in self._stores]) if mixed else 0
-        params = size(working if mixed else [s.flat_param for s in self._stores] + working)
-        grads = size([s.flat_param.grad for s in self._stores if s.flat_param.grad is not None])
-        opt = 0
-        if optimizer is not None:
-            opt = size([v for st in optimizer.state.values() for v in st.values()
-                        if isinstance(v, torch.Tensor) and v.dim() > 0])
+        masters = size([s.flat_param for s in on]) if mixed else 0
+        params = size(working if mixed else [s.flat_param for s in on] + working)
+        grads = size([s.flat_param.grad for s in on if s.flat_param.grad is not None])
+        offloaded, mine = {id(s) for s in off}, {id(s) for s in self._stores}
+        # NOTE: the optimizer's states of this program's parameters (a chunk of a pipeline rank
+        # counts its own), on the host for an offloaded layer's
+        state = [(id(p.spec.store), st) for p, st in (optimizer.state.items() if optimizer is not None else ())
+                 if isinstance(p, ShardedParameter) and id(p.spec.store) in mine]
+
+        def states(host: bool) -> list:
+            return [v for store, st in state if (store in offloaded) == host
+                    for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        opt = size(states(False))
+        host = size([s.flat_param for s in off] + [s.flat_param.grad for s in off if s.flat_param.grad is not None]
+                    + states(True))
         return {"params": params, "masters": masters, "grads": grads, "optimizer": opt,
-                "total": params + masters + grads + opt}
+                "total": params + masters + grads + opt, "host": host}
 
 
 def _world_mean(local: torch.Tensor) -> torch.Tensor:

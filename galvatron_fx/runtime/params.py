@@ -302,7 +302,7 @@ def gather_full(spec: ParamSpec, part: torch.Tensor) -> torch.Tensor:
 
     s, i = spec.store, spec.index
     shape = tuple(s.shapes[i])
-    part = part.detach()
+    part = part.detach().to(s.device)   # an offloaded part lives in host memory: collectives run on the device
     if s.mode != "none" and s.dp > 1:
         rows, per = s.layout.rows[i], s.layout.per_rank[i]
         row_shape = tuple(shape[1:]) if len(shape) > 1 else ()

@@ -117,10 +117,11 @@ class DynamicLossScaler:
         (collective over the world, so every rank decides the same); unscale them, or on an
         overflow drop them (``.grad = None``). Returns whether this step is skipped."""
         grads = [s.flat_param.grad for s in stores if s.flat_param.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
+        # NOTE: the stores' compute device (an offloaded store's gradient is in host memory)
+        device = next((s.device for s in stores), torch.device("cpu"))
         bad = torch.zeros((), device=device)
         for g in grads:
-            bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
+            bad = torch.maximum(bad, (~torch.isfinite(g)).any().float().to(device))
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         self.last_skipped = bool(bad.item())

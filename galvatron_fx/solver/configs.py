@@ -129,22 +129,23 @@ class ConfigSpace:
 
     # ------------------------------------------------------------------ tables
     def _layer_tables(self, p: int, m: int, b: int, space: list[Strategy], slots: float, split: bool = False):
-        """[L, S] arrays: step time, states, activations per micro-batch, transient (inf = not allowed);
+        """[L, S] arrays: step time, states, activations per micro-batch, transient (inf = not allowed),
+        the zero-bubble held bytes per micro-batch (or None), host bytes (None when all zero);
         ``split``: under a split (zero-bubble) backward (:meth:`~.objective.LayerTerms.split`)."""
         key = (p, m, b, tuple(space))
         if key not in self._tables_memo:
             if len(self._tables_memo) > 64:
                 self._tables_memo.clear()
             self._tables_memo[key] = self._build_tables(p, m, b, tuple(space))
-        t_mb, sync, states, act, trans, split_t, split_b, wg = self._tables_memo[key]
+        t_mb, sync, states, act, trans, split_t, split_b, wg, host = self._tables_memo[key]
         if split:
             t_mb, states = t_mb + split_t, states + split_b
         # NOTE: slots * t_mb + sync is layer_step_time's arithmetic, element by element (one table
         # per schedule and virtual-stage count, from the same per-micro-batch terms)
-        return slots * t_mb + sync, states, act, trans, (wg if split else None)
+        return slots * t_mb + sync, states, act, trans, (wg if split else None), host
 
     def _build_tables(self, p: int, m: int, b: int, space: tuple[Strategy, ...]):
-        out = np.empty((8, self.L, len(space)))
+        out = np.empty((9, self.L, len(space)))
         whole = np.array([s.tp == 1 and not (s.sdp == "zero3" and s.ckpt) for s in space])
         by_sig: dict[int, np.ndarray] = {}
         for i in range(self.L):
@@ -156,7 +157,8 @@ class ConfigSpace:
             if p > 1 and i in self.tied_layers:
                 ok = ok & whole
             out[:, i, :] = np.where(ok[None, :], by_sig[sig], np.inf)
-        return tuple(out)
+        host = out[8]   # NOTE: None when nothing is offloaded: the search then ignores the host
+        return (*out[:8], host if (np.where(np.isfinite(host), host, 0.0) > 0).any() else None)
 
     def _admissible(self, layer: int, space: tuple[Strategy, ...], only: np.ndarray | None = None) -> np.ndarray:
         """Whether layer ``layer`` is offered each strategy of ``space``: every dimension admits it
@@ -194,7 +196,8 @@ class ConfigSpace:
         if not space:
             self._exclude(why)
             return None
-        t, states, act, trans, wg = self._layer_tables(p, m, b, space, step_slots(sched, p, v, m), sched in ZERO_BUBBLE)
+        t, states, act, trans, wg, host = self._layer_tables(p, m, b, space, step_slots(sched, p, v, m),
+                                                             sched in ZERO_BUBBLE)
         dead = np.flatnonzero(~np.isfinite(t).any(axis=1))
         if dead.size:
             i = int(dead[0])
@@ -208,6 +211,6 @@ class ConfigSpace:
             return None
         gid, layouts = layout_groups(space)
         c = ConfigTables(p, m, sched, gbs, space, t, states, act, trans, gid, layouts, self.sig_ids,
-                         self.tables, self.cluster, self.N, v=v, wg=wg)
+                         self.tables, self.cluster, self.N, v=v, wg=wg, host=host)
         c.bound = step_time(self.cluster, c.p, self.N, self._step_bound(c), c.pipe)
         return c

@@ -24,7 +24,8 @@
   constraints exclude.
 
 A plan fits when every stage's ``sum(states + in-flight activations) + max(transient) + reserve``
-is at most the budget, in bytes; its step time is :func:`~.objective.estimate_plan`'s.
+is at most the budget, in bytes, and its ``sum(host)`` (kept in host memory: CPU offload) at most the
+host budget (:func:`~.objective.host_budget`); its step time is :func:`~.objective.estimate_plan`'s.
 
 **Exactness.** The search returns a fitting plan of least step time (ties: less memory, fewer
 stages, fewer micro-batches), because every shortcut only skips what provably cannot win:
@@ -45,6 +46,9 @@ stages, fewer micro-batches), because every shortcut only skips what provably ca
    send depends on its own last layer only).
 4. Every uniform plan (all layers one strategy, even split; balanced with several chunks) is screened first: it is in the space,
    so it only sharpens the bounds.
+5. The host budget: bounds ignore it (still lower bounds); every acceptance checks it (stage solves,
+   the uniform screen, :meth:`Engine.fits`); where it may bind (:func:`~.stage.binding_host`) the
+   dominance filter keeps fewer host bytes. Nothing offloaded (``ConfigTables.host`` None): no change.
 
 Pure: strategies, numbers and a duck-typed cost source in; plain data out.
 """
@@ -54,7 +58,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -62,12 +66,12 @@ import numpy as np
 from ..errors import ConfigError, InfeasibleError
 from ..units import format_bytes
 from .configs import ConfigSpace, divisors
-from .objective import CostSource, estimate_plan, stage_limit
+from .objective import CostSource, estimate_plan, host_budget, stage_limit
 from .pipeline import greedy_pack, partition_min_max
 from .schedules import chunk_rank
-from .stage import ExactStage, solve_stage_exact
+from .stage import ExactStage, binding_host, solve_stage_exact
 from .strategy import Strategy
-from .tables import CachedCosts, ConfigTables, least_memory, least_memory_chunks, undominated
+from .tables import CachedCosts, ConfigTables, least_host, least_memory, least_memory_chunks, undominated
 
 _MARGIN = 1.0 - 1e-12  # lower bounds are scaled by this: round-off never lifts them past what they bound
 _SLACK = 1.0 + 1e-12
@@ -132,6 +136,7 @@ class Engine(ConfigSpace):
         self.L = len(signatures)
         self.N = world_size
         self.budget = float(budget_bytes)
+        self.host_budget = host_budget(cluster)   # bytes per device kept in host memory (CPU offload)
         self.opt = options or SearchOptions()
         # NOTE: one answer per (layer, strategy), every registered dimension's (galvatron_fx.dims.admission):
         # without one, every layer admits the ep = 1, cp = 1 strategies
@@ -206,14 +211,15 @@ class Engine(ConfigSpace):
         if hit is not None and (hit.feasible or not hit.fits or hit.cutoff >= cutoff):
             return hit
         T, M, X = c.t[i:j + 1], c.memory(i, j, k), c.trans[i:j + 1]
-        keep = undominated(T, M, X, c.gid)
+        H = None if c.host is None else binding_host(c.host[i:j + 1], np.isfinite(T), self.host_budget)
+        keep = undominated(T, M, X, c.gid, H)
         R = np.stack([c.reshard(l) for l in range(i, j)]) if j > i else None
         sol = solve_stage_exact(T[:, keep], M[:, keep], X[:, keep], R, self.cap, groups=c.gid[keep],
                                 final=None if last else P[keep], cutoff=cutoff,
-                                granularity=self.opt.granularity)
+                                granularity=self.opt.granularity, host=None if H is None else H[:, keep],
+                                host_budget=self.host_budget)
         if sol.feasible:
-            sol = ExactStage(True, sol.cost, tuple(int(keep[s]) for s in sol.strategies), sol.memory_bytes,
-                             sol.transient_bytes, sol.min_memory_bytes, sol.cutoff, True)
+            sol = replace(sol, strategies=tuple(int(keep[s]) for s in sol.strategies))
         c.memo[key] = sol
         return sol
 
@@ -282,10 +288,12 @@ class Engine(ConfigSpace):
                     R.append(np.repeat(c.chunk_send(ch)[:, None], len(c.layouts), axis=1))
             final = c.chunk_send(mine[-1])[c.gid]
             T, X = c.t[layers], c.trans[layers]
-            keep = undominated(T, M, X, c.gid)
+            H = None if c.host is None else binding_host(c.host[layers], np.isfinite(T), self.host_budget)
+            keep = undominated(T, M, X, c.gid, H)
             sol = solve_stage_exact(T[:, keep], M[:, keep], X[:, keep], np.stack(R) if R else None, self.cap,
                                     groups=c.gid[keep], final=final[keep], cutoff=cutoff,
-                                    granularity=self.opt.granularity)
+                                    granularity=self.opt.granularity, host=None if H is None else H[:, keep],
+                                    host_budget=self.host_budget)
             if not sol.feasible or not sol.cost < cutoff:
                 return None
             for i, s in zip(layers, sol.strategies):
@@ -322,6 +330,7 @@ class Engine(ConfigSpace):
         time = np.zeros((c.p, len(c.space)))
         mem = np.zeros((c.p, len(c.space)))
         trans = np.zeros((c.p, len(c.space)))
+        host = None if c.host is None else np.zeros((c.p, len(c.space)))   # per rank (CPU offload)
         for ch, (i, j) in enumerate(stages):
             k = chunk_rank(c.schedule, ch, c.p)
             time[k] += c.t[i:j + 1].sum(axis=0) + c.chunk_send(ch)[c.gid]
@@ -329,18 +338,24 @@ class Engine(ConfigSpace):
                 time[k] += sum(np.diag(c.reshard(l)) for l in range(i, j))[c.gid]
             mem[k] += c.chunk_memory(ch, i, j).sum(axis=0)
             trans[k] = np.maximum(trans[k], c.trans[i:j + 1].max(axis=0))
+            if host is not None:
+                host[k] += c.host[i:j + 1].sum(axis=0)
         step = time.max(axis=0)
         peak = (mem + trans).max(axis=0) + self.opt.reserve_bytes
         if np.isfinite(peak).any():
             self.min_memory_seen = min(self.min_memory_seen, float(peak[np.isfinite(peak)].min()))
         ok = np.isfinite(step) & (peak <= self.budget * (1 + 1e-9))
+        if host is not None:
+            ok &= host.max(axis=0) <= self.host_budget
         if ok.any():
             best = step[ok].min()
             for s in np.flatnonzero(ok & (step <= best * (1 + 1e-9))):
                 yield self._result([c.space[s]] * self.L, stages, c)
 
     def fits(self, r: SearchResult) -> bool:
-        return max(r.estimate["memory_bytes_per_device"]) <= self.budget
+        est = r.estimate   # every stage within the memory budget and the host budget
+        return max(est["memory_bytes_per_device"]) <= self.budget and \
+            max(est.get("host_bytes_per_device") or [0]) <= self.host_budget
 
     # ------------------------------------------------------------------ search
     def run(self) -> SearchResult:
@@ -410,6 +425,8 @@ class Engine(ConfigSpace):
                 least = least_memory(c, self.opt.reserve_bytes) if c.v == 1 else \
                     least_memory_chunks(c, self.opt.reserve_bytes)
                 need = min(need, least)
+        if need <= self.budget and any(c.host is not None for c in tabled) and math.isfinite(self.host_budget):
+            return self._host_infeasible(tabled, need)   # the host budget binds
         msg = (f"no parallel plan fits the per-device memory budget of {format_bytes(self.budget)} on "
                f"{self.N} devices")
         if math.isfinite(need):
@@ -423,6 +440,20 @@ class Engine(ConfigSpace):
             hints.append("allow activation checkpointing (ckpt)")
         err = InfeasibleError(msg + "; fix: " + ", or ".join(hints))
         err.min_memory_bytes = need
+        return err
+
+    def _host_infeasible(self, tabled: list[ConfigTables], need: float) -> InfeasibleError:
+        """Some plan fits the memory budget, none also the host budget (CPU offload): alone (the least
+        host bytes of any plan exceed it: :func:`~.tables.least_host`) or with the memory budget."""
+        host = math.ceil(min(least_host(c) for c in tabled))
+        msg = (f"no parallel plan fits the host memory budget of {format_bytes(self.host_budget)} per device "
+               f"(its share of the node's host memory, for offloaded optimizer states) on {self.N} devices")
+        msg += (f"; the least host memory any searched plan needs is {host / 2**30:.3f} GiB ({host} bytes) per "
+                "device" if host > self.host_budget else f" within the per-device memory budget of "
+                f"{format_bytes(self.budget)}: the plans within it keep more in host memory")
+        err = InfeasibleError(msg + "; fix: offload fewer layers, or raise memory_budget, or use more devices, or "
+                              "use nodes with more host memory")
+        err.min_memory_bytes, err.min_host_bytes = math.ceil(need), host
         return err
 
 

@@ -24,7 +24,9 @@ For a pipeline of ``p`` stages and ``m`` micro-batches (stage ``k`` on devices `
   increasing in ``max_k T_k``: :func:`step_time`), scaled by the
   cluster's calibration, plus the per-step constant (:func:`step_constant`);
 * a device of stage ``k`` holds ``sum(states) + inflight_k * sum(activations) + max(transient) +
-  reserve`` bytes, with ``inflight_k = m`` for GPipe and ``min(m, p - k)`` for 1F1B.
+  reserve`` bytes, with ``inflight_k = m`` for GPipe and ``min(m, p - k)`` for 1F1B, and keeps
+  ``sum(host)`` bytes in host memory (CPU offload: once per step, not per micro-batch in flight)
+  within its share of the host, :func:`host_budget`.
 
 Under ``interleaved-1f1b`` with ``v`` virtual stages the ``p * v`` chunks go round-robin over the
 stages (:mod:`.schedules`): a stage's sums run over its ``v`` chunks, ``slots = m + (p - 1) / v``,
@@ -75,13 +77,15 @@ class LayerTerms:
     split_time_s: float = 0.0     # more per micro-batch under a split (zero-bubble) backward
     split_bytes: float = 0.0      # more held under a split backward
     wgrad_bytes: float = 0.0      # held per micro-batch between its input- and weight-gradient passes
+    host_bytes: float = 0.0       # kept in host memory (CPU offload), per step: against the host budget
 
     def split(self) -> LayerTerms:
         """These terms under a split (zero-bubble) backward (:data:`~.schedules.ZERO_BUBBLE`), the held
         bytes counted as states (the search's additive bytes; :func:`estimate_plan` reports them
         apart, as ``per_device["split_held_bytes"]``)."""
         return LayerTerms(self.time_per_microbatch_s + self.split_time_s, self.step_sync_s,
-                          self.states_bytes + self.split_bytes, self.activation_bytes, self.transient_bytes)
+                          self.states_bytes + self.split_bytes, self.activation_bytes, self.transient_bytes,
+                          host_bytes=self.host_bytes)
 
 
 def layer_terms(cost: Any, cluster: Any) -> LayerTerms:
@@ -96,7 +100,15 @@ def layer_terms(cost: Any, cluster: Any) -> LayerTerms:
     states = cost.states_bytes
     return LayerTerms(t_mb, sync, states, cost.activation_bytes, cost.transient_bytes,
                       getattr(cost, "split_extra_s", 0.0), getattr(cost, "split_held_bytes", 0.0),
-                      getattr(cost, "split_wgrad_bytes", 0.0))
+                      getattr(cost, "split_wgrad_bytes", 0.0), getattr(cost, "host_bytes", 0.0))
+
+
+def host_budget(cluster: Any) -> float:
+    """Host bytes one device may keep (CPU offload), in whole bytes: its share of its node's host
+    memory (``cluster.host_memory_per_device``), ``inf`` without a host apart from the devices
+    (``cluster.has_host``; duck-typed clusters without it have none)."""
+    per = float(getattr(cluster, "host_memory_per_device", math.inf)) if getattr(cluster, "has_host", False) else math.inf
+    return float(math.floor(per)) if math.isfinite(per) else math.inf
 
 
 def layer_step_time(terms: LayerTerms, slots: float) -> float:
@@ -237,16 +249,18 @@ def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy]
 
     ``stages`` are the plan's ``pp * virtual_stages`` chunks. ``layers`` gives each layer's
     step-time share (seconds, resharding into it included) and its bytes per device (states,
-    in-flight activations, transient). ``memory_bytes_per_device`` and ``stage_time_s`` have one
-    entry per pipeline stage: every device of a stage holds the same amount under galvatron_fx's
-    rank layout.
+    in-flight activations, transient). ``memory_bytes_per_device``, ``host_bytes_per_device`` (what
+    a device keeps in host memory: CPU offload) and ``stage_time_s`` have one entry per pipeline
+    stage: every device of a stage holds the same amount under galvatron_fx's rank layout.
+    ``host_budget_bytes``: the host bytes a device may keep (:func:`host_budget`; ``None`` without
+    a host); a plan fits when both lists are within their budgets.
     """
     v = virtual_stages
     pp = len(stages) // v
     per_stage = world_size // pp
     b = global_batch_size // micro_batches
     slots = step_slots(schedule, pp, v, micro_batches)
-    stage_time, states, acts, transient, held_bytes = ([0.0] * pp for _ in range(5))
+    stage_time, states, acts, transient, held_bytes, host = ([0.0] * pp for _ in range(6))
     per_layer: list[dict] = []
     held = chunk_peaks(schedule, pp, v, micro_batches)   # chunk -> micro-batches in flight at its peak
     split = schedule in ZERO_BUBBLE
@@ -259,17 +273,20 @@ def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy]
             if split:   # the split time counts as the layer's; what it holds apart from states
                 held_bytes[k] += terms.split_bytes + wpeaks[c] * terms.wgrad_bytes
                 terms = LayerTerms(terms.time_per_microbatch_s + terms.split_time_s, terms.step_sync_s,
-                                   terms.states_bytes, terms.activation_bytes, terms.transient_bytes)
+                                   terms.states_bytes, terms.activation_bytes, terms.transient_bytes,
+                                   host_bytes=terms.host_bytes)
             lt = layer_step_time(terms, slots)
             if i > first:
                 lt += slots * costs.reshard_time(i - 1, strategies[i - 1], strategies[i], b)
             t += lt
             per_layer.append({"time_s": lt, "states_bytes": int(round(terms.states_bytes)),
                               "activation_bytes": int(round(inflight * terms.activation_bytes)),
-                              "transient_bytes": int(round(terms.transient_bytes))})
+                              "transient_bytes": int(round(terms.transient_bytes)),
+                              "host_bytes": int(round(terms.host_bytes))})
             states[k] += terms.states_bytes
             acts[k] += inflight * terms.activation_bytes
             transient[k] = max(transient[k], terms.transient_bytes)
+            host[k] += terms.host_bytes   # per step, whatever the micro-batches in flight
         nxt = chunk_rank(schedule, c + 1, pp) if c + 1 < len(stages) else k
         if nxt != k:
             t += slots * p2p_time_per_microbatch(costs, cluster, last, strategies[last], b,
@@ -277,10 +294,13 @@ def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy]
         stage_time[k] += t
     mem = [st + ac + tr + hd + reserve_bytes for st, ac, tr, hd in zip(states, acts, transient, held_bytes)]
     step = step_time(cluster, pp, world_size, max(stage_time), Pipe(schedule, v, micro_batches))
+    hb = host_budget(cluster)
     return {
         "step_time_s": step,
         "throughput_samples_s": global_batch_size / step if step > 0 else float("inf"),
         "memory_bytes_per_device": [int(round(x)) for x in mem],
+        "host_bytes_per_device": [int(round(x)) for x in host],
+        "host_budget_bytes": int(hb) if math.isfinite(hb) else None,
         "stage_time_s": stage_time,
         "layers": per_layer,
         "per_device": {

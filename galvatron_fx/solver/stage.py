@@ -5,11 +5,13 @@ Problem. For the layers ``l = 0..n-1`` of a stage and candidate strategies ``s``
     minimise    sum_l T[l, s_l]  +  sum_l R_l(g(s_l), g(s_l+1))  +  P[s_n-1]
     subject to  sum_l M[l, s_l]  +  max_l X[l, s_l]  <=  budget
 
+and, where a host budget is given (CPU offload), ``sum_l H[l, s_l] <= host_budget``.
+
 ``T`` seconds per layer, ``M`` additive bytes per device (states and in-flight activations),
 ``X`` transient bytes (the layer's largest temporary buffer: only the largest one *among the chosen
 strategies* counts), ``R_l`` resharding seconds between the layout groups ``g(s)`` of consecutive
 layers (strategies with the same activation layout share a group), ``P`` seconds to hand the last
-layer's output to the next stage.
+layer's output to the next stage, ``H`` bytes kept in host memory.
 
 :func:`solve_stage_exact` returns the optimum of exactly this problem: nothing is rounded in the
 answer, memory is compared in bytes. How:
@@ -38,6 +40,12 @@ answer, memory is compared in bytes. How:
    The first complete label popped is the optimum. After ``ASTAR_EXPANSIONS`` expansions the
    relaxation is rebuilt 8x finer (up to ``MAX_TABLE_BYTES``) and the search restarts: the answer
    does not depend on it, only the time.
+4. **The host budget** (:func:`binding_host`). Every bound above ignores it (relaxing a constraint
+   only lowers the optimum), so they stay lower bounds; every *acceptance* (a Viterbi path, the
+   relaxation's optimum, the rounded-up cutoff sequence) also checks ``sum H``, and the A* labels
+   carry the host bytes of their layers, dropped when those plus the least host bytes of the layers
+   before exceed the budget; dominance then also needs no more host bytes. When even the hungriest
+   allowed sequence fits the host budget it cannot bind: the solve is the one without it.
 
 Work: the Viterbi pass is ``O(n * Q * S * G)`` for ``Q`` thresholds and ``G`` layout groups; each
 relaxation ``O(n * (S + G^2) * E)`` for ``E`` units (``units``, by default ``32 n`` clamped to
@@ -83,9 +91,10 @@ class ExactStage:
     seconds (``inf`` when not feasible). ``strategies``: per-layer strategy indices. ``memory_bytes``:
     the solution's ``sum M + max X``; ``transient_bytes`` its ``max X``. ``min_memory_bytes``: the
     least ``sum M + max X`` of any allowed sequence (``inf`` when a layer allows nothing): with
-    ``min_memory_bytes <= budget`` but not ``feasible``, everything that fits costs at least
-    ``cutoff``. ``cutoff``: echoed. ``fits``: some allowed sequence fits the budget (whatever its
-    cost).
+    ``min_memory_bytes <= budget`` but not ``feasible``, everything that fits (the host budget too)
+    costs at least ``cutoff``. ``cutoff``: echoed. ``fits``: some allowed sequence may fit (whatever
+    its cost); ``False`` when none fits the budget, or none also fits the host budget (``min_memory_bytes``
+    ignores the host). ``host_bytes``: the solution's ``sum H`` (0 without ``host``).
     """
 
     feasible: bool
@@ -96,6 +105,7 @@ class ExactStage:
     min_memory_bytes: float
     cutoff: float
     fits: bool
+    host_bytes: float = 0.0
 
 
 def _check(time, mem, transient, reshard, groups, final):
@@ -262,8 +272,37 @@ class _Relaxation:
 _LIMIT = object()
 
 
+class _Key(tuple):
+    """An A* label's ``(largest transient, host bytes)`` under a binding host budget, ordered
+    component-wise: ``a <= b`` reads "no larger transient and no more host bytes" (dominance), as a
+    float transient alone does without a host budget."""
+
+    __slots__ = ()
+
+    def __le__(self, other) -> bool:
+        return self[0] <= other[0] and self[1] <= other[1]
+
+
+def _host_fits(host, path) -> bool:
+    """Whether ``path`` keeps within the host budget (``host``: ``(H, budget)``; ``None``: no bound)."""
+    return host is None or float(host[0][np.arange(len(path)), path].sum()) <= host[1]
+
+
+def binding_host(host, allowed: np.ndarray, host_budget: float) -> np.ndarray | None:
+    """``host`` as ``[n, S]`` floats where the host budget may bind, else ``None``: no allowed
+    strategy keeps host bytes, or even the hungriest allowed sequence (each layer's most) fits
+    (module docstring, step 4: the solve is then exactly the one without a host budget)."""
+    if host is None:
+        return None
+    H = np.asarray(host, dtype=np.float64)
+    worst = np.where(allowed, H, 0.0)
+    if not (worst > 0).any() or float(worst.max(axis=1).sum()) <= host_budget:
+        return None
+    return H
+
+
 def _astar(rel: _Relaxation, X: np.ndarray, room: float, cutoff: float, limit: int | None = None,
-           floor: float = 0.0):
+           floor: float = 0.0, host=None):
     """Exact search of step 3 (module docstring): the cheapest sequence whose bytes above the
     cheapest strategies plus its largest transient ``X`` are within ``room``, if one costs less than
     ``cutoff`` (else ``None``); ``_LIMIT`` after ``limit`` expansions. Sequences whose largest
@@ -278,8 +317,9 @@ def _astar(rel: _Relaxation, X: np.ndarray, room: float, cutoff: float, limit: i
     more bytes, no larger transient and a cost ``k_h + D(h, g) <= k``, with
     ``D(h, g) = max_f R(f, h) - R(f, g)`` the most the resharding into ``h`` can cost beyond that
     into ``g`` (0 for ``h = g``): whatever completes it completes the other at no higher cost.
+    ``host`` (``(H, budget)``, module docstring step 4): labels also carry ``H`` of layers ``l..``.
     """
-    # NOTE: one function (83 lines): one best-first search loop; its pruning steps share the frontier and the bound
+    # NOTE: one function (93 lines): one best-first search loop; its pruning steps share the frontier and the bound
     T, R, gid, P, ex = rel.T, rel.R, rel.gid, rel.P, rel.excess
     n = T.shape[0]
     G = int(gid.max()) + 1
@@ -289,20 +329,24 @@ def _astar(rel: _Relaxation, X: np.ndarray, room: float, cutoff: float, limit: i
     fronts: list[list[dict[float, tuple[list, list, list]]]] = [[{} for _ in range(G)] for _ in range(n)]
     counter = 0
     pre, g, E = rel.pre, rel.g, rel.E
+    H, hcap = host if host is not None else (None, math.inf)
+    if H is not None:   # the least host bytes of layers 0..l-1
+        before = np.r_[0.0, np.cumsum(np.where(rel.allowed, H, np.inf).min(axis=1))]
 
-    def push(l: int, s: int, mu: float, tau: float, k: float, b: float, parent) -> None:
+    def push(l: int, s: int, mu: float, tau: float, k: float, b: float, parent, hs=None) -> None:
         nonlocal counter
         grp = int(gid[s])
+        key = tau if hs is None else _Key((tau, hs))   # fronts keyed by transient (and host bytes)
         here, offset = fronts[l], D[l][:, grp]
         for h in range(G):
             kk = k - offset[h]
             for t2, (mus, ks, _) in here[h].items():
-                if t2 <= tau:
+                if t2 <= key:
                     i = bisect.bisect_right(mus, mu) - 1
                     if i >= 0 and ks[i] <= kk + 1e-12 * abs(k):
                         return  # dominated (see the docstring)
-        mus, ks, nodes = here[grp].setdefault(tau, ([], [], []))
-        node = [l, s, mu, tau, k, parent, True]
+        mus, ks, nodes = here[grp].setdefault(key, ([], [], []))
+        node = [l, s, mu, tau, k, parent, True, hs]
         pos = bisect.bisect_left(mus, mu)
         while pos < len(mus) and ks[pos] >= k:
             nodes[pos][6] = False  # now dominated by the new label
@@ -313,10 +357,12 @@ def _astar(rel: _Relaxation, X: np.ndarray, room: float, cutoff: float, limit: i
         counter += 1
         heapq.heappush(heap, (b, counter, node))
 
-    def expand(l: int, mus: np.ndarray, taus: np.ndarray, ks: np.ndarray, parent) -> None:
-        """Push the labels of layer ``l`` (per strategy: bytes, transient, cost) that may win."""
+    def expand(l: int, mus: np.ndarray, taus: np.ndarray, ks: np.ndarray, parent, hss=None) -> None:
+        """Push the labels of layer ``l`` (per strategy: bytes, transient, cost, host bytes) that may win."""
         left = room - mus - taus
         ok = np.isfinite(ks) & (left >= 0)
+        if hss is not None:
+            ok &= hss + before[l] <= hcap
         if l:
             left = np.maximum(room - mus - np.maximum(taus, floor), 0.0)
             e = np.minimum((np.where(ok, left, 0.0) / g * _UP).astype(np.int64), E)
@@ -324,9 +370,10 @@ def _astar(rel: _Relaxation, X: np.ndarray, room: float, cutoff: float, limit: i
         else:
             bs = ks
         for s2 in np.flatnonzero(ok & (bs < cutoff)):
-            push(l, int(s2), float(mus[s2]), float(taus[s2]), float(ks[s2]), float(bs[s2]), parent)
+            push(l, int(s2), float(mus[s2]), float(taus[s2]), float(ks[s2]), float(bs[s2]), parent,
+                 None if hss is None else float(hss[s2]))
 
-    expand(n - 1, ex[n - 1].copy(), X[n - 1].copy(), T[n - 1] + P, None)
+    expand(n - 1, ex[n - 1].copy(), X[n - 1].copy(), T[n - 1] + P, None, None if H is None else H[n - 1].copy())
     pops = 0
     while heap:
         b, _, node = heapq.heappop(heap)
@@ -344,7 +391,8 @@ def _astar(rel: _Relaxation, X: np.ndarray, room: float, cutoff: float, limit: i
         pops += 1
         if limit is not None and pops > limit:
             return _LIMIT
-        expand(l - 1, mu + ex[l - 1], np.maximum(tau, X[l - 1]), k + R[l - 1][gid, gid[s]] + T[l - 1], node)
+        expand(l - 1, mu + ex[l - 1], np.maximum(tau, X[l - 1]), k + R[l - 1][gid, gid[s]] + T[l - 1], node,
+               None if H is None else node[7] + H[l - 1])
     return None
 
 
@@ -360,11 +408,11 @@ MAX_TABLE_BYTES = 1 << 28
 
 
 def _solve_memory(make, rel: _Relaxation, X: np.ndarray, cap: float, cutoff: float, n: int, S: int,
-                  refine: bool = True, floor: float = 0.0):
+                  refine: bool = True, floor: float = 0.0, host=None):
     """Exact steps 2-3 over the allowed strategies: ``(cost, path)`` of the best sequence with
-    ``sum M + max X <= cap`` costing less than ``cutoff``, or ``None``; sequences whose largest
-    transient is below ``floor`` need not be found. ``make(units)`` builds a finer relaxation (used
-    when ``refine``)."""
+    ``sum M + max X <= cap`` (and within ``host``, ``(H, budget)``: step 4) costing less than
+    ``cutoff``, or ``None``; sequences whose largest transient is below ``floor`` need not be found.
+    ``make(units)`` builds a finer relaxation (used when ``refine``)."""
     best = None
     rows = np.arange(n)
     Xa = np.where(rel.allowed, X, np.inf)
@@ -377,7 +425,8 @@ def _solve_memory(make, rel: _Relaxation, X: np.ndarray, cap: float, cutoff: flo
         if rel.lower_bound(room - least_x) >= cutoff:
             return best
         path = rel.walk(room - least_x)
-        if path is not None and float(rel.excess[rows, path].sum() + X[rows, path].max()) <= room:
+        in_bytes = path is not None and float(rel.excess[rows, path].sum() + X[rows, path].max()) <= room
+        if in_bytes and _host_fits(host, path):
             cost = path_cost(rel.T, rel.R, rel.gid, rel.P, path)  # the relaxation's optimum fits
             return (cost, path) if cost < cutoff else best
         # a sequence that surely fits, for a cutoff: rounded up, with the relaxed optimum's largest
@@ -386,15 +435,16 @@ def _solve_memory(make, rel: _Relaxation, X: np.ndarray, cap: float, cutoff: flo
         up = rel.restricted(room - tau, X <= tau)
         if up is None:
             up = rel.restricted(room - most_x)
-        if up is not None and float(rel.excess[rows, up].sum() + X[rows, up].max()) <= room:
+        if up is not None and float(rel.excess[rows, up].sum() + X[rows, up].max()) <= room and _host_fits(host, up):
             cost = path_cost(rel.T, rel.R, rel.gid, rel.P, up)
             if cost < cutoff:
                 best, cutoff = (cost, up), cost * _SLACK
                 if cost <= rel.lower_bound(room - least_x) * (1 + 1e-12):
                     return best
         finer = rel.units * 8
-        last = not refine or 8 * n * (int(rel.gid.max()) + 1) * (finer + 1) > MAX_TABLE_BYTES
-        found = _astar(rel, X, room, cutoff, None if last else ASTAR_EXPANSIONS, floor)
+        # (refine only where the relaxation's rounding fails its optimum; not where the host does)
+        last = not refine or in_bytes or 8 * n * (int(rel.gid.max()) + 1) * (finer + 1) > MAX_TABLE_BYTES
+        found = _astar(rel, X, room, cutoff, None if last else ASTAR_EXPANSIONS, floor, host)
         if found is not _LIMIT:
             if found is None:
                 return best
@@ -462,7 +512,7 @@ def stage_min_memory(mem: np.ndarray, transient: np.ndarray, allowed: np.ndarray
 
 def solve_stage_exact(time, mem, transient=None, reshard=None, budget_bytes: float = math.inf, *,
                       groups=None, final=None, units: int | None = None, granularity: float | None = None,
-                      cutoff: float = math.inf) -> ExactStage:
+                      cutoff: float = math.inf, host=None, host_budget: float = math.inf) -> ExactStage:
     """The best per-layer strategies of one stage, exact in bytes (module docstring).
 
     ``time[n, S]`` seconds (``inf`` = not allowed), ``mem[n, S]`` additive bytes, ``transient[n, S]``
@@ -470,9 +520,10 @@ def solve_stage_exact(time, mem, transient=None, reshard=None, budget_bytes: flo
     zeros) between the layout groups ``groups[S]`` (default: every strategy its own group) of layers
     ``l`` and ``l+1``, ``final[S]`` seconds added for the last layer's strategy, ``budget_bytes`` per
     device. ``units`` / ``granularity`` (bytes per unit) set the relaxation's resolution (speed
-    only). Only solutions costing less than ``cutoff`` are sought.
+    only). Only solutions costing less than ``cutoff`` are sought. ``host[n, S]`` (``None``: zeros)
+    bytes kept in host memory, at most ``host_budget`` in sum (module docstring, step 4).
     """
-    # NOTE: one function (88 lines): the exact solve's stages (bounds, relaxation, walk, fallback) in order, sharing their tables
+    # NOTE: one function (102 lines): the exact solve's stages (bounds, relaxation, walk, fallback) in order, sharing their tables
     T, M, X, R, gid, P = _check(time, mem, transient, reshard, groups, final)
     n, S = T.shape
     if units is None:
@@ -481,6 +532,12 @@ def solve_stage_exact(time, mem, transient=None, reshard=None, budget_bytes: flo
         raise ConfigError(f"units must be an int >= 1, got {units!r}")
     budget = float(budget_bytes)
     allowed = np.isfinite(T) & np.isfinite(M) & np.isfinite(X)
+    if host is not None:
+        host = np.asarray(host, dtype=np.float64)
+        if host.shape != (n, S) or np.isnan(host).any() or (host < 0).any():
+            raise ConfigError(f"host must be an [n, S] = {(n, S)} array of bytes >= 0, got shape {host.shape}")
+        allowed &= np.isfinite(host)
+    H = binding_host(host, allowed, float(host_budget))   # None: today's solve (step 4)
 
     def nothing(minmem: float = math.inf, fits: bool = False) -> ExactStage:
         return ExactStage(False, math.inf, (), 0.0, 0.0, minmem, cutoff, fits)
@@ -498,6 +555,11 @@ def solve_stage_exact(time, mem, transient=None, reshard=None, budget_bytes: flo
     Tp, Mp, Xp, Pp, gp, A = T[:, perm], M[:, perm], X[:, perm], P[perm], gid[perm], A[:, :, perm]
     starts = np.flatnonzero(np.r_[True, gp[1:] != gp[:-1]])
     fit_q = ths + minmem_q <= budget
+    hcap = None if H is None else (H[:, perm], float(host_budget))   # step 4: checked at every acceptance
+    if hcap is not None:   # thresholds whose leanest host sum already exceeds the host budget
+        fit_q &= np.where(A, hcap[0][None], np.inf).min(axis=2).sum(axis=1) <= hcap[1]
+        if not fit_q.any():   # a fitting sequence's largest transient would pass both checks
+            return nothing(minmem)
     V, vpath = _viterbi(np.where(A, Tp[None], np.inf), R, gp, Pp)
     best_val, best_path = math.inf, None
 
@@ -507,7 +569,7 @@ def solve_stage_exact(time, mem, transient=None, reshard=None, budget_bytes: flo
     rows = np.arange(n)
     for q in np.flatnonzero(fit_q & np.isfinite(V) & (V < limit())):
         path = vpath[q]
-        if float(Mp[rows, path].sum() + Xp[rows, path].max()) <= budget:
+        if float(Mp[rows, path].sum() + Xp[rows, path].max()) <= budget and _host_fits(hcap, path):
             # the memory-blind optimum of this threshold fits: it solves F(t)
             cost = path_cost(Tp, R, gp, Pp, path)
             if cost < best_val:
@@ -537,7 +599,7 @@ def solve_stage_exact(time, mem, transient=None, reshard=None, budget_bytes: flo
                 return _Relaxation(Tp, Mp, R, gp, starts, Pp, A[hi], budget - lo, u, granularity)
 
             found = _solve_memory(make, make(units), Xp, budget, limit(), n, S, refine=not granularity,
-                                  floor=lo)
+                                  floor=lo, host=hcap)
             if found is not None and found[0] < best_val:
                 best_val, best_path = found[0], [int(s) for s in found[1]]
     if best_path is None:
@@ -548,4 +610,5 @@ def solve_stage_exact(time, mem, transient=None, reshard=None, budget_bytes: flo
         return nothing(minmem, fits=True)
     mb = float(sum(M[l, s] for l, s in enumerate(orig)))
     tb = float(max(X[l, s] for l, s in enumerate(orig)))
-    return ExactStage(True, cost, tuple(orig), mb + tb, tb, minmem, cutoff, True)
+    hb = 0.0 if host is None else float(sum(host[l, s] for l, s in enumerate(orig)))
+    return ExactStage(True, cost, tuple(orig), mb + tb, tb, minmem, cutoff, True, hb)

@@ -193,6 +193,6 @@ def paper_comparable_count(world_size: int = 8, **kwargs) -> int:
     """Sum over power-of-two pipeline degrees ``pp`` of the per-stage space size on
     ``world_size / pp`` devices, restricted to the paper's dimensions (no ckpt, no SP, no ZeRO-2)
     unless overridden by keywords. 16 for 8 GPUs; see :func:`candidate_counts` for the 22."""
-    kw = {"ckpt": False, "sp": False, "zero2": False, **kwargs}
+    kw = {"ckpt": False, "sp": False, "zero2": False, "more": {"hsdp": False, "offload": ("none",)}, **kwargs}
     pps = [p for p in range(1, world_size + 1) if world_size % p == 0 and dims.is_pow2(p)]
     return sum(len(strategy_space(world_size // p, **kw)) for p in pps)

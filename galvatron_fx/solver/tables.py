@@ -6,13 +6,15 @@ global batch; :class:`ConfigTables` then holds, for layers ``l`` and the configu
 
 * ``t``: the layer's share of its stage's step time, :func:`~.objective.layer_step_time`;
 * ``states`` / ``act`` / ``trans``: bytes per device of model states, of one micro-batch's saved
-  activations, and of the layer's largest transient buffer;
+  activations, and of the layer's largest transient buffer; ``host``: bytes per device kept in
+  host memory (CPU offload), budgeted apart (:func:`~.objective.host_budget`);
 * ``gid``: each strategy's activation layout group (``(tp, dp, sp, cp)``: resharding depends on
   nothing else), with the resharding (:meth:`reshard`) and stage-boundary send (:meth:`p2p`) times per group.
 
 Every figure is the same float the objective (:func:`~.objective.estimate_plan`) computes, so a
 solved stage's cost equals the estimate of the plan it belongs to. :func:`least_memory` is the
-least memory any plan of a configuration needs (what an infeasible search reports).
+least memory any plan of a configuration needs (what an infeasible search reports), and
+:func:`least_host` its least host bytes.
 """
 
 from __future__ import annotations
@@ -54,17 +56,18 @@ class CachedCosts:
         return self._terms[key]
 
     def rows(self, layer: int, space: tuple[Strategy, ...], b: int) -> np.ndarray:
-        """``[8, S]``: time per micro-batch, per-step sync, states, activations, transient, and the
+        """``[9, S]``: time per micro-batch, per-step sync, states, activations, transient, the
         split-backward extra time per micro-batch, held bytes and per-micro-batch held bytes
-        (:meth:`~.objective.LayerTerms.split`)."""
+        (:meth:`~.objective.LayerTerms.split`), and the host bytes (CPU offload)."""
         key = (self.signatures[layer], space, b)
         if key not in self._rows:
             terms = [self.terms(layer, s, b) for s in space]
             self._rows[key] = np.array([[x.time_per_microbatch_s for x in terms], [x.step_sync_s for x in terms],
                                         [x.states_bytes for x in terms], [x.activation_bytes for x in terms],
                                         [x.transient_bytes for x in terms], [x.split_time_s for x in terms],
-                                        [x.split_bytes for x in terms], [x.wgrad_bytes for x in terms]],
-                                       dtype=np.float64).reshape(8, len(space))
+                                        [x.split_bytes for x in terms], [x.wgrad_bytes for x in terms],
+                                        [x.host_bytes for x in terms]],
+                                       dtype=np.float64).reshape(9, len(space))
         return self._rows[key]
 
     def reshard_time(self, layer: int, prev: Strategy, nxt: Strategy, b: int) -> float:
@@ -103,6 +106,7 @@ class ConfigTables:
     bound: float = 0.0
     v: int = 1                  # virtual stages: chunks per pipeline rank (interleaved 1F1B)
     wg: np.ndarray | None = None  # zero-bubble: [L, S] bytes held per micro-batch from I to W
+    host: np.ndarray | None = None  # [L, S] host bytes per device (CPU offload; None: all zero)
     memo: dict = field(default_factory=dict)
     _reshard: dict = field(default_factory=dict)
     _p2p: dict = field(default_factory=dict)
@@ -222,16 +226,17 @@ def layout_groups(space: list[Strategy]) -> tuple[np.ndarray, list[Strategy]]:
     return np.array(gid, dtype=np.int64), reps
 
 
-def undominated(t: np.ndarray, mem: np.ndarray, trans: np.ndarray, gid: np.ndarray) -> np.ndarray:
+def undominated(t: np.ndarray, mem: np.ndarray, trans: np.ndarray, gid: np.ndarray,
+                host: np.ndarray | None = None) -> np.ndarray:
     """Indices of the strategies worth keeping for these layers.
 
     A strategy is dropped when another of the same layout group (so resharding and stage sends cost
-    the same) is no slower, needs no more memory and no larger transient at every layer, and is
-    strictly better somewhere or earlier in the list: swapping it in never hurts, so the stage's
-    optimum is unchanged.
+    the same) is no slower, needs no more memory, no larger transient and (``host``, where the host
+    budget may bind) no more host bytes at every layer, and is strictly better somewhere or earlier
+    in the list: swapping it in never hurts, so the stage's optimum is unchanged.
     """
     keep = []
-    stacked = np.stack([t, mem, trans])  # [3, n, S]
+    stacked = np.stack([t, mem, trans] if host is None else [t, mem, trans, host])  # [3 or 4, n, S]
     for g in np.unique(gid):
         members = np.flatnonzero(gid == g)
         if len(members) == 1:
@@ -246,6 +251,19 @@ def undominated(t: np.ndarray, mem: np.ndarray, trans: np.ndarray, gid: np.ndarr
         keep += [int(members[a]) for a in range(len(members)) if not beats[:, a].any()]
     keep.sort()
     return np.array(keep, dtype=np.int64)
+
+
+def least_host(c: ConfigTables) -> float:
+    """The least host bytes per device (CPU offload) of any plan of ``c``, to a relative 1e-9 (0 when
+    nothing offloads): each layer's least host bytes, summed per stage over the split balancing them
+    (:func:`~.pipeline.balanced_split`; the host bytes do not depend on the stage), or over the
+    fixed chunks of a multi-chunk configuration."""
+    if c.host is None:
+        return 0.0
+    per = np.where(np.isfinite(c.t), c.host, np.inf).min(axis=1)
+    parts = [c.rank_rows(k)[0] for k in range(c.p)] if c.v > 1 else \
+        [list(range(i, j + 1)) for i, j in balanced_split(per, c.p)]
+    return max(float(per[rows].sum()) for rows in parts)
 
 
 def least_memory_chunks(c: ConfigTables, reserve_bytes: float = 0.0) -> float:
