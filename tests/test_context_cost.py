@@ -316,8 +316,9 @@ def test_boundary_gathers_and_slices(tiny):
 
 # ---------------------------------------------------------------------------------- space
 def test_strategy_space_with_cp():
-    assert len(strategy_space(8)) == 51                            # default: no context parallelism
-    space = strategy_space(8, cp=(2, 4, 8))
+    assert len(strategy_space(8)) == 81                            # default: no context parallelism
+    assert len(strategy_space(8, cp=(2, 4, 8))) == 261             # CPU offload doubles the ZeRO ones
+    space = strategy_space(8, cp=(2, 4, 8), more={"offload": ("none",)})
     assert len(space) == 159 and len(space) == len(set(space))   # 36 of them cp > 1 with sp (no selective)
     cps = [s for s in space if s.cp > 1]
     assert all(s.ep == 1 and s.dp % s.cp == 0 for s in cps) and sum(s.sp for s in cps) == 36
