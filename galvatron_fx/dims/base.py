@@ -3,6 +3,7 @@ the space options the rules read, and the small checks the dimensions share."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import astuple, dataclass, field
 from typing import Any
@@ -176,6 +177,13 @@ def one_of(choices: tuple) -> Callable[[Any], str | None]:
     def check(value: Any) -> str | None:
         return None if value in choices else f"must be one of {choices}, got {value!r}"
     return check
+
+
+def trainable_per_device(cm: Any, index: int, tp: int) -> int:
+    """Trainable parameter elements one device of layer ``index``'s TP group holds (``cm``: the
+    cost model): its gradients and optimizer updates, before any ZeRO sharding."""
+    t = cm.layer_params(index, tp, trainable_only=True)
+    return math.ceil(t.sharded / tp) + t.replicated
 
 
 def is_pow2(n: int) -> bool:

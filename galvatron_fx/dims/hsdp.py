@@ -18,11 +18,10 @@ all-reduced over the replicas); priced by the cost model's ZeRO terms over the s
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from ..layout import Layout
-from .base import CostTerms, Dimension, Field, SpaceOptions, rule
+from .base import CostTerms, Dimension, Field, SpaceOptions, rule, trainable_per_device
 
 
 def shard_sizes(o: SpaceOptions, chosen: dict) -> tuple[int, ...]:
@@ -88,8 +87,7 @@ def _cost_terms(cm: Any, index: int, n: float, s: Any, fwd: float) -> CostTerms:
     stage's first layer's is exposed)."""
     if s.shard == s.dp:
         return CostTerms()
-    t = cm.layer_params(index, s.tp, trainable_only=True)
-    train = math.ceil(t.sharded / s.tp) + t.replicated
+    train = trainable_per_device(cm, index, s.tp)
     if not train:
         return CostTerms()
     replicas = list(Layout(s.tp, s.dp, shard=s.shard).replica_ranks(0))

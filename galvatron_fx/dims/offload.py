@@ -26,7 +26,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ConfigError
-from .base import Admission, CostTerms, Dimension, Field, SpaceOptions, as_list, one_of, rule
+from .base import (
+    Admission,
+    CostTerms,
+    Dimension,
+    Field,
+    SpaceOptions,
+    as_list,
+    one_of,
+    rule,
+    trainable_per_device,
+)
 
 OFFLOAD_MODES = ("none", "optimizer")
 
@@ -105,8 +115,7 @@ def _cost_terms(cm: Any, index: int, n: float, s: Any, fwd: float) -> CostTerms:
     optimizer step instead of the device's; all exposed."""
     if s.offload == "none":
         return CostTerms()
-    t = cm.layer_params(index, s.tp, trainable_only=True)
-    held = math.ceil((math.ceil(t.sharded / s.tp) + t.replicated) / s.shard)
+    held = math.ceil(trainable_per_device(cm, index, s.tp) / s.shard)
     c = cm.cluster
     if not getattr(c, "has_host", False):   # the devices are the host: copies in their memory, the same step
         return CostTerms(optimizer_s=2 * 4 * held * c.copy_s_per_byte)

@@ -148,7 +148,7 @@ class FlatParams(nn.Module):
             shard = self.layout.shard_of(full, self.dp_index)
             if mode == "zero3" or self.dp > 1:
                 self.source = shard.to(self.compute_dtype or full.dtype, copy=True)
-            self.flat_param = _host_copy(shard).requires_grad_(True)
+            self.flat_param = _host_copy(shard, wait=True).requires_grad_(True)   # written by loads next
             self.full = full.to(self.compute_dtype) if self.mixed else full
             if mode == "zero3":
                 _free(self.full)
@@ -546,13 +546,14 @@ class GradBuckets:
         self._open, self._open_bytes, self._in_flight = [], 0, []
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` in host memory: pinned when ``t`` is on an accelerator (the copy runs
-    asynchronously: :func:`wait_for_host_copies` before the host reads it), a clone on the CPU."""
+def _host_copy(t: torch.Tensor, wait: bool = False) -> torch.Tensor:
+    """A copy of ``t`` in host memory: pinned when ``t`` is on an accelerator, a clone on the CPU.
+    Unless ``wait``, the copy runs asynchronously (:func:`wait_for_host_copies` before the host reads
+    it): the masters copied at construction wait, as the host writes them (loads, init) next."""
     if t.device.type == "cpu":
         return t.clone()
     out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-    out.copy_(t, non_blocking=True)
+    out.copy_(t, non_blocking=not wait)
     return out
 
 
