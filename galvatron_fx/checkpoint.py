@@ -20,7 +20,8 @@ parameter slice, as boxes of the global tensor: one box, cut only at fused q/k/v
 =========================  ===================================================================
 
 plus ``galvatron_checkpoint.json`` (the completion marker: step, world size, the saving plan's
-shape, optimizer hyper-parameters) and, when ``save(..., config=...)`` got a transformers config,
+shape, optimizer hyper-parameters), ``plan.json`` (the saving plan, which a restart on a world of
+the same size runs again: :mod:`galvatron_fx.resume`) and, when ``save(..., config=...)`` got a transformers config,
 ``hf_config.json``. Each element is written by exactly one rank: DP replicas split ownership as
 ZeRO shards would (dim-0 slices), TP rank 0 writes what TP keeps whole, stages own their layers; DCP checks that
 the chunks tile every tensor. On load, :func:`load` asks for the elements its plan holds (any
@@ -52,6 +53,7 @@ from .errors import ConfigError
 
 MARKER = "galvatron_checkpoint.json"
 HF_CONFIG = "hf_config.json"
+PLAN_FILE = "plan.json"
 FORMAT = "galvatron_fx.checkpoint/2"
 #: formats :func:`load` reads (/1: whole tensors, the same entries; DCP reshards them the same way)
 READABLE = ("galvatron_fx.checkpoint/1", FORMAT)
@@ -59,6 +61,10 @@ READABLE = ("galvatron_fx.checkpoint/1", FORMAT)
 
 class IncompleteCheckpointError(ConfigError):
     """A checkpoint directory without its completion marker (a save that did not finish)."""
+
+
+class CorruptCheckpointError(ConfigError):
+    """A complete checkpoint whose files are missing, truncated or unreadable."""
 
 
 class AsyncSave:
@@ -119,6 +125,7 @@ def save(dist_model, optimizer: torch.optim.Optimizer | None, path: str | os.Pat
         if os.path.exists(tmp):   # left over from a save that was killed
             shutil.rmtree(tmp)
         os.makedirs(tmp)
+        dist_model.plan.save(os.path.join(tmp, PLAN_FILE))
         if hf is not None:
             with open(os.path.join(tmp, HF_CONFIG), "w") as f:
                 json.dump(hf, f, indent=1, sort_keys=True)
@@ -166,9 +173,16 @@ def load(dist_model, optimizer: torch.optim.Optimizer | None, path: str | os.Pat
             raise ConfigError("the optimizer does not hold this model's parameters; build it over "
                               "dist_model.parameters() before gfx.checkpoint.load")
     reader = dcp.FileSystemReader(path)
-    state, finish = load_state(stage, optimizer, reader.read_metadata(), path)
-    with torch.no_grad():
-        dcp.load(state, storage_reader=reader, planner=ChunkLoadPlanner(), process_group=_checkpoint_group())
+    metadata = _checked_metadata(reader, path)
+    state, finish = load_state(stage, optimizer, metadata, path)
+    try:
+        with torch.no_grad():
+            dcp.load(state, storage_reader=reader, planner=ChunkLoadPlanner(), process_group=_checkpoint_group())
+    except Exception as exc:   # DCP raises on every rank (it gathers the readers' failures)
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        raise CorruptCheckpointError(f"checkpoint {path!r} could not be read ({type(exc).__name__}: {first[:300]}); "
+                                     "it is corrupt or not this model's: delete it to resume from the previous "
+                                     "one") from exc
     finish()
     if optimizer is not None:
         _restore_hparams(optimizer, marker.get("param_groups") or [])
@@ -187,8 +201,11 @@ def consolidate(path: str | os.PathLike, out_dir: str | os.PathLike | None = Non
     strict=False)`` accepts (the whole model in memory); with ``optimizer=True`` the keys keep their
     ``model.`` / ``optim.`` prefixes (and the optimizer states are included).
     """
+    import torch.distributed.checkpoint as dcp
+
     path = os.fspath(path)
     read_marker(path)
+    _checked_metadata(dcp.FileSystemReader(path), path)
     from .consolidation import stream_safetensors, tensor_entries
 
     entries = tensor_entries(path, optimizer=optimizer)
@@ -244,6 +261,11 @@ def read_marker(path: str) -> dict:
         raise ConfigError(f"no checkpoint at {path!r}{hint}; pass the directory gfx.checkpoint.save wrote, "
                           "or gfx.checkpoint.latest(root) for the newest complete one")
     marker = os.path.join(path, MARKER)
+    if not os.path.isfile(marker) and ".tmp-" not in os.path.basename(path) and \
+            os.path.isfile(os.path.join(path, ".metadata")):   # save() renames a directory only once it is marked
+        raise ConfigError(f"{path!r} holds a torch.distributed.checkpoint but no {MARKER}: it was not written by "
+                          "gfx.checkpoint.save (another program's checkpoint?); galvatron_fx loads only its own "
+                          "(export from the other program to safetensors and start with --init DIR)")
     if not os.path.isfile(marker):
         raise IncompleteCheckpointError(
             f"checkpoint {path!r} is incomplete (no {MARKER}: its save was interrupted) and is never "
@@ -274,6 +296,28 @@ def _commit(tmp: str, path: str, marker: dict) -> None:
     os.replace(tmp, path)
     if os.path.exists(old):
         shutil.rmtree(old)
+
+
+def _checked_metadata(reader, path: str):
+    """DCP's metadata of ``path``, after checking that every data file it indexes is there and long
+    enough (a truncated or missing file is named here, before any rank starts reading)."""
+    try:
+        metadata = reader.read_metadata()
+    except Exception as exc:
+        raise CorruptCheckpointError(f"checkpoint {path!r}: its index {os.path.join(path, '.metadata')!r} is "
+                                     f"unreadable ({type(exc).__name__}: {str(exc)[:200]}); delete the checkpoint "
+                                     "to resume from the previous one") from exc
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        file = os.path.join(path, name)
+        have = os.path.getsize(file) if os.path.isfile(file) else None
+        if have is None or have < size:
+            what = "is missing" if have is None else f"holds {have} bytes where its index needs {size} (truncated)"
+            raise CorruptCheckpointError(f"checkpoint {path!r} is corrupt: data file {file!r} {what}; delete the "
+                                         "checkpoint to resume from the previous one")
+    return metadata
 
 
 def _checkpoint_group():

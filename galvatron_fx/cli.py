@@ -372,7 +372,8 @@ def _train_text(args: argparse.Namespace) -> int:
                      memory_budget=args.memory_budget, precision=args.precision, init=args.init,
                      measure=0 if args.plan else args.measure,
                      save_every=args.save_every, ckpt_dir=args.ckpt_dir, resume=args.resume,
-                     log_json=args.log_json, seed=args.seed, overrides=overrides, progress=progress)
+                     log_json=args.log_json, seed=args.seed, overrides=overrides, timeout=args.timeout,
+                     tensorboard=args.tensorboard, progress=progress)
     return _report(log, args, print_summary)
 
 
@@ -408,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     except GalvatronError as exc:
         if os.environ.get("GALVATRON_DEBUG"):
             raise
+        if getattr(exc, "every_rank", False) and os.environ.get("RANK", "0") != "0":
+            return 2   # the same line as rank 0's
         print(f"galvatron-fx {args.command}: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         for line in str(exc).splitlines()[1:]:
             print(f"  {line.strip()}", file=sys.stderr)

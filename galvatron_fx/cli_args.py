@@ -137,6 +137,16 @@ _positive_int = _int_at_least(1, "a positive integer")
 _count = _int_at_least(0, "a non-negative integer")
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
 def _bytes_arg(text: str) -> float:
     """A byte size with a unit (``--reserve``), zero allowed."""
     from .units import parse_bytes
@@ -276,7 +286,12 @@ def _add_train(sub) -> None:
     p.add_argument("--init", metavar="DIR", help="start from from_pretrained(DIR) weights (--data)")
     p.add_argument("--save-every", type=_count, default=0, metavar="N", help="sharded checkpoint every N steps (--data)")
     p.add_argument("--ckpt-dir", default="checkpoints", help="checkpoint directory (--data; default ./checkpoints)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir (--data)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir (--data; "
+                   "automatic when torchrun's agent restarts the workers)")
+    p.add_argument("--timeout", type=_positive_float, metavar="SECONDS", help="collective timeout: a peer silent "
+                   "this long ends the run with an error (--data; default 600, or GALVATRON_DIST_TIMEOUT_S)")
+    p.add_argument("--tensorboard", metavar="DIR", help="write loss, grad norm, lr, tokens/s, MFU and per-device "
+                   "peak memory as TensorBoard scalars into DIR (--data; pip install 'galvatron-fx[tensorboard]')")
     p.add_argument("--log-json", metavar="PATH", help="the training log, JSON lines (rank 0): one record per step "
                    "(loss, grad_norm, lr, throughput; mfu with --data), the last one also holding \"run\": the "
                    "summary, per-device memory and the plan; galvatron_fx.train.read_log reads it back")

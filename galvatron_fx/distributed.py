@@ -9,9 +9,19 @@ The device and backend come from the environment, never from a hard-coded choice
 
 With several CUDA devices per node, rank ``LOCAL_RANK`` (set by torchrun) uses ``cuda:LOCAL_RANK``.
 
-Collective timeout: ``GALVATRON_DIST_TIMEOUT_S`` (seconds, default 600) bounds how long a
-collective waits for a peer that is alive but silent (a rank that *died* closes its sockets and
-its peers fail at once; see docs/reliability.md). torch's own default is 30 minutes.
+Collective timeout: ``GALVATRON_DIST_TIMEOUT_S`` (seconds, default 600; the train command's
+``--timeout``) bounds how long a collective waits for a peer that is alive but silent (a rank that
+*died* closes its sockets and its peers fail at once; see docs/reliability.md). torch's own
+default is 30 minutes.
+
+Restarts under torchrun: the elastic agent hands every attempt the *same* TCPStore (its shared
+rendezvous store, ``TORCHELASTIC_USE_AGENT_STORE``), which still holds the previous attempt's
+process-group keys; a restarted worker that reads them connects to dead peers' ports and waits
+out the timeout (pytorch/pytorch#135712; torch 2.13, gloo and NCCL alike). So under the agent,
+rank 0 of each attempt serves a fresh store of its own and publishes its port through the agent's
+store; the other ranks take the published port only once a live store answers on it with this
+attempt's token (:func:`_attempt_store`). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` on torchrun
+avoids the shared store altogether (c10d rendezvous only).
 """
 
 from __future__ import annotations
@@ -19,6 +29,9 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import socket
+import time
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -95,20 +108,64 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def init_distributed() -> tuple[int, int]:
+def init_distributed(timeout: float | None = None) -> tuple[int, int]:
     """Initialise the default process group from torchrun's environment unless it already is.
 
-    Uses :func:`pick_backend`, ``init_method='env://'`` and :func:`collective_timeout`; on CUDA also
-    selects the local device.
+    Uses :func:`pick_backend`, ``init_method='env://'`` (under torchrun's elastic agent, a fresh
+    store per attempt: the module docstring) and ``timeout`` seconds (default
+    :func:`collective_timeout`) for every collective; on CUDA also selects the local device.
     Returns ``(rank, world_size)``.
     """
     if not dist.is_initialized():
         device = pick_device()
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend=pick_backend(device), init_method="env://",
-                                timeout=collective_timeout())
+        if timeout is not None and not timeout > 0:
+            raise ConfigError(f"the collective timeout must be a positive number of seconds, got {timeout}")
+        timeout = datetime.timedelta(seconds=timeout) if timeout is not None else collective_timeout()
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend=pick_backend(device), store=_attempt_store(rank, world, timeout),
+                                    rank=rank, world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(backend=pick_backend(device), init_method="env://", timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+_SERVED: list = []   # rank 0's store of this attempt, alive as long as the process
+
+
+def _attempt_store(rank: int, world: int, timeout: datetime.timedelta):
+    """A TCPStore only this attempt's workers use (see the module docstring).
+
+    Rank 0 starts one on a free port and publishes ``port:token`` in the agent's store; the others
+    read the published value until a store answers on that port holding the same token (a value
+    left by an earlier attempt names a port whose server died with it: refused, so read again)."""
+    host = os.environ.get("MASTER_ADDR", "localhost")
+    agent = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout)
+    key = "galvatron_fx/attempt_store"
+    if rank == 0:
+        token = uuid.uuid4().hex
+        store = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        store.set("token", token)
+        _SERVED.append(store)
+        agent.set(key, f"{store.port}:{token}")
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        port, token = agent.get(key).decode().split(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=2).close()   # quiet probe: c10d logs failed connects
+            store = dist.TCPStore(host, int(port), world, is_master=False, timeout=datetime.timedelta(seconds=5))
+            if store.get("token").decode() == token:
+                store.set_timeout(timeout)
+                return store
+        except (OSError, RuntimeError, dist.DistError):   # refused (an earlier attempt's port) or a stranger
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: no store of this restart attempt answered within "
+                               f"{timeout.total_seconds():.0f} s (rank 0 did not start?)")
+        time.sleep(0.1)
 
 
 def is_distributed() -> bool:

@@ -19,3 +19,12 @@ class InfeasibleError(GalvatronError):
 
 class PlanMismatchError(GalvatronError, ValueError):
     """A plan does not match the model, the world size or the other ranks."""
+
+
+class TrainingError(GalvatronError, RuntimeError):
+    """A training run cannot go on: a non-finite loss, a lost or silent peer. ``every_rank``: every
+    rank raises the same one (the command line prints it on rank 0 only)."""
+
+    def __init__(self, message: str, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank

@@ -37,11 +37,15 @@ import math
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError
+from . import resume as resumer
+from . import watch
+from .errors import ConfigError, TrainingError
+from .watch import Board
 
 
 # ------------------------------------------------------------------------------ data
@@ -123,18 +127,69 @@ def flops_per_token(config, params: int, seq_len: int) -> float:
 def train_text(config_spec: str, data: str, *, seq_len: int = 128, global_batch_size: int = 8, steps: int = 100,
                lr: float = 3e-4, weight_decay: float = 0.1, warmup: int | None = None, clip: float = 1.0,
                plan: str | None = None, cluster=None, memory_budget=None, precision: str | None = None,
-               measure: int = 0,
-               init: str | None = None, save_every: int = 0, ckpt_dir: str = "checkpoints",
+               measure: int = 0, init: str | None = None, save_every: int = 0, ckpt_dir: str = "checkpoints",
                resume: bool = False, log_json: str | None = None, seed: int = 0, overrides: dict | None = None,
-               progress=None) -> dict:
+               timeout: float | None = None, tensorboard: str | None = None, progress=None) -> dict:
     """Train the config at ``config_spec`` on ``data`` (module docstring); returns the log
-    ``{"records": [...], "summary": {...}}`` (rank 0's; every rank computes the same figures)."""
-    # NOTE: one function (102 lines): the training loop as a user writes it, top to bottom (data, plan, model, optimizer, steps, checkpoints)
-    from . import capture, checkpoint, transform
-    from .distributed import init_distributed, pick_device, synchronize
-    from .models.hf_config import config_path, from_config, load_config
-    from .plan import Plan
-    from .planner import resolve_cluster
+    ``{"records": [...], "summary": {...}}`` (rank 0's; every rank computes the same figures).
+
+    Raises :class:`~galvatron_fx.errors.TrainingError` on a non-finite loss or gradient norm
+    (fp32, bf16-mixed; fp16-mixed skips such steps and rescales) and when a collective fails
+    because a peer died or stayed silent longer than ``timeout`` seconds."""
+    from . import checkpoint
+    from .distributed import init_distributed, pick_device
+
+    path = _check_args(config_spec, steps, global_batch_size, seq_len)
+    init_distributed(timeout=timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    say = progress if (progress and rank == 0) else (lambda _msg: None)
+    auto = resumer.restart_count() > 0
+    if save_every or resume or auto:
+        resumer.check_stopped(ckpt_dir, clear=rank == 0)
+    point = resumer.find(ckpt_dir) if (resume or auto) else None
+    if (resume or auto) and point is None:
+        say(f"no checkpoint in {ckpt_dir}: starting at step 1")
+    run = _build(path, data, seq_len, global_batch_size, seed, overrides, point, world, plan,
+                 {"cluster": cluster, "memory_budget": memory_budget, "precision": precision,
+                  "measure": measure or None}, init, say)
+    dm = run["dm"]
+    opt = torch.optim.AdamW(param_groups(dm.named_parameters(), weight_decay), lr=lr, eps=1e-8)
+    sched = schedule(opt, steps, warmup if warmup is not None else max(1, min(100, steps // 10)))
+    start = 0
+    if point is not None:
+        start = checkpoint.load(dm, opt, point.path)
+        with warnings.catch_warnings():   # the schedule's steps of the loaded run: no optimizer step here
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            for _ in range(start):
+                sched.step()
+        say(f"loaded {point.path}: continuing at step {start + 1}")
+        if log_json and rank == 0:
+            resumer.trim_log(log_json, start)
+    before = resumer.last_beat(ckpt_dir) if point is not None else None
+    loop = _Loop(dm, opt, sched, run, pick_device(), steps=steps, clip=clip, save_every=save_every,
+                 ckpt_dir=ckpt_dir, cluster=cluster, say=say,
+                 log=open(log_json, "a" if point is not None else "w") if (log_json and rank == 0) else None,
+                 board=Board(tensorboard) if (tensorboard and rank == 0) else None)
+    try:
+        records = loop.run(start, lambda: say(resumer.restart_line(point, world, run["plan_why"], _labels(dm),
+                                                                   before, time.time())) if point else None)
+    finally:
+        loop.close()
+    timed = records[1:] or records   # NOTE: step 1 includes the first-use costs
+    searched = getattr(dm, "plan", None) if run["plan"] is None else None   # a given plan carries its own records
+    tokens_per_step = global_batch_size * seq_len
+    summary = {"first_loss": records[0]["loss"] if records else None,
+               "last_loss": records[-1]["loss"] if records else None,
+               "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / max(1, len(timed)),
+               "steps": len(records), "tokens": tokens_per_step * len(records), "tokenizer": run["kind"],
+               "plan": _labels(dm) or None, "start_step": start,
+               "measured": searched and searched.extra.get("measured"),   # this run's measured selection
+               "measure": searched and searched.extra.get("measure")}
+    return {"records": records, "summary": summary, "rank": rank}
+
+
+def _check_args(config_spec: str, steps: int, global_batch_size: int, seq_len: int) -> str:
+    from .models.hf_config import config_path
 
     path = config_path(config_spec)
     if path is None:
@@ -145,13 +200,19 @@ def train_text(config_spec: str, data: str, *, seq_len: int = 128, global_batch_
     for name, value in (("--steps", steps), ("--global-batch-size", global_batch_size), ("--seq-len", seq_len)):
         if value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
-    init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = pick_device()
+    return path
+
+
+def _build(path, data, seq_len, global_batch_size, seed, overrides, point, world, plan, options, init, say) -> dict:
+    """Data, model (meta device, captured), plan (:func:`galvatron_fx.resume.choose_plan`), the
+    distributed model with its weights: ``{"dm", "blocks", "kind", "config", "n_params", "plan",
+    "plan_why"}``."""
+    from . import capture, transform
+    from .models.hf_config import from_config, load_config
+
     config = load_config(path)
     tokens, kind = tokenize(data, os.path.dirname(os.path.abspath(path)), int(config.vocab_size))
     blocks = TextBlocks(tokens, seq_len, global_batch_size, seed)
-    say = progress if (progress and rank == 0) else (lambda _msg: None)
     say(f"{data}: {tokens.numel():,} tokens ({kind}), {blocks.blocks.shape[0]} blocks of {seq_len}, "
         f"{blocks.per_epoch} steps per epoch")
     # NOTE: built and captured on the meta device; each rank materialises only its parts below
@@ -159,70 +220,130 @@ def train_text(config_spec: str, data: str, *, seq_len: int = 128, global_batch_
     n_params = sum(p.numel() for p in model.parameters())
     example = {k: v.to("meta") for k, v in blocks.batch_at(0).items()}
     gm = capture(model, (), kwargs=example, method="dynamo")
-    if plan is not None:
-        the_plan = Plan.load(plan)
+    the_plan, why = resumer.choose_plan(point, world, plan)
+    if the_plan is not None:
         dm = transform(gm, plan=the_plan)
     else:
-        options = {k: v for k, v in {"cluster": cluster, "memory_budget": memory_budget,
-                                     "precision": precision, "measure": measure or None}.items() if v is not None}
-        dm = transform(gm, global_batch_size=global_batch_size, **options)
-        the_plan = dm.plan if hasattr(dm, "plan") else None
+        dm = transform(gm, global_batch_size=global_batch_size, **{k: v for k, v in options.items() if v is not None})
     if init:
         dm.load_pretrained(init, model=model)
     else:
         dm.init_weights(seed=seed, model=model)
-    del model
-    opt = torch.optim.AdamW(param_groups(dm.named_parameters(), weight_decay), lr=lr, eps=1e-8)
-    sched = schedule(opt, steps, warmup if warmup is not None else max(1, min(100, steps // 10)))
-    start = 0
-    if resume and checkpoint.latest(ckpt_dir):
-        start = checkpoint.load(dm, opt, checkpoint.latest(ckpt_dir))
-        for _ in range(start):
-            sched.step()
-        say(f"resumed from {checkpoint.latest(ckpt_dir)} at step {start}")
-    cl = resolve_cluster(cluster) if cluster is not None else None
-    peak = _peak(cl, the_plan)
-    per_token = flops_per_token(config, n_params, seq_len)
-    records = []
-    log = open(log_json, "a" if resume else "w") if (log_json and rank == 0) else None
-    tokens_per_step = global_batch_size * seq_len
-    index, size = dm.input_shard   # NOTE: each rank hands train_step only its shard of the batch
-    for step in range(start, steps):
-        batch = {k: v[index::size].to(device) for k, v in blocks.batch_at(step).items()}
-        t0 = time.perf_counter()
-        loss = dm.train_step(**batch)
-        norm = dm.clip_grad_norm_(clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        synchronize(device)
-        dt = time.perf_counter() - t0
-        rec = {"step": step + 1, "loss": float(loss), "grad_norm": float(norm),
-               "lr": float(opt.param_groups[0]["lr"]), "tokens_per_s": tokens_per_step / dt,
-               "step_time_s": dt}
-        rec["mfu"] = rec["tokens_per_s"] * per_token / (peak * world) if peak else None
-        records.append(rec)
-        if log is not None:
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
+    return {"dm": dm, "blocks": blocks, "kind": kind, "config": config, "n_params": n_params,
+            "plan": the_plan, "plan_why": why}
+
+
+def _labels(dm) -> list[str]:
+    return sorted({lp.strategy.label for lp in dm.plan.layers}) if hasattr(dm, "plan") else []
+
+
+class _Loop:
+    """The steps of one run: batches, step, clip, checks, records, checkpoints, heartbeat."""
+
+    def __init__(self, dm, opt, sched, run: dict, device, *, steps, clip, save_every, ckpt_dir, cluster, say,
+                 log, board):
+        from .planner import resolve_cluster
+
+        self.dm, self.opt, self.sched, self.run_info, self.device = dm, opt, sched, run, device
+        self.steps, self.clip, self.save_every, self.ckpt_dir, self.say = steps, clip, save_every, ckpt_dir, say
+        self.log, self.board = log, board
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        plan = getattr(dm, "plan", None)
+        self.peak_flops = _peak(resolve_cluster(cluster) if cluster is not None else None, plan)
+        self.per_token = flops_per_token(run["config"], run["n_params"], run["blocks"].blocks.shape[1])
+        self.tokens_per_step = run["blocks"].batch * run["blocks"].blocks.shape[1]
+        self.estimate = max((watch.estimated_peak(plan, r) or 0 for r in range(self.world)), default=0) or None \
+            if plan is not None else None
+        self.checks_finite = getattr(plan, "precision", "fp32") != "fp16-mixed"   # fp16: skip-and-rescale
+        self.eta = watch.Eta()
+
+    def run(self, start: int, after_first) -> list[dict]:
+        from .distributed import synchronize
+
+        index, size = self.dm.input_shard   # NOTE: each rank hands train_step only its shard of the batch
+        records = []
+        for step in range(start, self.steps):
+            batch = {k: v[index::size].to(self.device) for k, v in self.run_info["blocks"].batch_at(step).items()}
+            t0 = time.perf_counter()
+            try:
+                loss = self.dm.train_step(**batch)
+                norm = self.dm.clip_grad_norm_(self.clip)
+                self._check_finite(step + 1, float(loss), float(norm))
+                self.opt.step()
+                self.sched.step()
+                self.opt.zero_grad(set_to_none=True)
+                synchronize(self.device)
+                dt = time.perf_counter() - t0
+                rec = self._record(step + 1, float(loss), float(norm), dt)
+            except (RuntimeError, dist.DistError) as exc:
+                _raise_if_peer_lost(exc, step + 1)
+                raise
+            records.append(rec)
+            if step == start:
+                after_first()
+            self._save(step + 1)
+        return records
+
+    def _check_finite(self, step: int, loss: float, norm: float) -> None:
+        if not self.checks_finite or (math.isfinite(loss) and math.isfinite(norm)):
+            return
+        from . import checkpoint
+
+        last = checkpoint.latest(self.ckpt_dir) if self.save_every else None
+        msg = (f"step {step}: the loss is {loss} and the gradient norm {norm} under "
+               f"{getattr(self.dm.plan, 'precision', 'fp32')}: stopped before the optimizer step "
+               + (f"(the newest checkpoint, {last}, is intact)" if last else "(no checkpoint saved yet)")
+               + "; lower --lr, raise --warmup or check the data")
+        if self.rank == 0 and self.save_every:
+            resumer.mark_stopped(self.ckpt_dir, step, msg)
+        raise TrainingError(msg, every_rank=True)
+
+    def _record(self, step: int, loss: float, norm: float, dt: float) -> dict:
+        rec = {"step": step, "loss": loss, "grad_norm": norm, "lr": float(self.opt.param_groups[0]["lr"]),
+               "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt, "time": time.time()}
+        rec["mfu"] = rec["tokens_per_s"] * self.per_token / (self.peak_flops * self.world) if self.peak_flops else None
+        per_rank = watch.peaks(self.device)
+        rec["peak_bytes"], rec["estimate_bytes"] = max(per_rank), self.estimate
+        self.eta.add(dt)
+        if self.log is not None:
+            self.log.write(json.dumps(rec) + "\n")
+            self.log.flush()
+        if self.board is not None:
+            self.board.write(rec, per_rank)
+        if self.rank == 0 and self.save_every:
+            resumer.beat(self.ckpt_dir, step, self.world)
         mfu = f"  mfu {100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else ""
-        say(f"step {step + 1:>5}/{steps}  loss {rec['loss']:.4f}  grad_norm {rec['grad_norm']:.3f}  lr "
-            f"{rec['lr']:.2e}  {rec['tokens_per_s']:,.0f} tok/s{mfu}")
-        if save_every and (step + 1) % save_every == 0:
-            checkpoint.save(dm, opt, os.path.join(ckpt_dir, f"step-{step + 1}"), step=step + 1, config=config)
-            say(f"saved {os.path.join(ckpt_dir, f'step-{step + 1}')}")
-    if log is not None:
-        log.close()
-    timed = records[1:] or records   # NOTE: step 1 includes the first-use costs
-    searched = getattr(dm, "plan", None) if plan is None else None   # NOTE: a loaded plan carries its measuring run's records
-    summary = {"first_loss": records[0]["loss"] if records else None,
-               "last_loss": records[-1]["loss"] if records else None,
-               "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / max(1, len(timed)),
-               "steps": len(records), "tokens": tokens_per_step * len(records), "tokenizer": kind,
-               "plan": sorted({lp.strategy.label for lp in dm.plan.layers}) if hasattr(dm, "plan") else None,
-               "measured": searched and searched.extra.get("measured"),   # this run's measured selection
-               "measure": searched and searched.extra.get("measure")}
-    return {"records": records, "summary": summary, "rank": rank}
+        est = f" (plan {self.estimate / 2**30:.2f})" if self.estimate else ""
+        self.say(f"step {step:>5}/{self.steps}  loss {loss:.4f}  grad_norm {norm:.3f}  lr {rec['lr']:.2e}  "
+                 f"{rec['tokens_per_s']:,.0f} tok/s{mfu}  peak {rec['peak_bytes'] / 2**30:.2f} GiB{est}  "
+                 f"eta {self.eta.remaining(self.steps - step)}")
+        return rec
+
+    def _save(self, step: int) -> None:
+        from . import checkpoint
+
+        if self.save_every and step % self.save_every == 0:
+            where = os.path.join(self.ckpt_dir, f"step-{step}")
+            checkpoint.save(self.dm, self.opt, where, step=step, config=self.run_info["config"])
+            self.say(f"saved {where}")
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+        if self.board is not None:
+            self.board.close()
+
+
+def _raise_if_peer_lost(exc: BaseException, step: int) -> None:
+    """A collective that failed because a peer died or hung: one :class:`TrainingError` line."""
+    text = str(exc)
+    if not (isinstance(exc, dist.DistError) or any(k in text for k in (
+            "gloo", "Gloo", "NCCL", "Connection reset", "Connection closed", "Timed out", "timed out"))):
+        return
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)
+    raise TrainingError(f"step {step}: a collective failed on rank {dist.get_rank()} ({first[:240]}): a peer died "
+                        "or stayed silent past the collective timeout (--timeout); under torchrun --max-restarts "
+                        "the workers restart and resume from the newest checkpoint") from exc
 
 
 def _peak(cluster, plan) -> float | None:

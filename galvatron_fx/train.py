@@ -14,7 +14,6 @@ model eagerly in one process (the reference). ``--json`` writes the log (rank 0)
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import ConfigError
+from .watch import peak_bytes
 
 
 def synthetic_batch(example: tuple, step: int, seed: int) -> tuple:
@@ -64,12 +64,6 @@ def _loss_of(out) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise ConfigError("the model's output is not a loss (a scalar tensor, .loss or ['loss'])")
     return loss
-
-
-def _peak_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
 
 
 def train(model_spec: str, *, steps: int = 10, plan: str | None = None, memory_budget=None,
@@ -188,12 +182,12 @@ def _memory(model, opt, device, single_device: bool) -> list[dict]:
         states += sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
         states += sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
                       if isinstance(v, torch.Tensor) and v.dim() > 0)
-        return [{"rank": 0, "states_bytes": int(states), "peak_bytes": _peak_bytes(device)}]
+        return [{"rank": 0, "states_bytes": int(states), "peak_bytes": peak_bytes(device)}]
     from .backend import distributed_model
 
     dm = distributed_model(model)
     states = dm.states_bytes(opt)["total"] if dm is not None and hasattr(dm, "states_bytes") else None
-    mine = {"rank": dist.get_rank(), "states_bytes": states, "peak_bytes": _peak_bytes(device)}
+    mine = {"rank": dist.get_rank(), "states_bytes": states, "peak_bytes": peak_bytes(device)}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return everyone

@@ -111,7 +111,7 @@ def test_init_from_pretrained_then_resume_at_the_saved_step(tmp_path, llama_dir,
                          "--init", str(tmp_path / "pre"))   # each rank reads only its pieces
     assert abs(first[0]["loss"] - _first_loss(llama_dir, corpus, tmp_path / "pre")) < 1e-5 * first[0]["loss"]
     out, records = _train(llama_dir, corpus, log, ckpt, "--steps", "6", "--resume")
-    assert "resumed from" in out.stderr and "at step 4" in out.stderr
+    assert "resumed by hand: same world (2 ranks)" in out.stderr and "resumed at step 4 from" in out.stderr
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
 
 
