@@ -326,7 +326,9 @@ def _checkpoint_group():
     NOTE: a group of its own because an async save runs DCP's collectives from a background thread
     while training runs its own; gloo because DCP coordinates on CPU tensors."""
     if _GROUP.get("world") is not dist.group.WORLD:   # first save, or a re-initialised world
-        _GROUP.update(world=dist.group.WORLD, group=dist.new_group(backend="gloo"))
+        from .distributed import group_timeout
+
+        _GROUP.update(world=dist.group.WORLD, group=dist.new_group(backend="gloo", timeout=group_timeout()))
     return _GROUP["group"]
 
 

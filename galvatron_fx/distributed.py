@@ -87,6 +87,16 @@ def collective_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+_TIMEOUT: list[datetime.timedelta] = []   # what init_distributed gave the default group
+
+
+def group_timeout() -> datetime.timedelta:
+    """The timeout of the groups the package creates beside the default one (torch would give them
+    its own default, 30 minutes under gloo): the default group's from :func:`init_distributed`,
+    else :func:`collective_timeout`."""
+    return _TIMEOUT[-1] if _TIMEOUT else collective_timeout()
+
+
 def shutdown() -> None:
     """Tear the default process group down (collectively) before the process exits.
 
@@ -123,6 +133,7 @@ def init_distributed(timeout: float | None = None) -> tuple[int, int]:
         if timeout is not None and not timeout > 0:
             raise ConfigError(f"the collective timeout must be a positive number of seconds, got {timeout}")
         timeout = datetime.timedelta(seconds=timeout) if timeout is not None else collective_timeout()
+        _TIMEOUT.append(timeout)
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             dist.init_process_group(backend=pick_backend(device), store=_attempt_store(rank, world, timeout),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..distributed import all_gather_single, reduce_scatter_single  # noqa: F401 - the one collective shim
+from ..distributed import all_gather_single, group_timeout, reduce_scatter_single  # noqa: F401 - the one collective shim
 from ..errors import ConfigError
 from ..layout import Layout, Ranks, batch_layout, input_layout  # noqa: F401 - re-exported
 
@@ -45,7 +45,8 @@ class ProcessGroups:
             if ranks == tuple(range(world)):
                 self._groups[ranks] = dist.group.WORLD
             else:
-                self._groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=local)
+                self._groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=local,
+                                                     timeout=group_timeout())
 
     def release(self) -> None:
         """Destroy every cached group but the world's: the process then starts over as a fresh one
