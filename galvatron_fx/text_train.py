@@ -313,9 +313,9 @@ class _Loop:
         if self.rank == 0 and self.save_every:
             resumer.beat(self.ckpt_dir, step, self.world)
         mfu = f"  mfu {100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else ""
-        est = f" (plan {self.estimate / 2**30:.2f})" if self.estimate else ""
+        est = f" (plan {self.estimate / 2**30:.2f} + reserve)" if self.estimate else ""
         self.say(f"step {step:>5}/{self.steps}  loss {loss:.4f}  grad_norm {norm:.3f}  lr {rec['lr']:.2e}  "
-                 f"{rec['tokens_per_s']:,.0f} tok/s{mfu}  peak {rec['peak_bytes'] / 2**30:.2f} GiB{est}  "
+                 f"{rec['tokens_per_s']:,.0f} tok/s{mfu}  {watch.peak_word(self.device)} {rec['peak_bytes'] / 2**30:.2f} GiB{est}  "
                  f"eta {self.eta.remaining(self.steps - step)}")
         return rec
 

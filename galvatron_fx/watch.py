@@ -39,13 +39,23 @@ def peaks(device: torch.device) -> list[int]:
 
 
 def estimated_peak(plan, rank: int) -> int | None:
-    """The plan's estimated peak bytes on ``rank``'s device (its pipeline stage's), if recorded."""
-    per_stage = (getattr(plan, "estimate", None) or {}).get("memory_bytes_per_device")
+    """The plan's estimated peak tensor bytes on ``rank``'s device (its pipeline stage's), if recorded.
+
+    The search's fixed headroom (``reserve_bytes``: the CUDA context, allocator slack) is left
+    out: what remains prices the tensors that ``max_memory_allocated`` counts."""
+    estimate = getattr(plan, "estimate", None) or {}
+    per_stage = estimate.get("memory_bytes_per_device")
     if not per_stage:
         return None
     stage = rank // max(1, plan.world_size // plan.pp)
     value = per_stage[min(stage, len(per_stage) - 1)]
-    return int(value) if value is not None else None
+    reserve = (estimate.get("per_device") or {}).get("reserve_bytes") or 0
+    return int(value - reserve) if value is not None else None
+
+
+def peak_word(device: torch.device) -> str:
+    """What :func:`peak_bytes` measures on ``device``, for the step line."""
+    return "peak" if device.type == "cuda" else "peak rss"
 
 
 class Eta:
