@@ -109,17 +109,25 @@ def states_bytes(sharded: int, replicated: int, strategy: Strategy, *, itemsize:
     opt = layout.held(dp_index % strategy.shard) if strategy.sdp != "none" else sum(r * w for r, w in zip(layout.rows, layout.row))
     held = {"none": (padded, padded), "zero2": (zero2_params, shard), "zero3": (shard, shard)}[strategy.sdp]
     k = optimizer_states(optimizer)
-    fz = zero_layout(list(frozen_shapes), strategy.shard)
-    frozen = fz.shard if strategy.sdp == "zero3" else fz.padded   # elements of the frozen buffer
+    fz_working, fz_masters = _frozen_bytes(zero_layout(list(frozen_shapes), strategy.shard), strategy.sdp,
+                                           itemsize, mixed_precision)
     if getattr(strategy, "offload", "none") != "none":
         source = shard if strategy.sdp == "zero3" or strategy.shard > 1 else 0   # the gathers' device shard
         whole = padded if strategy.sdp == "zero2" else 0
-        frozen_bytes = frozen * itemsize   # frozen parameters stay on the device, as without offload
-        if mixed_precision:
-            frozen_bytes = (0 if strategy.sdp == "zero3" else fz.padded * itemsize) + 4 * frozen
-        return StatesBytes((whole + source) * itemsize + frozen_bytes, 4 * shard, 0,
+        # frozen parameters stay on the device, as without offload
+        return StatesBytes((whole + source) * itemsize + fz_working + fz_masters, 4 * shard, 0,
                            host=4 * shard + 4 * shard + 4 * k * opt)
     if not mixed_precision:
-        return StatesBytes((held[0] + frozen) * itemsize, held[1] * itemsize, k * opt * itemsize)
-    working = 0 if strategy.sdp == "zero3" else (padded + fz.padded) * itemsize
-    return StatesBytes(working, 4 * held[1], 4 * k * opt, masters=4 * (held[1] + frozen))
+        return StatesBytes(held[0] * itemsize + fz_working, held[1] * itemsize, k * opt * itemsize)
+    working = 0 if strategy.sdp == "zero3" else padded * itemsize
+    return StatesBytes(working + fz_working, 4 * held[1], 4 * k * opt, masters=4 * held[1] + fz_masters)
+
+
+def _frozen_bytes(fz, sdp: str, itemsize: int, mixed_precision: bool) -> tuple[int, int]:
+    """The frozen buffer's bytes per device (module docstring), as (working copy, fp32 masters):
+    fp32, the parameters themselves (whole, or a ZeRO-3 shard); mixed, the working copy (none at
+    rest under ZeRO-3) and the fp32 masters (whole, or a ZeRO-3 shard)."""
+    elems = fz.shard if sdp == "zero3" else fz.padded
+    if not mixed_precision:
+        return elems * itemsize, 0
+    return (0 if sdp == "zero3" else fz.padded * itemsize), 4 * elems
