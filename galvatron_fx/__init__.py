@@ -16,7 +16,14 @@ from . import checkpoint, models
 from ._version import __version__
 from .api import search, transform
 from .cluster import Cluster
-from .errors import CaptureError, ConfigError, GalvatronError, InfeasibleError, PlanMismatchError, TrainingError
+from .errors import (
+    CaptureError,
+    ConfigError,
+    GalvatronError,
+    InfeasibleError,
+    PlanMismatchError,
+    TrainingError,
+)
 from .frontend import capture, layers
 from .plan import Plan
 from .planner import baselines, estimate

@@ -116,7 +116,7 @@ def test_a_dimensions_cost_terms_add_to_the_layer_cost(monkeypatch):
     s = Strategy(2, 4, "zero2")
     before = cm.layer_cost(1, s, 8)
     extra = Dimension("extra", (), compute_terms=lambda cm, i, n, s: (1e-3, 0.0),
-                      cost_terms=lambda cm, i, n, s, fwd: CostTerms(overhead_s=0.5, transient_bytes=100.0))
+                      cost_terms=lambda cm, i, n, s, work: CostTerms(overhead_s=0.5, transient_bytes=100.0))
     monkeypatch.setattr(dims, "DIMENSIONS", dims.DIMENSIONS + (extra,))
     after = cm.layer_cost(1, s, 8)
     assert after.fwd_s == pytest.approx(before.fwd_s + 1e-3) and after.bwd_s == before.bwd_s

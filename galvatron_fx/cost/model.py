@@ -1,7 +1,8 @@
 """The cost model the search consumes: per-layer time and memory for a strategy and micro-batch.
 
-:class:`CostModel` assembles a layer's :class:`~.records.LayerCost` here (``layer_cost``: the data
-parallel and ZeRO terms, experts' dispatch, context parallelism, a layout change, the symbolic
+:class:`CostModel` assembles a layer's :class:`~.records.LayerCost` here (``layer_cost``: the layer's
+compute, states, activations and overheads plus each registered dimension's terms,
+:mod:`galvatron_fx.dims`; experts' dispatch, context parallelism, a layout change, the symbolic
 form); what each layer is comes from :class:`~.layer_queries.LayerQueries`, its compute, TP and
 overhead times from :class:`~.time_terms.TimeTerms`, the records and rank groups from
 :mod:`.records`.
@@ -54,7 +55,7 @@ Scaling rules (per device, per micro-batch unless noted), from the fake-tensor m
   layer's flat buffer, and on the first layer one collective call (the step's loss all-reduce).
   The runtime's copies (gradients flattened every pass, ZeRO-3's parameters copied out of the
   gather staging, DP's buckets and ZeRO-2's re-gather once per step) cost ``copy_s_per_byte`` per
-  byte written, in ``overhead_s`` and ``optimizer_s`` (:meth:`CostModel._copies`).
+  byte written, in ``overhead_s`` and ``optimizer_s`` (:func:`galvatron_fx.dims.data.copy_times`).
 * **Memory**: :mod:`.memory` for states; transients are ZeRO-3's gathered parameters of the layer,
   its neighbour's prefetched ones with their ``[dp, S]`` all-gather staging buffer, and the buffer's
   gradient or its reduce-scatter staging,
@@ -81,6 +82,7 @@ import torch.fx
 from .. import dims
 from ..cluster import Cluster, normalize_dtype
 from ..dims import CostTerms
+from ..dims.data import buffer_terms, copy_times, layer_elems
 from ..errors import ConfigError
 from ..ir import META_KEY, TORCH_DTYPES
 from ..solver.strategy import Strategy
@@ -110,7 +112,6 @@ from .records import (
     ep_group,
     expert_dp_group,
     tp_group,
-    zero_group,
 )
 from .selective import selective_bytes
 from .time_terms import TimeTerms
@@ -252,9 +253,10 @@ class CostModel(LayerQueries, TimeTerms):
 
     def layer_cost(self, index: int, strategy: Strategy, micro_batch_size: float) -> LayerCost:
         """Costs of layer ``index`` under ``strategy`` for a micro-batch of ``micro_batch_size`` samples:
-        the base terms (tensor parallelism, data parallelism / ZeRO and checkpointing, which every
-        layer has) plus each registered dimension's own (:mod:`galvatron_fx.dims`: its
-        ``compute_terms`` on the forward and backward, then its ``cost_terms``)."""
+        the layer's compute, states, saved activations and fixed overheads, plus each registered
+        dimension's own (:mod:`galvatron_fx.dims`: its ``compute_terms`` on the forward and backward,
+        then its ``cost_terms``: tensor parallelism's collectives, data parallelism's reductions and
+        gathers, checkpointing's recomputed buffers, the experts', the context's, ...)."""
         s, m = strategy, self.measure(index)
         whole = s.dp > 1 and bool(self.layers[index].batch_coupled)
         # NOTE: a layer mixing the samples of a batch computes on the whole micro-batch, replicated
@@ -266,34 +268,17 @@ class CostModel(LayerQueries, TimeTerms):
                 df, db = d.compute_terms(self, index, n, s)
                 fwd, bwd = fwd + df, bwd + db
         st = self.states_bytes(index, s)
-        ep = self.ep_of(index, s)
-        p, t = self.layer_params(index, s.tp, ep=ep), self.layer_params(index, s.tp, trainable_only=True, ep=ep)
-        elems_tp = math.ceil(p.sharded / s.tp) + p.replicated           # every parameter (ZeRO-3 gathers)
-        train_tp = math.ceil(t.sharded / s.tp) + t.replicated           # trainable: gradients, updates
-        sync, exposed, regather, reduce_scatter, gather, transient, held = self._param_terms(
-            s, elems_tp, train_tp, zero_group(s), index == 0)
+        train_tp = layer_elems(self, index, s)[1]
         overhead, optimizer = self._overheads(index, train_tp, s, fwd + bwd)
-        pass_copy, step_copy = self._copies(elems_tp, train_tp, s)
-        act, recompute = self._activations(m, n, s, ep, index)
-        if s.ckpt:
-            transient += recompute
+        act, saved = self._activations(m, n, s, self.ep_of(index, s), index)
         out = m.output_elems(n) * self.itemsize / (s.tp if s.sp else 1)
-        redo = self.recompute_time(index, n, s, fwd)
-        plain_bwd = bwd - redo   # the backward priced with its recompute (a second forward, or part of one)
-        tp_sites = self._tp_comm(m, n, s, fwd, plain_bwd)
-        tp_comm = tp_sites + (self._whole_batch_gathers(m, n, s) if whole else 0.0)
-        # split backward (zero-bubble): the split's own work per op, and a checkpointed layer's second
-        # recomputation (its forward and forward TP collectives; the ZeRO-3 buffer is still held);
-        # ZeRO-3's whole buffer held between the passes
-        split_extra = self.op_counts[self.layers[index].signature] * getattr(self.cluster, "split_backward_op_s", 0.0)
-        if s.ckpt:
-            plain = dataclasses.replace(s, ckpt=False)
-            split_extra += redo + tp_sites - self._tp_comm(m, n, plain, fwd, plain_bwd)
-        terms = CostTerms(tp_comm, sync, gather, transient, overhead + pass_copy, optimizer + step_copy, exposed,
-                          regather, reduce_scatter, split_extra, held)
+        work = dims.LayerWork(fwd, bwd, self.recompute_time(index, n, s, fwd), saved)
+        # a split backward (zero-bubble) runs the split's own work per op
+        split = self.op_counts[self.layers[index].signature] * getattr(self.cluster, "split_backward_op_s", 0.0)
+        terms = CostTerms(overhead_s=overhead, optimizer_s=optimizer, split_extra_s=split)
         for d in dims.DIMENSIONS:
             if d.cost_terms is not None:
-                terms = terms + d.cost_terms(self, index, n, s, fwd)
+                terms = terms + d.cost_terms(self, index, n, s, work)
         rep_div = s.tp if s.sp else 1
         wgrad = (m.wgrad_sharded_elems(n) / s.tp + m.wgrad_rep_elems(n) / rep_div
                  + m.wgrad_whole_elems(n) + (m.wgrad_row_bias_elems(n) / rep_div if s.tp > 1 else 0.0)
@@ -314,17 +299,16 @@ class CostModel(LayerQueries, TimeTerms):
         train, frozen = self.expert_shapes(index, ep, xtp)
         xs, xt = self._expert_strategy(s, xtp > 1), sum(math.prod(x) for x in train)
         xe = xt + sum(math.prod(x) for x in frozen)
-        sync, exposed, regather, reduce_scatter, gather, transient, held = self._param_terms(
-            xs, xe, xt, expert_dp_group(s, xtp > 1), False)
+        buffer = buffer_terms(self, xs, xe, xt, expert_dp_group(s, xtp > 1), False) + copy_times(self, xe, xt, xs)
         held_x = xt if xs.sdp == "none" else math.ceil(xt / xs.dp)
-        pass_copy, step_copy = self._copies(xe, xt, xs)
         # NOTE: the dispatch's own ops (pads, slices, per-source id masks and row selections,
         # index copies), counted from runtime/experts.py's all-gather path: 24 + 12 per source
         c = self.cluster
         ops = len(self.experts(index).num_experts) * (24 + 12 * s.ep)
         overhead = ops * (c.op_launch_s * (2 if s.ckpt else 1) + c.op_launch_bwd_s)
-        return CostTerms(self.ep_dispatch(index, n, s)[1], sync, gather, transient, overhead + pass_copy,
-                         held_x * 4 * c.optimizer_s_per_byte + step_copy, exposed, regather, reduce_scatter, 0.0, held)
+        return dataclasses.replace(buffer, tp_comm_s=self.ep_dispatch(index, n, s)[1],
+                                   overhead_s=overhead + buffer.overhead_s,
+                                   optimizer_s=held_x * 4 * c.optimizer_s_per_byte + buffer.optimizer_s)
 
     def context_compute(self, index: int, n: float, s: Strategy) -> tuple[float, float]:
         """The context dimension's device seconds beyond cp = 1's attention cores (:mod:`.context`:
@@ -344,50 +328,6 @@ class CostModel(LayerQueries, TimeTerms):
         overhead = (ops[0] * (2 if s.ckpt else 1) + ops[1]) * self.cluster.op_launch_s
         split_extra = cp_comm - self.cp_terms(index, n, dataclasses.replace(s, ckpt=False))[0] if s.ckpt else 0.0
         return CostTerms(tp_comm_s=cp_comm, transient_bytes=cp_buffers, overhead_s=overhead, split_extra_s=split_extra)
-
-    def _param_terms(self, s: Strategy, elems_tp: int, train_tp: int, dpg: list[int], first: bool) -> tuple:
-        """``(sync, exposed, regather, reduce_scatter, gather, transient, held)`` of one flat buffer
-        of ``elems_tp`` parameter elements (``train_tp`` trainable) reduced over ``dpg`` under ``s``'s
-        data-parallel kind (:class:`LayerCost` for each; ``first``: the stage's first layer)."""
-        full_params, full_grads = elems_tp * self.itemsize, train_tp * self.reduce_itemsize
-        ct = self.cluster.collective_time
-        exposed = regather = reduce_scatter = 0.0
-        if not train_tp:
-            sync = 0.0   # a frozen layer reduces nothing
-        elif s.sdp == "none":
-            # NOTE: the runtime packs DP gradients into buckets of bucket_bytes (one call each),
-            # filled in reverse layer order; the last bucket's all-reduce starts once backward is
-            # over, so its share of every layer's sync is exposed (all of it for a model smaller
-            # than one bucket)
-            share = min(1.0, full_grads / self.bucket_bytes) if self.bucket_bytes else 1.0
-            sync = ct("all_reduce", full_grads, dpg, calls=share)
-            if self.bucket_bytes:
-                exposed = sync * min(1.0, self.bucket_bytes / max(self._model_grad_bytes(), 1.0))
-        else:
-            # NOTE: ZeRO reduce-scatters every micro-batch's gradient (shards summed: no whole-buffer
-            # gradient outlives a pass), beside the backward of the layers before it
-            sync, reduce_scatter = 0.0, ct("reduce_scatter", full_grads, dpg)
-            if s.sdp == "zero2":
-                regather = ct("all_gather", train_tp * self.itemsize, dpg)   # frozen ones stay whole
-                if first:
-                    # NOTE: the first layer's re-gather has no layer before it to hide behind
-                    # (prefetch starts from it): priced as exposed step sync
-                    sync = exposed = regather
-                    regather = 0.0
-        gather = 2 * ct("all_gather", full_params, dpg) if s.sdp == "zero3" else 0.0
-        transient = 0.0
-        if s.sdp == "zero3" and len(dpg) > 1:
-            # NOTE: in the layer's backward: its gathered buffer, the neighbour's prefetched buffer
-            # and [dp, S] staging buffer (priced at this layer's size: exact inside a stack of
-            # equal blocks), then the buffer's gradient, or (the own buffer freed) the gradient's
-            # reduce-scatter staging; the forward peak (three buffers) is never larger
-            transient = 3 * full_params + max(full_params, full_grads)
-        elif s.sdp == "zero2" and len(dpg) > 1:
-            transient = train_tp * self.itemsize + full_grads   # a pass's gradient and its reduce-scatter staging
-        elif len(dpg) > 1 and train_tp:
-            transient = min(self.bucket_bytes, full_grads)
-        held = full_params if s.sdp == "zero3" and len(dpg) > 1 else 0.0
-        return sync, exposed, regather, reduce_scatter, gather, transient, held
 
     def ep_dispatch(self, index: int, n: float, s: Strategy) -> tuple[str, float]:
         """``(dispatch, seconds per micro-batch)`` of expert parallelism's token exchange for layer
@@ -454,7 +394,7 @@ class CostModel(LayerQueries, TimeTerms):
         the ring's eager fp32 blocks, Ulysses' reshuffling copies), checkpointing's repeat not included."""
         return cp_compute_time(self.cluster, self.attention(index), n, s, self.itemsize, self.dtype)
 
-    def _whole_batch_gathers(self, m: LayerMeasure, n: float, s: Strategy) -> float:
+    def whole_batch_gather_time(self, m: LayerMeasure, n: float, s: Strategy) -> float:
         """Seconds per micro-batch of ``n`` samples for a batch-coupled layer under ``s`` (dp > 1)
         to all-gather its inputs over its DP group (forward) and its outputs' gradients (backward:
         the layers after it hold slices)."""
@@ -462,7 +402,7 @@ class CostModel(LayerQueries, TimeTerms):
         nbytes = (m.input_elems(n) + m.output_elems(n)) * self.itemsize
         return self._gather_time(nbytes, dataclasses.replace(s, sp=False), whole)
 
-    def _model_grad_bytes(self) -> float:
+    def model_grad_bytes(self) -> float:
         """Bytes of the whole model's gradients as DP reduces them (no TP): what the buckets hold."""
         if not hasattr(self, "_grad_bytes"):
             self._grad_bytes = sum(n for r in self.layers for f, n in self._owned_params(r.index).items()

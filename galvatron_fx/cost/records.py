@@ -123,11 +123,6 @@ def tp_group(strategy: Strategy) -> list[int]:
     return list(Layout(strategy.tp, strategy.dp).tp_ranks(0))
 
 
-def zero_group(strategy: Strategy) -> list[int]:
-    """Ranks of the first ZeRO group of a stage: the DP group, or under HSDP its first ``shard`` members."""
-    return list(Layout(strategy.tp, strategy.dp, shard=strategy.shard).zero_ranks(0))
-
-
 def dp_group(strategy: Strategy) -> list[int]:
     """Ranks of the first data-parallel group of a stage (strided by ``tp``; :class:`~galvatron_fx.layout.Layout`)."""
     return list(Layout(strategy.tp, strategy.dp).dp_ranks(0))

@@ -24,7 +24,7 @@ class TimeTerms:
         bwd = m.bwd_flops(n) * (fwd / total if total else 1.0)
         return fwd, bwd
 
-    def _tp_comm(self, m: LayerMeasure, n: float, s: Strategy, fwd_s: float = 0.0, bwd_s: float = 0.0) -> float:
+    def tp_comm_time(self, m: LayerMeasure, n: float, s: Strategy, fwd_s: float = 0.0, bwd_s: float = 0.0) -> float:
         """Seconds per micro-batch of the layer's TP collectives, with the runtime's work at each site
         and the ranks' drift: each collective is a blocking sync after a stretch of the layer's
         compute (``fwd_s`` / ``bwd_s`` shared evenly by the pass's collectives), whose wait grows
@@ -175,25 +175,6 @@ class TimeTerms:
         if first and self.cluster.world_size > 1:
             optimizer += c.collective_latency_s
         return overhead, optimizer
-
-    def _copies(self, elems_tp: int, train_tp: int, s: Strategy) -> tuple[float, float]:
-        """``(seconds per micro-batch, seconds per step)`` of the runtime's copies around a layer
-        (galvatron_fx/runtime/data_parallel.py) at the cluster's ``copy_s_per_byte``: every pass
-        flattens the layer's gradients into one buffer (ZeRO: into the reduce-scatter staging) and
-        ZeRO-3 copies its parameters out of the all-gather staging twice (forward and backward);
-        once per step DP packs its gradients into buckets and ZeRO-2 copies out the re-gathered
-        parameters."""
-        per_byte = getattr(self.cluster, "copy_s_per_byte", 0.0)
-        if not per_byte:
-            return 0.0, 0.0
-        grads = train_tp * (self.itemsize if s.sdp == "none" else self.reduce_itemsize)
-        params = 2 * elems_tp * self.itemsize if s.sdp == "zero3" else 0.0
-        step = 0.0
-        if s.sdp == "none" and s.dp > 1 and self.bucket_bytes:
-            step = train_tp * self.reduce_itemsize
-        elif s.sdp == "zero2":
-            step = train_tp * self.itemsize
-        return (grads + params) * per_byte, step * per_byte
 
     def _gather_time(self, nbytes: float, have: Strategy, want: Strategy) -> float:
         """Seconds to give each rank of layout ``want`` its slice from layout ``have``."""

@@ -16,9 +16,9 @@ context parallelism (:mod:`.context`), hybrid sharding (:mod:`.hsdp`) and CPU of
 * ``passes`` / ``runtime``: the rewrite passes and runtime modules that implement it;
 * ``properties`` / ``checks``: what it adds to the strategy (a derived property, a check across
   fields);
-* ``compute_terms`` / ``cost_terms``: what it adds to a layer's price beyond the base terms (the
-  tensor, data and checkpointing dimensions every layer has): device seconds of forward and
-  backward, then a :class:`~.base.CostTerms` of communication, overheads and memory;
+* ``compute_terms`` / ``cost_terms``: what it adds to a layer's price: device seconds of forward
+  and backward, then (``cost_terms(cost_model, index, n, strategy, work)``, ``work`` a
+  :class:`~.base.LayerWork`) a :class:`~.base.CostTerms` of communication, overheads and memory;
 * ``plan_checks``: what it refuses in a plan's layer (``check(where, layer, micro_batch)``: the
   message naming the fix, or ``None``);
 * ``constraints`` / ``space_options``: the search constraints it adds (beyond the planner's own)
@@ -40,9 +40,20 @@ from typing import Any
 
 from ..errors import ConfigError
 from . import checkpointing, context, data, experts, hsdp, offload, tensor
-from .base import Admission, CostTerms, Dimension, Field, PassSpec, Rule, SpaceOptions, as_list, is_pow2
+from .base import (
+    Admission,
+    CostTerms,
+    Dimension,
+    Field,
+    LayerWork,
+    PassSpec,
+    Rule,
+    SpaceOptions,
+    as_list,
+    is_pow2,
+)
 
-__all__ = ["DIMENSIONS", "Admission", "CostTerms", "PassSpec", "plan_problems", "rewrite_order", "Dimension", "Field", "Rule", "SpaceOptions", "admission", "as_list",
+__all__ = ["DIMENSIONS", "Admission", "CostTerms", "LayerWork", "PassSpec", "plan_problems", "rewrite_order", "Dimension", "Field", "Rule", "SpaceOptions", "admission", "as_list",
            "enumerate_strategies", "explain_lines", "fields", "is_pow2", "json_fields", "label", "rules",
            "strategy_namespace", "validate", "constraint_keys", "space_options", "extra_fields"]
 

@@ -4,8 +4,9 @@ the space options the rules read, and the small checks the dimensions share."""
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..errors import ConfigError
@@ -122,7 +123,30 @@ class CostTerms:
     held_bytes: float = 0.0
 
     def __add__(self, other: CostTerms) -> CostTerms:
-        return CostTerms(*(a + b for a, b in zip(astuple(self), astuple(other))))
+        # NOTE: field by field through one attrgetter (dataclasses.astuple deep-copies: it was
+        # most of layer_cost's time)
+        return CostTerms(*map(operator.add, _TERMS(self), _TERMS(other)))
+
+
+_TERMS = operator.attrgetter(*(f.name for f in fields(CostTerms)))
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """What a layer's passes do on one device per micro-batch, as its cost terms read it: ``fwd`` /
+    ``bwd`` device seconds (every dimension's compute terms added; ``bwd`` with its recomputation),
+    ``recompute`` the seconds of ``bwd`` that recompute the forward (checkpointing), ``saved_bytes``
+    the bytes its forward saves without checkpointing (what a checkpointed layer recomputes)."""
+
+    fwd: float
+    bwd: float
+    recompute: float = 0.0
+    saved_bytes: float = 0.0
+
+    @property
+    def plain_bwd(self) -> float:
+        """The backward without its recomputation."""
+        return self.bwd - self.recompute
 
 
 @dataclass(frozen=True)
@@ -140,7 +164,7 @@ class Dimension:
     properties: Mapping[str, property] = field(default_factory=dict)
     checks: tuple[Callable[[Any], str | None], ...] = ()
     compute_terms: Callable[[Any, int, float, Any], tuple[float, float]] | None = None
-    cost_terms: Callable[[Any, int, float, Any, float], CostTerms] | None = None
+    cost_terms: Callable[[Any, int, float, Any, LayerWork], CostTerms] | None = None
     plan_checks: tuple[Callable[[str, Any, int], str | None], ...] = ()
     constraints: tuple[str, ...] = ()
     space_options: Callable[[Mapping], Mapping] | None = None

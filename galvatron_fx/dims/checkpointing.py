@@ -5,14 +5,16 @@ whole forward in the backward. A selectively checkpointed one (``"selective"``) 
 outputs of its matmuls and fused attention kernels and recomputes only the rest (norms,
 activations, dropout, residual adds: cheap in time, large in bytes). Rewritten by
 ``passes/checkpointing.py``; run by ``runtime/checkpointing.py``; what selective keeps is measured
-by ``cost/selective.py``.
+by ``cost/selective.py``. Priced here (:func:`_cost_terms`) beyond the recompute the cost model
+adds to the backward and the kept bytes it counts as activations.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from .base import Dimension, Field, PassSpec, SpaceOptions, rule
+from .base import CostTerms, Dimension, Field, LayerWork, PassSpec, SpaceOptions, rule
 
 CKPT_MODES = (False, "selective", True)
 """The values of ``ckpt``, least recomputation first."""
@@ -55,12 +57,25 @@ def _label(s: Any) -> list[tuple[int, str]]:
     return [(70, "sac")] if s.ckpt == "selective" else [(70, "ckpt")] if s.ckpt else []
 
 
+def _cost_terms(cm: Any, index: int, n: float, s: Any, work: LayerWork) -> CostTerms:
+    """The recomputed activations, a transient of the backward (the whole saved set); under a split
+    backward (zero-bubble) the layer recomputes a second time: its recompute and its forward TP
+    collectives again."""
+    if not s.ckpt:
+        return CostTerms()
+    m, plain = cm.measure(index), dataclasses.replace(s, ckpt=False)
+    again = work.recompute + cm.tp_comm_time(m, n, s, work.fwd, work.plain_bwd) - cm.tp_comm_time(
+        m, n, plain, work.fwd, work.plain_bwd)
+    return CostTerms(transient_bytes=work.saved_bytes, split_extra_s=again)
+
+
 DIMENSION = Dimension(
     name="checkpointing",
     fields=(Field("ckpt", object, False, 50, values=lambda o, n, c: ckpt_modes(o), check=_check,
                   json_required=True),),
     rules=(rule(_ckpt_switch), rule(_selective_plain)),
     label=_label,
+    cost_terms=_cost_terms,
     passes=(PassSpec("checkpointing", after="stage_outputs"),),
     runtime=("runtime.checkpointing",),
     plan_checks=(_plan_ckpt,),

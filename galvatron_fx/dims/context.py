@@ -155,7 +155,7 @@ DIMENSION = Dimension(
     label=lambda s: [(40, f"cp{s.cp}" + ("u" if s.cp_kind == "ulysses" else ""))] if s.cp > 1 else [],
     explain=_explain,
     compute_terms=lambda cm, index, n, s: cm.context_compute(index, n, s),
-    cost_terms=lambda cm, index, n, s, fwd: cm.context_terms(index, n, s),
+    cost_terms=lambda cm, index, n, s, work: cm.context_terms(index, n, s),
     passes=(PassSpec("context_parallel", after="local_batch",
                      when=lambda ctx: any(lp.cp > 1 for lp in ctx.plan.layers)),),
     runtime=("runtime.context_parallel", "runtime.ring_attention", "runtime.seq_layout"),

@@ -94,7 +94,7 @@ DIMENSION = Dimension(
     admission=_admission,
     label=lambda s: [(30, f"ep{s.ep}")] if s.ep > 1 else [],
     explain=_explain,
-    cost_terms=lambda cm, index, n, s, fwd: cm.expert_terms(index, n, s),
+    cost_terms=lambda cm, index, n, s, work: cm.expert_terms(index, n, s),
     passes=(PassSpec("expert_parallel", after="context_parallel",
                      when=lambda ctx: any(lp.ep > 1 for lp in ctx.plan.layers)),),
     runtime=("runtime.experts",),

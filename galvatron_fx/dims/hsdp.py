@@ -81,7 +81,7 @@ def _plan_shard(w: str, layer, micro_batch: int) -> str | None:
     return None
 
 
-def _cost_terms(cm: Any, index: int, n: float, s: Any, fwd: float) -> CostTerms:
+def _cost_terms(cm: Any, index: int, n: float, s: Any, work: Any) -> CostTerms:
     """Each rank's all-reduce of its gradient shard over the replicas, once per step (started as
     the layer's last reduce-scatter lands, beside the backward of the layers before it; the
     stage's first layer's is exposed)."""

@@ -109,7 +109,7 @@ def _admission(cm: Any, constraints: Mapping) -> Admission:
     return Admission(admits=lambda layer, s: getattr(s, "offload", "none") == "none")
 
 
-def _cost_terms(cm: Any, index: int, n: float, s: Any, fwd: float) -> CostTerms:
+def _cost_terms(cm: Any, index: int, n: float, s: Any, work: Any) -> CostTerms:
     """Per step: the reduced gradient shard device -> host and the updated fp32 master shard host
     -> device over the host link (a cluster without a host: the runtime's copies), and the host's
     optimizer step instead of the device's; all exposed."""

@@ -4,6 +4,9 @@ A layer's weights split over ``tp`` consecutive ranks of its stage (column- then
 the op-level analysis of :mod:`galvatron_fx.sharding` admits: heads, key / value heads and widths
 must divide); ``sp`` also splits the regions between the TP regions (norms, dropout, residuals)
 along the sequence. Rewritten by ``passes/tensor_parallel.py``; run by ``runtime/tp_ops.py``.
+Priced by :func:`_cost_terms`: the TP collectives of the layer (the cost model's
+``tp_comm_time``, from the sites the TP pass's analysis finds) and, for a batch-coupled layer over
+several DP ranks, the gathers of its whole batch.
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ from typing import Any
 
 from .base import (
     Admission,
+    CostTerms,
     Dimension,
     Field,
+    LayerWork,
     PassSpec,
     SpaceOptions,
     a_bool,
@@ -123,6 +128,16 @@ def _plan_sp(w: str, layer, micro_batch: int) -> str | None:
     return None
 
 
+def _cost_terms(cm: Any, index: int, n: float, s: Any, work: LayerWork) -> CostTerms:
+    """The layer's TP collectives per micro-batch (a checkpointed layer's forward ones twice) and,
+    where the layer mixes the samples of its batch over ``dp > 1`` ranks, the all-gathers of its
+    inputs and of its outputs' gradients (:mod:`galvatron_fx.batch_symbol`)."""
+    m = cm.measure(index)
+    tp = cm.tp_comm_time(m, n, s, work.fwd, work.plain_bwd)
+    whole = s.dp > 1 and bool(cm.layers[index].batch_coupled)
+    return CostTerms(tp_comm_s=tp + (cm.whole_batch_gather_time(m, n, s) if whole else 0.0))
+
+
 DIMENSION = Dimension(
     name="tensor",
     fields=(Field("tp", int, None, 10, values=_divisors, check=positive_int, json_required=True),
@@ -132,6 +147,7 @@ DIMENSION = Dimension(
     admission=_admission,
     label=lambda s: [(10, f"tp{s.tp}")] + ([(60, "sp")] if s.sp else []),
     explain=_explain,
+    cost_terms=_cost_terms,
     passes=(PassSpec("tensor_parallel", after="stage_split"),),
     runtime=("runtime.tp_ops", "runtime.vocab_parallel"),
     plan_checks=(_plan_sp,),
