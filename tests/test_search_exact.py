@@ -456,6 +456,7 @@ def test_interleaved_1f1b_wins_where_the_bubble_decides():
     assert plan.estimate["throughput_samples_s"] == pytest.approx(thr, rel=1e-9)
 
 
+@pytest.mark.matrix   # 30 s on 2 cores; the interleaved zero-bubble case below keeps multi-chunk splits in CI
 def test_multi_chunk_plans_take_the_balanced_split():
     """4 blocks (embedding and LM head lighter than a block) on 2 devices, pinned to interleaved 1F1B
     over 2 stages of 2 chunks: the searched chunks are the enumeration's, the split balancing each layer's
@@ -473,7 +474,8 @@ def test_multi_chunk_plans_take_the_balanced_split():
 
 
 @pytest.mark.parametrize("preset, factor, config", [
-    ("2x4xA100-40GB", 1.5, (2, 4, "interleaved-zb")),          # ZB-H1, one chunk per stage
+    pytest.param("2x4xA100-40GB", 1.5, (2, 4, "interleaved-zb"),   # ZB-H1, one chunk per stage (18 s)
+                 marks=pytest.mark.matrix),
     ("8xRTX-TITAN-24GB", 1.75, (2, 2, "interleaved-zb", 2))])  # interleaved ZB, two chunks
 def test_zero_bubble_wins_where_the_bubble_decides(preset, factor, config):
     """2 blocks of hidden 4096 (sequence 1024), batch 8, a budget where pipelines pay: the

@@ -15,6 +15,7 @@ def gpt3():
     return gfx.capture(model, args, method="fx")
 
 
+@pytest.mark.matrix   # 38 s on 2 cores: the 1536-device search below keeps the scale in the default suite
 def test_megatron_baseline_fits_and_the_search_is_at_least_it(gpt3):
     cluster = gfx.Cluster.preset("128x8xA100-80GB")
     budget = gfx.parse_bytes("80GiB")
