@@ -39,13 +39,9 @@ their weights only, no gradients, no optimizer states; whole under DP and ZeRO-2
 mixed: ``2 P_f`` working copy + ``4 P_f`` masters), sharded under ZeRO-3 (``4 S_f``; mixed: the
 fp32 masters ``4 S_f``).
 
-**CPU offload** (``offload="optimizer"``, ZeRO layers only: :mod:`galvatron_fx.dims.offload`): the
-fp32 masters (an fp32 plan's parameters themselves), the optimizer states and a copy of the
-gradient shard live in host memory (``host``: ``4 S + 4 S + 4 k H``); the device keeps what the
-layer computes with (ZeRO-2: the whole buffer ``w P``; ZeRO-3: nothing at rest) plus the shard
-the all-gathers start from, in the compute dtype (``w S``; ZeRO-2 on one rank copies the masters
-straight into its buffer and keeps none), and its gradient shard (``4 S``: reduced there, copied
-to the host once the step's backward is over).
+A registered dimension may move the states elsewhere (its ``states`` hook, :mod:`galvatron_fx.dims`):
+CPU offload puts the masters, optimizer states and a gradient shard copy in host memory
+(``host``, :mod:`galvatron_fx.dims.offload`).
 
 Adam per parameter, DP: 16 bytes in fp32, 18 mixed (the working copy on top of the fp32 states);
 ZeRO-3 mixed: ``16 / dp``. These are exactly the storages the runtime holds
@@ -58,6 +54,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .. import dims
+from ..dims import StateSizes
 from ..errors import ConfigError
 from ..runtime.zero_layout import zero_layout  # NOTE: the runtime owns its buffer layout; costed alike
 from ..solver.strategy import Strategy
@@ -111,12 +109,10 @@ def states_bytes(sharded: int, replicated: int, strategy: Strategy, *, itemsize:
     k = optimizer_states(optimizer)
     fz_working, fz_masters = _frozen_bytes(zero_layout(list(frozen_shapes), strategy.shard), strategy.sdp,
                                            itemsize, mixed_precision)
-    if getattr(strategy, "offload", "none") != "none":
-        source = shard if strategy.sdp == "zero3" or strategy.shard > 1 else 0   # the gathers' device shard
-        whole = padded if strategy.sdp == "zero2" else 0
-        # frozen parameters stay on the device, as without offload
-        return StatesBytes((whole + source) * itemsize + fz_working + fz_masters, 4 * shard, 0,
-                           host=4 * shard + 4 * shard + 4 * k * opt)
+    sizes = StateSizes(padded, shard, opt, k, itemsize, fz_working + fz_masters)
+    for d in dims.DIMENSIONS:
+        if d.states is not None and (moved := d.states(strategy, sizes)) is not None:
+            return StatesBytes(*moved)
     if not mixed_precision:
         return StatesBytes(held[0] * itemsize + fz_working, held[1] * itemsize, k * opt * itemsize)
     working = 0 if strategy.sdp == "zero3" else padded * itemsize

@@ -19,6 +19,9 @@ context parallelism (:mod:`.context`), hybrid sharding (:mod:`.hsdp`) and CPU of
 * ``compute_terms`` / ``cost_terms``: what it adds to a layer's price: device seconds of forward
   and backward, then (``cost_terms(cost_model, index, n, strategy, work)``, ``work`` a
   :class:`~.base.LayerWork`) a :class:`~.base.CostTerms` of communication, overheads and memory;
+* ``states``: where it moves a layer's model states (``states(strategy, sizes)``, ``sizes`` a
+  :class:`~.base.StateSizes`: ``(params, grads, optimizer, masters, host)`` bytes per device, or
+  ``None`` to leave them as data parallelism lays them out);
 * ``plan_checks``: what it refuses in a plan's layer (``check(where, layer, micro_batch)``: the
   message naming the fix, or ``None``);
 * ``constraints`` / ``space_options``: the search constraints it adds (beyond the planner's own)
@@ -49,11 +52,12 @@ from .base import (
     PassSpec,
     Rule,
     SpaceOptions,
+    StateSizes,
     as_list,
     is_pow2,
 )
 
-__all__ = ["DIMENSIONS", "Admission", "CostTerms", "LayerWork", "PassSpec", "plan_problems", "rewrite_order", "Dimension", "Field", "Rule", "SpaceOptions", "admission", "as_list",
+__all__ = ["DIMENSIONS", "Admission", "CostTerms", "LayerWork", "StateSizes", "PassSpec", "plan_problems", "rewrite_order", "Dimension", "Field", "Rule", "SpaceOptions", "admission", "as_list",
            "enumerate_strategies", "explain_lines", "fields", "is_pow2", "json_fields", "label", "rules",
            "strategy_namespace", "validate", "constraint_keys", "space_options", "extra_fields"]
 

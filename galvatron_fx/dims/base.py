@@ -150,6 +150,22 @@ class LayerWork:
 
 
 @dataclass(frozen=True)
+class StateSizes:
+    """A layer's flat buffers on one device, as a dimension's ``states`` hook reads them
+    (:func:`galvatron_fx.cost.memory.states_bytes`): ``padded`` / ``shard`` elements of the
+    trainable buffer whole and of one rank's ZeRO shard, ``held`` the optimizer's elements of that
+    shard (unpadded), ``k`` optimizer states per parameter, ``itemsize`` the compute dtype's bytes,
+    ``frozen_bytes`` the frozen buffer's device bytes (working copy and masters)."""
+
+    padded: int
+    shard: int
+    held: int
+    k: int
+    itemsize: int
+    frozen_bytes: int
+
+
+@dataclass(frozen=True)
 class Dimension:
     """One per-layer parallel dimension (module docstring)."""
 
@@ -165,6 +181,7 @@ class Dimension:
     checks: tuple[Callable[[Any], str | None], ...] = ()
     compute_terms: Callable[[Any, int, float, Any], tuple[float, float]] | None = None
     cost_terms: Callable[[Any, int, float, Any, LayerWork], CostTerms] | None = None
+    states: Callable[[Any, StateSizes], tuple[int, int, int, int, int] | None] | None = None
     plan_checks: tuple[Callable[[str, Any, int], str | None], ...] = ()
     constraints: tuple[str, ...] = ()
     space_options: Callable[[Mapping], Mapping] | None = None

@@ -14,9 +14,10 @@ groups) on clusters whose devices have a host apart from them
 (:attr:`galvatron_fx.cluster.Cluster.has_host`: host memory and a device <-> host link; a CPU cluster's
 devices are the host). Priced (:func:`_cost_terms`): per step, the gradient shard down and the
 master shard up over the device's host link and the host's optimizer step in place of the
-device's, exposed (not overlapped with compute); memory: :func:`galvatron_fx.cost.memory.states_bytes`
-(the host bytes count against the device's share of its node's host memory, which the search
-enforces beside the device budget).
+device's, exposed (not overlapped with compute); memory (:func:`_states`): the fp32 masters (an fp32
+plan's parameters themselves), the optimizer states and a copy of the gradient shard in host memory
+(``4 S + 4 S + 4 k H``, in :func:`galvatron_fx.cost.memory.states_bytes`' terms), which count against
+the device's share of its node's host memory (the search enforces it beside the device budget).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .base import (
     Dimension,
     Field,
     SpaceOptions,
+    StateSizes,
     as_list,
     one_of,
     rule,
@@ -109,6 +111,19 @@ def _admission(cm: Any, constraints: Mapping) -> Admission:
     return Admission(admits=lambda layer, s: getattr(s, "offload", "none") == "none")
 
 
+def _states(s: Any, z: StateSizes) -> tuple[int, int, int, int, int] | None:
+    """An offloaded layer's device keeps what it computes with (ZeRO-2: the whole buffer; ZeRO-3:
+    nothing at rest) plus the shard its all-gathers start from, in the compute dtype (ZeRO-2 on one
+    rank copies the masters straight into its buffer and keeps none), its frozen buffer as without
+    offload, and its fp32 gradient shard (reduced there, copied to the host once the step's
+    backward is over); the host the masters, the gradient shard's copy and the optimizer states."""
+    if getattr(s, "offload", "none") == "none":
+        return None
+    source = z.shard if s.sdp == "zero3" or s.shard > 1 else 0   # the gathers' device shard
+    whole = z.padded if s.sdp == "zero2" else 0
+    return (whole + source) * z.itemsize + z.frozen_bytes, 4 * z.shard, 0, 0, 4 * z.shard + 4 * z.shard + 4 * z.k * z.held
+
+
 def _cost_terms(cm: Any, index: int, n: float, s: Any, work: Any) -> CostTerms:
     """Per step: the reduced gradient shard device -> host and the updated fp32 master shard host
     -> device over the host link (a cluster without a host: the runtime's copies), and the host's
@@ -141,6 +156,7 @@ DIMENSION = Dimension(
     label=lambda s: [(57, "off")] if getattr(s, "offload", "none") != "none" else [],
     explain=_explain,
     cost_terms=_cost_terms,
+    states=_states,
     plan_checks=(_plan_offload,),
     constraints=("offload",),
     space_options=_space_options,
