@@ -41,6 +41,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from . import resume as resumer
 from . import watch
@@ -281,7 +282,11 @@ class _Loop:
             records.append(rec)
             if step == start:
                 after_first()
-            self._save(step + 1)
+            try:
+                self._save(step + 1)
+            except (RuntimeError, dist.DistError, CheckpointException) as exc:
+                _raise_if_peer_lost(exc, step + 1, "of the checkpoint write ")
+                raise
         return records
 
     def _check_finite(self, step: int, loss: float, norm: float) -> None:
@@ -334,14 +339,20 @@ class _Loop:
             self.board.close()
 
 
-def _raise_if_peer_lost(exc: BaseException, step: int) -> None:
-    """A collective that failed because a peer died or hung: one :class:`TrainingError` line."""
-    text = str(exc)
-    if not (isinstance(exc, dist.DistError) or any(k in text for k in (
+def _raise_if_peer_lost(exc: BaseException, step: int, what: str = "") -> None:
+    """A collective that failed because a peer died or hung: one :class:`TrainingError` line
+    (``what``: which collective, e.g. the checkpoint write's; DCP wraps its ranks' failures in a
+    ``CheckpointException``: the first rank's failure is the one named)."""
+    inner = exc
+    if isinstance(exc, CheckpointException) and exc.failures:
+        inner = next(iter(exc.failures.values()))[0]
+    text = str(inner)
+    if not (isinstance(inner, dist.DistError) or any(k in text for k in (
             "gloo", "Gloo", "NCCL", "Connection reset", "Connection closed", "Timed out", "timed out"))):
         return
-    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)
-    raise TrainingError(f"step {step}: a collective failed on rank {dist.get_rank()} ({first[:240]}): a peer died "
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(inner).__name__)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    raise TrainingError(f"step {step}: a collective {what}failed on rank {rank} ({first[:240]}): a peer died "
                         "or stayed silent past the collective timeout (--timeout); under torchrun --max-restarts "
                         "the workers restart and resume from the newest checkpoint") from exc
 

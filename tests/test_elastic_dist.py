@@ -48,13 +48,14 @@ def workdir(tmp_path_factory):
     return d
 
 
-def _launch(workdir, run: str, nproc: int, *extra: str, restarts: int = 2, fault: dict | None = None,
-            steps: int = STEPS, timeout: float = 400):
-    """One torchrun launch (c10d rendezvous, like an elastic job); returns (process result, records)."""
+def _command(workdir, run: str, nproc: int, *extra: str, restarts: int = 2, fault: dict | None = None,
+             steps: int = STEPS, nnodes: str = "1", endpoint: str | None = None) -> tuple[list[str], dict]:
+    """The torchrun command line (c10d rendezvous, like an elastic job) and its environment."""
     out_dir = workdir / run
     out_dir.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+           "--max-restarts", str(restarts), "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", endpoint or f"127.0.0.1:{free_port()}", "--rdzv-conf", "last_call_timeout=5",
            os.path.join(HERE, "elastic_entry.py"), "train", str(workdir / "llama" / "config.json"),
            "--data", str(workdir / "corpus.txt"), "--seq-len", "32", "--global-batch-size", "8", "--steps", str(steps),
            "--lr", "3e-3", "--cluster", "4xA100-80GB", "--precision", "fp32", "--measure", "0",
@@ -63,8 +64,15 @@ def _launch(workdir, run: str, nproc: int, *extra: str, restarts: int = 2, fault
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GALVATRON_DEVICE": "cpu", "GALVATRON_BACKEND": "gloo",
            "FAULT_DIR": str(out_dir), "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            **{k: str(v) for k, v in (fault or {}).items()}}
+    return cmd, env
+
+
+def _launch(workdir, run: str, nproc: int, *extra: str, restarts: int = 2, fault: dict | None = None,
+            steps: int = STEPS, timeout: float = 400):
+    """One torchrun launch; returns (process result, records)."""
+    cmd, env = _command(workdir, run, nproc, *extra, restarts=restarts, fault=fault, steps=steps)
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    log = out_dir / "log.jsonl"
+    log = workdir / run / "log.jsonl"
     records = [json.loads(line) for line in open(log)] if log.exists() else []
     return res, records
 
@@ -174,6 +182,63 @@ def test_relaunch_on_fewer_ranks_replans_and_matches(workdir):
     worst = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(records, ref))
     assert worst <= 1e-5, worst
     print(f"4 -> 2 ranks: {line}; worst loss difference {worst:.2e} relative")
+
+
+def test_a_failed_checkpoint_write_is_one_line():
+    """DCP wraps a rank's failed collective in a CheckpointException: still one TrainingError line."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from galvatron_fx.errors import TrainingError
+    from galvatron_fx.text_train import _raise_if_peer_lost
+
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:35013: Connection reset by peer")
+    with pytest.raises(TrainingError, match=r"step 10: a collective of the checkpoint write failed on rank 0 "
+                                            r"\(\[gloo.*Connection reset by peer\): a peer died or stayed silent"):
+        _raise_if_peer_lost(CheckpointException("save", {1: (lost, None)}), 10, "of the checkpoint write ")
+    _raise_if_peer_lost(ValueError("a bug of ours"), 10)   # not a collective's: raised as it is by the caller
+
+
+def _process_tree(pid: int) -> list[int]:
+    kids = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [pid] + [q for k in kids for q in _process_tree(int(k))]
+
+
+@pytest.mark.dist
+@pytest.mark.matrix
+def test_losing_a_node_shrinks_the_world_and_resumes(workdir):
+    """Two torchrun agents of one job (``--nnodes 1:2``, 2 workers each); the second "node" (its
+    agent and workers: torchrun starts each worker in a session of its own) is SIGKILLed after
+    step 7. The first node's workers fail with one line each, its agent re-rendezvouses alone, the
+    trainer re-plans for the 2 ranks left and finishes. The first agent hosts the c10d rendezvous
+    store, so losing the second node is the case c10d survives."""
+    import signal
+
+    run, steps, endpoint = "node-loss", 40, f"127.0.0.1:{free_port()}"
+    agents, outs = [], []
+    for node in ("a", "b"):
+        cmd, env = _command(workdir, run, 2, "--timeout", "60", steps=steps, nnodes="1:2", endpoint=endpoint)
+        outs.append(open(workdir / run / f"{node}.out", "w+"))
+        agents.append(subprocess.Popen(cmd, env=env, stdout=outs[-1], stderr=subprocess.STDOUT))
+        time.sleep(3)
+    beat, t0 = workdir / run / "ckpt" / "progress.json", time.time()
+    while not (beat.exists() and json.loads(beat.read_text() or "{}").get("step", 0) >= 8):
+        assert time.time() - t0 < 180 and agents[0].poll() is None, "the job did not reach step 8"
+        time.sleep(0.1)
+    killed_at = time.time()
+    for pid in _process_tree(agents[1].pid):
+        os.kill(pid, signal.SIGKILL)
+    assert agents[0].wait(timeout=300) == 0
+    outs[0].seek(0)
+    text = outs[0].read()
+    line = next(ln for ln in text.splitlines() if "restart 1 (torchrun)" in ln)
+    assert "world 4 -> 2 ranks (2 lost)" in line and "searched for 2 ranks" in line, line
+    records = [json.loads(ln) for ln in open(workdir / run / "log.jsonl")]
+    assert records[-1]["step"] == steps and all(r["step"] == i + 1 for i, r in enumerate(records[-10:], steps - 10))
+    failed = [ln for ln in text.splitlines() if ln.startswith("galvatron-fx train: error:")]
+    assert failed and all("a collective" in ln for ln in failed), failed
+    first = next(r for r in records if r["time"] > killed_at)
+    print(f"a node of 2 ranks lost: the first resumed step ({first['step']}) done {first['time'] - killed_at:.1f} s "
+          f"after the kill; {line}")
 
 
 @pytest.mark.dist
