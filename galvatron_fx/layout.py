@@ -56,12 +56,13 @@ class Layout:
 
     def tp_ranks(self, rank: int) -> Ranks:
         """Global ranks of ``rank``'s TP group (consecutive)."""
-        start = self.local(rank) // self.tp * self.tp
-        return tuple(self.base + start + i for i in range(self.tp))
+        start = self.base + self.local(rank) // self.tp * self.tp
+        return tuple(range(start, start + self.tp))
 
     def dp_ranks(self, rank: int) -> Ranks:
         """Global ranks of ``rank``'s DP group (stride ``tp``)."""
-        return tuple(self.base + self.local(rank) % self.tp + k * self.tp for k in range(self.dp))
+        first = self.base + self.local(rank) % self.tp
+        return tuple(range(first, first + self.tp * self.dp, self.tp))
 
     def zero_ranks(self, rank: int) -> Ranks:
         """Global ranks sharing ``rank``'s ZeRO shards: its DP group, or under HSDP (``shard``) the

@@ -141,11 +141,22 @@ def admission(cost_model: Any, constraints: Mapping | None = None) -> tuple[Call
     admits = [a.admits for a in answers if a.admits]
     prefers = [a.prefers for a in answers if a.prefers]
 
-    def all_admit(layer: int, s: Any) -> bool:
-        return all(fn(layer, s) for fn in admits)
+    # NOTE: the search asks the same (layer, strategy) once per pipeline configuration: answers
+    # are remembered (a strategy that is not hashable, such as a namespace, is asked afresh)
+    def remembered(fns: list) -> Callable[[int, Any], bool]:
+        seen: dict[tuple[int, Any], bool] = {}
 
-    def all_prefer(layer: int, s: Any) -> bool:
-        return all(fn(layer, s) for fn in prefers)
+        def answer(layer: int, s: Any) -> bool:
+            try:
+                got = seen.get((layer, s))
+            except TypeError:
+                return all(fn(layer, s) for fn in fns)
+            if got is None:
+                got = seen[(layer, s)] = all(fn(layer, s) for fn in fns)
+            return got
+        return answer
+
+    all_admit, all_prefer = remembered(admits), remembered(prefers)
     return all_admit, all_prefer
 
 
