@@ -51,10 +51,14 @@ class ProcessGroups:
     def release(self) -> None:
         """Destroy every cached group but the world's: the process then starts over as a fresh one
         (the test pool does so between tests, so that a group one test made cannot hide another's
-        missing one; every rank must be done with the groups)."""
-        for g in self._groups.values():
-            if g is not dist.group.WORLD:
-                dist.destroy_process_group(g)
+        missing one; every rank must be done with the groups). A rank outside a group holds no
+        group for it (``None`` from a group made with local synchronization, or torch's non-member
+        marker): destroying ``None`` would destroy the world. Groups of a world since torn down are
+        gone with it."""
+        if self._world is dist.group.WORLD:
+            for g in self._groups.values():
+                if g is not None and g is not dist.group.WORLD and g != dist.GroupMember.NON_GROUP_MEMBER:
+                    dist.destroy_process_group(g)
         self._groups.clear()
 
     def get(self, ranks: Ranks):
