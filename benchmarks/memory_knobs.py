@@ -168,8 +168,9 @@ def _measure_rank(rank, world, steps):
 
 
 def _activation_bytes(dm, batch: dict, recording_kept, kept_tensors) -> int:
-    """One micro-batch's saved bytes on this rank: autograd's saved tensors (parameters and the
-    caller's batch excluded) and what selective regions keep."""
+    """One micro-batch's saved bytes on this rank: autograd's saved tensors (parameters, a ZeRO-3
+    layer's gathered buffer, looked up when a tensor is saved since it is re-allocated at each
+    gather, and the caller's batch excluded) and what selective regions keep."""
     seen: dict[int, int] = {}
     params = {p.untyped_storage().data_ptr() for p in dm.parameters()}
     index, size = dm.input_shard
@@ -178,7 +179,8 @@ def _activation_bytes(dm, batch: dict, recording_kept, kept_tensors) -> int:
 
     def pack(t):
         st = t.untyped_storage()
-        if st.data_ptr() not in params | caller and st.nbytes() > 0:
+        gathered = {s.full.untyped_storage().data_ptr() for s in dm.stores if s.full is not None}
+        if st.data_ptr() not in params | caller | gathered and st.nbytes() > 0:
             seen[st.data_ptr()] = st.nbytes()
         return t
 
