@@ -82,7 +82,8 @@ import torch.fx
 from .. import dims
 from ..cluster import Cluster, normalize_dtype
 from ..dims import CostTerms
-from ..dims.data import buffer_terms, copy_times, layer_elems
+from ..dims.base import layer_elems
+from ..dims.data import buffer_terms, copy_times
 from ..errors import ConfigError
 from ..ir import META_KEY, TORCH_DTYPES
 from ..solver.strategy import Strategy

@@ -220,11 +220,13 @@ def one_of(choices: tuple) -> Callable[[Any], str | None]:
     return check
 
 
-def trainable_per_device(cm: Any, index: int, tp: int) -> int:
-    """Trainable parameter elements one device of layer ``index``'s TP group holds (``cm``: the
-    cost model): its gradients and optimizer updates, before any ZeRO sharding."""
-    t = cm.layer_params(index, tp, trainable_only=True)
-    return math.ceil(t.sharded / tp) + t.replicated
+def layer_elems(cm: Any, index: int, s: Any) -> tuple[int, int]:
+    """``(every, trainable)`` parameter elements of layer ``index``'s flat buffer on one device under
+    strategy ``s`` (its TP shard, its experts' EP share; ``cm``: the cost model), before any ZeRO
+    sharding: ZeRO-3 gathers every one, gradients and optimizer updates are the trainable ones'."""
+    ep = cm.ep_of(index, s)
+    p, t = cm.layer_params(index, s.tp, ep=ep), cm.layer_params(index, s.tp, trainable_only=True, ep=ep)
+    return math.ceil(p.sharded / s.tp) + p.replicated, math.ceil(t.sharded / s.tp) + t.replicated
 
 
 def is_pow2(n: int) -> bool:

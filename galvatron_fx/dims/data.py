@@ -13,11 +13,21 @@ buffers) and :func:`copy_times` (the runtime's copies around it), for a layer's 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from ..layout import Layout
-from .base import CostTerms, Dimension, Field, LayerWork, PassSpec, SpaceOptions, one_of, positive_int, rule
+from .base import (
+    CostTerms,
+    Dimension,
+    Field,
+    LayerWork,
+    PassSpec,
+    SpaceOptions,
+    layer_elems,
+    one_of,
+    positive_int,
+    rule,
+)
 
 SDP_KINDS: tuple[str, ...] = ("none", "zero2", "zero3")
 """Data-parallel kinds, in enumeration order: plain DP (replicated states), ZeRO-2 (optimizer states
@@ -40,15 +50,6 @@ def _plan_sdp(w: str, layer, micro_batch: int) -> str | None:
     if layer.sdp not in SDP_KINDS:
         return f"plan {w}.sdp must be one of {list(SDP_KINDS)}, got {layer.sdp!r}"
     return None
-
-
-def layer_elems(cm: Any, index: int, s: Any) -> tuple[int, int]:
-    """``(every, trainable)`` parameter elements of layer ``index``'s flat buffer on one device under
-    ``s`` (its TP shard; ``cm``: the cost model): ZeRO-3 gathers every one, gradients and updates are
-    the trainable ones'."""
-    ep = cm.ep_of(index, s)
-    p, t = cm.layer_params(index, s.tp, ep=ep), cm.layer_params(index, s.tp, trainable_only=True, ep=ep)
-    return math.ceil(p.sharded / s.tp) + p.replicated, math.ceil(t.sharded / s.tp) + t.replicated
 
 
 def buffer_terms(cm: Any, s: Any, elems_tp: int, train_tp: int, dpg: list[int], first: bool) -> CostTerms:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..layout import Layout
-from .base import CostTerms, Dimension, Field, SpaceOptions, rule, trainable_per_device
+from .base import CostTerms, Dimension, Field, SpaceOptions, layer_elems, rule
 
 
 def shard_sizes(o: SpaceOptions, chosen: dict) -> tuple[int, ...]:
@@ -87,7 +87,7 @@ def _cost_terms(cm: Any, index: int, n: float, s: Any, work: Any) -> CostTerms:
     stage's first layer's is exposed)."""
     if s.shard == s.dp:
         return CostTerms()
-    train = trainable_per_device(cm, index, s.tp)
+    train = layer_elems(cm, index, s)[1]
     if not train:
         return CostTerms()
     replicas = list(Layout(s.tp, s.dp, shard=s.shard).replica_ranks(0))

@@ -35,9 +35,9 @@ from .base import (
     SpaceOptions,
     StateSizes,
     as_list,
+    layer_elems,
     one_of,
     rule,
-    trainable_per_device,
 )
 
 OFFLOAD_MODES = ("none", "optimizer")
@@ -130,7 +130,7 @@ def _cost_terms(cm: Any, index: int, n: float, s: Any, work: Any) -> CostTerms:
     optimizer step instead of the device's; all exposed."""
     if s.offload == "none":
         return CostTerms()
-    held = math.ceil(trainable_per_device(cm, index, s.tp) / s.shard)
+    held = math.ceil(layer_elems(cm, index, s)[1] / s.shard)
     c = cm.cluster
     if not getattr(c, "has_host", False):   # the devices are the host: copies in their memory, the same step
         return CostTerms(optimizer_s=2 * 4 * held * c.copy_s_per_byte)
