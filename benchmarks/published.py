@@ -29,9 +29,14 @@ Every model is built in bf16 (each run computed in 16 bits throughout) and estim
 * ``korthikanti``: Korthikanti et al. (arXiv 2205.05198), Table 5, "full recompute" column: seconds
   per iteration, no data parallelism; the configs of their Table 3.
 * ``llm-foundry``: mosaicml/llm-foundry ``scripts/train/benchmarking/README.md``: MPT models under
-  FSDP (FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2), amp_bf16, flash attention; the 128-GPU rows at
-  2048 tokens of both large-scale tables (H100 80GB, A100 40GB). MPT is priced as GPT-2 with MPT's
-  widths, exact GELU, no dropout (MPT has no biases; the difference is below 0.1 % of the FLOPs).
+  FSDP (FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2), amp_bf16; the 128-GPU rows at 2048 tokens of
+  both large-scale tables (H100 80GB, A100 40GB). MPT is priced as GPT-2 with MPT's widths, exact
+  GELU, no dropout (MPT has no biases; the difference is below 0.1 % of the FLOPs). Each row's
+  attention is the kernel its run called, priced at that kernel's rate (``Cluster.preset(...,
+  attention_kernel=...)``): the 2024-01 H100 table ran ``scripts/train/benchmarking/sweep.py``
+  (``--attn_impl flash`` with ``flash-attn==2.4.2`` for 1b / 3b / 7b / 70b, ``--attn_impl triton``
+  for 13b / 30b); the A100 tables and the 8-GPU H100 table ran ``sweep.sh``, which passes no
+  ``--attn_impl``: ``submit_benchmarks.py``'s default ``triton`` (the Triton FlashAttention kernel).
 
 Further rows (for instance held back by a reviewer) load from a JSON list of row dicts with the keys
 of :data:`ROWS` (``--rows FILE``; ``--only ID...`` selects).
@@ -91,10 +96,11 @@ def _a100(gpus, memory="80GB"):
     return f"{gpus // 8}x8xA100-{memory}" if gpus > 8 else f"{gpus}xA100-{memory}"
 
 
-def _lf(id_, name, arch, device, gbs, mb, ckpt, sdp, value):
+def _lf(id_, name, arch, device, gbs, mb, ckpt, sdp, value, attention="flash-attn-triton"):
     cluster = f"16x8x{device}"
     return dict(id=f"llm-foundry-{id_}-{name}", source=LF, arch=arch, cluster=cluster, seq=2048, gbs=gbs,
-                sdp=sdp, ckpt=ckpt, micro_batch=mb, unit="tokens/s/GPU", published=value)
+                sdp=sdp, ckpt=ckpt, micro_batch=mb, unit="tokens/s/GPU", published=value,
+                attention_kernel=attention)
 
 
 _KORTH = dict(source=KORTH, seq=2048, tp=8, ckpt=True, micro_batch=1, unit="s/iteration")
@@ -137,12 +143,12 @@ ROWS: list[dict] = [
     dict(id="korthikanti-1T", arch=megatron_gpt(25600, 128, 160), cluster="64x8xA100-80GB", gbs=512, pp=64,
          published=94.42, **_KORTH),
     # llm-foundry, 128 GPUs, 2048 tokens: H100 80GB then A100 40GB
-    _lf("003", "70b-h100", _MPT["70b"], "H100-80GB", 1024, 8, True, "zero3", 1058),
+    _lf("003", "70b-h100", _MPT["70b"], "H100-80GB", 1024, 8, True, "zero3", 1058, "flash-attn-2"),
     _lf("006", "30b-h100", _MPT["30b"], "H100-80GB", 1024, 8, True, "zero3", 2199),
     _lf("009", "13b-h100", _MPT["13b"], "H100-80GB", 2048, 16, True, "zero3", 5080),
-    _lf("012", "7b-h100", _MPT["7b"], "H100-80GB", 768, 6, False, "zero3", 10475),
-    _lf("015", "3b-h100", _MPT["3b"], "H100-80GB", 1024, 8, False, "zero2", 23422),
-    _lf("018", "1b-h100", _MPT["1b"], "H100-80GB", 1536, 12, False, "zero2", 44123),
+    _lf("012", "7b-h100", _MPT["7b"], "H100-80GB", 768, 6, False, "zero3", 10475, "flash-attn-2"),
+    _lf("015", "3b-h100", _MPT["3b"], "H100-80GB", 1024, 8, False, "zero2", 23422, "flash-attn-2"),
+    _lf("018", "1b-h100", _MPT["1b"], "H100-80GB", 1536, 12, False, "zero2", 44123, "flash-attn-2"),
     _lf("139", "70b-a100", _MPT["70b"], "A100-40GB", 512, 4, True, "zero3", 376),
     _lf("141", "30b-a100", _MPT["30b"], "A100-40GB", 768, 6, True, "zero3", 865),
     _lf("145", "13b-a100", _MPT["13b"], "A100-40GB", 2048, 16, True, "zero3", 1972),
@@ -228,7 +234,7 @@ LF_SWEEP = [  # (table row, MPT size, device, tokens, samples per step, micro-ba
 def sweep_rows() -> list[dict]:
     return [dict(id=f"llm-foundry-{n}-{size}-{dev.split('-')[0].lower()}-{seq}", source=f"{LF} (8 GPUs)",
                  arch=_MPT[size], cluster=f"8x{dev}", seq=seq, gbs=gbs, sdp="zero3", ckpt=ckpt, micro_batch=mb,
-                 unit="tokens/s/GPU", published=value)
+                 unit="tokens/s/GPU", published=value, attention_kernel="flash-attn-triton")
             for n, size, dev, seq, gbs, mb, ckpt, value in LF_SWEEP]
 
 
@@ -320,7 +326,7 @@ def estimate_row(row: dict, captured: dict) -> dict:
         model, kwargs = build(row["arch"], row["seq"])
         captured[key] = gfx.capture(model, (), kwargs=kwargs)
     gm = captured[key]
-    cluster = gfx.Cluster.preset(row["cluster"])
+    cluster = gfx.Cluster.preset(row["cluster"], attention_kernel=row.get("attention_kernel", "sdpa"))
     world = cluster.world_size
     best = None
     for kw in candidates(row, world):

@@ -433,10 +433,13 @@ class Cluster(ClusterTimes):
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def preset(cls, name: str) -> Cluster:
+    def preset(cls, name: str, attention_kernel: str = "sdpa") -> Cluster:
         """A datasheet cluster such as ``'8xA100-80GB'`` or ``'2x8xH100-80GB'``; ``'local'`` profiles.
 
         Devices: A100-40GB, A100-80GB, H100-80GB, H200-141GB, V100-32GB, RTX-TITAN-24GB.
+        ``attention_kernel``: the fused attention kernel the model calls, priced at its published
+        rate on the device (:data:`galvatron_fx.devices.ATTENTION_KERNELS`; ``sdpa``, the default,
+        is what ``F.scaled_dot_product_attention`` dispatches to).
         """
         if not isinstance(name, str):
             raise ConfigError(f"cluster preset must be a string; {_PRESET_HELP}")
@@ -450,6 +453,7 @@ class Cluster(ClusterTimes):
         if nodes < 1 or per_node < 1:
             raise ConfigError(f"cluster preset {name!r} needs at least one node and one device; {_PRESET_HELP}")
         canonical = f"{per_node}x{spec.display}" if m.group(1) is None else f"{nodes}x{per_node}x{spec.display}"
+        attention_rate = spec.attention_rate_of(attention_kernel)
         memory_rate = spec.hbm * HBM_EFFICIENCY
         overheads = dict(GPU_OVERHEADS, copy_s_per_byte=2 / memory_rate,
                          optimizer_s_per_byte=ADAM_WORDS_PER_PARAMETER / memory_rate)
@@ -467,7 +471,7 @@ class Cluster(ClusterTimes):
             inter_latency=spec.inter_latency,
             efficiency=spec.mamf,
             gemm_tile=GEMM_TILE,
-            attention_efficiency=spec.attention_rate,
+            attention_efficiency=attention_rate,
             attention_half_rate_seq=ATTENTION_HALF_RATE_SEQ,
             name=canonical,
             **overheads,

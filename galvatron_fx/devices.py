@@ -15,7 +15,10 @@ bytes/s, seconds.
 * **Fused attention** (:meth:`Cluster.attention_time`): ``attention`` is the long-sequence rate of
   the SDPA kernel torch dispatches to (FlashAttention-2 on sm80+), as a fraction of the bf16 peak,
   for head dim 128, causal, forward + backward; shorter sequences run at ``s / (s + 512)`` of it and
-  other head dims at ``(d / (d + 16)) / (128 / 144)`` (module docstring of :mod:`.cluster`).
+  other head dims at ``(d / (d + 16)) / (128 / 144)`` (module docstring of :mod:`.cluster`). A run
+  whose model calls another attention kernel (:data:`ATTENTION_KERNELS`: FlashAttention-1, the
+  Triton FlashAttention kernel that MPT-style models ship) is priced at that kernel's rate, read
+  from the same benchmark plots (``Cluster.preset(name, attention_kernel=...)``).
 * **The host** (CPU offload, :mod:`galvatron_fx.dims.offload`): ``host_memory`` per node,
   ``host_link`` bytes/s per direction between one device and the host (its PCIe generation's x16
   rate as measured by copies of pinned memory), ``host_memory_rate`` the node's DRAM bandwidth
@@ -28,6 +31,8 @@ bytes/s, seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .errors import ConfigError
 
 _T = 1e12
 _GB = 1e9
@@ -56,12 +61,21 @@ GEMM_TILE = 128
 on A100 and H100; NVIDIA's "Matrix Multiplication Background" guide, tile quantisation)."""
 
 
+ATTENTION_KERNELS = ("sdpa", "flash-attn-2", "flash-attn-1", "flash-attn-triton")
+"""Attention kernels a preset prices: ``sdpa`` (what ``F.scaled_dot_product_attention`` dispatches
+to: FlashAttention-2 from sm80, the memory-efficient kernel on sm70; the default),
+``flash-attn-2`` / ``flash-attn-1`` (the ``flash_attn`` 2.x / 1.x package; 2.x is SDPA's flash
+kernel, from sm80) and ``flash-attn-triton`` (the Triton FlashAttention kernel of
+``flash_attn_triton.py``, which MPT / llm-foundry models call with ``attn_impl: triton``)."""
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """One device type (module docstring). ``intra_bandwidth`` / ``nic_bandwidth``: NCCL bus
     bandwidth per direction; ``devices_per_nic``: devices sharing one NIC (None: one for the node);
     ``attention``: the SDPA kernel family (``"cuda"``: flash from sm80, ``"cuda-sm70"``:
-    memory-efficient only)."""
+    memory-efficient only); ``other_attention``: ``(kernel, long-sequence rate)`` of the
+    :data:`ATTENTION_KERNELS` besides ``sdpa`` with a published figure on this device."""
 
     display: str          # canonical spelling in preset names
     memory: str           # device memory, parse_bytes syntax
@@ -80,6 +94,19 @@ class DeviceSpec:
     host_memory: str = "0"         # host memory per node (parse_bytes syntax)
     host_link: float = 0.0         # device <-> host bytes/s per direction, per device
     host_memory_rate: float = 0.0  # the node's DRAM bandwidth, bytes/s (datasheet)
+    other_attention: tuple[tuple[str, float], ...] = ()
+
+    def attention_rate_of(self, kernel: str) -> float:
+        """The long-sequence rate (fraction of the 16-bit peak) of attention ``kernel`` on this
+        device; a :class:`ConfigError` where no public figure prices it."""
+        rates = {"sdpa": self.attention_rate, **dict(self.other_attention)}
+        if self.attention == "cuda":
+            rates["flash-attn-2"] = self.attention_rate
+        if kernel not in rates:
+            known = ", ".join(k for k in ATTENTION_KERNELS if k in rates)
+            raise ConfigError(f"no published rate prices attention kernel {kernel!r} on {self.display}; "
+                              f"use one of: {known}")
+        return rates[kernel]
 
     def inter_share(self, per_node: int) -> float:
         """Inter-node bytes/s per device when all ``per_node`` devices send across nodes at once."""
@@ -98,6 +125,14 @@ class DeviceSpec:
 # (the plots of ATTENTION_HALF_RATE_SEQ): limits 189 / 0.97 = 195 (0.625 of 312) and 328 / 0.97 =
 # 338 (0.342 of 989). V100 and TITAN RTX have no public MAMF or attention figure: the A100's
 # fractions are assumed (their memory-efficient kernel is, if anything, slower).
+# The other attention kernels, from the same plots (causal, head dim 128, forward + backward, 512 ..
+# 16k tokens): FlashAttention-1 on A100 55 / 62 / 69 / 76 / 80 / 83 TFLOP/s, limit 83 / 0.97 = 86
+# (0.274 of 312), on H100 98 / 109 / 108 / 126 / 135 / 137, limit 141 (0.143 of 989); the Triton
+# FlashAttention kernel on A100 50 / 61 / 68 / 74 / 78 / 80, limit 82 (0.264 of 312). The H100 plot
+# has no Triton bar: priced at FlashAttention-1's rate there, as the two run within 4 % of each
+# other on the A100 (an assumption).
+_A100_OTHER_ATTENTION = (("flash-attn-1", 0.274), ("flash-attn-triton", 0.264))
+_H100_OTHER_ATTENTION = (("flash-attn-1", 0.143), ("flash-attn-triton", 0.143))
 # The hosts (CPU offload): DGX A100 (2x AMD EPYC 7742, 8 channels DDR4-3200 each: 2 x 204.8 GB/s;
 # 1 TB with the 40GB GPUs, 2 TB with the 80GB ones), DGX H100 / H200 (2x Xeon Platinum 8480C, 8
 # channels DDR5-4800 each: 2 x 307.2 GB/s; 2 TB), DGX-1 (2x Xeon E5-2698 v4, 4 channels DDR4-2400
@@ -110,15 +145,18 @@ DEVICES: dict[str, DeviceSpec] = {
     # 2039 GB/s (80GB) / 1555 GB/s (40GB); DGX A100: 8x HDR 200 Gb/s, one per GPU.
     "a100-40gb": DeviceSpec("A100-40GB", "40GiB", 19.5 * _T, 312 * _T, 312 * _T, 1555 * _GB, 0.869, 0.625,
                             232 * _GB, 5e-6, 24 * _GB, 1, 1e-5,
-                            host_memory="1TB", host_link=24 * _GB, host_memory_rate=2 * 204.8 * _GB),
+                            host_memory="1TB", host_link=24 * _GB, host_memory_rate=2 * 204.8 * _GB,
+                            other_attention=_A100_OTHER_ATTENTION),
     "a100-80gb": DeviceSpec("A100-80GB", "80GiB", 19.5 * _T, 312 * _T, 312 * _T, 2039 * _GB, 0.869, 0.625,
                             232 * _GB, 5e-6, 24 * _GB, 1, 1e-5,
-                            host_memory="2TB", host_link=24 * _GB, host_memory_rate=2 * 204.8 * _GB),
+                            host_memory="2TB", host_link=24 * _GB, host_memory_rate=2 * 204.8 * _GB,
+                            other_attention=_A100_OTHER_ATTENTION),
     # NVIDIA H100 datasheet (SXM5): FP32 67, BF16/FP16 989 TFLOPS dense; HBM3 3350 GB/s;
     # DGX H100: 8x NDR 400 Gb/s.
     "h100-80gb": DeviceSpec("H100-80GB", "80GiB", 67 * _T, 989 * _T, 989 * _T, 3350 * _GB, 0.803, 0.342,
                             370 * _GB, 5e-6, 48 * _GB, 1, 1e-5,
-                            host_memory="2TB", host_link=48 * _GB, host_memory_rate=2 * 307.2 * _GB),
+                            host_memory="2TB", host_link=48 * _GB, host_memory_rate=2 * 307.2 * _GB,
+                            other_attention=_H100_OTHER_ATTENTION),
     # The H100 of Meta's Grand Teton hosts that torchtitan's H100 benchmarks ran on
     # (benchmarks/llama3_h100_202412_torchtitan.md): "96GB HBM2e with 2.4 TB/sec peak memory
     # bandwidth", the "default 500W power limit", NVLink inside the host, "400 Gb/s per GPU" RDMA;
@@ -126,12 +164,14 @@ DEVICES: dict[str, DeviceSpec] = {
     # BF16 dense (FP32 60), the lower bound the source names. The H100 SXM's fractions.
     "h100-96gb": DeviceSpec("H100-96GB", "96GB", 60 * _T, 835 * _T, 835 * _T, 2400 * _GB, 0.803, 0.342,
                             370 * _GB, 5e-6, 48 * _GB, 1, 1e-5,
-                            host_memory="2TB", host_link=48 * _GB, host_memory_rate=2 * 307.2 * _GB),
+                            host_memory="2TB", host_link=48 * _GB, host_memory_rate=2 * 307.2 * _GB,
+                            other_attention=_H100_OTHER_ATTENTION),
     # NVIDIA H200 (SXM): the H100's compute, 141 GB HBM3e at 4.8 TB/s (nvidia-smi reports
     # 143771 MiB); DGX H200: 8x NDR 400 Gb/s.
     "h200-141gb": DeviceSpec("H200-141GB", "143771MiB", 67 * _T, 989 * _T, 989 * _T, 4800 * _GB, 0.803, 0.342,
                              370 * _GB, 5e-6, 48 * _GB, 1, 1e-5,
-                             host_memory="2TB", host_link=48 * _GB, host_memory_rate=2 * 307.2 * _GB),
+                             host_memory="2TB", host_link=48 * _GB, host_memory_rate=2 * 307.2 * _GB,
+                            other_attention=_H100_OTHER_ATTENTION),
     # NVIDIA V100 (SXM2): FP32 15.7, FP16 Tensor Core 125 TFLOPS; no BF16 hardware (BF16 at the FP32
     # rate); HBM2 900 GB/s; DGX-1: 4x EDR 100 Gb/s for 8 GPUs (two per NIC).
     "v100-32gb": DeviceSpec("V100-32GB", "32GiB", 15.7 * _T, 15.7 * _T, 125 * _T, 900 * _GB, 0.869, 0.625,

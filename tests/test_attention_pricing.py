@@ -149,3 +149,25 @@ def test_cluster_rate_curves():
     assert long == pytest.approx(1e15 / (peak * c.attention_efficiency * 65536 / (65536 + 512)))
     assert short == pytest.approx(2 * 1e15 / (peak * c.attention_efficiency))      # half rate at 512 keys
     assert c.attention_target == "cuda" and gfx.Cluster.preset("8xV100-32GB").attention_target == "cuda-sm70"
+
+
+def test_a_preset_prices_the_attention_kernel_the_model_calls():
+    """``Cluster.preset(..., attention_kernel=...)``: FlashAttention-1 and the Triton kernel at their
+    own published rates (FlashAttention-2's plots: 83 and 80 against 189 TFLOP/s on an A100 at 16k),
+    the same shape over the sequence; a kernel with no figure on the device is one clear error."""
+    from galvatron_fx.errors import ConfigError
+
+    sdpa = gfx.Cluster.preset("8xA100-80GB")
+    assert gfx.Cluster.preset("8xA100-80GB", attention_kernel="flash-attn-2").attention_efficiency == \
+        sdpa.attention_efficiency
+    for kernel, tflops in (("flash-attn-1", 83), ("flash-attn-triton", 80)):
+        c = gfx.Cluster.preset("8xA100-80GB", attention_kernel=kernel)
+        t = c.attention_time(1e15, "bf16", seq=16384, head_dim=128)
+        assert 1e15 / t / 1e12 == pytest.approx(tflops, rel=0.03)
+        assert c.gemm_time(1, 4096, 4096, 4096, "bf16") == sdpa.gemm_time(1, 4096, 4096, 4096, "bf16")
+    h100 = gfx.Cluster.preset("8xH100-80GB", attention_kernel="flash-attn-1")
+    assert 1e15 / h100.attention_time(1e15, "bf16", seq=16384, head_dim=128) / 1e12 == pytest.approx(137, rel=0.03)
+    with pytest.raises(ConfigError, match="no published rate prices attention kernel 'flash-attn-1' on V100"):
+        gfx.Cluster.preset("8xV100-32GB", attention_kernel="flash-attn-1")
+    with pytest.raises(ConfigError, match="use one of: sdpa, flash-attn-2, flash-attn-1, flash-attn-triton"):
+        gfx.Cluster.preset("8xA100-80GB", attention_kernel="xformers")
