@@ -88,9 +88,10 @@ def test_plan_command_measures_under_torchrun(tmp_path):
     assert len(timed) >= 2 and data["chosen"] == min(timed, key=lambda r: r["measured_step_s"])["name"]
     assert proc.stdout.count("timed ") == len(data["measured"])   # printed once (rank 0)
     # the fit went into the cluster file: the chosen plan re-estimated on it is the calibrated step
-    # (an A100 preset timed on this CPU: the scale is large)
+    # (an A100 preset timed on this CPU: the steps run slower than priced, so the scale exceeds 1; how
+    # far, 2.0-2.6 on the 2-core test hosts, is the host's speed, which the fit's own test does not need)
     calibrated = gfx.Cluster.load(str(cfile))
-    assert calibrated.time_scale == pytest.approx(data["measure"]["fit"]["time_scale"]) and calibrated.time_scale > 2
+    assert calibrated.time_scale == pytest.approx(data["measure"]["fit"]["time_scale"]) and calibrated.time_scale > 1
     assert f"calibrated {cfile}" in proc.stderr and data["measure"]["error_after"] <= data["measure"]["error_before"]
     model, args = gfx.models.build("gpt-tiny", device="meta", batch=8)
     gm = gfx.capture(model, args, method="fx")
