@@ -435,12 +435,8 @@ class Cluster(ClusterTimes):
     @classmethod
     def preset(cls, name: str, attention_kernel: str = "sdpa") -> Cluster:
         """A datasheet cluster such as ``'8xA100-80GB'`` or ``'2x8xH100-80GB'``; ``'local'`` profiles.
-
-        Devices: A100-40GB, A100-80GB, H100-80GB, H200-141GB, V100-32GB, RTX-TITAN-24GB.
-        ``attention_kernel``: the fused attention kernel the model calls, priced at its published
-        rate on the device (:data:`galvatron_fx.devices.ATTENTION_KERNELS`; ``sdpa``, the default,
-        is what ``F.scaled_dot_product_attention`` dispatches to).
-        """
+        Devices: A100-40GB, A100-80GB, H100-80GB, H200-141GB, V100-32GB, RTX-TITAN-24GB. Attention
+        is priced as ``attention_kernel`` runs (:data:`galvatron_fx.devices.ATTENTION_KERNELS`)."""
         if not isinstance(name, str):
             raise ConfigError(f"cluster preset must be a string; {_PRESET_HELP}")
         if name.strip().lower() == "local":

@@ -4,10 +4,11 @@
 handed to every rewrite pass. Inputs (set before the first pass): the whole plan, this rank, the
 world size, the capture front end, the captured global batch, the DP bucket size, the loss and
 the names of the whole model's parameters.
-Products (set by the pass named beside each field; ``products`` holds any other dimension's, by
-its name) are read by the passes after it and by the code generator; nothing else carries state
-between passes. A chunk of a multi-chunk schedule starts with none (:meth:`ParallelContext.for_chunk`
-resets every field marked as a product).
+Products live in one mapping keyed by the dimension or pass that builds them
+(``products[owner][name]``; the named attributes below are views of it, :class:`Product`): the
+passes after their builder and the code generator read them; nothing else carries state between
+passes. A chunk of a multi-chunk schedule starts with none (:meth:`ParallelContext.for_chunk`
+starts an empty mapping).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from typing import Any
 
 import torch.fx
 
-from ..ir import StageInfo
 from ..plan import Plan
 from ..runtime.data_parallel import DEFAULT_BUCKET_BYTES
 from ..runtime.groups import Layout, batch_layout, input_layout
@@ -29,12 +29,26 @@ from .base import GraphPass, check
 from .split_layers import is_split
 
 
-def _product(default: Any):
-    """A field the passes build per chunk: ``default`` is the value (``None``) or a factory
-    (``dict``, ``list``) a new chunk starts from (:meth:`ParallelContext.for_chunk`)."""
-    if callable(default):
-        return field(default_factory=default, metadata={"product": True})
-    return field(default=default, metadata={"product": True})
+class Product:
+    """A product one dimension or pass builds per chunk: the view of ``ctx.products[owner][name]``,
+    ``default`` (a value, or a factory such as ``dict``) until its builder sets it."""
+
+    def __init__(self, owner: str, default: Any = None):
+        self.owner, self.default = owner, default
+
+    def __set_name__(self, cls, name: str) -> None:
+        self.name = name
+
+    def __get__(self, ctx, cls=None):
+        if ctx is None:
+            return self
+        built = ctx.products.setdefault(self.owner, {})
+        if self.name not in built:
+            built[self.name] = self.default() if callable(self.default) else self.default
+        return built[self.name]
+
+    def __set__(self, ctx, value) -> None:
+        ctx.products.setdefault(self.owner, {})[self.name] = value
 
 
 @dataclass
@@ -54,16 +68,17 @@ class ParallelContext:
     whole_batch: frozenset = frozenset()  # (global) layers mixing the samples of a batch (batch_symbol.coupling)
     seq_len: int | None = None          # the captured sequence (sharding/sequence.py: what cp > 1 splits)
     chunk: int | None = None            # the chunk of plan.stages built (None: this rank's stage; for_chunk)
-    # products: built per chunk (for_chunk starts a chunk with none), each set by the pass named beside it
-    token_loss: Any = _product(None)                  # token_loss: TokenLoss (count graph, scale buffer)
-    stage_info: StageInfo | None = _product(None)     # stage_split
-    tp_shards: dict = _product(dict)                  # tensor_parallel: fqn -> (ShardInfo, TP ranks)
-    expert_params: dict = _product(dict)              # expert_parallel: layer -> fqns split by expert
-    held_experts: dict = _product(dict)               # expert_parallel, loop form: fqn -> held by this rank
-    stores: list = _product(list)                     # data_parallel: this rank's FlatParams, layer order
-    output_layout: Layout | None = _product(None)     # resharding: layout of the graph output
-    input_layout: Layout | None = _product(None)      # resharding: layout the graph inputs arrive in
-    products: dict = _product(dict)                   # any other pass's, by dimension name (galvatron_fx.dims)
+    products: dict = field(default_factory=dict)  # owner (dimension or pass) -> its products, by name
+
+    # the products, each a view of products[owner] (built per chunk by the owner named first)
+    token_loss = Product("token_loss")              # TokenLoss (count graph, scale buffer)
+    stage_info = Product("stage_split")             # StageInfo
+    tp_shards = Product("tensor", dict)             # tensor_parallel: fqn -> (ShardInfo, TP ranks)
+    expert_params = Product("experts", dict)        # expert_parallel: layer -> fqns split by expert
+    held_experts = Product("experts", dict)         # expert_parallel, loop form: fqn -> held by this rank
+    stores = Product("data", list)                  # data_parallel: this rank's FlatParams, layer order
+    output_layout = Product("resharding")           # Layout of the graph output
+    input_layout = Product("resharding")            # Layout the graph inputs arrive in
 
     @property
     def stage_size(self) -> int:
@@ -83,9 +98,7 @@ class ParallelContext:
     def for_chunk(self, chunk: int) -> ParallelContext:
         """The same inputs, no products, building chunk ``chunk`` (a multi-chunk schedule runs
         several per rank: :mod:`galvatron_fx.solver.schedules`)."""
-        fresh = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-                 for f in dataclasses.fields(self) if f.metadata.get("product")}
-        return dataclasses.replace(self, chunk=chunk, **fresh)
+        return dataclasses.replace(self, chunk=chunk, products={})
 
     @property
     def base(self) -> int:

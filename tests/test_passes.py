@@ -332,20 +332,21 @@ def test_the_rewrite_order_is_declared_once_and_checked():
 
 
 def test_a_new_chunk_starts_with_no_products():
-    """``for_chunk`` keeps the inputs and resets every product field (none reset by hand)."""
-    import dataclasses
-
+    """``for_chunk`` keeps the inputs and starts an empty products mapping; each product is a view
+    of ``products[owner]`` (keyed by the dimension or pass that builds it, none reset by hand)."""
     import galvatron_fx as gfx
-    from galvatron_fx.passes.context import ParallelContext
+    from galvatron_fx.passes.context import ParallelContext, Product
 
     model, args = gfx.models.build("gpt-tiny", device="meta", layers=2)
     gm = gfx.capture(model, args, method="fx")
     ctx = ParallelContext(gfx.Plan.uniform(gm, 2, pp=2, micro_batches=2), rank=1, world_size=2, seq_len=7)
-    products = [f.name for f in dataclasses.fields(ctx) if f.metadata.get("product")]
-    assert {"tp_shards", "stores", "stage_info", "products"} <= set(products)
+    products = {n: v.owner for n, v in vars(ParallelContext).items() if isinstance(v, Product)}
+    assert products["tp_shards"] == "tensor" and products["stores"] == "data" and products["expert_params"] == "experts"
     for name in products:
         setattr(ctx, name, object())
+    assert ctx.products["tensor"]["tp_shards"] is ctx.tp_shards
+    assert set(ctx.products) == set(products.values())
     fresh = ctx.for_chunk(0)
-    assert fresh.chunk == 0 and fresh.seq_len == 7 and fresh.rank == 1
+    assert fresh.chunk == 0 and fresh.seq_len == 7 and fresh.rank == 1 and fresh.products == {}
     assert all(getattr(fresh, n) in (None, {}, []) for n in products)
     assert fresh.tp_shards is not ParallelContext(ctx.plan, 0, 2).tp_shards   # a new dict per context
