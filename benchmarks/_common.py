@@ -40,8 +40,9 @@ def write_json(path: str | None, data: dict) -> None:
 
 
 def ckpt_word(ckpt) -> str:
-    """A layer's checkpointing in a plan label: ``" sac"`` (selective), ``" ckpt"`` (full) or nothing."""
-    return " sac" if ckpt == "selective" else " ckpt" if ckpt else ""
+    """A layer's checkpointing in a plan label: ``" sac"`` (selective), ``" sac-op"`` (torchtitan's op
+    policy), ``" ckpt"`` (full) or nothing."""
+    return {"selective": " sac", "selective-op": " sac-op"}.get(ckpt, " ckpt") if ckpt else ""
 
 
 def plan_text(plan) -> str:

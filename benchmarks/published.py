@@ -18,7 +18,9 @@ Sources (every figure below with the table it comes from):
 
 * ``torchtitan``: pytorch/torchtitan ``docs/performance.md`` (A100 tables, 2024-04, 64 A100-80GB,
   FSDP2, bf16) and ``benchmarks/llama3_h100_202412_torchtitan.md`` (Table 2: Llama-3.1-8B context
-  parallelism on 8 H100, Float8 + torch.compile, full AC, local batch 1).
+  parallelism on 8 H100, Float8 + torch.compile, full AC, local batch 1; Tables 1 and 3: its FSDP rows
+  on 8 and 128 H100 in bf16, with torchtitan's default selective AC, the "op" policy: priced as
+  ``ckpt="selective-op"``, which runs that policy).
 Every model is built in bf16 (each run computed in 16 bits throughout) and estimated as a
 ``bf16-mixed`` plan (fp32 masters, gradients and Adam moments).
 
@@ -64,6 +66,8 @@ from _common import parser, print_table, write_json  # noqa: E402
 TT_A100 = "torchtitan docs/performance.md (2024-04): Llama on 64 A100-80GB, FSDP2, bf16"
 TT_H100_CP = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 2: Llama-3.1-8B, 8 H100, FSDP + CP, "
               "Float8 + torch.compile, full AC, local batch 1")
+TT_H100 = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3: Llama-3.1-8B, FSDP, bf16 (the "
+           "rows without Float8 or torch.compile), selective (op) AC, local batch 2, 8192 tokens")
 MEG = "Narayanan et al. SC'21 (arXiv 2104.04473)"
 KORTH = "Korthikanti et al. 2022 (arXiv 2205.05198), Table 5, full recompute"
 LF = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (2024-01)"
@@ -118,6 +122,11 @@ ROWS: list[dict] = [
          gbs=128, sdp="zero3", ckpt=False, micro_batch=2, unit="tokens/s/GPU", published=2162),
     dict(id="torchtitan-a100-llama2-70b-full", source=TT_A100, arch=LLAMA2_70B, cluster="8x8xA100-80GB", seq=4096,
          gbs=128, sdp="zero3", ckpt=True, micro_batch=2, unit="tokens/s/GPU", published=353),
+    # torchtitan H100 Tables 1 and 3: FSDP in bf16 (their rows without Float8 and torch.compile)
+    dict(id="torchtitan-h100-llama3-8b-fsdp8", source=TT_H100, arch=LLAMA3_8B, cluster="8xH100-96GB", seq=8192,
+         gbs=16, sdp="zero3", ckpt="selective-op", micro_batch=2, unit="tokens/s/GPU", published=5762),
+    dict(id="torchtitan-h100-llama3-8b-fsdp128", source=TT_H100, arch=LLAMA3_8B, cluster="16x8xH100-96GB",
+         seq=8192, gbs=256, sdp="zero3", ckpt="selective-op", micro_batch=2, unit="tokens/s/GPU", published=5605),
     # torchtitan H100 Table 2 (Float8 + compile): relative to its 32k FSDP-8 row
     dict(id="torchtitan-h100-cp1-32k", seq=32768, gbs=8, published=3890, **{**_TT_CP, "reference": None},
          ratio_only=True),

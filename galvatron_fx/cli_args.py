@@ -67,7 +67,8 @@ def pipeline_constraints(args: argparse.Namespace) -> dict:
     out = {k: getattr(args, k) for k in ("pp", "schedule", "virtual_stages", "micro_batches")
            if getattr(args, k, None) is not None}
     if getattr(args, "ckpt", None) is not None:   # --ckpt [full | selective]: every layer; --no-ckpt: none
-        out["ckpt"] = {"full": "all", "selective": "selective", "none": False}[args.ckpt]
+        out["ckpt"] = {"full": "all", "selective": "selective", "selective-op": "selective-op",
+                       "none": False}[args.ckpt]
     if getattr(args, "offload", None) is not None:   # --offload: every ZeRO layer; --no-offload: none
         out["offload"] = "optimizer" if args.offload else False
     for key, example in (("ep", "4 or 1,2,4,8"), ("cp", "4 or 1,2,4,8")):
@@ -99,9 +100,12 @@ def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", type=_positive_int, metavar="N",
                    help="pin the micro-batches per step (default: searched)")
     ckpt = p.add_mutually_exclusive_group()
-    ckpt.add_argument("--ckpt", nargs="?", const="full", choices=("full", "selective"), metavar="MODE",
+    ckpt.add_argument("--ckpt", nargs="?", const="full", choices=("full", "selective", "selective-op"),
+                      metavar="MODE",
                       help="--ckpt: checkpoint every layer fully; --ckpt selective: every layer selectively "
-                           "(matmul and attention outputs kept, the rest recomputed); default: searched per layer")
+                           "(matmul and attention outputs kept, the rest recomputed); --ckpt selective-op: "
+                           "torchtitan's op policy (every second linear matmul recomputed too); default: "
+                           "searched per layer (none, selective, full)")
     ckpt.add_argument("--no-ckpt", dest="ckpt", action="store_const", const="none",
                       help="checkpoint no layer")
     offload = p.add_mutually_exclusive_group()

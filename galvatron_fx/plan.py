@@ -75,7 +75,7 @@ def _need_int(where: str, v: Any, minimum: int = 1) -> int:
 @dataclass
 class LayerPlan:
     """One layer's strategy in a plan: ``name`` (the layer record's name), ``tp``, ``dp``, ``sdp``
-    ("none" | "zero2" | "zero3"), ``sp``, ``ckpt`` (false, "selective" or true); ``extra`` holds any
+    ("none" | "zero2" | "zero3"), ``sp``, ``ckpt`` (false, "selective", "selective-op" or true); ``extra`` holds any
     other per-layer JSON keys."""
 
     name: str

@@ -163,16 +163,16 @@ def cp_degrees(cost_model, world_size: int, constraints: dict | None = None) -> 
 
 def _ckpt_constraint(value) -> bool | tuple:
     """The ``ckpt`` constraint as the space option: ``false`` (none), ``true`` (searched per layer:
-    none, selective or full), ``"all"`` (every layer fully), ``"selective"`` (every layer
-    selectively) or a list of the modes to search among."""
+    none, selective or full), ``"all"`` (every layer fully), ``"selective"`` / ``"selective-op"``
+    (every layer selectively, under that policy) or a list of the modes to search among."""
     if isinstance(value, bool):
         return value
-    if value in ("all", "selective"):
-        return (True,) if value == "all" else ("selective",)
+    if value in ("all", "selective", "selective-op"):
+        return (True,) if value == "all" else (value,)
     if isinstance(value, (list, tuple)) and value and all(is_ckpt_mode(v) for v in value):
         return tuple(value)
-    raise ConfigError(f"constraint ckpt must be true, false, 'all', 'selective' or a list of false / "
-                      f"'selective' / true, got {value!r}")
+    raise ConfigError(f"constraint ckpt must be true, false, 'all', 'selective', 'selective-op' or a list of "
+                      f"false / 'selective' / 'selective-op' / true, got {value!r}")
 
 
 def _options(constraints: dict | None, global_batch_size, reserve: float) -> SearchOptions:

@@ -4,7 +4,9 @@ Takes SPLIT (the top graph of :mod:`.split_layers`), leaves SPLIT: the ``call_mo
 layer whose plan entry has ``ckpt: true`` becomes ``checkpoint_layer(self.layers_<i>, *inputs)``
 (:func:`galvatron_fx.runtime.checkpointing.checkpoint_layer`, non-reentrant), and of each with
 ``ckpt: "selective"`` ``selective_checkpoint_layer(...)`` (the outputs of matmuls and attention
-kernels saved, the rest recomputed), under the call's old node name; other layers are untouched.
+kernels saved, the rest recomputed), of each with ``ckpt: "selective-op"``
+``selective_op_checkpoint_layer(...)`` (every second linear matmul recomputed too), under the
+call's old node name; other layers are untouched.
 
 NOTE: it runs before the data-parallel pass, so the checkpoint wraps the whole layer including
 its ZeRO-3 all-gather: backward recomputes with freshly gathered parameters instead of keeping

@@ -171,3 +171,35 @@ def test_a_preset_prices_the_attention_kernel_the_model_calls():
         gfx.Cluster.preset("8xV100-32GB", attention_kernel="flash-attn-1")
     with pytest.raises(ConfigError, match="use one of: sdpa, flash-attn-2, flash-attn-1, flash-attn-triton"):
         gfx.Cluster.preset("8xA100-80GB", attention_kernel="xformers")
+
+
+def test_torchtitans_op_policy_keeps_and_recomputes_between_selective_and_full():
+    """``ckpt: "selective-op"``: every second linear matmul's output is recomputed, not kept: fewer
+    kept bytes than ``"selective"`` by exactly those outputs, a recompute longer by exactly those
+    matmuls' time, still shorter than full checkpointing's (live bytes:
+    tests/test_memory_equality_dist.py)."""
+    pytest.importorskip("transformers")
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(cfg)
+    ids = torch.zeros(1, 256, dtype=torch.long, device="meta")
+    gm = gfx.capture(model, (), kwargs=dict(input_ids=ids, labels=ids))
+    cm = CostModel(gm, gfx.Cluster.preset("8xH100-80GB"), precision="bf16-mixed")
+    i = 1
+    m = cm.measure(i)
+    cost = {c: cm.layer_cost(i, Strategy(1, 1, "none", False, c), 2) for c in (False, "selective", "selective-op", True)}
+    alt = (m.sac_alt_sharded_elems(2) + m.sac_alt_rep_elems(2) + m.sac_alt_whole_elems(2)) * 2
+    assert alt > 0 and cost["selective-op"].activation_bytes == pytest.approx(cost["selective"].activation_bytes - alt)
+    assert cost[True].activation_bytes < cost["selective-op"].activation_bytes < cost["selective"].activation_bytes
+    assert cost["selective"].bwd_s < cost["selective-op"].bwd_s < cost[True].bwd_s
+    gemm, other, memory, attention, _, second = cm._analytic_parts(i, m, 2, Strategy(1, 1))
+    fwd = cost[False].fwd_s
+    assert cost["selective-op"].bwd_s - cost["selective"].bwd_s == pytest.approx(
+        fwd * second / (gemm + other + memory + attention))
+    # Llama's block: q, k, v, o, gate, up, down; the 2nd, 4th and 6th are recomputed
+    assert 0.2 < second / gemm < 0.6
+    assert Strategy(1, 1, "none", False, "selective-op").label.endswith("sac-op")

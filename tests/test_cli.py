@@ -163,6 +163,10 @@ def test_a_config_plans_at_its_context_length_and_says_what_it_assumed(tmp_path,
                  "--ckpt", "selective", "--json", str(out)]) == 0
     capsys.readouterr()
     assert all(lp["ckpt"] == "selective" for lp in json.loads(out.read_text())["layers"])
+    assert main(["plan", str(cfg), "--cluster", "8xA100-80GB", "--global-batch-size", "16", "--micro-batches", "2",
+                 "--ckpt", "selective-op", "--json", str(out)]) == 0
+    capsys.readouterr()
+    assert all(lp["ckpt"] == "selective-op" for lp in json.loads(out.read_text())["layers"])
     assert main(["plan", str(cfg), "--cluster", "8xA100-80GB", "--global-batch-size", "16", "--seq-len", "64",
                  "--no-ckpt", "--json", str(out)]) == 0
     assert "seq_len 64 (--seq-len)" in capsys.readouterr().out

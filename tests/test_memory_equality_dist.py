@@ -30,6 +30,8 @@ PLANS = [  # label, micro-batches, per-layer spec cycled over the layers
     ("sac", 1, [dict(ckpt="selective")]),
     ("sac-tp-sp", 1, [dict(tp=4, dp=1, sp=True, ckpt="selective")]),
     ("sac-zero3xtp2", 2, [dict(tp=2, dp=2, sdp="zero3", ckpt="selective")]),
+    ("sacop", 1, [dict(ckpt="selective-op")]),
+    ("sacop-tp-sp", 1, [dict(tp=4, dp=1, sp=True, ckpt="selective-op")]),
     ("hsdp-zero2", 2, [dict(sdp="zero2", shard=2)]),
     ("hsdp-zero3", 1, [dict(sdp="zero3", shard=2)]),
     ("hsdp-mixed", 1, [dict(sdp="zero3", shard=2, ckpt="selective"), dict(sdp="zero2"), dict(sdp="zero3", shard=1)]),
@@ -98,7 +100,7 @@ def _measure(rank, world, model_name, overrides, labels=None, precision="fp32"):
     return out
 
 
-CI_PLANS = ["dp", "zero3", "tp-sp", "zero3xtp2", "hetero", "sac", "sac-tp-sp", "sac-mixed", "offload-mixed"]   # CI time: --run-matrix measures all of PLANS
+CI_PLANS = ["dp", "zero3", "tp-sp", "zero3xtp2", "hetero", "sac", "sac-tp-sp", "sacop-tp-sp", "sac-mixed", "offload-mixed"]   # CI time: --run-matrix measures all of PLANS
 
 
 @pytest.mark.dist

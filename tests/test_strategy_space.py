@@ -96,6 +96,9 @@ def test_candidate_counts_documented():
     old = {"hsdp": False, "offload": ("none",)}
     assert candidate_counts(ckpt=[False, True], more=old) == {1: 2, 2: 10, 4: 22, 8: 34, 16: 42, 64: 42}
     assert candidate_counts(ckpt=["selective"]) == candidate_counts(ckpt=False)
+    # torchtitan's op policy only where asked for: the searched default stays none / selective / full
+    assert candidate_counts(ckpt=["selective-op"]) == candidate_counts(ckpt=False)
+    assert candidate_counts(ckpt=[False, "selective", "selective-op", True])[8] == 81 + 27
     assert candidate_counts(ckpt=False, more=old) == {1: 1, 2: 5, 4: 11, 8: 17, 16: 21, 64: 21}
     assert candidate_counts(ckpt=False, more={"hsdp": False}) == {1: 1, 2: 7, 4: 17, 8: 27, 16: 35, 64: 35}
     assert paper_comparable_count(8) == 16  # + 6 DP-inner placements = the paper's 22

@@ -183,6 +183,15 @@ CASES = {
     "sac-bf16-zero2": dict(matrix=True, precision="bf16-mixed", plan=dict(dp=2, sdp="zero2", ckpt="selective")),
     "sac-frozen-zero3-compile": dict(matrix=True, door="compile", model="frozen",
                                      plan=dict(dp=2, sdp="zero3", ckpt="selective")),
+    # torchtitan's op policy (every second linear matmul recomputed too): ZeRO through export, a
+    # split backward replaying its regions twice, TP+SP under torch.compile, GPT-2 through fx
+    "sacop-zero2-export": dict(method="export", plan=dict(dp=2, sdp="zero2", ckpt="selective-op")),
+    "sacop-zb-h1": dict(clip="dm", plan=dict(pp=2, dp=1, micro_batches=4, schedule="interleaved-zb",
+                                             virtual_stages=1, ckpt="selective-op")),
+    "sacop-tp2-sp-compile": dict(matrix=True, world=4, door="compile", plan=dict(tp=2, dp=2, sp=True,
+                                                                                 ckpt="selective-op")),
+    "sacop-gpt-fx-zero3": dict(matrix=True, model="gpt", method="fx", plan=dict(dp=2, sdp="zero3",
+                                                                                ckpt="selective-op")),
     # HSDP: ZeRO over shard groups of 2 DP ranks, the shards' gradients all-reduced over the 2 replicas
     "hsdp-zero2-dp4": dict(world=4, plan=dict(dp=4, sdp="zero2", shard=2)),
     "hsdp-zero3-export": dict(world=4, method="export", plan=dict(dp=4, sdp="zero3", shard=2)),

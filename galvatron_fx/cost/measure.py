@@ -76,6 +76,9 @@ class Point:
     sac_rep_elems: float = 0.0
     sac_expert_elems: float = 0.0
     sac_other_bytes: float = 0.0
+    sac_alt_sharded_elems: float = 0.0   # of those, every second linear matmul's ("selective-op" recomputes)
+    sac_alt_whole_elems: float = 0.0
+    sac_alt_rep_elems: float = 0.0
     attn_fwd_flops: float = 0.0       # SDPA kernels' FLOPs as the target's kernel executes them (sharded)
     attn_bwd_flops: float = 0.0
     kernels: tuple = ()               # the attention kernels of its SDPA calls
@@ -139,7 +142,7 @@ _SCALARS = ("fwd_flops_sharded", "fwd_flops_rep", "bwd_flops", "saved_sharded_el
             "wgrad_rep_elems", "wgrad_whole_elems", "wgrad_row_bias_elems", "saved_expert_elems",
             "fwd_flops_expert", "attn_fwd_flops", "attn_bwd_flops", "fwd_traffic_sharded", "fwd_traffic_rep",
             "bwd_traffic", "sac_sharded_elems", "sac_whole_elems", "sac_rep_elems", "sac_expert_elems",
-            "sac_other_bytes")
+            "sac_other_bytes", "sac_alt_sharded_elems", "sac_alt_whole_elems", "sac_alt_rep_elems")
 
 
 def measure_layer(layer: LayerGraph, sizes: tuple[int, ...] = MEASURE_SIZES,
@@ -395,8 +398,9 @@ def _op_work(layer: LayerGraph, work, p: Point) -> None:
     """The forward's matmuls and traffic (:mod:`.op_work`) into ``p``, classified as the FLOPs are."""
     for node, dims in work.gemms.items():
         # NOTE: "e" marks an experts block's matmul: expert parallelism regroups it (time_terms)
+        # "2" marks every second linear matmul, which "selective-op" recomputes (time_terms)
         expert = "e" if node in layer.expert_nodes else ""
-        p.fwd_gemms += [(expert + _split_dim(layer, node), d) for d in dims]
+        p.fwd_gemms += [(("2" if second else "") + expert + _split_dim(layer, node), d) for d, second in dims]
     for node, moved in work.traffic.items():
         if node is None:
             continue

@@ -247,7 +247,7 @@ class CostModel(LayerQueries, TimeTerms):
         if s.ckpt:
             extra = (s.cp - 1) * n * self.attention(index).mask_bytes if index is not None and s.cp > 1 else 0.0
             kept = m.input_elems(n) * self.itemsize / rep_div + m.input_other_bytes(n) + extra
-            if s.ckpt == "selective":   # and the outputs of its matmuls and attention kernels
+            if s.ckpt in ("selective", "selective-op"):   # and the outputs of its matmuls and attention kernels
                 kept += selective_bytes(m, n, s, self.itemsize)
             return kept, full
         return full, full

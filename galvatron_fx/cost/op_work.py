@@ -102,7 +102,7 @@ class Work:
     """What one pass recorded: matmul dims and bytes moved, per fx node (forward) or under
     ``None`` (backward)."""
 
-    gemms: dict = field(default_factory=dict)     # node -> [(batch, m, n, k), ...]
+    gemms: dict = field(default_factory=dict)     # node -> [((batch, m, n, k), every second linear), ...]
     traffic: dict = field(default_factory=dict)   # node -> bytes read + written by the other ops
 
 
@@ -115,6 +115,7 @@ class OpWork(TorchDispatchMode):
         self.work = Work()
         self.fused_dropout = fused_dropout
         self._masks: set[int] = set()   # storages of dropout noise tensors (fused_dropout)
+        self._linear = 0                 # linear matmuls (mm, addmm) so far
 
     def _mask(self, t) -> bool:
         return isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in self._masks
@@ -134,7 +135,11 @@ class OpWork(TorchDispatchMode):
             return out
         dims = gemm_dims(func, args)
         if dims is not None:
-            self.work.gemms.setdefault(self.node, []).append(dims)
+            second = False
+            if func in (aten.mm.default, aten.addmm.default):   # a linear layer's: every second one is
+                self._linear += 1                               # what "selective-op" recomputes
+                second = self._linear % 2 == 0
+            self.work.gemms.setdefault(self.node, []).append((dims, second))
             return out
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         if not outs:   # metadata queries (prim.device, sizes): no kernel

@@ -5,7 +5,8 @@ keeps its inputs, as full checkpointing does, and the outputs of the ops in
 :data:`~galvatron_fx.runtime.checkpointing.SAVED_OPS` (matmuls, fused attention kernels); backward
 recomputes every other op. :class:`SelectiveSaves` records those outputs while the measurement
 (:mod:`.measure`) runs the layer on fake tensors: each ATen op in the set, its output storages and
-the fx node running it. SDPA calls run as the target's kernel (:mod:`.attention_kernels`), so their
+the fx node running it, and which are the outputs of every second linear matmul (what
+``"selective-op"``, torchtitan's op policy, recomputes instead: ``sac_alt_*``). SDPA calls run as the target's kernel (:mod:`.attention_kernels`), so their
 outputs are noted from the kernel: a fused kernel's output and log-sum-exp; the math path's two
 batched matmuls (the ``[.., s_q, s_kv]`` scores and the output).
 
@@ -21,7 +22,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..runtime.checkpointing import SAVED_OPS
+from ..runtime.checkpointing import LINEAR_MATMULS, SAVED_OPS
 
 
 class SelectiveSaves(TorchDispatchMode):
@@ -33,25 +34,37 @@ class SelectiveSaves(TorchDispatchMode):
         super().__init__()
         self.node: str | None = None
         self.saved: dict[int, tuple[str | None, torch.Tensor]] = {}
+        self.alternate: set[int] = set()   # storages of every second linear matmul's output
+        self._matmuls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in SAVED_OPS:
-            self.note(out)
+            second = False
+            if func in LINEAR_MATMULS:
+                self._matmuls += 1
+                second = self._matmuls % 2 == 0
+            self.note(out, second)
         return out
 
-    def note(self, out) -> None:
-        """Count ``out``'s tensors as saved by the running node."""
+    def note(self, out, alternate: bool = False) -> None:
+        """Count ``out``'s tensors as saved by the running node (``alternate``: the output of a
+        second linear matmul, which ``"selective-op"`` recomputes)."""
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self.saved.setdefault(t.untyped_storage()._cdata, (self.node, t))
+                key = t.untyped_storage()._cdata
+                if key not in self.saved:
+                    self.saved[key] = (self.node, t)
+                    if alternate:
+                        self.alternate.add(key)
 
 
 def classify(layer, saves: SelectiveSaves, itemsize_dtype: torch.dtype | None, p) -> None:
     """Add the recorded outputs to ``p`` (a :class:`~.measure.Point`): ``sac_sharded_elems``,
     ``sac_whole_elems``, ``sac_rep_elems`` (floating elements, in ``itemsize_dtype`` units when
-    given), ``sac_other_bytes`` and ``sac_expert_elems`` (those inside experts blocks)."""
-    for node, t in saves.saved.values():
+    given), ``sac_other_bytes`` and ``sac_expert_elems`` (those inside experts blocks); the same
+    classes of the every-second linear matmuls' outputs again as ``sac_alt_*``."""
+    for key, (node, t) in saves.saved.items():
         nbytes = t.untyped_storage().nbytes()
         if not t.dtype.is_floating_point:
             p.sac_other_bytes += nbytes
@@ -60,17 +73,23 @@ def classify(layer, saves: SelectiveSaves, itemsize_dtype: torch.dtype | None, p
         if node in layer.expert_nodes:
             p.sac_expert_elems += elems
         if layer.roles.get(node) == "row":
-            p.sac_whole_elems += elems
+            kind = "whole"
         elif layer.out_sharded.get(node, False) or layer.in_sharded.get(node, False):
-            p.sac_sharded_elems += elems
+            kind = "sharded"
         else:
-            p.sac_rep_elems += elems
+            kind = "rep"
+        setattr(p, f"sac_{kind}_elems", getattr(p, f"sac_{kind}_elems") + elems)
+        if key in saves.alternate:
+            setattr(p, f"sac_alt_{kind}_elems", getattr(p, f"sac_alt_{kind}_elems") + elems)
 
 
 def selective_bytes(m, n: float, s, itemsize: float) -> float:
     """Bytes a selective layer keeps beyond its inputs per device for ``n`` samples under strategy
     ``s`` (``m``: its :class:`~.measure.LayerMeasure`): the sharded outputs over ``tp``, the
-    replicated ones over ``tp`` under SP, the whole ones whole."""
+    replicated ones over ``tp`` under SP, the whole ones whole; under ``"selective-op"`` without
+    the every-second linear matmuls' outputs."""
     rep_div = s.tp if s.sp else 1
-    return ((m.sac_sharded_elems(n) / s.tp + m.sac_rep_elems(n) / rep_div + m.sac_whole_elems(n)) * itemsize
-            + m.sac_other_bytes(n))
+    kept = m.sac_sharded_elems(n) / s.tp + m.sac_rep_elems(n) / rep_div + m.sac_whole_elems(n)
+    if s.ckpt == "selective-op":
+        kept -= m.sac_alt_sharded_elems(n) / s.tp + m.sac_alt_rep_elems(n) / rep_div + m.sac_alt_whole_elems(n)
+    return kept * itemsize + m.sac_other_bytes(n)

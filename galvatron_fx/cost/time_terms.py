@@ -87,9 +87,10 @@ class TimeTerms:
             return 0.0
         if s.ckpt is True:
             return fwd
-        parts = self._analytic_parts(index, self.measure(index), n, s)
-        total = sum(parts[:4])
-        return fwd * (parts[1] + parts[2]) / total if total else 0.0
+        gemm, other, memory, attention, _, second = self._analytic_parts(index, self.measure(index), n, s)
+        total = gemm + other + memory + attention
+        again = other + memory + (second if s.ckpt == "selective-op" else 0.0)
+        return fwd * again / total if total else 0.0
 
     def _analytic_times(self, index: int, m: LayerMeasure, n: float, s: Strategy) -> tuple[float, float]:
         """``(forward, backward)`` device seconds of layer ``index`` for ``n`` samples under ``s``
@@ -98,19 +99,21 @@ class TimeTerms:
         rate the forward's achieved (its matmuls are the forward's, transposed), the attention at the
         fused kernel's rate, the other ops' bytes at the memory rate (the backward's split between
         TP-sharded and replicated as the forward's)."""
-        gemm, other, memory, attention, bwd = self._analytic_parts(index, m, n, s)
+        gemm, other, memory, attention, bwd, _ = self._analytic_parts(index, m, n, s)
         return gemm + other + memory + attention, bwd
 
     def _analytic_parts(self, index: int, m: LayerMeasure, n: float, s: Strategy) -> tuple[float, ...]:
         """:meth:`_analytic_times`'s forward in parts: ``(matmuls, FLOPs outside them, other ops'
-        bytes, attention, backward)`` seconds."""
+        bytes, attention, backward, every second linear matmul (of the matmuls))`` seconds."""
         c, dtype = self.cluster, self.dtype
         rep_div = s.tp if s.sp else 1
         fwd_f, bwd_f = self._fwd_flops(m, n, s)
-        gemm_s = gemm_f = 0.0
+        gemm_s = gemm_f = second_s = 0.0
         ep = self.ep_of(index, s)
         for split, dims in m.fwd_gemms:
             b, rows, cols, depth = (f(n) for f in dims)
+            second = split.startswith("2")
+            split = split.lstrip("2")
             if split.startswith("e"):   # an experts matmul: under ep, 1/ep of the experts, ep x the rows each
                 split = split[1:]
                 if ep > 1 and b > 1:
@@ -120,7 +123,8 @@ class TimeTerms:
                                   depth / s.tp if split == "k" else depth)
             elif s.sp:
                 rows /= s.tp
-            gemm_s += c.gemm_time(b, rows, cols, depth, dtype)
+            t = c.gemm_time(b, rows, cols, depth, dtype)
+            gemm_s, second_s = gemm_s + t, second_s + (t if second else 0.0)
             gemm_f += 2 * b * rows * cols * depth
         rate = gemm_f / gemm_s if gemm_s else c.achievable_flops(dtype)
         # NOTE: FLOPs the matmul records miss (grouped expert matmuls) at the forward's rate too
@@ -135,7 +139,7 @@ class TimeTerms:
         # NOTE: the attention heads split over TP (and stay split under SP)
         attention = c.attention_time(m.attn_fwd_flops(n) / s.tp, dtype, **kw)
         bwd += c.attention_time(m.attn_bwd_flops(n) / s.tp, dtype, backward=True, **kw)
-        return gemm_s, other, memory, attention, bwd
+        return gemm_s, other, memory, attention, bwd, second_s
 
     def profile(self, index: int, s: Strategy) -> dict:
         """Profiled ``{"fwd": Affine, "bwd": Affine}`` seconds per sample count for layer ``index``

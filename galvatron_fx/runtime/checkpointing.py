@@ -1,5 +1,6 @@
-"""Activation checkpointing of whole layer submodules: full (every activation recomputed) or
-selective (the outputs of matmuls and attention kernels saved, the rest recomputed)."""
+"""Activation checkpointing of whole layer submodules: full (every activation recomputed),
+selective (the outputs of matmuls and attention kernels saved, the rest recomputed) or selective-op
+(torchtitan's op policy: as selective, every second linear matmul recomputed too)."""
 
 from __future__ import annotations
 
@@ -26,9 +27,31 @@ kernels (their output and log-sum-exp). Everything else (norms, activations, dro
 casts, collectives) is recomputed in backward."""
 
 
+LINEAR_MATMULS = frozenset({aten.mm.default, aten.addmm.default})
+"""The matmuls of linear layers, which ``"selective-op"`` counts (torchtitan's op policy counts
+``aten.mm``, its models' bias-free linears; a linear with a bias runs ``addmm``)."""
+
+
 def save_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     """Selective checkpointing's policy: keep the outputs of :data:`SAVED_OPS`, recompute the rest."""
     return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def alternate_policy():
+    """``"selective-op"``'s policy for one region (torchtitan's ``selective_ac_option = "op"``): as
+    :func:`save_policy`, but every second linear matmul of the region (the 2nd, 4th, ...) is
+    recomputed too. Called in the forward only (torch records each call's choice by invocation)."""
+    count = 0
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        nonlocal count
+        if func in LINEAR_MATMULS:
+            count += 1
+            if count % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return save_policy(ctx, func, *args, **kwargs)
+
+    return policy
 
 
 def checkpoint_layer(layer, *args):
@@ -82,11 +105,15 @@ class _Replayable(_CachedTorchDispatchMode):
 _RECORDERS: list[list] = []
 
 
-def _selective_contexts():
-    caching, cached = create_selective_checkpoint_contexts(save_policy)
+def _selective_contexts(policy=save_policy):
+    caching, cached = create_selective_checkpoint_contexts(policy)
     for regions in _RECORDERS:
         regions.append(caching.storage)
     return caching, _Replayable(cached)
+
+
+def _alternate_contexts():
+    return _selective_contexts(alternate_policy())
 
 
 @contextlib.contextmanager
@@ -120,7 +147,15 @@ def selective_checkpoint_layer(layer, *args):
                                              context_fn=_selective_contexts)
 
 
-RUNNERS = {True: checkpoint_layer, "selective": selective_checkpoint_layer}
+def selective_op_checkpoint_layer(layer, *args):
+    """:func:`selective_checkpoint_layer` under :func:`alternate_policy`: every second linear
+    matmul's output is recomputed too (``ckpt: "selective-op"``)."""
+    return torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False, early_stop=False,
+                                             context_fn=_alternate_contexts)
+
+
+RUNNERS = {True: checkpoint_layer, "selective": selective_checkpoint_layer,
+           "selective-op": selective_op_checkpoint_layer}
 """The function a layer's call runs under, by its ``ckpt`` value."""
 
 

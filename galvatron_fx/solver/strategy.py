@@ -78,7 +78,7 @@ def _options(devices_per_stage: int, **kwargs) -> SpaceOptions:
     ckpt = kwargs.get("ckpt", True)
     if not isinstance(ckpt, bool):
         if isinstance(ckpt, str) or not all(is_ckpt_mode(m) for m in ckpt):
-            raise ConfigError(f"ckpt must be a bool or a list of false / 'selective' / true, got {ckpt!r}")
+            raise ConfigError(f"ckpt must be a bool or a list of false / 'selective' / 'selective-op' / true, got {ckpt!r}")
         kwargs["ckpt"] = tuple(ckpt)
     o = SpaceOptions(devices_per_stage, **kwargs)
     for key in ("devices_per_stage", "devices_per_node"):
