@@ -26,8 +26,10 @@ Every model is built in bf16 (each run computed in 16 bits throughout) and estim
 
 * ``megatron``: Narayanan et al., SC'21 (arXiv 2104.04473), Tables 1 and 2: achieved TFLOP/s per
   GPU by their eq. (3), 96·B·s·l·h²·(1 + s/6h + V/16lh) per iteration, A100-80GB, 16-bit mixed
-  precision, full recomputation. Their attention stores its probabilities (a fused softmax, not
-  flash): priced here as transformers' ``eager`` GPT-2 attention, GELU fused (``gelu_pytorch_tanh``).
+  precision, full recomputation; Table 1's micro-batch sizes and interleaving depths as the authors'
+  NVIDIA/Megatron-LM ``examples/sc21/run_table_1.sh`` runs them. Their attention stores its
+  probabilities (a fused softmax, not flash): priced here as transformers' ``eager`` GPT-2
+  attention, GELU fused (``gelu_pytorch_tanh``).
 * ``korthikanti``: Korthikanti et al. (arXiv 2205.05198), Table 5, "full recompute" column: seconds
   per iteration, no data parallelism; the configs of their Table 3.
 * ``llm-foundry``: mosaicml/llm-foundry ``scripts/train/benchmarking/README.md``: MPT models under
@@ -90,10 +92,10 @@ def mpt(hidden, layers, heads):
                 attention="sdpa", activation="gelu", dropout=0.0)
 
 
-def _meg(name, arch, gpus, tp, pp, gbs, value, *, sdp="none", mb=None, interleaved=True, table="Table 1"):
+def _meg(name, arch, gpus, tp, pp, gbs, value, *, sdp="none", mb=None, interleaved=True, v=None, table="Table 1"):
     return dict(id=f"megatron-{name}", source=f"{MEG}, {table}", arch=arch, cluster=_a100(gpus), seq=2048,
                 gbs=gbs, tp=tp, pp=pp, sdp=sdp, ckpt=True, micro_batch=mb, interleaved=interleaved and pp > 1,
-                unit="megatron_tflops", published=value)
+                virtual_stages=v, unit="megatron_tflops", published=value)
 
 
 def _a100(gpus, memory="80GB"):
@@ -133,13 +135,18 @@ ROWS: list[dict] = [
     dict(id="torchtitan-h100-cp2-64k", seq=65536, gbs=4, cp=2, published=2540, **_TT_CP),
     dict(id="torchtitan-h100-cp4-128k", seq=131072, gbs=2, cp=4, published=1071, **_TT_CP),
     dict(id="torchtitan-h100-cp8-256k", seq=262144, gbs=1, cp=8, published=548, **_TT_CP),
-    # Megatron-LM SC'21 Table 1 (micro-batch and interleaving depth not published) and Table 2
-    _meg("1.7B", megatron_gpt(2304, 24, 24), 32, 1, 1, 512, 137),
-    _meg("3.6B", megatron_gpt(3072, 30, 32), 64, 2, 1, 512, 138),
-    _meg("7.5B", megatron_gpt(4096, 36, 32), 128, 4, 1, 512, 142),
-    _meg("18.4B", megatron_gpt(6144, 40, 48), 256, 8, 1, 1024, 135),
-    _meg("39.1B", megatron_gpt(8192, 48, 64), 512, 8, 2, 1536, 138),
-    _meg("145.6B", megatron_gpt(12288, 80, 96), 1536, 8, 8, 2304, 148),
+    # Megatron-LM SC'21 Table 1, each run as NVIDIA/Megatron-LM examples/sc21/run_table_1.sh gives it
+    # (micro-batch size, and the interleaving depth: --num-layers-per-virtual-pipeline-stage), and Table 2
+    _meg("1.7B", megatron_gpt(2304, 24, 24), 32, 1, 1, 512, 137, mb=16),
+    _meg("3.6B", megatron_gpt(3072, 30, 32), 64, 2, 1, 512, 138, mb=16),
+    _meg("7.5B", megatron_gpt(4096, 36, 32), 128, 4, 1, 512, 142, mb=16),
+    _meg("18.4B", megatron_gpt(6144, 40, 48), 256, 8, 1, 1024, 135, mb=8),
+    _meg("39.1B", megatron_gpt(8192, 48, 64), 512, 8, 2, 1536, 138, mb=4, interleaved=False),
+    _meg("76.1B", megatron_gpt(10240, 60, 80), 1024, 8, 4, 1792, 140, mb=2, v=3),
+    _meg("145.6B", megatron_gpt(12288, 80, 96), 1536, 8, 8, 2304, 148, mb=2, v=2),
+    _meg("310.1B", megatron_gpt(16384, 96, 128), 1920, 8, 16, 2160, 155, mb=1, v=2),
+    _meg("529.6B", megatron_gpt(20480, 105, 128), 2520, 8, 35, 2520, 163, mb=1, v=3),
+    _meg("1008B", megatron_gpt(25600, 128, 160), 3072, 8, 64, 3072, 163, mb=1, interleaved=False),
     _meg("174.6B-zero3-384", megatron_gpt(12288, 96, 96), 384, 1, 1, 1536, 144, sdp="zero3", mb=4, table="Table 2"),
     _meg("174.6B-ptdp-384", megatron_gpt(12288, 96, 96), 384, 8, 12, 1536, 153, mb=1, table="Table 2"),
     # Korthikanti et al. Table 5 (full recompute), no data parallelism
