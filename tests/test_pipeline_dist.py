@@ -32,6 +32,7 @@ T5 = dict(layers=4, hidden=32, heads=4, ffn_hidden=64, seq_len=16, tgt_len=8, vo
 
 def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=True, eps=EPS):
     import galvatron_fx as gfx
+    from galvatron_fx.planner import cost_model_for
 
     model, args = gfx.models.build(model_name, device="cpu", **overrides)
     gm = gfx.capture(model, args, method="fx")
@@ -68,8 +69,16 @@ def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=True, eps
         diff = torch.cat([(sd[k] - p).flatten() for k, p in ref_params.items()])
         ref = torch.cat([p.flatten() for p in ref_params.values()])
         # NOTE: the A100 prices its attention kernels; this run's bytes are the CPU's
-        est = gfx.estimate(gm, plan, cluster, **{**plan.extra.get("cost_model", {}),
-                                                 "attention_target": "cpu"})["per_device"]
+        options = {**plan.extra.get("cost_model", {}), "attention_target": "cpu"}
+        full_est = gfx.estimate(gm, plan, cluster, **options)
+        est = full_est["per_device"]
+        # a CPU-offloaded layer's gradient shard is on the device only from its backward to the
+        # step's reduction (then on the host): not live at rest (tests/test_memory_equality_dist.py)
+        cm = cost_model_for(gm, cluster, **{**options, "precision": plan.precision})
+        mine = [i for c, (a, b) in enumerate(plan.stages) if plan.chunk_rank(c) == dm.stage_index
+                for i in range(a, b + 1)]
+        offloaded_grads = sum(cm.states_bytes(i, plan.layers[i].strategy).grads for i in mine
+                              if plan.layers[i].strategy.offload != "none")
         results[label] = {
             "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
             "param_err": (diff.norm() / ref.norm()).item(),
@@ -78,7 +87,9 @@ def _run_cases(rank, world_size, model_name, overrides, cases, real_tp=True, eps
             "stage": dm.stage_index, "pp": plan.pp, "m": plan.micro_batches, "schedule": plan.schedule,
             "stats": dm.schedule_stats,
             "states": dm.states_bytes(opt)["total"],
-            "predicted_states": est["states_bytes"][dm.stage_index],
+            "predicted_states": est["states_bytes"][dm.stage_index] - offloaded_grads,
+            "host": dm.states_bytes(opt).get("host", 0),
+            "predicted_host": (full_est.get("host_bytes_per_device") or [0] * plan.pp)[dm.stage_index],
             "predicted_activation": est["activation_bytes"][dm.stage_index],
             "predicted_transient": est["transient_bytes"][dm.stage_index],
             "ckpt": any(lp.ckpt for c, (a, b) in enumerate(plan.stages) if plan.chunk_rank(c) == dm.stage_index
@@ -141,6 +152,7 @@ def _check(results):
                     bound += predicted - held
                 assert 0 < st["peak_saved_bytes"] <= bound * 1.01 + slack, (label, st, bound)
                 assert r["states"] == r["predicted_states"], (label, r["stage"], r["states"], r["predicted_states"])
+                assert r["host"] == r["predicted_host"], (label, r["stage"], r["host"], r["predicted_host"])
                 continue
             assert sorted(st["order"]) == sorted([f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)])
             # peak in-flight activations follow the schedule
@@ -157,8 +169,10 @@ def _check(results):
                 if "param_parts = " in code:   # the chunks are only indexed, never sliced or split
                     rest = re.sub(r"param_parts\[\d+\]|param_parts = None|param_parts = \w+\(", "", code)
                     assert "param_parts" not in rest, (label, code)
-            # per-rank bytes of parameters + gradients + optimizer states equal the cost model's
+            # per-rank bytes of parameters + gradients + optimizer states equal the cost model's, on
+            # the device and (CPU offload) on the host
             assert r["states"] == r["predicted_states"], (label, r["stage"], r["states"], r["predicted_states"])
+            assert r["host"] == r["predicted_host"], (label, r["stage"], r["host"], r["predicted_host"])
 
 
 def _report(results, name):
