@@ -178,16 +178,10 @@ def test_torchtitans_op_policy_keeps_and_recomputes_between_selective_and_full()
     kept bytes than ``"selective"`` by exactly those outputs, a recompute longer by exactly those
     matmuls' time, still shorter than full checkpointing's (live bytes:
     tests/test_memory_equality_dist.py)."""
-    pytest.importorskip("transformers")
-    import transformers as tf
+    from tests.hf_meta import meta_llama
 
-    cfg = tf.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)
-    cfg._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        model = tf.LlamaForCausalLM(cfg)
-    ids = torch.zeros(1, 256, dtype=torch.long, device="meta")
-    gm = gfx.capture(model, (), kwargs=dict(input_ids=ids, labels=ids))
+    gm = meta_llama(256, vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2)
     cm = CostModel(gm, gfx.Cluster.preset("8xH100-80GB"), precision="bf16-mixed")
     i = 1
     m = cm.measure(i)

@@ -239,17 +239,10 @@ def test_attention_found_in_the_graph(tiny):
 
 
 def test_grouped_query_heads_as_sdpa_receives_them():
-    pytest.importorskip("transformers")
-    import torch
-    import transformers as tf
+    from tests.hf_meta import meta_llama
 
-    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=8, num_key_value_heads=2, use_cache=False)
-    cfg._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        model = tf.LlamaForCausalLM(cfg)
-    ids = torch.zeros(2, 32, dtype=torch.long, device="meta")
-    gm = gfx.capture(model, (), kwargs=dict(input_ids=ids, labels=ids), method="dynamo")
+    gm = meta_llama(32, batch=2, method="dynamo", vocab_size=128, hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2)
     cm = cost_model_for(gm, gfx.Cluster.preset("8xH100-80GB"))
     att = cm.attention(1)
     # without a mask transformers' SDPA path hands SDPA the 2 key / value heads with enable_gqa (as
