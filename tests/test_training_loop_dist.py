@@ -183,9 +183,9 @@ CASES = {
     "sac-bf16-zero2": dict(matrix=True, precision="bf16-mixed", plan=dict(dp=2, sdp="zero2", ckpt="selective")),
     "sac-frozen-zero3-compile": dict(matrix=True, door="compile", model="frozen",
                                      plan=dict(dp=2, sdp="zero3", ckpt="selective")),
-    # torchtitan's op policy (every second linear matmul recomputed too): ZeRO through export, a
-    # split backward replaying its regions twice, TP+SP under torch.compile, GPT-2 through fx
-    "sacop-zero2-export": dict(method="export", plan=dict(dp=2, sdp="zero2", ckpt="selective-op")),
+    # torchtitan's op policy (every second linear matmul recomputed too): a split backward replaying
+    # its regions twice (CI), ZeRO through export, TP+SP under torch.compile, GPT-2 through fx
+    "sacop-zero2-export": dict(matrix=True, method="export", plan=dict(dp=2, sdp="zero2", ckpt="selective-op")),
     "sacop-zb-h1": dict(clip="dm", plan=dict(pp=2, dp=1, micro_batches=4, schedule="interleaved-zb",
                                              virtual_stages=1, ckpt="selective-op")),
     "sacop-tp2-sp-compile": dict(matrix=True, world=4, door="compile", plan=dict(tp=2, dp=2, sp=True,
