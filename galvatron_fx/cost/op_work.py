@@ -33,6 +33,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..runtime.checkpointing import SecondMatmuls
+
 aten = torch.ops.aten
 
 _GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
@@ -115,7 +117,7 @@ class OpWork(TorchDispatchMode):
         self.work = Work()
         self.fused_dropout = fused_dropout
         self._masks: set[int] = set()   # storages of dropout noise tensors (fused_dropout)
-        self._linear = 0                 # linear matmuls (mm, addmm) so far
+        self._second = SecondMatmuls()   # which linear matmuls (mm, addmm) are even-numbered
 
     def _mask(self, t) -> bool:
         return isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in self._masks
@@ -135,11 +137,8 @@ class OpWork(TorchDispatchMode):
             return out
         dims = gemm_dims(func, args)
         if dims is not None:
-            second = False
-            if func in (aten.mm.default, aten.addmm.default):   # a linear layer's: every second one is
-                self._linear += 1                               # what "selective-op" recomputes
-                second = self._linear % 2 == 0
-            self.work.gemms.setdefault(self.node, []).append((dims, second))
+            # every second linear matmul is what "selective-op" recomputes
+            self.work.gemms.setdefault(self.node, []).append((dims, self._second(func)))
             return out
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         if not outs:   # metadata queries (prim.device, sizes): no kernel

@@ -22,7 +22,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..runtime.checkpointing import LINEAR_MATMULS, SAVED_OPS
+from ..runtime.checkpointing import SAVED_OPS, SecondMatmuls
 
 
 class SelectiveSaves(TorchDispatchMode):
@@ -35,16 +35,12 @@ class SelectiveSaves(TorchDispatchMode):
         self.node: str | None = None
         self.saved: dict[int, tuple[str | None, torch.Tensor]] = {}
         self.alternate: set[int] = set()   # storages of every second linear matmul's output
-        self._matmuls = 0
+        self._second = SecondMatmuls()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in SAVED_OPS:
-            second = False
-            if func in LINEAR_MATMULS:
-                self._matmuls += 1
-                second = self._matmuls % 2 == 0
-            self.note(out, second)
+            self.note(out, self._second(func))
         return out
 
     def note(self, out, alternate: bool = False) -> None:

@@ -37,18 +37,31 @@ def save_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+class SecondMatmuls:
+    """Counts a region's linear matmuls in call order: ``second(func)`` says whether this call is
+    an even-numbered one (the 2nd, 4th, ...), which ``"selective-op"`` recomputes. The runtime's
+    policy and the cost model's measurement (:mod:`galvatron_fx.cost.selective`,
+    :mod:`galvatron_fx.cost.op_work`) count with it, so they pick the same matmuls."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, func) -> bool:
+        if func not in LINEAR_MATMULS:
+            return False
+        self.count += 1
+        return self.count % 2 == 0
+
+
 def alternate_policy():
     """``"selective-op"``'s policy for one region (torchtitan's ``selective_ac_option = "op"``): as
-    :func:`save_policy`, but every second linear matmul of the region (the 2nd, 4th, ...) is
+    :func:`save_policy`, but every second linear matmul of the region (:class:`SecondMatmuls`) is
     recomputed too. Called in the forward only (torch records each call's choice by invocation)."""
-    count = 0
+    second = SecondMatmuls()
 
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        nonlocal count
-        if func in LINEAR_MATMULS:
-            count += 1
-            if count % 2 == 0:
-                return CheckpointPolicy.PREFER_RECOMPUTE
+        if second(func):
+            return CheckpointPolicy.PREFER_RECOMPUTE
         return save_policy(ctx, func, *args, **kwargs)
 
     return policy
