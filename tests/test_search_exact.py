@@ -173,10 +173,12 @@ def enumerate_space(gm, cluster, gbs: int, precision: str, cps: tuple[int, ...] 
                             host = host + hb[layer][seqs[pos]] if hosted else host
                         acts = [act[layer] for layer in range(i, j + 1)]
                         wgs = [wg[layer] for layer in range(i, j + 1)]
+                        # a tied weight this stage reads but does not own: a copy per micro-batch in flight
+                        received = cm.received_param_bytes(i, j) if p > 1 else 0.0
                         _single_stage_fronts(fronts, i, j, p, L, m, sched, peaks, seqs, t, states, trans, acts, wgs,
                                              lambda k, s: slots * p2p_time_per_microbatch(
                                                  cm, cluster, j, s, b, k * d, (k + 1) * d), space,
-                                             host <= host_budget if hosted else None)
+                                             host <= host_budget if hosted else None, received)
                 out[(p, m, sched)] = fronts
             for sched, v in _multi_chunk(p, m, L):   # several chunks per stage: the fixed balanced split
                 split = sched != "interleaved-1f1b"
@@ -201,6 +203,7 @@ def enumerate_space(gm, cluster, gbs: int, precision: str, cps: tuple[int, ...] 
                     pos = 0
                     for c in mine:
                         i0, j0 = chunks[c]
+                        mem = mem + peaks[c] * cm.received_param_bytes(i0, j0)
                         for layer in range(i0, j0 + 1):
                             s = seqs[pos]
                             time = time + Tv[layer][s]
@@ -241,13 +244,14 @@ def _placement(sched: str, c: int, p: int) -> int:
     return c % p
 
 
-def _single_stage_fronts(fronts, i, j, p, L, m, sched, peaks, seqs, t, states, trans, acts, wgs, send, space, fit):
+def _single_stage_fronts(fronts, i, j, p, L, m, sched, peaks, seqs, t, states, trans, acts, wgs, send, space, fit,
+                         received=0.0):
     for k in range(p):
         if k > i or (L - 1 - j) < (p - 1 - k):
             continue
         q = peaks[0][k] if peaks is not None else in_flight_microbatches(sched, m, p, k)
         qw = peaks[1][k] if peaks is not None else 0
-        ac = np.zeros_like(t)
+        ac = np.zeros_like(t) + q * received
         for pos, (a, w) in enumerate(zip(acts, wgs)):
             ac = ac + q * a[seqs[pos]] + qw * w[seqs[pos]]
         time = t

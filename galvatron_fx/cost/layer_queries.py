@@ -123,6 +123,21 @@ class LayerQueries:
                         self._frozen.add(info.param.fqn)
         return self._owned[index]
 
+    def received_param_bytes(self, first: int, last: int) -> float:
+        """Bytes of the parameters layers ``first..last`` read but a layer outside them owns (a tied
+        weight, e.g. an LM head tied to an embedding in another pipeline chunk). A pipeline chunk
+        receives a copy of each such weight with every micro-batch (``passes/stage_split.py``) and
+        holds it, beside the micro-batch's saved activations, until that micro-batch's backward;
+        whole (a tied weight crossing stages is never TP-sharded), in the compute dtype."""
+        key = (first, last)
+        if key in self._received:
+            return self._received[key]
+        numel = {fqn: n for i in range(len(self.layers)) for fqn, n in self._owned_params(i).items()}
+        here = {fqn for i in range(first, last + 1) for fqn in self._owned_params(i)}
+        read = {fqn for i in range(first, last + 1) for fqn in self.layers[i].params if fqn in numel}
+        self._received[key] = out = float(sum(numel[f] for f in read - here) * self.itemsize)
+        return out
+
     def split_shapes(self, index: int, tp: int, ep: int = 1) -> tuple[list, list]:
         """:meth:`layer_shapes` split into the trainable parameters' and the frozen ones' (the
         runtime's two buffers per layer); with ``ep > 1`` the expert weights' are left out (their

@@ -206,7 +206,8 @@ class Engine(ConfigSpace):
         send costs); strategy indices refer to ``c.space``."""
         last = k == c.p - 1
         P = None if last else c.p2p(j, k)
-        key = (c.sig_ids[i:j + 1].tobytes(), c.inflight(k), c.wgrad_peak(k), b"" if last else P.tobytes())
+        key = (c.sig_ids[i:j + 1].tobytes(), c.inflight(k), c.wgrad_peak(k), b"" if last else P.tobytes(),
+               c.costs.received_param_bytes(i, j) if c.p > 1 else 0.0)
         hit = c.memo.get(key)
         if hit is not None and (hit.feasible or not hit.fits or hit.cutoff >= cutoff):
             return hit

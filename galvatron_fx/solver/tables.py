@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .objective import CostSource, LayerTerms, Pipe, layer_terms, p2p_time_per_microbatch
+from .objective import CostSource, LayerTerms, Pipe, layer_terms, p2p_time_per_microbatch, received_bytes
 from .pipeline import balanced_split, even_split
 from .schedules import chunk_peaks, chunk_rank, chunk_wgrad_peaks, rank_chunks, step_slots
 from .strategy import Strategy
@@ -76,6 +76,14 @@ class CachedCosts:
         if key not in self._reshard:
             self._reshard[key] = self.costs.reshard_time(layer, prev, nxt, b)
         return self._reshard[key]
+
+    def received_param_bytes(self, first: int, last: int) -> float:
+        """Bytes of the tied weights a pipeline chunk of layers ``first..last`` receives per
+        micro-batch (:func:`~.objective.received_bytes`)."""
+        key = ("received", first, last)
+        if key not in self._boundary:
+            self._boundary[key] = received_bytes(self.costs, first, last)
+        return self._boundary[key]
 
     def boundary_bytes(self, layer: int, b: int) -> float:
         key = (self.signatures[layer], b)
@@ -154,8 +162,9 @@ class ConfigTables:
         """Stage ``k``'s layers (its chunks' in chunk order) and their ``[n, S]`` additive bytes,
         each layer's activations times its chunk's in-flight peak."""
         chunks = self.chunks()
-        mine = [(ch, i) for ch in self.rank_chunks(k) for i in range(chunks[ch][0], chunks[ch][1] + 1)]
-        return [i for _, i in mine], np.concatenate([self.chunk_memory(ch, i, i) for ch, i in mine])
+        mine = self.rank_chunks(k)
+        rows = [self._with_received(self.chunk_memory(ch, *chunks[ch]), ch, *chunks[ch]) for ch in mine]
+        return [i for ch in mine for i in range(chunks[ch][0], chunks[ch][1] + 1)], np.concatenate(rows)
 
     def wgrad_peak(self, ch: int) -> int:
         """Chunk ``ch``'s most micro-batches between I and W (:func:`~.schedules.chunk_wgrad_peaks`)."""
@@ -182,8 +191,20 @@ class ConfigTables:
         return min(self.chunk_peaks())
 
     def memory(self, i: int, j: int, k: int) -> np.ndarray:
-        """``[j-i+1, S]`` additive bytes per device of layers ``i..j`` on stage ``k``."""
-        return self.chunk_memory(k, i, j)
+        """``[j-i+1, S]`` additive bytes per device of layers ``i..j`` on stage ``k`` (one chunk per
+        stage), the tied weights the stage receives counted on its first layer."""
+        return self._with_received(self.chunk_memory(k, i, j), k, i, j)
+
+    def _with_received(self, rows: np.ndarray, ch: int, i: int, j: int) -> np.ndarray:
+        """``rows`` (chunk ``ch``'s layers ``i..j``) with the tied weights the chunk receives per
+        micro-batch in flight (:meth:`CachedCosts.received_param_bytes`) added to its first row."""
+        if self.p * self.v == 1:
+            return rows
+        extra = self.chunk_peaks()[ch] * self.costs.received_param_bytes(i, j)
+        if extra:
+            rows = rows.copy()
+            rows[0] += extra
+        return rows
 
     def reshard(self, layer: int) -> np.ndarray:
         """``[G, G]`` seconds per step to reshard ``layer``'s output between layout groups."""
@@ -284,7 +305,9 @@ def least_memory(c: ConfigTables, reserve_bytes: float = 0.0) -> float:
     """The least per-device memory of any plan of ``c`` (bytes, reserve included, exact to a byte):
     the min over splits of the hungriest stage's least memory. Bisection on that value; per trial a
     DP over stage ends in which each stage starts as late as the previous ones allow (a stage's
-    least memory only grows with its range, so the latest start is the best)."""
+    least memory only grows with its range, so the latest start is the best). Where a stage receives
+    tied weights (:meth:`CachedCosts.received_param_bytes`, which shrink as its range takes in their
+    owner) :func:`_least_memory_received` tries every start instead."""
     L, p = c.t.shape[0], c.p
     allowed = np.isfinite(c.t)
     ths = np.unique(c.trans[allowed])
@@ -304,6 +327,10 @@ def least_memory(c: ConfigTables, reserve_bytes: float = 0.0) -> float:
         return v.min(axis=0) + reserve_bytes
 
     js = np.arange(L)
+    received = np.array([[c.costs.received_param_bytes(i, j) if i <= j else 0.0 for j in range(L)]
+                         for i in range(L)]) if p > 1 else np.zeros((1, 1))
+    if received.any():
+        return _least_memory_received(c, stage, received)
 
     def feasible(tau: float) -> bool:
         reach = stage(0, np.zeros(L, dtype=np.int64), js) <= tau
@@ -316,6 +343,34 @@ def least_memory(c: ConfigTables, reserve_bytes: float = 0.0) -> float:
         return bool(reach[L - 1])
 
     hi = max(float(stage(k, np.array([i]), np.array([j]))[0]) for k, (i, j) in enumerate(even_split(L, p)))
+    if not math.isfinite(hi):
+        return math.inf
+    lo = 0.0
+    while hi - lo > 0.5:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
+    return hi
+
+
+def _least_memory_received(c: ConfigTables, stage, received: np.ndarray) -> float:
+    """:func:`least_memory` where stages receive tied weights: a stage's memory is no longer monotone
+    in its range, so each trial's DP tries every start of every stage (``stage(k, i, j)``: the least
+    memory of layers ``i..j`` on stage ``k``; ``received[i, j]``: the bytes a chunk ``i..j`` receives
+    per micro-batch in flight)."""
+    L, p = received.shape[0], c.p
+    I, J = np.meshgrid(np.arange(L), np.arange(L), indexing="ij")
+    upper = I <= J
+    full = [np.where(upper, stage(k, I.ravel(), J.ravel()).reshape(L, L) + c.chunk_peaks()[k] * received, np.inf)
+            for k in range(p)]
+
+    def feasible(tau: float) -> bool:
+        reach = full[0][0] <= tau                      # reach[j]: layers 0..j on the stages so far
+        for k in range(1, p):
+            covered = np.r_[False, reach[:-1]]         # covered[i]: layers 0..i-1
+            reach = ((full[k] <= tau) & covered[:, None]).any(axis=0)
+        return bool(reach[L - 1])
+
+    hi = max(float(full[k][i, j]) for k, (i, j) in enumerate(even_split(L, p)))
     if not math.isfinite(hi):
         return math.inf
     lo = 0.0
