@@ -342,7 +342,12 @@ def least_memory(c: ConfigTables, reserve_bytes: float = 0.0) -> float:
             reach = ok & (stage(k, i, js) <= tau)
         return bool(reach[L - 1])
 
-    hi = max(float(stage(k, np.array([i]), np.array([j]))[0]) for k, (i, j) in enumerate(even_split(L, p)))
+    return _bisect(feasible, max(float(stage(k, np.array([i]), np.array([j]))[0])
+                                 for k, (i, j) in enumerate(even_split(L, p))))
+
+
+def _bisect(feasible, hi: float) -> float:
+    """The least ``tau`` (to half a byte) with ``feasible(tau)``, ``hi`` feasible (inf: none)."""
     if not math.isfinite(hi):
         return math.inf
     lo = 0.0
@@ -370,11 +375,4 @@ def _least_memory_received(c: ConfigTables, stage, received: np.ndarray) -> floa
             reach = ((full[k] <= tau) & covered[:, None]).any(axis=0)
         return bool(reach[L - 1])
 
-    hi = max(float(full[k][i, j]) for k, (i, j) in enumerate(even_split(L, p)))
-    if not math.isfinite(hi):
-        return math.inf
-    lo = 0.0
-    while hi - lo > 0.5:
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
-    return hi
+    return _bisect(feasible, max(float(full[k][i, j]) for k, (i, j) in enumerate(even_split(L, p))))
