@@ -34,20 +34,26 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from ..errors import CaptureError
 from ..ir import META_KEY, GraphInfo, NodeInfo, layer_module_name
-from ..runtime.checkpointing import runs_checkpointed
 from .base import GraphPass, check
 
 
 def layer_calls(top: torch.fx.GraphModule) -> dict[int, torch.fx.Node]:
-    """Layer index -> the top-graph node that runs it: a ``call_module`` of ``layers_<i>``, or the
-    ``checkpoint_layer(self.layers_<i>, ...)`` call the checkpointing pass puts in its place."""
+    """Layer index -> the top-graph node that runs it: a ``call_module`` of ``layers_<i>``, or a
+    runner a dimension's pass puts in its place, ``runner(self.layers_<i>, *inputs)`` (e.g. the
+    checkpointing pass's ``checkpoint_layer``)."""
     calls = {}
     for n in top.graph.nodes:
         if n.op == "call_module" and n.target.startswith("layers_"):
             calls[int(n.target.split("_")[1])] = n
-        elif n.op == "call_function" and runs_checkpointed(n.target):
+        elif n.op == "call_function" and n.args and _runs_layer(n.args[0]):
             calls[int(n.args[0].target.split("_")[1])] = n
     return calls
+
+
+def _runs_layer(arg) -> bool:
+    """Whether a call's first argument is a layer submodule (``get_attr`` of ``layers_<i>``)."""
+    return (isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and isinstance(arg.target, str)
+            and arg.target.startswith("layers_") and arg.target.split("_")[1].isdigit())
 
 
 def layer_outputs(graph: torch.fx.Graph) -> tuple[torch.fx.Node, tuple]:

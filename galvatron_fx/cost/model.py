@@ -274,7 +274,7 @@ class CostModel(LayerQueries, TimeTerms):
         overhead, optimizer = self._overheads(index, train_tp, s, fwd + bwd)
         act, saved = self._activations(m, n, s, self.ep_of(index, s), index)
         out = m.output_elems(n) * self.itemsize / (s.tp if s.sp else 1)
-        work = dims.LayerWork(fwd, bwd, self.recompute_time(index, n, s, fwd), saved)
+        work = dims.LayerWork(fwd, bwd, self.recompute_time(index, n, s, fwd), saved, act)
         # a split backward (zero-bubble) runs the split's own work per op
         split = self.op_counts[self.layers[index].signature] * getattr(self.cluster, "split_backward_op_s", 0.0)
         terms = CostTerms(overhead_s=overhead, optimizer_s=optimizer, split_extra_s=split)
@@ -286,9 +286,9 @@ class CostModel(LayerQueries, TimeTerms):
                  + m.wgrad_whole_elems(n) + (m.wgrad_row_bias_elems(n) / rep_div if s.tp > 1 else 0.0)
                  ) * self.itemsize if train_tp else 0.0
         return LayerCost(fwd, bwd, terms.tp_comm_s, terms.sync_s, terms.gather_s, st.params, st.grads, st.optimizer,
-                         act, terms.transient_bytes, out, st.masters, terms.overhead_s, terms.optimizer_s,
-                         terms.exposed_s, terms.regather_s, terms.reduce_scatter_s, terms.split_extra_s,
-                         terms.held_bytes, wgrad, st.host)
+                         act + terms.activation_bytes, terms.transient_bytes, out, st.masters, terms.overhead_s,
+                         terms.optimizer_s, terms.exposed_s, terms.regather_s, terms.reduce_scatter_s,
+                         terms.split_extra_s, terms.held_bytes, wgrad, st.host, terms.host_activation_bytes)
 
     def expert_terms(self, index: int, n: float, s: Strategy) -> CostTerms:
         """The experts dimension's terms of layer ``index`` (``ep > 1`` on a layer with experts):

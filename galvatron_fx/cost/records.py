@@ -37,7 +37,8 @@ class LayerCost:
     its weight-gradient pass) and, per micro-batch between those passes, ``split_wgrad_bytes`` (the
     gradients of the outputs where parameters meet activations, which the weight pass starts from).
     ``host_bytes``: what the layer keeps in its device's share of host memory (CPU offload: masters,
-    optimizer states, the gradient shard), counted against the host, not the device.
+    optimizer states, the gradient shard), counted against the host, not the device;
+    ``host_activation_bytes`` what it keeps there per micro-batch in flight (offloaded activations).
     """
 
     fwd_s: float
@@ -61,6 +62,7 @@ class LayerCost:
     split_held_bytes: float = 0.0
     split_wgrad_bytes: float = 0.0
     host_bytes: float = 0.0
+    host_activation_bytes: float = 0.0
 
     @property
     def states_bytes(self) -> float:

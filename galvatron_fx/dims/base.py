@@ -105,7 +105,10 @@ class CostTerms:
     """What a dimension adds to a layer's base cost (:meth:`galvatron_fx.cost.CostModel.layer_cost`),
     per device; added field by field. Seconds per micro-batch (``tp_comm_s``, ``gather_s``,
     ``reduce_scatter_s``, ``overhead_s``, ``split_extra_s``) or per step (``sync_s``, ``exposed_s``,
-    ``regather_s``, ``optimizer_s``); bytes resident (``transient_bytes``, ``held_bytes``). The
+    ``regather_s``, ``optimizer_s``); bytes resident (``transient_bytes``, ``held_bytes``); bytes per
+    micro-batch in flight: ``activation_bytes`` (added to what the layer keeps on the device for its
+    backward; negative where a dimension moves them away) and ``host_activation_bytes`` (what it keeps
+    in host memory instead, counted against the host budget per micro-batch in flight). The
     names are those of :class:`galvatron_fx.cost.records.LayerCost` (``sync_s``: ``grad_sync_s``,
     ``gather_s``: ``zero3_gather_s``, ``exposed_s``: ``exposed_sync_s``, ``held_bytes``:
     ``split_held_bytes``)."""
@@ -121,6 +124,8 @@ class CostTerms:
     reduce_scatter_s: float = 0.0
     split_extra_s: float = 0.0
     held_bytes: float = 0.0
+    activation_bytes: float = 0.0
+    host_activation_bytes: float = 0.0
 
     def __add__(self, other: CostTerms) -> CostTerms:
         # NOTE: field by field through one attrgetter (dataclasses.astuple deep-copies: it was
@@ -136,12 +141,15 @@ class LayerWork:
     """What a layer's passes do on one device per micro-batch, as its cost terms read it: ``fwd`` /
     ``bwd`` device seconds (every dimension's compute terms added; ``bwd`` with its recomputation),
     ``recompute`` the seconds of ``bwd`` that recompute the forward (checkpointing), ``saved_bytes``
-    the bytes its forward saves without checkpointing (what a checkpointed layer recomputes)."""
+    the bytes its forward saves without checkpointing (what a checkpointed layer recomputes),
+    ``kept_bytes`` the bytes it keeps on the device for its backward under the strategy (its
+    activations, checkpointing applied)."""
 
     fwd: float
     bwd: float
     recompute: float = 0.0
     saved_bytes: float = 0.0
+    kept_bytes: float = 0.0
 
     @property
     def plain_bwd(self) -> float:

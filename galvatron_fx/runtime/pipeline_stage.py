@@ -14,6 +14,7 @@ from torch.autograd.graph import GradientEdge
 
 from ..errors import ConfigError
 from .module import DistributedModel
+from .saved import state_storages
 
 
 class _PassOn(torch.autograd.Function):
@@ -293,11 +294,6 @@ def param_storages(stage):
 
     def storages():
         st = ref()
-        ptrs = set()
-        for s in (st.stores if st is not None else []):
-            ptrs.add(s.flat_param.untyped_storage().data_ptr())
-            if s.full is not None:
-                ptrs.add(s.full.untyped_storage().data_ptr())
-        return ptrs
+        return state_storages(st.stores if st is not None else [])
 
     return storages

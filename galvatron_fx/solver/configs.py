@@ -137,15 +137,15 @@ class ConfigSpace:
             if len(self._tables_memo) > 64:
                 self._tables_memo.clear()
             self._tables_memo[key] = self._build_tables(p, m, b, tuple(space))
-        t_mb, sync, states, act, trans, split_t, split_b, wg, host = self._tables_memo[key]
+        t_mb, sync, states, act, trans, split_t, split_b, wg, host, host_act = self._tables_memo[key]
         if split:
             t_mb, states = t_mb + split_t, states + split_b
         # NOTE: slots * t_mb + sync is layer_step_time's arithmetic, element by element (one table
         # per schedule and virtual-stage count, from the same per-micro-batch terms)
-        return slots * t_mb + sync, states, act, trans, (wg if split else None), host
+        return slots * t_mb + sync, states, act, trans, (wg if split else None), host, host_act
 
     def _build_tables(self, p: int, m: int, b: int, space: tuple[Strategy, ...]):
-        out = np.empty((9, self.L, len(space)))
+        out = np.empty((10, self.L, len(space)))
         whole = np.array([s.tp == 1 and not (s.sdp == "zero3" and s.ckpt) for s in space])
         by_sig: dict[int, np.ndarray] = {}
         for i in range(self.L):
@@ -157,8 +157,11 @@ class ConfigSpace:
             if p > 1 and i in self.tied_layers:
                 ok = ok & whole
             out[:, i, :] = np.where(ok[None, :], by_sig[sig], np.inf)
-        host = out[8]   # NOTE: None when nothing is offloaded: the search then ignores the host
-        return (*out[:8], host if (np.where(np.isfinite(host), host, 0.0) > 0).any() else None)
+        # NOTE: None when nothing is offloaded: the search then ignores the host
+        host, host_act = ((x if (np.where(np.isfinite(x), x, 0.0) > 0).any() else None) for x in out[8:10])
+        if host is None and host_act is not None:
+            host = np.where(np.isfinite(out[8]), 0.0, np.inf)
+        return (*out[:8], host, host_act)
 
     def _admissible(self, layer: int, space: tuple[Strategy, ...], only: np.ndarray | None = None) -> np.ndarray:
         """Whether layer ``layer`` is offered each strategy of ``space``: every dimension admits it
@@ -196,8 +199,8 @@ class ConfigSpace:
         if not space:
             self._exclude(why)
             return None
-        t, states, act, trans, wg, host = self._layer_tables(p, m, b, space, step_slots(sched, p, v, m),
-                                                             sched in ZERO_BUBBLE)
+        t, states, act, trans, wg, host, host_act = self._layer_tables(p, m, b, space, step_slots(sched, p, v, m),
+                                                                       sched in ZERO_BUBBLE)
         dead = np.flatnonzero(~np.isfinite(t).any(axis=1))
         if dead.size:
             i = int(dead[0])
@@ -211,6 +214,6 @@ class ConfigSpace:
             return None
         gid, layouts = layout_groups(space)
         c = ConfigTables(p, m, sched, gbs, space, t, states, act, trans, gid, layouts, self.sig_ids,
-                         self.tables, self.cluster, self.N, v=v, wg=wg, host=host)
+                         self.tables, self.cluster, self.N, v=v, wg=wg, host=host, host_act=host_act)
         c.bound = step_time(self.cluster, c.p, self.N, self._step_bound(c), c.pipe)
         return c

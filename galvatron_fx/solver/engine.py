@@ -212,7 +212,7 @@ class Engine(ConfigSpace):
         if hit is not None and (hit.feasible or not hit.fits or hit.cutoff >= cutoff):
             return hit
         T, M, X = c.t[i:j + 1], c.memory(i, j, k), c.trans[i:j + 1]
-        H = None if c.host is None else binding_host(c.host[i:j + 1], np.isfinite(T), self.host_budget)
+        H = None if c.host is None else binding_host(c.chunk_host(k, i, j), np.isfinite(T), self.host_budget)
         keep = undominated(T, M, X, c.gid, H)
         R = np.stack([c.reshard(l) for l in range(i, j)]) if j > i else None
         sol = solve_stage_exact(T[:, keep], M[:, keep], X[:, keep], R, self.cap, groups=c.gid[keep],
@@ -289,7 +289,7 @@ class Engine(ConfigSpace):
                     R.append(np.repeat(c.chunk_send(ch)[:, None], len(c.layouts), axis=1))
             final = c.chunk_send(mine[-1])[c.gid]
             T, X = c.t[layers], c.trans[layers]
-            H = None if c.host is None else binding_host(c.host[layers], np.isfinite(T), self.host_budget)
+            H = None if c.host is None else binding_host(c.rank_host(k), np.isfinite(T), self.host_budget)
             keep = undominated(T, M, X, c.gid, H)
             sol = solve_stage_exact(T[:, keep], M[:, keep], X[:, keep], np.stack(R) if R else None, self.cap,
                                     groups=c.gid[keep], final=final[keep], cutoff=cutoff,
@@ -337,10 +337,10 @@ class Engine(ConfigSpace):
             time[k] += c.t[i:j + 1].sum(axis=0) + c.chunk_send(ch)[c.gid]
             if j > i:
                 time[k] += sum(np.diag(c.reshard(l)) for l in range(i, j))[c.gid]
-            mem[k] += c.chunk_memory(ch, i, j).sum(axis=0)
+            mem[k] += c.with_received(c.chunk_memory(ch, i, j), ch, i, j).sum(axis=0)
             trans[k] = np.maximum(trans[k], c.trans[i:j + 1].max(axis=0))
             if host is not None:
-                host[k] += c.host[i:j + 1].sum(axis=0)
+                host[k] += c.chunk_host(ch, i, j).sum(axis=0)
         step = time.max(axis=0)
         peak = (mem + trans).max(axis=0) + self.opt.reserve_bytes
         if np.isfinite(peak).any():

@@ -26,8 +26,9 @@ For a pipeline of ``p`` stages and ``m`` micro-batches (stage ``k`` on devices `
 * a device of stage ``k`` holds ``sum(states) + inflight_k * (sum(activations) + received) +
   max(transient) + reserve`` bytes (``received``: the tied weights the stage reads but does not own,
   a copy with every micro-batch: :func:`received_bytes`), with ``inflight_k = m`` for GPipe and ``min(m, p - k)`` for 1F1B, and keeps
-  ``sum(host)`` bytes in host memory (CPU offload: once per step, not per micro-batch in flight)
-  within its share of the host, :func:`host_budget`.
+  ``sum(host) + inflight_k * sum(host activations)`` bytes in host memory (CPU offload's states:
+  once per step; offloaded activations: per micro-batch in flight) within its share of the host,
+  :func:`host_budget`.
 
 Under ``interleaved-1f1b`` with ``v`` virtual stages the ``p * v`` chunks go round-robin over the
 stages (:mod:`.schedules`): a stage's sums run over its ``v`` chunks, ``slots = m + (p - 1) / v``,
@@ -89,6 +90,7 @@ class LayerTerms:
     split_bytes: float = 0.0      # more held under a split backward
     wgrad_bytes: float = 0.0      # held per micro-batch between its input- and weight-gradient passes
     host_bytes: float = 0.0       # kept in host memory (CPU offload), per step: against the host budget
+    host_activation_bytes: float = 0.0   # kept in host memory per micro-batch in flight (offloaded activations)
 
     def split(self) -> LayerTerms:
         """These terms under a split (zero-bubble) backward (:data:`~.schedules.ZERO_BUBBLE`), the held
@@ -96,7 +98,7 @@ class LayerTerms:
         apart, as ``per_device["split_held_bytes"]``)."""
         return LayerTerms(self.time_per_microbatch_s + self.split_time_s, self.step_sync_s,
                           self.states_bytes + self.split_bytes, self.activation_bytes, self.transient_bytes,
-                          host_bytes=self.host_bytes)
+                          host_bytes=self.host_bytes, host_activation_bytes=self.host_activation_bytes)
 
 
 def layer_terms(cost: Any, cluster: Any) -> LayerTerms:
@@ -111,7 +113,8 @@ def layer_terms(cost: Any, cluster: Any) -> LayerTerms:
     states = cost.states_bytes
     return LayerTerms(t_mb, sync, states, cost.activation_bytes, cost.transient_bytes,
                       getattr(cost, "split_extra_s", 0.0), getattr(cost, "split_held_bytes", 0.0),
-                      getattr(cost, "split_wgrad_bytes", 0.0), getattr(cost, "host_bytes", 0.0))
+                      getattr(cost, "split_wgrad_bytes", 0.0), getattr(cost, "host_bytes", 0.0),
+                      getattr(cost, "host_activation_bytes", 0.0))
 
 
 def host_budget(cluster: Any) -> float:
@@ -285,7 +288,7 @@ def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy]
                 held_bytes[k] += terms.split_bytes + wpeaks[c] * terms.wgrad_bytes
                 terms = LayerTerms(terms.time_per_microbatch_s + terms.split_time_s, terms.step_sync_s,
                                    terms.states_bytes, terms.activation_bytes, terms.transient_bytes,
-                                   host_bytes=terms.host_bytes)
+                                   host_bytes=terms.host_bytes, host_activation_bytes=terms.host_activation_bytes)
             lt = layer_step_time(terms, slots)
             if i > first:
                 lt += slots * costs.reshard_time(i - 1, strategies[i - 1], strategies[i], b)
@@ -293,11 +296,12 @@ def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy]
             per_layer.append({"time_s": lt, "states_bytes": int(round(terms.states_bytes)),
                               "activation_bytes": int(round(inflight * terms.activation_bytes)),
                               "transient_bytes": int(round(terms.transient_bytes)),
-                              "host_bytes": int(round(terms.host_bytes))})
+                              "host_bytes": int(round(terms.host_bytes + inflight * terms.host_activation_bytes))})
             states[k] += terms.states_bytes
             acts[k] += inflight * terms.activation_bytes
             transient[k] = max(transient[k], terms.transient_bytes)
-            host[k] += terms.host_bytes   # per step, whatever the micro-batches in flight
+            # per step (CPU offload's states), and per micro-batch in flight (offloaded activations)
+            host[k] += terms.host_bytes + inflight * terms.host_activation_bytes
         if len(stages) > 1:   # a tied weight owned outside the chunk: one copy per micro-batch in flight
             extra = inflight * received_bytes(costs, first, last)
             acts[k] += extra

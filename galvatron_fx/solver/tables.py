@@ -58,7 +58,8 @@ class CachedCosts:
     def rows(self, layer: int, space: tuple[Strategy, ...], b: int) -> np.ndarray:
         """``[9, S]``: time per micro-batch, per-step sync, states, activations, transient, the
         split-backward extra time per micro-batch, held bytes and per-micro-batch held bytes
-        (:meth:`~.objective.LayerTerms.split`), and the host bytes (CPU offload)."""
+        (:meth:`~.objective.LayerTerms.split`), the host bytes (CPU offload) and the host bytes per
+        micro-batch in flight (offloaded activations)."""
         key = (self.signatures[layer], space, b)
         if key not in self._rows:
             terms = [self.terms(layer, s, b) for s in space]
@@ -66,8 +67,8 @@ class CachedCosts:
                                         [x.states_bytes for x in terms], [x.activation_bytes for x in terms],
                                         [x.transient_bytes for x in terms], [x.split_time_s for x in terms],
                                         [x.split_bytes for x in terms], [x.wgrad_bytes for x in terms],
-                                        [x.host_bytes for x in terms]],
-                                       dtype=np.float64).reshape(9, len(space))
+                                        [x.host_bytes for x in terms], [x.host_activation_bytes for x in terms]],
+                                       dtype=np.float64).reshape(10, len(space))
         return self._rows[key]
 
     def reshard_time(self, layer: int, prev: Strategy, nxt: Strategy, b: int) -> float:
@@ -115,6 +116,7 @@ class ConfigTables:
     v: int = 1                  # virtual stages: chunks per pipeline rank (interleaved 1F1B)
     wg: np.ndarray | None = None  # zero-bubble: [L, S] bytes held per micro-batch from I to W
     host: np.ndarray | None = None  # [L, S] host bytes per device (CPU offload; None: all zero)
+    host_act: np.ndarray | None = None  # [L, S] host bytes per micro-batch in flight (None: all zero)
     memo: dict = field(default_factory=dict)
     _reshard: dict = field(default_factory=dict)
     _p2p: dict = field(default_factory=dict)
@@ -163,7 +165,7 @@ class ConfigTables:
         each layer's activations times its chunk's in-flight peak."""
         chunks = self.chunks()
         mine = self.rank_chunks(k)
-        rows = [self._with_received(self.chunk_memory(ch, *chunks[ch]), ch, *chunks[ch]) for ch in mine]
+        rows = [self.with_received(self.chunk_memory(ch, *chunks[ch]), ch, *chunks[ch]) for ch in mine]
         return [i for ch in mine for i in range(chunks[ch][0], chunks[ch][1] + 1)], np.concatenate(rows)
 
     def wgrad_peak(self, ch: int) -> int:
@@ -179,6 +181,19 @@ class ConfigTables:
             out = out + q * self.wg[i:j + 1]
         return out
 
+    def chunk_host(self, ch: int, i: int, j: int) -> np.ndarray:
+        """``[j-i+1, S]`` host bytes per device of layers ``i..j`` in chunk ``ch`` (only where
+        :attr:`host` is set): CPU offload's per step, offloaded activations per micro-batch in flight."""
+        out = self.host[i:j + 1]
+        if self.host_act is not None:
+            out = out + self.chunk_peaks()[ch] * self.host_act[i:j + 1]
+        return out
+
+    def rank_host(self, k: int) -> np.ndarray:
+        """:meth:`chunk_host` of stage ``k``'s chunks, in :meth:`rank_rows`' layer order."""
+        chunks = self.chunks()
+        return np.concatenate([self.chunk_host(ch, *chunks[ch]) for ch in self.rank_chunks(k)])
+
     def chunk_send(self, ch: int) -> np.ndarray:
         """``[G]`` seconds per step chunk ``ch`` spends sending to the next chunk, per layout group of
         its last layer (zeros for the model's last chunk or a next chunk on the same stage)."""
@@ -193,9 +208,9 @@ class ConfigTables:
     def memory(self, i: int, j: int, k: int) -> np.ndarray:
         """``[j-i+1, S]`` additive bytes per device of layers ``i..j`` on stage ``k`` (one chunk per
         stage), the tied weights the stage receives counted on its first layer."""
-        return self._with_received(self.chunk_memory(k, i, j), k, i, j)
+        return self.with_received(self.chunk_memory(k, i, j), k, i, j)
 
-    def _with_received(self, rows: np.ndarray, ch: int, i: int, j: int) -> np.ndarray:
+    def with_received(self, rows: np.ndarray, ch: int, i: int, j: int) -> np.ndarray:
         """``rows`` (chunk ``ch``'s layers ``i..j``) with the tied weights the chunk receives per
         micro-batch in flight (:meth:`CachedCosts.received_param_bytes`) added to its first row."""
         if self.p * self.v == 1:
@@ -277,11 +292,14 @@ def undominated(t: np.ndarray, mem: np.ndarray, trans: np.ndarray, gid: np.ndarr
 def least_host(c: ConfigTables) -> float:
     """The least host bytes per device (CPU offload) of any plan of ``c``, to a relative 1e-9 (0 when
     nothing offloads): each layer's least host bytes, summed per stage over the split balancing them
-    (:func:`~.pipeline.balanced_split`; the host bytes do not depend on the stage), or over the
+    (:func:`~.pipeline.balanced_split`; CPU offload's host bytes do not depend on the stage;
+    offloaded activations are counted at the fewest micro-batches in flight of any chunk: then a
+    lower bound), or over the
     fixed chunks of a multi-chunk configuration."""
     if c.host is None:
         return 0.0
-    per = np.where(np.isfinite(c.t), c.host, np.inf).min(axis=1)
+    host = c.host if c.host_act is None else c.host + min(c.chunk_peaks()) * c.host_act
+    per = np.where(np.isfinite(c.t), host, np.inf).min(axis=1)
     parts = [c.rank_rows(k)[0] for k in range(c.p)] if c.v > 1 else \
         [list(range(i, j + 1)) for i, j in balanced_split(per, c.p)]
     return max(float(per[rows].sum()) for rows in parts)
