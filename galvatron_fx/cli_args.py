@@ -79,7 +79,37 @@ def pipeline_constraints(args: argparse.Namespace) -> dict:
                 raise ConfigError(f"--{key} takes degrees like {example}, got {getattr(args, key)!r}") from None
     if getattr(args, "cp_kind", None):
         out["cp_kind"] = args.cp_kind
+    out.update(dimension_constraints(getattr(args, "constrain", None) or []))
     return out
+
+
+def dimension_constraints(items: list[str]) -> dict:
+    """``--constrain KEY=VALUE`` (repeatable): a search constraint a registered dimension adds
+    (:func:`galvatron_fx.dims.constraint_keys`), so a dimension reaches the command line without a
+    flag of its own. VALUE: ``true`` / ``false``, an integer, a comma-separated list, or a word."""
+    from . import dims
+
+    known = dims.constraint_keys()
+    out = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in known:
+            raise ConfigError(f"--constrain {item!r}: use KEY=VALUE with KEY one of {', '.join(known)}")
+        out[key] = _constraint_value(text.strip())
+    return out
+
+
+def _constraint_value(text: str):
+    if "," in text:
+        return [_constraint_value(t.strip()) for t in text.split(",") if t.strip()]
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def add_calibrate_arg(p: argparse.ArgumentParser) -> None:
@@ -120,6 +150,9 @@ def _add_pipeline_args(p: argparse.ArgumentParser) -> None:
                    help="context-parallel degrees the layers may take (e.g. 4: every layer that can splits its "
                         "sequence over 4 ranks; 1,2,4: searched per layer; default: searched from sequences of "
                         f"{CP_MIN_SEQ} positions, else 1)")
+    p.add_argument("--constrain", action="append", metavar="KEY=VALUE",
+                   help="a search constraint of a registered dimension (repeatable), e.g. --constrain "
+                        "offload=optimizer; the keys are listed in docs/search.md")
     p.add_argument("--cp-kind", choices=["ring", "ulysses"],
                    help="context-parallel attention: ring (key / value shards passed around) or ulysses "
                         "(all-to-alls over heads); default: both searched")

@@ -417,6 +417,7 @@ class Plan:
         model_fingerprint: str = "",
         cluster: dict[str, Any] | None = None,
         precision: str | None = None,
+        **fields: Any,
     ) -> Plan:
         """A hand-chosen plan: every layer on the same strategy, layers split evenly over ``pp``
         stages (:func:`~galvatron_fx.solver.pipeline.even_split`: the first ``L % pp`` stages get one
@@ -424,8 +425,9 @@ class Plan:
         (``virtual_stages`` defaults to the schedule's: 2 for ``zbv`` / ``dualpipev``, else 1). ``dp`` defaults to ``world_size / (pp * tp)``. ``precision`` defaults to the
         ``cluster``'s (:func:`galvatron_fx.cluster.default_precision`; ``"fp32"`` without one).
         ``shard``: HSDP's ZeRO group size (default ``dp``: plain ZeRO); ``offload``: CPU offload
-        (``"optimizer"``: ZeRO layers keep optimizer states and masters in host memory). Estimates
-        are ``None``."""
+        (``"optimizer"``: ZeRO layers keep optimizer states and masters in host memory); ``fields``:
+        any other registered dimension's plan-JSON field (:func:`galvatron_fx.dims.json_fields`),
+        e.g. ``act_offload=True``. Estimates are ``None``."""
         names = list(names)
         _need_int("world_size", world_size)
         _need_int("pp", pp)
@@ -444,6 +446,7 @@ class Plan:
         extra = {} if shard is None else {"shard": shard}
         if offload != "none":
             extra["offload"] = offload
+        extra.update(_dimension_fields(fields))
         layers = [LayerPlan(n, tp, dp, sdp, sp, ckpt, ep=ep if expert_layers is None or n in expert_layers else 1,
                             cp=cp, cp_kind=cp_kind, extra=dict(extra))
                   for n in names]
@@ -456,3 +459,14 @@ class Plan:
                    layers, est, model_fingerprint, dict(cluster or {}), precision=precision, virtual_stages=v)
 
 
+
+
+def _dimension_fields(fields: dict) -> dict:
+    """The keyword arguments of :meth:`Plan.uniform_from_layer_names` beyond its own: fields of
+    registered dimensions, kept in each layer's ``extra`` (the plan JSON's per-layer keys)."""
+    known = {f.name for f in dims.json_fields()}
+    bad = [k for k in fields if k not in known]
+    if bad:
+        raise ConfigError(f"Plan.uniform got unknown keyword(s) {bad}; a layer field is one of "
+                          f"{sorted(known)}")
+    return dict(fields)

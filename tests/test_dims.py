@@ -137,3 +137,61 @@ def test_the_rewrite_order_places_each_dimensions_passes(monkeypatch):
     order = dims.rewrite_order(REWRITE_SKELETON)
     assert order[order.index("data_parallel") + 1] == "offload" and len(order) == len(REWRITE_ORDER) + 1
     assert PassSpec("context_parallel", after="local_batch").class_name == "ContextParallelPass"
+
+
+def test_a_dimension_moving_activations_to_the_host(monkeypatch):
+    """A dimension's ``activation_bytes`` / ``host_activation_bytes`` move what a layer keeps for
+    its backward from the device to the host: the estimate's device activations drop by those bytes
+    per micro-batch in flight, its host bytes grow by them, and the search's host tables count them
+    per stage (a host budget below them leaves no plan)."""
+    from galvatron_fx.dims import CostTerms
+
+    model, args = gfx.models.build("gpt-tiny", device="meta", layers=2)
+    gm = gfx.capture(model, args, method="fx")
+    cluster = gfx.Cluster.preset("8xA100-80GB")
+    plan = gfx.Plan.uniform(gm, 8, pp=2, micro_batches=4, global_batch_size=32, schedule="1f1b")
+    before = gfx.estimate(gm, plan, cluster)
+    moved = Dimension("moved", (), cost_terms=lambda cm, i, n, s, work: CostTerms(
+        activation_bytes=-work.kept_bytes, host_activation_bytes=work.kept_bytes))
+    monkeypatch.setattr(dims, "DIMENSIONS", dims.DIMENSIONS + (moved,))
+    after = gfx.estimate(gm, plan, cluster)
+    acts = before["per_device"]["activation_bytes"]
+    assert after["per_device"]["activation_bytes"] == [0, 0] and min(acts) > 0
+    assert [a - b for a, b in zip(after["host_bytes_per_device"], before["host_bytes_per_device"])] == acts
+    assert after["memory_bytes_per_device"] == [m - a for m, a in zip(before["memory_bytes_per_device"], acts)]
+    fixed = dict(pp=2, micro_batches=4, schedule="1f1b", tp=1, sdp="none", ckpt=False, offload=False)
+    cluster.host_memory_bytes = 8 * (max(acts) - 1)   # each device's share: a byte short of the hungrier stage
+    plan = gfx.search(gm, cluster, "80GiB", 32, constraints=fixed)
+    assert max(plan.estimate["host_bytes_per_device"]) <= max(acts) - 1 < max(acts)
+    cluster.host_memory_bytes = 8
+    with pytest.raises(gfx.InfeasibleError, match="host memory"):
+        gfx.search(gm, cluster, "80GiB", 32, constraints=fixed)
+
+
+def test_a_dimensions_constraint_and_field_need_no_flag_of_their_own(tmp_path):
+    """A registered dimension's search constraint reaches the command line as ``--constrain
+    KEY=VALUE`` and its plan field ``Plan.uniform`` as a keyword: CPU offload through both."""
+    import json
+
+    from galvatron_fx.cli import main
+    from galvatron_fx.cli_args import dimension_constraints
+
+    assert dimension_constraints(["offload=optimizer", "hsdp=2,4"]) == {"offload": "optimizer", "hsdp": [2, 4]}
+    assert dimension_constraints(["offload=false"]) == {"offload": False}
+    with pytest.raises(gfx.ConfigError, match="--constrain 'nosuch=1': use KEY=VALUE with KEY one of"):
+        dimension_constraints(["nosuch=1"])
+    path = tmp_path / "plan.json"
+    assert main(["plan", "gpt-tiny", "--cluster", "8xA100-80GB", "--global-batch-size", "16", "--pp", "1",
+                 "--constrain", "offload=optimizer", "--json", str(path)]) == 0
+    layers = json.loads(path.read_text())["layers"]
+    assert all(la.get("offload", "none") == ("optimizer" if la["sdp"] != "none" else "none") for la in layers)
+    from galvatron_fx.cli_args import build_parser, pipeline_constraints
+
+    def constraints(*flags):
+        return pipeline_constraints(build_parser().parse_args(["plan", "gpt-tiny", "--cluster", "8xA100-80GB", *flags]))
+    assert constraints("--constrain", "offload=optimizer") == constraints("--offload") == {"offload": "optimizer"}
+    names = ["a", "b"]
+    plan = gfx.Plan.uniform_from_layer_names(names, 8, sdp="zero2", **{"offload": "optimizer"})
+    assert [la.value("offload") for la in plan.layers] == ["optimizer"] * 2
+    with pytest.raises(gfx.ConfigError, match="unknown keyword"):
+        gfx.Plan.uniform_from_layer_names(names, 8, nosuch=1)
