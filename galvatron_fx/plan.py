@@ -112,9 +112,11 @@ class LayerPlan:
         return self.strategy.shards_experts
 
     def to_dict(self) -> dict[str, Any]:
-        # NOTE: a field unset and without a default (HSDP's shard, completed to dp) is left out
+        # NOTE: a field unset and without a default (HSDP's shard, completed to dp) is left out, and
+        # one marked omit_default at its default
         return {**self.extra, "name": self.name,
-                **{f.name: v for f in dims.json_fields() if (v := self.value(f.name, f.default)) is not None}}
+                **{f.name: v for f in dims.json_fields() if (v := self.value(f.name, f.default)) is not None
+                   and not (f.omit_default and v == f.default)}}
 
     @classmethod
     def from_dict(cls, d: Any, index: int) -> LayerPlan:

@@ -195,3 +195,16 @@ def test_a_dimensions_constraint_and_field_need_no_flag_of_their_own(tmp_path):
     assert [la.value("offload") for la in plan.layers] == ["optimizer"] * 2
     with pytest.raises(gfx.ConfigError, match="unknown keyword"):
         gfx.Plan.uniform_from_layer_names(names, 8, nosuch=1)
+
+
+def test_a_field_marked_omit_default_is_written_only_where_set(monkeypatch):
+    """A dimension most plans never use keeps their JSON as it was: its field, marked
+    ``omit_default``, is written only where a layer sets it (absent, it reads as the default)."""
+    from galvatron_fx.plan import LayerPlan
+
+    extra = Dimension("extra", (Field("knob", bool, False, 130, omit_default=True),))
+    monkeypatch.setattr(dims, "DIMENSIONS", dims.DIMENSIONS + (extra,))
+    layer = LayerPlan("a", 1, 8, "none", False, False)
+    assert "knob" not in layer.to_dict() and "offload" in layer.to_dict()
+    layer.extra["knob"] = True
+    assert layer.to_dict()["knob"] is True

@@ -57,7 +57,8 @@ class Field:
     only. ``complete(strategy)``: the value of a strategy built without one (``None``), from its
     other fields (HSDP's ``shard``: ``dp``). ``check(value)`` returns what is wrong with a value, or
     ``None``. ``in_json``: written in
-    the plan's per-layer JSON; ``json_required``: a plan layer without it is refused (the fields
+    the plan's per-layer JSON (``omit_default``: only where it differs from the default, so that the
+    plans of a dimension most of them never use read as they did before it); ``json_required``: a plan layer without it is refused (the fields
     every plan had from the start; a later dimension's key reads as its default when absent, so
     plans written before it load unchanged)."""
 
@@ -71,6 +72,7 @@ class Field:
     in_json: bool = True
     json_required: bool = False
     complete: Callable[[Any], Any] | None = None
+    omit_default: bool = False
 
 
 @dataclass(frozen=True)
