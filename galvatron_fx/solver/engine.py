@@ -168,7 +168,6 @@ class Engine(ConfigSpace):
     def _exclude(self, why: str) -> None:
         self.exclusions[why] = self.exclusions.get(why, 0) + 1
 
-
     def _step_bound(self, c: ConfigTables) -> float:
         """A lower bound of the step time of every plan of ``c`` (module docstring, step 1)."""
         lb = c.t.min(axis=1)
