@@ -4,29 +4,14 @@ One list of passes, built from the plan by :func:`parallelize_passes`, runs for 
 ``pp > 1`` alike, in the order :data:`galvatron_fx.passes.REWRITE_ORDER` declares (the pass manager
 checks it; each pass is one module of ``passes/`` with its contract in its docstring)::
 
-    token_loss         a mean cross-entropy -> sum x 1/(global non-ignored tokens): exact under any split
-    stage_split        (pp > 1) this rank's stage as a flat graph
-    tensor_parallel    layers with tp > 1, on the flat graph
-    split_layers       one submodule per layer: layers_0, layers_1, ...
-    local_batch        dynamo / export graphs: baked batch constants -> each layer's slice
-    context_parallel   (cp > 1 layers) sequence shards, ring / Ulysses attention
-    expert_parallel    (ep > 1 layers) experts split by expert, token dispatch
-    stage_outputs      (pp > 1) values sent on leave in the boundary layout
-    checkpointing      ckpt layers run under torch.utils.checkpoint
-    data_parallel      flat buffers: DP all-reduce / ZeRO-2 / ZeRO-3 (fp32 masters, working copies)
-    mixed_precision    (bf16/fp16-mixed plans) layers under autocast on low-precision inputs
-    resharding         batch / sequence slices between layers
-    stage_inputs       (pp > 1) received values -> each layer's layout; global layer names
-    meta_device        (a graph captured on the meta device) ops create tensors on this device
-    codegen            the DistributedModel (train_step, full_state_dict, ...)
-    bind_parameters    every original parameter -> a ShardedParameter view of this rank's part,
-                       under its name (torch.compile: the user's own Parameter objects)
+{order}
 
 The rank layout (which ranks form a layer's TP and DP groups, which batch slice a rank holds) is
 documented in :mod:`galvatron_fx.runtime.groups`. ``dist_model.passes`` lists the passes that ran,
 in order; ``print(dist_model.code)`` shows the layer calls with the inserted slicing / gathering
 calls; ``print(dist_model.layers_1.code)`` shows a layer's own parameter collectives.
 """
+
 
 from __future__ import annotations
 
@@ -61,6 +46,39 @@ from .runtime.pipeline import PipelineModel
 from .runtime.precision import precision_policy
 from .sharding.sequence import sequence_length
 from .solver.schedules import check_schedule
+
+ROLES = {
+    "token_loss": "a mean cross-entropy -> sum x 1/(global non-ignored tokens): exact under any split",
+    "stage_split": "(pp > 1) this rank's stage as a flat graph",
+    "tensor_parallel": "layers with tp > 1, on the flat graph",
+    "split_layers": "one submodule per layer: layers_0, layers_1, ...",
+    "local_batch": "dynamo / export graphs: baked batch constants -> each layer's slice",
+    "context_parallel": "(cp > 1 layers) sequence shards, ring / Ulysses attention",
+    "expert_parallel": "(ep > 1 layers) experts split by expert, token dispatch",
+    "stage_outputs": "(pp > 1) values sent on leave in the boundary layout",
+    "checkpointing": "ckpt layers run under torch.utils.checkpoint",
+    "data_parallel": "flat buffers: DP all-reduce / ZeRO-2 / ZeRO-3 (fp32 masters, working copies)",
+    "mixed_precision": "(bf16/fp16-mixed plans) layers under autocast on low-precision inputs",
+    "resharding": "batch / sequence slices between layers",
+    "stage_inputs": "(pp > 1) received values -> each layer's layout; global layer names",
+    "meta_device": "(a graph captured on the meta device) ops create tensors on this device",
+    "codegen": "the DistributedModel (train_step, full_state_dict, ...)",
+    "bind_parameters": "every original parameter -> a ShardedParameter view of this rank's part, under its name "
+                       "(torch.compile: the user's own Parameter objects)",
+}
+"""What each pass of :data:`REWRITE_ORDER` does, in a line; a dimension's pass not listed here is
+described by the first sentence of its module's docstring (the module docstring lists the order)."""
+
+
+def _role(name: str) -> str:
+    if name in ROLES:
+        return ROLES[name]
+    doc = importlib.import_module(f"{passes_package.__name__}.{name}").__doc__ or ""
+    return " ".join(doc.split(".")[0].split())
+
+
+__doc__ = __doc__.format(order="\n".join(f"    {name}{' ' * max(2, 19 - len(name))}{_role(name)}"
+                                         for name in REWRITE_ORDER))
 
 
 def parallelize_passes(ctx: ParallelContext, bind: dict | None = None) -> list[GraphPass]:
