@@ -3,7 +3,7 @@
 A layer's strategy (:class:`galvatron_fx.solver.strategy.Strategy`) is a value of each registered
 dimension's fields: tensor parallelism with SP (:mod:`.tensor`), the data-parallel degree and kind
 (:mod:`.data`), activation checkpointing (:mod:`.checkpointing`), experts (:mod:`.experts`),
-context parallelism (:mod:`.context`), hybrid sharding (:mod:`.hsdp`) and CPU offload (:mod:`.offload`). Each module builds one :class:`Dimension`:
+context parallelism (:mod:`.context`), hybrid sharding (:mod:`.hsdp`), CPU offload (:mod:`.offload`) and activation offload (:mod:`.activation_offload`). Each module builds one :class:`Dimension`:
 
 * ``fields``: its :class:`Field` records (name, type, default, position in the strategy and the
   decision tree, the values the tree enumerates, its validation);
@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ..errors import ConfigError
-from . import checkpointing, context, data, experts, hsdp, offload, tensor
+from . import activation_offload, checkpointing, context, data, experts, hsdp, offload, tensor
 from .base import (
     Admission,
     CostTerms,
@@ -62,7 +62,7 @@ __all__ = ["DIMENSIONS", "Admission", "CostTerms", "LayerWork", "StateSizes", "P
            "strategy_namespace", "validate", "constraint_keys", "space_options", "extra_fields"]
 
 DIMENSIONS: tuple[Dimension, ...] = (tensor.DIMENSION, data.DIMENSION, checkpointing.DIMENSION, experts.DIMENSION,
-                                     context.DIMENSION, hsdp.DIMENSION, offload.DIMENSION)
+                                     context.DIMENSION, hsdp.DIMENSION, offload.DIMENSION, activation_offload.DIMENSION)
 """Every registered dimension, in order (their fields' positions interleave: see :func:`fields`)."""
 
 
