@@ -1,12 +1,13 @@
 """Memory knobs searched per layer: selective activation checkpointing, HSDP and CPU offload, each
-off vs searched (estimated), and a measured 2-rank check of selective checkpointing's step time and
-bytes against the cost model.
+off vs searched (estimated), activation offload where asked for, and a measured 2-rank check of
+selective checkpointing's step time and bytes against the cost model.
 
 Estimated part: transformers configs built on the meta device (no weights, no downloads), captured
 with dynamo, bf16-mixed, the whole device memory as budget (and each device's share of its node's
 host memory for offload). Each case is searched with the same cost model **without the knobs**
 (``ckpt`` only false / true, no HSDP, no offload: the space before them), **searched** (every knob
-per layer) and with **one knob off** at a time (what that knob adds). Cases:
+per layer) and with **one knob off** at a time (what that knob adds), and searched with activation
+offload asked for too (constraint ``act_offload: true``: it is not in the default space). Cases:
 
 * Llama-3-8B on 8xH100-80GB, 8192 tokens, global batch 16;
 * Llama-3-70B on 8x8 and 128x8 H100-80GB, 8192 tokens, global batch 64 / 1024;
@@ -82,6 +83,7 @@ def searched(gm, cluster, gbs: int, constraints: dict | None) -> dict:
             "selective_layers": sum(lp.ckpt == "selective" for lp in plan.layers),
             "hsdp_layers": sum((lp.value("shard") or lp.dp) < lp.dp for lp in plan.layers),
             "offload_layers": sum((lp.value("offload") or "none") != "none" for lp in plan.layers),
+            "act_offload_layers": sum(bool(lp.value("act_offload")) for lp in plan.layers),
             "peak_gib": max(plan.estimate["memory_bytes_per_device"]) / 2**30, "search_s": time.perf_counter() - t0}
 
 
@@ -101,6 +103,8 @@ def one_case(name: str) -> dict:
     row["on"] = searched(gm, cluster, gbs, None)
     for knob, cons in KNOBS.items():
         row[f"no_{knob}"] = searched(gm, cluster, gbs, cons)
+    # activation offload is searched only where asked for: every knob plus it
+    row["act_offload"] = searched(gm, cluster, gbs, {"act_offload": True})
     if "samples_s" in row["on"] and "samples_s" in row["off"]:
         row["speedup"] = row["on"]["samples_s"] / row["off"]["samples_s"]
     if name == "llama3-8b_8":
@@ -256,6 +260,15 @@ def main() -> None:
         summary[f"activation_error_{k}"] = rel_err(meas[k]["pred_activation_bytes"], meas[k]["activation_bytes"])
         summary[f"states_exact_{k}"] = tuple(meas[k]["states_bytes"]) == tuple(meas[k]["pred_states_bytes"])
     summary["wall_s"] = time.perf_counter() - t0
+    aoff = [[r["case"], rate(r["on"]), rate(r["act_offload"]),
+             f"{r['act_offload']['samples_s'] / r['on']['samples_s']:.3f}"
+             if "samples_s" in r["act_offload"] and "samples_s" in r["on"] else "-",
+             r["act_offload"].get("act_offload_layers", "-"), f"{r['act_offload']['search_s']:.1f}"] for r in rows]
+    print("\nactivation offload asked for (constraint act_offload: true) beside the default search")
+    print_table(["case", "searched", "with act_offload", "ratio", "act_offload layers", "search s"], aoff)
+    summary.update({f"{r['case']}_act_offload_ratio": (r["act_offload"]["samples_s"] / r["on"]["samples_s"]
+                    if "samples_s" in r["act_offload"] and "samples_s" in r["on"] else None) for r in rows})
+    summary.update({f"{r['case']}_act_offload_layers": r["act_offload"].get("act_offload_layers") for r in rows})
     print(f"\nsummary: {summary}")
     write_json(args.json, {"rows": rows, "measured": meas, "summary": summary})
 
