@@ -20,7 +20,8 @@ pytest.importorskip("transformers")
 
 CASES = {
     "aoff-zero3": dict(plan=dict(dp=2, sdp="zero3", act_offload=True)),
-    "aoff-pp2xdp2-export": dict(world=4, method="export", clip="dm",
+    "aoff-pp2-export": dict(method="export", clip="dm", plan=dict(pp=2, dp=1, micro_batches=2, act_offload=True)),
+    "aoff-pp2xdp2-export": dict(matrix=True, world=4, method="export", clip="dm",
                                 plan=dict(pp=2, dp=2, micro_batches=2, sdp="zero2", act_offload=True)),
     "aoff-tp2-sp-compile": dict(door="compile", plan=dict(tp=2, dp=1, sp=True, act_offload=True)),
     "aoff-gpt-fx": dict(model="gpt", method="fx", plan=dict(dp=2, act_offload=True)),
