@@ -325,7 +325,8 @@ def least_memory(c: ConfigTables, reserve_bytes: float = 0.0) -> float:
     DP over stage ends in which each stage starts as late as the previous ones allow (a stage's
     least memory only grows with its range, so the latest start is the best). Where a stage receives
     tied weights (:meth:`CachedCosts.received_param_bytes`, which shrink as its range takes in their
-    owner) :func:`_least_memory_received` tries every start instead."""
+    owner) :func:`_least_memory_received` tries every start instead, up to
+    :data:`_EXACT_RECEIVED_WORK`; beyond it they are left out (then a lower bound)."""
     L, p = c.t.shape[0], c.p
     allowed = np.isfinite(c.t)
     ths = np.unique(c.trans[allowed])
@@ -345,10 +346,12 @@ def least_memory(c: ConfigTables, reserve_bytes: float = 0.0) -> float:
         return v.min(axis=0) + reserve_bytes
 
     js = np.arange(L)
-    received = np.array([[c.costs.received_param_bytes(i, j) if i <= j else 0.0 for j in range(L)]
-                         for i in range(L)]) if p > 1 else np.zeros((1, 1))
-    if received.any():
-        return _least_memory_received(c, stage, received)
+    # a layer reading a weight it does not own receives it in any chunk without the owner
+    tied = p > 1 and any(c.costs.received_param_bytes(i, i) > 0 for i in range(L))
+    if tied and p * len(ths) * L * L <= _EXACT_RECEIVED_WORK:
+        received = np.array([[c.costs.received_param_bytes(i, j) if i <= j else 0.0 for j in range(L)]
+                             for i in range(L)])
+        return _least_memory_received(c, stage, received, len(ths))
 
     def feasible(tau: float) -> bool:
         reach = stage(0, np.zeros(L, dtype=np.int64), js) <= tau
@@ -375,16 +378,28 @@ def _bisect(feasible, hi: float) -> float:
     return hi
 
 
-def _least_memory_received(c: ConfigTables, stage, received: np.ndarray) -> float:
+_EXACT_RECEIVED_WORK = 4e8
+"""Stages x transient thresholds x layers² up to which :func:`least_memory` tries every stage start
+(time ~ that many element operations, memory bounded by blocks); larger searches report the bound."""
+
+
+def _least_memory_received(c: ConfigTables, stage, received: np.ndarray, thresholds: int) -> float:
     """:func:`least_memory` where stages receive tied weights: a stage's memory is no longer monotone
     in its range, so each trial's DP tries every start of every stage (``stage(k, i, j)``: the least
     memory of layers ``i..j`` on stage ``k``; ``received[i, j]``: the bytes a chunk ``i..j`` receives
     per micro-batch in flight)."""
     L, p = received.shape[0], c.p
-    I, J = np.meshgrid(np.arange(L), np.arange(L), indexing="ij")
-    upper = I <= J
-    full = [np.where(upper, stage(k, I.ravel(), J.ravel()).reshape(L, L) + c.chunk_peaks()[k] * received, np.inf)
-            for k in range(p)]
+    block = max(1, int(2e7 // max(1, thresholds * L)))   # columns per call: bounded temporaries
+    full = []
+    for k in range(p):
+        f = np.full((L, L), np.inf)
+        for j0 in range(0, L, block):
+            J = np.arange(j0, min(L, j0 + block))
+            I, JJ = np.meshgrid(np.arange(L), J, indexing="ij")
+            upper = I <= JJ
+            vals = stage(k, np.where(upper, I, 0).ravel(), JJ.ravel()).reshape(I.shape)
+            f[:, J] = np.where(upper, vals + c.chunk_peaks()[k] * received[:, J], np.inf)
+        full.append(f)
 
     def feasible(tau: float) -> bool:
         reach = full[0][0] <= tau                      # reach[j]: layers 0..j on the stages so far
