@@ -21,7 +21,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from ..runtime.checkpointing import RUNNERS
 from .base import check
 from .context import ContextPass
-from .split_layers import layer_calls
+from .split_layers import layer_calls, run_layers_under
 
 
 class CheckpointingPass(ContextPass):
@@ -31,21 +31,9 @@ class CheckpointingPass(ContextPass):
     name = "checkpointing"
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
-        top, layers = graph_module, self.ctx.stage_plan.layers
-        modified = False
-        for i, call in layer_calls(top).items():
-            if not layers[i].ckpt or call.op != "call_module":
-                continue
-            with top.graph.inserting_before(call):
-                mod = top.graph.get_attr(call.target)
-                new = top.graph.call_function(RUNNERS[layers[i].ckpt], (mod, *call.args))
-            new.meta = dict(call.meta)
-            call.replace_all_uses_with(new)
-            top.graph.erase_node(call)
-            new.name = call.target
-            modified = True
-        top.recompile()
-        return PassResult(top, modified)
+        layers = self.ctx.stage_plan.layers
+        modified = run_layers_under(graph_module, lambda i: RUNNERS[layers[i].ckpt] if layers[i].ckpt else None)
+        return PassResult(graph_module, modified)
 
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:
         for i, call in layer_calls(graph_module).items():

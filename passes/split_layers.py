@@ -50,6 +50,27 @@ def layer_calls(top: torch.fx.GraphModule) -> dict[int, torch.fx.Node]:
     return calls
 
 
+def run_layers_under(top: torch.fx.GraphModule, runner_of) -> bool:
+    """Make each layer ``i`` for which ``runner_of(i)`` names a function run as ``runner(self.layers_<i>,
+    *inputs)`` (under the call's old node name) instead of its ``call_module``; a layer already
+    under a runner is left alone. Returns whether any call changed (the graph is recompiled)."""
+    modified = False
+    for i, call in layer_calls(top).items():
+        runner = runner_of(i)
+        if runner is None or call.op != "call_module":
+            continue
+        with top.graph.inserting_before(call):
+            mod = top.graph.get_attr(call.target)
+            new = top.graph.call_function(runner, (mod, *call.args))
+        new.meta = dict(call.meta)
+        call.replace_all_uses_with(new)
+        top.graph.erase_node(call)
+        new.name = call.target
+        modified = True
+    top.recompile()
+    return modified
+
+
 def _runs_layer(arg) -> bool:
     """Whether a call's first argument is a layer submodule (``get_attr`` of ``layers_<i>``)."""
     return (isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and isinstance(arg.target, str)

@@ -11,11 +11,9 @@ tensor (the same work, in the same memory). :func:`recording_offloaded` lists th
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from .saved import is_state, module_stores
+from .saved import is_state, module_stores, recording
 
 _RECORDERS: list[list] = []
 
@@ -78,13 +76,7 @@ def offload_layer(layer, *args):
         host.clear()   # the forward is over: its device tensors go (autograd holds the host copies)
 
 
-@contextlib.contextmanager
 def recording_offloaded():
-    """While open, collects every host copy :func:`offload_layer` makes (the list it yields): a
+    """A context that collects every host copy :func:`offload_layer` makes (the list it yields): a
     check of the memory model against the bytes the host holds."""
-    copies: list = []
-    _RECORDERS.append(copies)
-    try:
-        yield copies
-    finally:
-        _RECORDERS.remove(copies)
+    return recording(_RECORDERS)

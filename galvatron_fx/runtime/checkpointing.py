@@ -4,8 +4,6 @@ selective (the outputs of matmuls and attention kernels saved, the rest recomput
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.utils.checkpoint
 from torch.utils import _pytree as pytree
@@ -14,6 +12,8 @@ from torch.utils.checkpoint import (
     _CachedTorchDispatchMode,
     create_selective_checkpoint_contexts,
 )
+
+from .saved import recording
 
 aten = torch.ops.aten
 
@@ -129,17 +129,11 @@ def _alternate_contexts():
     return _selective_contexts(alternate_policy())
 
 
-@contextlib.contextmanager
 def recording_kept():
-    """While open, collects the storage of every selective region opened meanwhile; :func:`kept_tensors`
-    lists what they keep. Used to check the memory model against live tensors: what a selective
-    region keeps sits outside autograd's saved tensors."""
-    regions: list = []
-    _RECORDERS.append(regions)
-    try:
-        yield regions
-    finally:
-        _RECORDERS.remove(regions)
+    """A context that collects the storage of every selective region opened meanwhile;
+    :func:`kept_tensors` lists what they keep. Used to check the memory model against live tensors:
+    what a selective region keeps sits outside autograd's saved tensors."""
+    return recording(_RECORDERS)
 
 
 def kept_tensors(regions: list) -> list[torch.Tensor]:

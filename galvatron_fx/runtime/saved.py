@@ -9,6 +9,8 @@ storages out; ZeRO-3's are re-read per call since each gather allocates anew.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .data_parallel import FlatParams
@@ -33,3 +35,15 @@ def is_state(t: torch.Tensor, stores) -> bool:
     """Whether saved tensor ``t`` is a model state: an ``nn.Parameter``, or a view of one of
     ``stores``' buffers."""
     return isinstance(t, torch.nn.Parameter) or t.untyped_storage().data_ptr() in state_storages(stores)
+
+
+@contextlib.contextmanager
+def recording(recorders: list[list]):
+    """While open, ``recorders`` holds one more list (the one yielded), which the runtime's code
+    appends what it keeps to (checkpointing's kept outputs, activation offload's host copies)."""
+    seen: list = []
+    recorders.append(seen)
+    try:
+        yield seen
+    finally:
+        recorders.remove(seen)
