@@ -12,7 +12,6 @@ in order; ``print(dist_model.code)`` shows the layer calls with the inserted sli
 calls; ``print(dist_model.layers_1.code)`` shows a layer's own parameter collectives.
 """
 
-
 from __future__ import annotations
 
 import importlib

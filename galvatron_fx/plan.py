@@ -461,8 +461,6 @@ class Plan:
                    layers, est, model_fingerprint, dict(cluster or {}), precision=precision, virtual_stages=v)
 
 
-
-
 def _dimension_fields(fields: dict) -> dict:
     """The keyword arguments of :meth:`Plan.uniform_from_layer_names` beyond its own: fields of
     registered dimensions, kept in each layer's ``extra`` (the plan JSON's per-layer keys)."""

@@ -130,13 +130,14 @@ class LayerQueries:
         holds it, beside the micro-batch's saved activations, until that micro-batch's backward;
         whole (a tied weight crossing stages is never TP-sharded), in the compute dtype."""
         key = (first, last)
-        if key in self._received:
-            return self._received[key]
-        numel = {fqn: n for i in range(len(self.layers)) for fqn, n in self._owned_params(i).items()}
-        here = {fqn for i in range(first, last + 1) for fqn in self._owned_params(i)}
-        read = {fqn for i in range(first, last + 1) for fqn in self.layers[i].params if fqn in numel}
-        self._received[key] = out = float(sum(numel[f] for f in read - here) * self.itemsize)
-        return out
+        if key not in self._received:
+            if self._param_numel is None:   # every layer's owned parameters, once
+                self._param_numel = {f: n for i in range(len(self.layers)) for f, n in self._owned_params(i).items()}
+            numel = self._param_numel
+            here = {fqn for i in range(first, last + 1) for fqn in self._owned_params(i)}
+            read = {fqn for i in range(first, last + 1) for fqn in self.layers[i].params if fqn in numel}
+            self._received[key] = float(sum(numel[f] for f in read - here) * self.itemsize)
+        return self._received[key]
 
     def split_shapes(self, index: int, tp: int, ep: int = 1) -> tuple[list, list]:
         """:meth:`layer_shapes` split into the trainable parameters' and the frozen ones' (the

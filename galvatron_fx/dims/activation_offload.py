@@ -31,26 +31,24 @@ from typing import Any
 
 from ..errors import ConfigError
 from .base import Admission, CostTerms, Dimension, Field, LayerWork, PassSpec, SpaceOptions, a_bool, plan_bool
+from .offload import check_host
 
 NAME = "act_offload"
 
 
-def _eligible(ckpt: Any, cp: int, ep: int) -> bool:
-    return not ckpt and cp == 1 and ep == 1
-
-
-def _values(o: SpaceOptions, n: int, chosen: dict) -> tuple:
-    if not _eligible(chosen["ckpt"], chosen.get("cp", 1), chosen.get("ep", 1)):
-        return (False,)
-    return tuple(o.more.get(NAME, (False,)))
-
-
 def _why_not(ckpt: Any, cp: int, ep: int) -> str | None:
+    """What keeps a layer from offloading its activations (``None``: nothing)."""
     if ckpt:
         return "checkpointing (it keeps only the layer's inputs)"
     if cp > 1 or ep > 1:
         return "context or expert parallelism (their own saved buffers are not offloaded)"
     return None
+
+
+def _values(o: SpaceOptions, n: int, chosen: dict) -> tuple:
+    if _why_not(chosen["ckpt"], chosen.get("cp", 1), chosen.get("ep", 1)):
+        return (False,)
+    return tuple(o.more.get(NAME, (False,)))
 
 
 def _check(s: Any) -> str | None:
@@ -88,10 +86,7 @@ def _admission(cm: Any, constraints: Mapping) -> Admission:
     cluster = getattr(cm, "cluster", None)
     if getattr(cluster, "has_host", False):
         return Admission()
-    if constraints.get(NAME) not in (None, False):
-        raise ConfigError(f"constraint {NAME}={constraints[NAME]!r}: cluster {getattr(cluster, 'name', '?')!r} "
-                          "has no host memory apart from its devices (host_memory_bytes / host_bandwidth are 0, "
-                          "as on CPU clusters); drop it or describe the host in the cluster file")
+    check_host(cluster, constraints.get(NAME), f"constraint {NAME}")
     return Admission(admits=lambda layer, s: not getattr(s, NAME, False))
 
 

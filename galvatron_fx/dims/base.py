@@ -56,10 +56,10 @@ class Field:
     stage); ``derive(n, chosen)`` computes a field the tree does not enumerate; neither: the default
     only. ``complete(strategy)``: the value of a strategy built without one (``None``), from its
     other fields (HSDP's ``shard``: ``dp``). ``check(value)`` returns what is wrong with a value, or
-    ``None``. ``in_json``: written in
-    the plan's per-layer JSON (``omit_default``: only where it differs from the default, so that the
-    plans of a dimension most of them never use read as they did before it); ``json_required``: a plan layer without it is refused (the fields
-    every plan had from the start; a later dimension's key reads as its default when absent, so
+    ``None``. ``in_json``: written in the plan's per-layer JSON (``omit_default``: only where it
+    differs from the default, so that the plans of a dimension most of them never use read as they
+    did before it); ``json_required``: a plan layer without it is refused (the fields every plan had
+    from the start; a later dimension's key reads as its default when absent, so
     plans written before it load unchanged)."""
 
     name: str

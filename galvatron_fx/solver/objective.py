@@ -25,10 +25,10 @@ For a pipeline of ``p`` stages and ``m`` micro-batches (stage ``k`` on devices `
   cluster's calibration, plus the per-step constant (:func:`step_constant`);
 * a device of stage ``k`` holds ``sum(states) + inflight_k * (sum(activations) + received) +
   max(transient) + reserve`` bytes (``received``: the tied weights the stage reads but does not own,
-  a copy with every micro-batch: :func:`received_bytes`), with ``inflight_k = m`` for GPipe and ``min(m, p - k)`` for 1F1B, and keeps
-  ``sum(host) + inflight_k * sum(host activations)`` bytes in host memory (CPU offload's states:
-  once per step; offloaded activations: per micro-batch in flight) within its share of the host,
-  :func:`host_budget`.
+  a copy with every micro-batch: :func:`received_bytes`), with ``inflight_k = m`` for GPipe and
+  ``min(m, p - k)`` for 1F1B, and keeps ``sum(host) + inflight_k * sum(host activations)`` bytes
+  in host memory (CPU offload's states: once per step; offloaded activations: per micro-batch in
+  flight) within its share of the host, :func:`host_budget`.
 
 Under ``interleaved-1f1b`` with ``v`` virtual stages the ``p * v`` chunks go round-robin over the
 stages (:mod:`.schedules`): a stage's sums run over its ``v`` chunks, ``slots = m + (p - 1) / v``,

@@ -42,6 +42,7 @@ class CachedCosts:
         self._rows: dict[tuple, np.ndarray] = {}
         self._reshard: dict[tuple, float] = {}
         self._boundary: dict[tuple, float] = {}
+        self._received: dict[tuple[int, int], float] = {}
 
     def layer_cost(self, layer: int, s: Strategy, b: int):
         key = (self.signatures[layer], s, b)
@@ -56,7 +57,7 @@ class CachedCosts:
         return self._terms[key]
 
     def rows(self, layer: int, space: tuple[Strategy, ...], b: int) -> np.ndarray:
-        """``[9, S]``: time per micro-batch, per-step sync, states, activations, transient, the
+        """``[10, S]``: time per micro-batch, per-step sync, states, activations, transient, the
         split-backward extra time per micro-batch, held bytes and per-micro-batch held bytes
         (:meth:`~.objective.LayerTerms.split`), the host bytes (CPU offload) and the host bytes per
         micro-batch in flight (offloaded activations)."""
@@ -81,10 +82,10 @@ class CachedCosts:
     def received_param_bytes(self, first: int, last: int) -> float:
         """Bytes of the tied weights a pipeline chunk of layers ``first..last`` receives per
         micro-batch (:func:`~.objective.received_bytes`)."""
-        key = ("received", first, last)
-        if key not in self._boundary:
-            self._boundary[key] = received_bytes(self.costs, first, last)
-        return self._boundary[key]
+        key = (first, last)
+        if key not in self._received:
+            self._received[key] = received_bytes(self.costs, first, last)
+        return self._received[key]
 
     def boundary_bytes(self, layer: int, b: int) -> float:
         key = (self.signatures[layer], b)
