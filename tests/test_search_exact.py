@@ -94,6 +94,29 @@ class Frontier:
     def least(self) -> float:
         return float(self.mem[0]) if len(self.mem) else math.inf
 
+    @classmethod
+    def union(cls, parts: list[Frontier]) -> Frontier:
+        """The front of every part's sequences together (a front of fronts: the parts' dominated
+        sequences are dominated in the union too)."""
+        return cls(np.concatenate([f.mem for f in parts]), np.concatenate([f.time for f in parts]),
+                   np.concatenate([f.seqs for f in parts], axis=1))
+
+
+SEQUENCE_BLOCK = 1 << 23   # sequences scored at once: one block's arrays stay under ~1 GB
+
+
+def sequence_blocks(choices: list[np.ndarray], limit: int = SEQUENCE_BLOCK):
+    """Every sequence (one choice per layer) as ``[layers, n]`` column blocks: the product over
+    ``choices``, split over its leading layers so that a block holds at most ``limit`` columns
+    where the trailing layers allow (5 layers of 45-51 strategies: 237M sequences, ~9 GB at once)."""
+    lead = 0
+    while lead < len(choices) - 1 and math.prod(len(c) for c in choices[lead:]) > limit:
+        lead += 1
+    tail = np.stack([g.ravel() for g in np.meshgrid(*choices[lead:], indexing="ij")])
+    for prefix in itertools.product(*choices[:lead]):
+        head = np.asarray(prefix, dtype=tail.dtype).reshape(lead, 1)
+        yield np.vstack([np.broadcast_to(head, (lead, tail.shape[1])), tail])
+
 
 def enumerate_space(gm, cluster, gbs: int, precision: str, cps: tuple[int, ...] = (1,),
                     cp_kinds: tuple[str, ...] = ("ring", "ulysses"), sp: bool = True, host_budget: float = math.inf,
@@ -161,24 +184,29 @@ def enumerate_space(gm, cluster, gbs: int, precision: str, cps: tuple[int, ...] 
                 fronts = {}
                 for i in range(L):
                     for j in range(i, L):
-                        seqs = np.stack([g.ravel() for g in np.meshgrid(*allowed[i:j + 1], indexing="ij")])
-                        t, states, trans = (np.zeros(seqs.shape[1]) for _ in range(3))
-                        host = np.zeros(seqs.shape[1]) if hosted else None
-                        for pos, layer in enumerate(range(i, j + 1)):
-                            t = t + T[layer][seqs[pos]]
-                            if pos:
-                                t = t + R[layer - 1][seqs[pos - 1], seqs[pos]]
-                            states = states + st[layer][seqs[pos]]
-                            trans = np.maximum(trans, tr[layer][seqs[pos]])
-                            host = host + hb[layer][seqs[pos]] if hosted else host
                         acts = [act[layer] for layer in range(i, j + 1)]
                         wgs = [wg[layer] for layer in range(i, j + 1)]
                         # a tied weight this stage reads but does not own: a copy per micro-batch in flight
                         received = cm.received_param_bytes(i, j) if p > 1 else 0.0
-                        _single_stage_fronts(fronts, i, j, p, L, m, sched, peaks, seqs, t, states, trans, acts, wgs,
-                                             lambda k, s: slots * p2p_time_per_microbatch(
-                                                 cm, cluster, j, s, b, k * d, (k + 1) * d), space,
-                                             host <= host_budget if hosted else None, received)
+                        parts: dict = {}
+                        for seqs in sequence_blocks(allowed[i:j + 1]):
+                            t, states, trans = (np.zeros(seqs.shape[1]) for _ in range(3))
+                            host = np.zeros(seqs.shape[1]) if hosted else None
+                            for pos, layer in enumerate(range(i, j + 1)):
+                                t = t + T[layer][seqs[pos]]
+                                if pos:
+                                    t = t + R[layer - 1][seqs[pos - 1], seqs[pos]]
+                                states = states + st[layer][seqs[pos]]
+                                trans = np.maximum(trans, tr[layer][seqs[pos]])
+                                host = host + hb[layer][seqs[pos]] if hosted else host
+                            block: dict = {}
+                            _single_stage_fronts(block, i, j, p, L, m, sched, peaks, seqs, t, states, trans, acts,
+                                                 wgs, lambda k, s: slots * p2p_time_per_microbatch(
+                                                     cm, cluster, j, s, b, k * d, (k + 1) * d), space,
+                                                 host <= host_budget if hosted else None, received)
+                            for key, front in block.items():
+                                parts.setdefault(key, []).append(front)
+                        fronts.update({key: v[0] if len(v) == 1 else Frontier.union(v) for key, v in parts.items()})
                 out[(p, m, sched)] = fronts
             for sched, v in _multi_chunk(p, m, L):   # several chunks per stage: the fixed balanced split
                 split = sched != "interleaved-1f1b"
