@@ -115,7 +115,7 @@ import torch.distributed as dist
 from .cluster_times import COLLECTIVES, P2P, ClusterTimes  # noqa: F401 - the link kinds: the cluster's names too
 from .devices import ATTENTION_HALF_RATE_SEQ, DEVICES, GEMM_TILE, HBM_EFFICIENCY, HOST_STREAM_EFFICIENCY
 from .errors import ConfigError
-from .units import DTYPES, format_bytes, normalize_dtype, parse_bytes  # noqa: F401 - DTYPES, normalize_dtype: the cluster's names too
+from .units import DTYPES, format_bytes, matmul_dtype, normalize_dtype, parse_bytes  # noqa: F401 - DTYPES, normalize_dtype: the cluster's names too
 
 FORMAT = "galvatron_fx.cluster/1"
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
@@ -219,7 +219,9 @@ class Cluster(ClusterTimes):
     """A homogeneous GPU (or CPU) cluster: ``nodes`` × ``devices_per_node`` devices.
 
     Units: ``memory_bytes`` bytes per device; ``peak_flops`` FLOP/s per device per dtype (keys
-    ``fp32``, ``bf16``, ``fp16``); ``efficiency`` the achievable fraction of peak (0, 1];
+    ``fp32``, ``bf16``, ``fp16``, and ``fp8`` where the device has fp8 tensor cores: the rate of a
+    model's ``torch._scaled_mm`` matmuls); ``efficiency`` the achievable fraction of peak (0, 1]
+    (``fp8_efficiency`` that of the fp8 peak; 0: ``efficiency``);
     bandwidths bytes/s per direction; latencies seconds; ``overlap_slowdown`` ≥ 1 is the factor by which
     compute and communication slow each other while they overlap. ``inter_*`` default to the ``intra_*``
     figures. The overhead fields (:data:`OVERHEAD_FIELDS`) are seconds per op, call, layer,
@@ -259,6 +261,7 @@ class Cluster(ClusterTimes):
     gemm_tile: int = 1
     attention_efficiency: float = 0.0
     attention_half_rate_seq: float = 0.0
+    fp8_efficiency: float = 0.0
     profile_spread: dict[str, float] = field(default_factory=dict)  # profiled: figure -> (max - min) / min over rounds
     host_memory_bytes: int = 0   # the host (HOST_FIELDS)
     host_bandwidth: float = 0.0
@@ -278,7 +281,7 @@ class Cluster(ClusterTimes):
         if missing:
             raise ConfigError(f"cluster field 'peak_flops' lacks {missing}; it needs FLOP/s for {list(DTYPES)}")
         self.peak_flops = {
-            normalize_dtype(k): _positive(f"peak_flops.{k}", v) for k, v in self.peak_flops.items()
+            matmul_dtype(k): _positive(f"peak_flops.{k}", v) for k, v in self.peak_flops.items()
         }
         self.intra_bandwidth = _positive("intra_bandwidth", self.intra_bandwidth)
         self.intra_latency = _positive("intra_latency", self.intra_latency, allow_zero=True)
@@ -298,6 +301,10 @@ class Cluster(ClusterTimes):
             raise ConfigError(f"cluster field 'name' must be a string, got {self.name!r}")
         self.fits = self._check_fits(self.fits)
         self.gemm_tile = _count("gemm_tile", self.gemm_tile)
+        self.fp8_efficiency = _positive("fp8_efficiency", self.fp8_efficiency, allow_zero=True)
+        if self.fp8_efficiency > 1:
+            raise ConfigError(f"cluster field 'fp8_efficiency' is a fraction of peak in [0, 1], "
+                              f"got {self.fp8_efficiency}")
         self.attention_efficiency = _positive("attention_efficiency", self.attention_efficiency, allow_zero=True)
         if self.attention_efficiency > 1:
             raise ConfigError(f"cluster field 'attention_efficiency' is a fraction of peak in [0, 1], "
@@ -458,7 +465,8 @@ class Cluster(ClusterTimes):
                     host_optimizer_s_per_byte=ADAM_WORDS_PER_PARAMETER / host_rate if host_rate else 0.0)
         return cls(
             memory_bytes=parse_bytes(spec.memory),
-            peak_flops={"fp32": spec.fp32, "bf16": spec.bf16, "fp16": spec.fp16},
+            peak_flops={"fp32": spec.fp32, "bf16": spec.bf16, "fp16": spec.fp16, **({"fp8": spec.fp8} if spec.fp8 else {})},
+            fp8_efficiency=spec.mamf_fp8,
             intra_bandwidth=spec.intra_bandwidth,
             intra_latency=spec.intra_latency,
             nodes=nodes,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .errors import ConfigError
-from .units import DTYPES, ITEMSIZE, format_bytes, normalize_dtype
+from .units import DTYPES, FP8, ITEMSIZE, format_bytes, matmul_dtype, normalize_dtype
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 P2P = "p2p"
@@ -34,13 +34,29 @@ class ClusterTimes:
     def gemm_time(self, batch: float, m: float, n: float, k: float, dtype: Any = "fp32") -> float:
         """Seconds for ``batch`` matmuls of ``m x k`` by ``k x n`` in ``dtype``: the FLOPs of the
         tiles they occupy (``m`` and ``n`` rounded up to ``gemm_tile``) at the compute rate, or, for
-        a GEMM too thin for that, its operands' and result's bytes at the memory rate (roofline)."""
-        nbytes = batch * (m * k + k * n + m * n) * ITEMSIZE[normalize_dtype(dtype)]
+        a GEMM too thin for that, its operands' and result's bytes at the memory rate (roofline).
+        ``"fp8"``: fp8 operands (``torch._scaled_mm``) at ``peak_flops["fp8"]`` times
+        ``fp8_efficiency``, a 16-bit result."""
+        dtype = matmul_dtype(dtype)
+        if dtype == FP8:
+            rate = self.fp8_matmul_flops()
+            nbytes = batch * (m * k + k * n + 2 * m * n)
+        else:
+            rate = self.achievable_flops(dtype)
+            nbytes = batch * (m * k + k * n + m * n) * ITEMSIZE[dtype]
         t = self.gemm_tile
         if t > 1:
             m, n = math.ceil(m / t) * t, math.ceil(n / t) * t
-        flops = 2.0 * batch * m * n * k
-        return max(self.compute_time(flops, dtype), self.memory_time(nbytes))
+        return max(2.0 * batch * m * n * k / rate, self.memory_time(nbytes))
+
+    def fp8_matmul_flops(self) -> float:
+        """Sustained FLOP/s of one device's fp8 matmuls; a :class:`ConfigError` where the cluster
+        prices none (no fp8 tensor cores: A100, V100, the CPU)."""
+        if FP8 not in self.peak_flops:
+            raise ConfigError(f"cluster {self.name!r} has no fp8 matmul rate, but the model runs fp8 matmuls "
+                              "(torch._scaled_mm): plan it for a device with fp8 tensor cores (an H100 / H200 "
+                              "preset) or give the cluster peak_flops['fp8']")
+        return self.peak_flops[FP8] * (self.fp8_efficiency or self.efficiency)
 
     def memory_time(self, nbytes: float) -> float:
         """Seconds for an op that reads and writes ``nbytes`` in all (element-wise, reductions,

@@ -9,7 +9,9 @@ bytes/s, seconds.
   matmul FLOP/s as a fraction of the bf16 peak, measured over shapes by ``mamf-finder.py``
   (stas00/ml-engineering, ``compute/accelerator/README.md``); a GEMM's rows and columns are rounded
   up to the ``gemm_tile`` cuBLAS computes them in (tile quantisation), and a GEMM too thin to be
-  compute-bound is priced at the memory rate (roofline).
+  compute-bound is priced at the memory rate (roofline). Devices with fp8 tensor cores also carry
+  their dense fp8 peak and ``mamf_fp8``, the same benchmark's fp8 (``float8_e4m3fn``) figure: the
+  rate of a model's ``torch._scaled_mm`` matmuls (Float8 training, :mod:`galvatron_fx.models.float8`).
 * **Memory traffic** (element-wise ops, reductions, copies: :meth:`Cluster.memory_time`):
   :data:`HBM_EFFICIENCY` of the datasheet bandwidth.
 * **Fused attention** (:meth:`Cluster.attention_time`): ``attention`` is the long-sequence rate of
@@ -95,6 +97,8 @@ class DeviceSpec:
     host_link: float = 0.0         # device <-> host bytes/s per direction, per device
     host_memory_rate: float = 0.0  # the node's DRAM bandwidth, bytes/s (datasheet)
     other_attention: tuple[tuple[str, float], ...] = ()
+    fp8: float = 0.0               # dense fp8 tensor-core peak FLOP/s (0: no fp8 tensor cores)
+    mamf_fp8: float = 0.0          # achievable fp8 matmul FLOP/s / the fp8 peak
 
     def attention_rate_of(self, kernel: str) -> float:
         """The long-sequence rate (fraction of the 16-bit peak) of attention ``kernel`` on this
@@ -121,6 +125,8 @@ class DeviceSpec:
 # AllReduce BusBW"); NDR "46-48GB/s per NIC" (NVIDIA/nccl-tests#290); PCIe Gen4 24, so Gen3 12.
 # MAMF (stas00/ml-engineering compute/accelerator/README.md): A100 SXM 271.2 of 312 TFLOP/s
 # (86.9 %, 1024x10240x5120), H100 SXM 794.5 of 989 (80.3 %, 2048x2048x13312; "H200 is the same").
+# fp8 MAMF, same table (float8_e4m3fn): H100 SXM 1402.6 of 1979 (70.9 %, 1024x9216x14336), H200 SXM
+# 1453.4 of 1979 (73.4 %, 1280x4096x12032).
 # FlashAttention-2 causal hd128 forward + backward at 16k tokens: A100 189, H100 328 TFLOP/s
 # (the plots of ATTENTION_HALF_RATE_SEQ): limits 189 / 0.97 = 195 (0.625 of 312) and 328 / 0.97 =
 # 338 (0.342 of 989). V100 and TITAN RTX have no public MAMF or attention figure: the A100's
@@ -156,22 +162,23 @@ DEVICES: dict[str, DeviceSpec] = {
     "h100-80gb": DeviceSpec("H100-80GB", "80GiB", 67 * _T, 989 * _T, 989 * _T, 3350 * _GB, 0.803, 0.342,
                             370 * _GB, 5e-6, 48 * _GB, 1, 1e-5,
                             host_memory="2TB", host_link=48 * _GB, host_memory_rate=2 * 307.2 * _GB,
-                            other_attention=_H100_OTHER_ATTENTION),
+                            other_attention=_H100_OTHER_ATTENTION, fp8=1979 * _T, mamf_fp8=0.709),
     # The H100 of Meta's Grand Teton hosts that torchtitan's H100 benchmarks ran on
     # (benchmarks/llama3_h100_202412_torchtitan.md): "96GB HBM2e with 2.4 TB/sec peak memory
     # bandwidth", the "default 500W power limit", NVLink inside the host, "400 Gb/s per GPU" RDMA;
     # "the actual peak TFLOPs number is between SXM and NVL": the H100 NVL datasheet's 835 TFLOPS
-    # BF16 dense (FP32 60), the lower bound the source names. The H100 SXM's fractions.
+    # BF16 dense (FP32 60; FP8 3341 with sparsity: 1671 dense), the lower bound the source names.
+    # The H100 SXM's fractions.
     "h100-96gb": DeviceSpec("H100-96GB", "96GB", 60 * _T, 835 * _T, 835 * _T, 2400 * _GB, 0.803, 0.342,
                             370 * _GB, 5e-6, 48 * _GB, 1, 1e-5,
                             host_memory="2TB", host_link=48 * _GB, host_memory_rate=2 * 307.2 * _GB,
-                            other_attention=_H100_OTHER_ATTENTION),
+                            other_attention=_H100_OTHER_ATTENTION, fp8=1671 * _T, mamf_fp8=0.709),
     # NVIDIA H200 (SXM): the H100's compute, 141 GB HBM3e at 4.8 TB/s (nvidia-smi reports
     # 143771 MiB); DGX H200: 8x NDR 400 Gb/s.
     "h200-141gb": DeviceSpec("H200-141GB", "143771MiB", 67 * _T, 989 * _T, 989 * _T, 4800 * _GB, 0.803, 0.342,
                              370 * _GB, 5e-6, 48 * _GB, 1, 1e-5,
                              host_memory="2TB", host_link=48 * _GB, host_memory_rate=2 * 307.2 * _GB,
-                            other_attention=_H100_OTHER_ATTENTION),
+                             other_attention=_H100_OTHER_ATTENTION, fp8=1979 * _T, mamf_fp8=0.734),
     # NVIDIA V100 (SXM2): FP32 15.7, FP16 Tensor Core 125 TFLOPS; no BF16 hardware (BF16 at the FP32
     # rate); HBM2 900 GB/s; DGX-1: 4x EDR 100 Gb/s for 8 GPUs (two per NIC).
     "v100-32gb": DeviceSpec("V100-32GB", "32GiB", 15.7 * _T, 15.7 * _T, 125 * _T, 900 * _GB, 0.869, 0.625,

@@ -275,6 +275,8 @@ def capture(model: nn.Module, example_args=(), kwargs: dict | None = None, metho
         try:
             with hf_capture(kwargs):
                 raw, sources = _FRONTENDS[method](wrapper, inputs, batched)
+        except CaptureError:   # the model refuses this capture (its own reason), batch or not
+            raise
         except Exception as exc:  # noqa: BLE001 - the model specialises on its batch: capture it static
             reason = _static_note(method, _first_line(exc))
             wrapper, inputs, names = _make_wrapper(model, args, kwargs)

@@ -61,6 +61,19 @@ _DTYPE_ALIASES = {
 }
 
 
+FP8 = "fp8"
+"""The matmul-only element type: fp8 tensor-core matmuls (``torch._scaled_mm`` on ``float8_e4m3fn`` /
+``float8_e5m2`` operands), which a cluster may price beside :data:`DTYPES` (``peak_flops["fp8"]``)
+but no plan computes in throughout."""
+_FP8_ALIASES = {"fp8", "float8", "torch.float8_e4m3fn", "torch.float8_e5m2", "torch.float8_e4m3fnuz",
+                "torch.float8_e5m2fnuz", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
+
+
+def matmul_dtype(dtype: Any) -> str:
+    """:func:`normalize_dtype`, or :data:`FP8` for an fp8 dtype (name or ``torch.dtype``)."""
+    return FP8 if str(dtype).lower() in _FP8_ALIASES else normalize_dtype(dtype)
+
+
 def normalize_dtype(dtype: Any) -> str:
     """``'fp32' | 'bf16' | 'fp16'`` for a dtype name or a ``torch.dtype``; ConfigError otherwise."""
     key = str(dtype).lower()

@@ -398,9 +398,10 @@ def _op_work(layer: LayerGraph, work, p: Point) -> None:
     """The forward's matmuls and traffic (:mod:`.op_work`) into ``p``, classified as the FLOPs are."""
     for node, dims in work.gemms.items():
         # NOTE: "e" marks an experts block's matmul: expert parallelism regroups it (time_terms)
-        # "2" marks every second linear matmul, which "selective-op" recomputes (time_terms)
+        # "2" marks every second linear matmul, which "selective-op" recomputes, "8" an fp8 one (time_terms)
         expert = "e" if node in layer.expert_nodes else ""
-        p.fwd_gemms += [(("2" if second else "") + expert + _split_dim(layer, node), d) for d, second in dims]
+        p.fwd_gemms += [(("8" if fp8 else "") + ("2" if second else "") + expert + _split_dim(layer, node), d)
+                        for d, second, fp8 in dims]
     for node, moved in work.traffic.items():
         if node is None:
             continue

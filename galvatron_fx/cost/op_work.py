@@ -4,9 +4,10 @@ FLOPs over one compute rate prices a 1x1 matmul like a 16k x 16k one and an elem
 a billion values as free. :class:`OpWork` (a ``TorchDispatchMode`` beside the FLOP counter of
 :mod:`.measure`) records every ATen op a layer runs on fake tensors:
 
-* **matmuls** (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``convolution`` as its implicit GEMM):
-  their dims ``(batch, m, n, k)`` (``m x k`` times ``k x n``), per fx node in forward (so tensor
-  parallelism can shrink the dim it splits) and as one list in backward;
+* **matmuls** (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``convolution`` as its implicit GEMM,
+  ``_scaled_mm``: an fp8 matmul, priced at the fp8 rate): their dims ``(batch, m, n, k)`` (``m x k``
+  times ``k x n``), per fx node in forward (so tensor parallelism can shrink the dim it splits) and
+  as one list in backward;
 * **everything else that computes** (element-wise ops, reductions, norms, casts, copies, indexing):
   the bytes it reads and writes (its tensor inputs' and outputs' bytes, a broadcast input counted
   at its storage's size; a gather (``embedding``, ``index_select``) reads the rows it writes), per
@@ -38,7 +39,7 @@ from ..runtime.checkpointing import SecondMatmuls
 aten = torch.ops.aten
 
 _GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-          aten.convolution.default}
+          aten.convolution.default, aten._scaled_mm.default}
 _FREE = {aten.detach.default, aten.alias.default, aten.lift_fresh.default, aten.empty.memory_format,
          aten.empty_like.default, aten.new_empty.default, aten.empty_strided.default,
          aten.new_empty_strided.default, aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,
@@ -66,8 +67,8 @@ def tensor_bytes(t: torch.Tensor) -> float:
 def gemm_dims(func, args) -> tuple[int, int, int, int] | None:
     """``(batch, m, n, k)`` of a matmul op's call (``m x k`` times ``k x n``), None for another op;
     a grouped GEMM is ``groups`` GEMMs of its rows over the groups each."""
-    if func in (aten.mm.default, aten.addmm.default):
-        a, b = (args[0], args[1]) if func is aten.mm.default else (args[1], args[2])
+    if func in (aten.mm.default, aten.addmm.default, aten._scaled_mm.default):
+        a, b = (args[1], args[2]) if func is aten.addmm.default else (args[0], args[1])
         return 1, int(a.shape[0]), int(b.shape[1]), int(a.shape[1])
     if func in (aten.bmm.default, aten.baddbmm.default):
         a, b = (args[0], args[1]) if func is aten.bmm.default else (args[1], args[2])
@@ -104,7 +105,7 @@ class Work:
     """What one pass recorded: matmul dims and bytes moved, per fx node (forward) or under
     ``None`` (backward)."""
 
-    gemms: dict = field(default_factory=dict)     # node -> [((batch, m, n, k), every second linear), ...]
+    gemms: dict = field(default_factory=dict)     # node -> [((batch, m, n, k), every second linear, fp8), ...]
     traffic: dict = field(default_factory=dict)   # node -> bytes read + written by the other ops
 
 
@@ -138,7 +139,8 @@ class OpWork(TorchDispatchMode):
         dims = gemm_dims(func, args)
         if dims is not None:
             # every second linear matmul is what "selective-op" recomputes
-            self.work.gemms.setdefault(self.node, []).append((dims, self._second(func)))
+            self.work.gemms.setdefault(self.node, []).append(
+                (dims, self._second(func), func is aten._scaled_mm.default))
             return out
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         if not outs:   # metadata queries (prim.device, sizes): no kernel
@@ -147,8 +149,9 @@ class OpWork(TorchDispatchMode):
         if func in _GATHERS:   # reads the rows it writes (and the indices), not the whole table
             read = written + sum(tensor_bytes(t) for t in pytree.tree_leaves((args, kwargs))
                                  if isinstance(t, torch.Tensor) and not t.is_floating_point())
-        else:
+        else:   # an ``out=`` tensor is written, not read
+            inputs = (args, {k: v for k, v in (kwargs or {}).items() if k != "out"})
             read = sum(t.numel() if self._mask(t) else tensor_bytes(t)
-                       for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+                       for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor))
         self._add(read + written)
         return out

@@ -112,6 +112,8 @@ class TimeTerms:
         ep = self.ep_of(index, s)
         for split, dims in m.fwd_gemms:
             b, rows, cols, depth = (f(n) for f in dims)
+            fp8 = split.startswith("8")   # torch._scaled_mm: the fp8 rate (its backward's at the forward's)
+            split = split.lstrip("8")
             second = split.startswith("2")
             split = split.lstrip("2")
             if split.startswith("e"):   # an experts matmul: under ep, 1/ep of the experts, ep x the rows each
@@ -123,7 +125,7 @@ class TimeTerms:
                                   depth / s.tp if split == "k" else depth)
             elif s.sp:
                 rows /= s.tp
-            t = c.gemm_time(b, rows, cols, depth, dtype)
+            t = c.gemm_time(b, rows, cols, depth, "fp8" if fp8 else dtype)
             gemm_s, second_s = gemm_s + t, second_s + (t if second else 0.0)
             gemm_f += 2 * b * rows * cols * depth
         rate = gemm_f / gemm_s if gemm_s else c.achievable_flops(dtype)

@@ -18,18 +18,20 @@ from .saved import recording
 aten = torch.ops.aten
 
 SAVED_OPS = frozenset({
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._scaled_mm.default,
     aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default})
 """The ops whose outputs selective checkpointing keeps (torchtitan's "op" policy without its
-every-other-matmul rule): the matmuls, which hold most of a layer's FLOPs, and the fused attention
+every-other-matmul rule): the matmuls (fp8 ones too: torchtitan's policy sees a Float8 linear's
+matmul as ``aten.mm`` on its float8 tensors), which hold most of a layer's FLOPs, and the fused attention
 kernels (their output and log-sum-exp). Everything else (norms, activations, dropout, residual adds,
 casts, collectives) is recomputed in backward."""
 
 
-LINEAR_MATMULS = frozenset({aten.mm.default, aten.addmm.default})
+LINEAR_MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten._scaled_mm.default})
 """The matmuls of linear layers, which ``"selective-op"`` counts (torchtitan's op policy counts
-``aten.mm``, its models' bias-free linears; a linear with a bias runs ``addmm``)."""
+``aten.mm``, its models' bias-free linears; a linear with a bias runs ``addmm``; a Float8 linear
+:mod:`galvatron_fx.models.float8` runs ``_scaled_mm``)."""
 
 
 def save_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:

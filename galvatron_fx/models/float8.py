@@ -1,0 +1,106 @@
+"""Float8 training of ``nn.Linear`` layers, as torchao's tensorwise recipe runs it.
+
+Runs such as torchtitan's published Float8 tables convert every ``nn.Linear`` of the transformer
+blocks (not the output projection) so that its three matmuls run on fp8 tensor cores: the forward
+``x @ w.T`` with ``x`` and ``w`` cast to ``float8_e4m3fn``, and the backward's ``grad @ w`` and
+``grad.T @ x`` with the gradient cast to ``float8_e5m2``. Each cast scales its tensor by
+``fp8_max / amax(|t|)`` (one scale per tensor, computed from the live values: dynamic scaling),
+and ``torch._scaled_mm`` multiplies with the inverse scales, accumulating and returning the
+high-precision dtype. The inputs are saved in high precision and cast again in the backward (the
+recipe's default: what the memory figures of such runs hold).
+
+Here it is the model a capture sees: the cost model prices each ``torch._scaled_mm`` at the
+device's fp8 matmul rate (:meth:`galvatron_fx.cluster.Cluster.gemm_time`) and the casts as the
+memory traffic they are, so a plan for a Float8 run is priced as that run computes. It executes
+wherever ``torch._scaled_mm`` does (CUDA devices with fp8 tensor cores, and the CPU), captured by
+dynamo or fx (torch.export inlines an autograd.Function's forward and drops its backward: refused
+with the reason; fx would too, but :func:`float8_matmul` is a leaf it records as one call). The rewrite passes treat its matmuls as opaque: tensor parallelism does not
+shard a :class:`Float8Linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import CaptureError
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+_EPS = 1e-12
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t * scale as a row-major dtype tensor, 1 / scale)``: tensorwise dynamic scaling (module
+    docstring) in two passes over ``t``, as a fused cast kernel runs it: one reads its largest
+    magnitude, one writes the scaled values in fp8 (``torch.mul`` into an fp8 ``out``; a value at
+    the largest magnitude lands on the fp8 maximum, none beyond it)."""
+    t = t.detach()   # no gradient flows through a cast: the Function's backward gives them
+    amax = torch.linalg.vector_norm(t, ord=float("inf")).float().clamp(min=_EPS)
+    scale = torch.finfo(dtype).max / amax
+    out = torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)
+    torch.mul(t, scale, out=out)
+    return out, scale.reciprocal()
+
+
+class _Float8Matmul(torch.autograd.Function):
+    """``x @ w.T`` and its two gradients on fp8 operands. ``torch._scaled_mm`` takes its first
+    operand row-major and its second column-major: each cast writes the layout its matmul reads."""
+
+    @staticmethod
+    def forward(ctx, x2d: torch.Tensor, weight: torch.Tensor):
+        ctx.save_for_backward(x2d, weight)
+        x8, x_inv = _cast(x2d, E4M3)
+        w8, w_inv = _cast(weight, E4M3)
+        return torch._scaled_mm(x8, w8.t(), x_inv, w_inv, out_dtype=x2d.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x2d, weight = ctx.saved_tensors
+        g8, g_inv = _cast(grad, E5M2)
+        wt8, w_inv = _cast(weight.t(), E4M3)
+        grad_x = torch._scaled_mm(g8, wt8.t(), g_inv, w_inv, out_dtype=grad.dtype)
+        gt8, gt_inv = _cast(grad.t(), E5M2)
+        xt8, x_inv = _cast(x2d.t(), E4M3)
+        grad_w = torch._scaled_mm(gt8, xt8.t(), gt_inv, x_inv, out_dtype=weight.dtype)
+        return grad_x, grad_w
+
+
+def float8_matmul(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x2d @ weight.T`` in fp8 with the fp8 backward. One call in a captured graph: dynamo keeps
+    the autograd.Function whole, and ``torch.fx.wrap`` keeps fx from inlining its forward."""
+    return _Float8Matmul.apply(x2d, weight)
+
+
+torch.fx.wrap("float8_matmul")
+
+
+class Float8Linear(nn.Linear):
+    """``nn.Linear`` whose matmuls run in fp8 (module docstring); the bias is added in high precision."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_exporting():
+            raise CaptureError("a Float8Linear's backward is a custom autograd.Function, which torch.export "
+                               "inlines and drops (its graph would train on another backward); capture this "
+                               "model with method='dynamo' or 'fx'")
+        out = float8_matmul(x.reshape(-1, x.shape[-1]), self.weight)
+        out = out.reshape(x.shape[:-1] + (self.out_features,))
+        return out if self.bias is None else out + self.bias
+
+
+def convert_to_float8(model: nn.Module, skip: tuple[str, ...] = ("lm_head", "output")) -> nn.Module:
+    """Swap every ``nn.Linear`` of ``model`` whose qualified name does not end with a name in ``skip``
+    (the output projection stays in high precision, as torchtitan converts) for a
+    :class:`Float8Linear` sharing its parameters, in place; returns ``model``. A linear whose
+    dimensions are not multiples of 16 (what fp8 tensor cores take) stays too."""
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            qual = f"{name}.{child_name}" if name else child_name
+            if type(child) is not nn.Linear or qual.split(".")[-1] in skip:
+                continue
+            if child.in_features % 16 or child.out_features % 16:
+                continue
+            new = Float8Linear.__new__(Float8Linear)
+            new.__dict__.update(child.__dict__)
+            setattr(module, child_name, new)
+    return model
