@@ -8,9 +8,12 @@ figures of ``galvatron_fx/devices.py``, one curve per device for every row.
 
 * **absolute rows** compare the estimated throughput, in the row's published unit, with the
   published figure: ratio = estimated / published (>1: the model is optimistic).
-* **ratio rows** are runs with features the model does not price (Float8 matmuls, torch.compile):
+* **ratio rows** are runs with a feature the model does not price (torch.compile's fused kernels):
   each is compared only as its throughput relative to a reference row of the same table that
-  shares those features (estimated ratio / published ratio).
+  shares it (estimated ratio / published ratio). A run with Float8 linears is built with them
+  (``float8``: :func:`galvatron_fx.models.float8.convert_to_float8`, the output projection left in
+  bf16 as torchtitan converts) and priced as it runs: its matmuls at the fp8 rate, its casts as
+  the memory traffic they are, unfused (torch.compile fuses them into the neighbouring kernels).
 * A publication that omits the micro-batch size or the interleaving depth: every choice that fits
   the device memory is estimated and the fastest taken (what the authors tuned for).
 
@@ -20,7 +23,8 @@ Sources (every figure below with the table it comes from):
   FSDP2, bf16) and ``benchmarks/llama3_h100_202412_torchtitan.md`` (Table 2: Llama-3.1-8B context
   parallelism on 8 H100, Float8 + torch.compile, full AC, local batch 1; Tables 1 and 3: its FSDP rows
   on 8 and 128 H100 in bf16, with torchtitan's default selective AC, the "op" policy: priced as
-  ``ckpt="selective-op"``, which runs that policy).
+  ``ckpt="selective-op"``, which runs that policy; and their Float8 rows relative to their
+  "FSDP + torch.compile" rows).
 Every model is built in bf16 (each run computed in 16 bits throughout) and estimated as a
 ``bf16-mixed`` plan (fp32 masters, gradients and Adam moments).
 
@@ -70,6 +74,8 @@ TT_H100_CP = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 2: 
               "Float8 + torch.compile, full AC, local batch 1")
 TT_H100 = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3: Llama-3.1-8B, FSDP, bf16 (the "
            "rows without Float8 or torch.compile), selective (op) AC, local batch 2, 8192 tokens")
+TT_H100_F8 = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3: Llama-3.1-8B, FSDP + "
+              "torch.compile with and without Float8, selective (op) AC, local batch 2, 8192 tokens")
 MEG = "Narayanan et al. SC'21 (arXiv 2104.04473)"
 KORTH = "Korthikanti et al. 2022 (arXiv 2205.05198), Table 5, full recompute"
 LF = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (2024-01)"
@@ -110,7 +116,7 @@ def _lf(id_, name, arch, device, gbs, mb, ckpt, sdp, value, attention="flash-att
 
 
 _KORTH = dict(source=KORTH, seq=2048, tp=8, ckpt=True, micro_batch=1, unit="s/iteration")
-_TT_CP = dict(source=TT_H100_CP, arch=LLAMA3_8B, cluster="8xH100-96GB", ckpt=True, sdp="zero3",
+_TT_CP = dict(source=TT_H100_CP, arch=LLAMA3_8B, cluster="8xH100-96GB", ckpt=True, sdp="zero3", float8=True,
               unit="tokens/s/GPU", reference="torchtitan-h100-cp1-32k")
 _MPT = {"70b": mpt(8192, 80, 64), "30b": mpt(7168, 48, 64), "13b": mpt(5120, 40, 40), "7b": mpt(4096, 32, 32),
         "3b": mpt(2560, 32, 20), "1b": mpt(2048, 24, 16), "760m": mpt(1536, 24, 12), "350m": mpt(1024, 24, 16),
@@ -129,6 +135,20 @@ ROWS: list[dict] = [
          gbs=16, sdp="zero3", ckpt="selective-op", micro_batch=2, unit="tokens/s/GPU", published=5762),
     dict(id="torchtitan-h100-llama3-8b-fsdp128", source=TT_H100, arch=LLAMA3_8B, cluster="16x8xH100-96GB",
          seq=8192, gbs=256, sdp="zero3", ckpt="selective-op", micro_batch=2, unit="tokens/s/GPU", published=5605),
+    # torchtitan H100 Tables 1 and 3, Float8 (+ torch.compile): relative to their "FSDP + torch.compile"
+    # rows (the same plan in bf16; compile, which the model does not price, shared)
+    dict(id="torchtitan-h100-llama3-8b-fsdp8-compile", source=TT_H100_F8, arch=LLAMA3_8B, cluster="8xH100-96GB",
+         seq=8192, gbs=16, sdp="zero3", ckpt="selective-op", micro_batch=2, unit="tokens/s/GPU", published=6667,
+         ratio_only=True),
+    dict(id="torchtitan-h100-llama3-8b-fsdp8-float8", source=TT_H100_F8, arch=LLAMA3_8B, cluster="8xH100-96GB",
+         seq=8192, gbs=16, sdp="zero3", ckpt="selective-op", micro_batch=2, unit="tokens/s/GPU", published=8532,
+         float8=True, reference="torchtitan-h100-llama3-8b-fsdp8-compile"),
+    dict(id="torchtitan-h100-llama3-8b-fsdp128-compile", source=TT_H100_F8, arch=LLAMA3_8B, cluster="16x8xH100-96GB",
+         seq=8192, gbs=256, sdp="zero3", ckpt="selective-op", micro_batch=2, unit="tokens/s/GPU", published=6514,
+         ratio_only=True),
+    dict(id="torchtitan-h100-llama3-8b-fsdp128-float8", source=TT_H100_F8, arch=LLAMA3_8B, cluster="16x8xH100-96GB",
+         seq=8192, gbs=256, sdp="zero3", ckpt="selective-op", micro_batch=2, unit="tokens/s/GPU", published=8380,
+         float8=True, reference="torchtitan-h100-llama3-8b-fsdp128-compile"),
     # torchtitan H100 Table 2 (Float8 + compile): relative to its 32k FSDP-8 row
     dict(id="torchtitan-h100-cp1-32k", seq=32768, gbs=8, published=3890, **{**_TT_CP, "reference": None},
          ratio_only=True),
@@ -254,8 +274,9 @@ def sweep_rows() -> list[dict]:
             for n, size, dev, seq, gbs, mb, ckpt, value in LF_SWEEP]
 
 
-def build(arch: dict, seq: int):
-    """The row's transformers model on the meta device and its keyword inputs (one sample)."""
+def build(arch: dict, seq: int, float8: bool = False):
+    """The row's transformers model on the meta device and its keyword inputs (one sample);
+    ``float8``: its linears (not the output projection) as Float8 training runs them."""
     import transformers as tf
 
     if arch["kind"] == "llama":
@@ -278,6 +299,10 @@ def build(arch: dict, seq: int):
         # model's mask would promote eager attention's scores to fp32); the plan's states are
         # bf16-mixed's either way
         model = cls(cfg).to(torch.bfloat16)
+    if float8:
+        from galvatron_fx.models.float8 import convert_to_float8
+
+        convert_to_float8(model)
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     return model, dict(input_ids=ids, labels=ids)
 
@@ -337,9 +362,9 @@ def estimate_row(row: dict, captured: dict) -> dict:
     """The fastest of the row's candidate plans that fits the device memory (else the least memory)."""
     import galvatron_fx as gfx
 
-    key = json.dumps([row["arch"], row["seq"]], sort_keys=True)
+    key = json.dumps([row["arch"], row["seq"], row.get("float8", False)], sort_keys=True)
     if key not in captured:
-        model, kwargs = build(row["arch"], row["seq"])
+        model, kwargs = build(row["arch"], row["seq"], row.get("float8", False))
         captured[key] = gfx.capture(model, (), kwargs=kwargs)
     gm = captured[key]
     cluster = gfx.Cluster.preset(row["cluster"], attention_kernel=row.get("attention_kernel", "sdpa"))
