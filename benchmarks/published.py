@@ -122,6 +122,16 @@ _MPT = {"70b": mpt(8192, 80, 64), "30b": mpt(7168, 48, 64), "13b": mpt(5120, 40,
         "3b": mpt(2560, 32, 20), "1b": mpt(2048, 24, 16), "760m": mpt(1536, 24, 12), "350m": mpt(1024, 24, 16),
         "125m": mpt(768, 12, 12)}
 
+def _tt_float8(name, cluster, gbs, compiled, float8):
+    """torchtitan H100 Table 1 or 3: its "FSDP + torch.compile + Float8" row relative to its "FSDP +
+    torch.compile" row (the same plan in bf16)."""
+    row = dict(source=TT_H100_F8, arch=LLAMA3_8B, cluster=cluster, seq=8192, gbs=gbs, sdp="zero3",
+               ckpt="selective-op", micro_batch=2, unit="tokens/s/GPU")
+    ref = f"torchtitan-h100-llama3-8b-{name}-compile"
+    return [dict(row, id=ref, published=compiled, ratio_only=True),
+            dict(row, id=f"torchtitan-h100-llama3-8b-{name}-float8", published=float8, float8=True, reference=ref)]
+
+
 ROWS: list[dict] = [
     # torchtitan A100 tables: FSDP over 64 GPUs, one micro-batch ("local batch")
     dict(id="torchtitan-a100-llama3-70b-full", source=TT_A100, arch=LLAMA3_70B, cluster="8x8xA100-80GB", seq=8192,
@@ -137,18 +147,8 @@ ROWS: list[dict] = [
          seq=8192, gbs=256, sdp="zero3", ckpt="selective-op", micro_batch=2, unit="tokens/s/GPU", published=5605),
     # torchtitan H100 Tables 1 and 3, Float8 (+ torch.compile): relative to their "FSDP + torch.compile"
     # rows (the same plan in bf16; compile, which the model does not price, shared)
-    dict(id="torchtitan-h100-llama3-8b-fsdp8-compile", source=TT_H100_F8, arch=LLAMA3_8B, cluster="8xH100-96GB",
-         seq=8192, gbs=16, sdp="zero3", ckpt="selective-op", micro_batch=2, unit="tokens/s/GPU", published=6667,
-         ratio_only=True),
-    dict(id="torchtitan-h100-llama3-8b-fsdp8-float8", source=TT_H100_F8, arch=LLAMA3_8B, cluster="8xH100-96GB",
-         seq=8192, gbs=16, sdp="zero3", ckpt="selective-op", micro_batch=2, unit="tokens/s/GPU", published=8532,
-         float8=True, reference="torchtitan-h100-llama3-8b-fsdp8-compile"),
-    dict(id="torchtitan-h100-llama3-8b-fsdp128-compile", source=TT_H100_F8, arch=LLAMA3_8B, cluster="16x8xH100-96GB",
-         seq=8192, gbs=256, sdp="zero3", ckpt="selective-op", micro_batch=2, unit="tokens/s/GPU", published=6514,
-         ratio_only=True),
-    dict(id="torchtitan-h100-llama3-8b-fsdp128-float8", source=TT_H100_F8, arch=LLAMA3_8B, cluster="16x8xH100-96GB",
-         seq=8192, gbs=256, sdp="zero3", ckpt="selective-op", micro_batch=2, unit="tokens/s/GPU", published=8380,
-         float8=True, reference="torchtitan-h100-llama3-8b-fsdp128-compile"),
+    *_tt_float8("fsdp8", "8xH100-96GB", 16, compiled=6667, float8=8532),
+    *_tt_float8("fsdp128", "16x8xH100-96GB", 256, compiled=6514, float8=8380),
     # torchtitan H100 Table 2 (Float8 + compile): relative to its 32k FSDP-8 row
     dict(id="torchtitan-h100-cp1-32k", seq=32768, gbs=8, published=3890, **{**_TT_CP, "reference": None},
          ratio_only=True),

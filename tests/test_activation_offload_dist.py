@@ -33,18 +33,7 @@ CASES = {
                                      plan=dict(pp=2, dp=1, micro_batches=2, schedule="interleaved-1f1b",
                                                virtual_stages=2, act_offload=True)),
 }
-harness.CASES.update(CASES)
-
-
-def _run(rank, world, name):
-    return harness._run(rank, world, name)
-
-
-@pytest.mark.dist
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.matrix) if c.get("matrix") else n
-                                  for n, c in CASES.items()])
-def test_the_loop_trains_as_on_one_device_with_activations_on_the_host(name):
-    harness._check(name, run_distributed(_run, harness._case(name)["world"], name, timeout=600))
+test_the_loop_trains_as_on_one_device_with_activations_on_the_host = harness.loop_test(__name__, CASES)
 
 
 def _bytes(rank, world, method, pp):

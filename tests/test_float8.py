@@ -16,7 +16,6 @@ from galvatron_fx.models.float8 import Float8Linear, convert_to_float8
 from galvatron_fx.planner import cost_model_for
 from galvatron_fx.solver.strategy import Strategy
 from tests import test_training_loop_dist as harness
-from tests.dist_utils import run_distributed
 
 tf = pytest.importorskip("transformers")
 
@@ -100,15 +99,4 @@ CASES = {
     "f8-gpt-pp2-fx": dict(F8, model="gpt-float8", method="fx", tol=3e-3),
     "f8-pp2-compile": dict(F8, matrix=True, door="compile"),
 }
-harness.CASES.update(CASES)
-
-
-def _run(rank, world, name):
-    return harness._run(rank, world, name)
-
-
-@pytest.mark.dist
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.matrix) if c.get("matrix") else n
-                                  for n, c in CASES.items()])
-def test_the_loop_trains_a_float8_model_as_on_one_device(name):
-    harness._check(name, run_distributed(_run, harness._case(name)["world"], name, timeout=600))
+test_the_loop_trains_a_float8_model_as_on_one_device = harness.loop_test(__name__, CASES)

@@ -460,6 +460,28 @@ def _check(name, results):
         assert diff.norm() / torch.cat([p.flatten() for p in ref_params.values()]).norm() < (case.get("tol") or TOL), name
 
 
+def _registered(rank, world, module, name):
+    """:func:`_run` for a case another test module registers (a spawned rank imports it first)."""
+    import importlib
+
+    importlib.import_module(module)
+    return _run(rank, world, name)
+
+
+def loop_test(module: str, cases: dict):
+    """Register ``cases`` (a feature's own loop cases, ``CASES``' keys) and return the test that runs
+    them through this harness; the feature's module binds it to a ``test_*`` name. ``module``: its
+    ``__name__``, which each rank imports to find the cases."""
+    CASES.update(cases)
+
+    @pytest.mark.dist
+    @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.matrix) if c.get("matrix") else n
+                                      for n, c in cases.items()])
+    def test(name):
+        _check(name, run_distributed(_registered, _case(name)["world"], module, name, timeout=600))
+    return test
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.matrix) if c.get("matrix") else n
                                   for n, c in CASES.items()])   # CI time: --run-matrix runs every case
