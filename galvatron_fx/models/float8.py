@@ -7,7 +7,10 @@ blocks (not the output projection) so that its three matmuls run on fp8 tensor c
 ``fp8_max / amax(|t|)`` (one scale per tensor, computed from the live values: dynamic scaling),
 and ``torch._scaled_mm`` multiplies with the inverse scales, accumulating and returning the
 high-precision dtype. The inputs are saved in high precision and cast again in the backward (the
-recipe's default: what the memory figures of such runs hold).
+recipe's default: what the memory figures of such runs hold). A plan that splits the batch over
+ranks or micro-batches scales each share by its own amax, as torchao does under FSDP: it trains
+to fp8's noise against one device with the whole batch, not bit for bit; a pipeline of whole
+batches scales what one device scales.
 
 Here it is the model a capture sees: the cost model prices each ``torch._scaled_mm`` at the
 device's fp8 matmul rate (:meth:`galvatron_fx.cluster.Cluster.gemm_time`) and the casts as the
