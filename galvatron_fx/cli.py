@@ -153,6 +153,15 @@ def _capture_for_planning(args: argparse.Namespace, keep: list | None = None):
         if left:
             args.defaults_note = f"{', '.join(left)} (transformers' defaults: {args.model} does not set them)"
     model, example_args = models.load(args.model, device="meta", overrides=overrides)
+    if getattr(args, "float8", False):
+        from .models.float8 import convert_to_float8, float8_count
+
+        if method == "export":
+            raise ConfigError("--float8 with --method export: torch.export drops a Float8 linear's fp8 "
+                              "backward; use --method dynamo (or fx)")
+        convert_to_float8(model)
+        args.defaults_note = "; ".join(filter(None, [getattr(args, "defaults_note", None),
+                                                     f"{float8_count(model)} Float8 linears"]))
     if keep is not None:
         keep.append(model)   # the captured graph holds it weakly; measuring initialises from it
     method = method or "fx"

@@ -279,6 +279,10 @@ def _add_plan(sub) -> None:
                    help="capture front end (default fx; dynamo for a transformers config)")
     p.add_argument("--seq-len", type=_positive_int, metavar="N", help="sequence length of the example inputs")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model override (repeatable)")
+    p.add_argument("--float8", action="store_true",
+                   help="plan the model with Float8 linears (galvatron_fx.models.float8.convert_to_float8: "
+                        "fp8 matmuls, the output projection in 16 bits), as a Float8 training run has them; "
+                        "needs fp8 tensor cores (H100 / H200) and a dynamo or fx capture")
     p.add_argument("--baselines", action="store_true",
                    help="also estimate DP, ZeRO-3, TP, PP, 3D, DP+TP, DP+PP and Megatron-style (megatron)")
     p.add_argument("--measure", type=_count, default=0, metavar="K",

@@ -192,3 +192,23 @@ def test_a_config_that_leaves_sizes_to_defaults_says_which(tmp_path, capsys):
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("assumed:"))
     assert "hidden_size 4096" in line and "num_attention_heads 32" in line and "num_hidden_layers" not in line
     assert f"(transformers' defaults: {cfg} does not set them)" in line
+
+
+def test_float8_plans_fp8_matmuls_and_is_refused_where_they_cannot_run(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    cfg = tmp_path / "config.json"
+    # Llama-3-8B's widths, 2 blocks: the matmuls outweigh the casts (at 1024 wide the casts win)
+    cfg.write_text(json.dumps(dict(LLAMA_CFG, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                                   num_key_value_heads=8, max_position_embeddings=4096)))
+    out = tmp_path / "plan.json"
+    base = ["plan", str(cfg), "--cluster", "8xH100-80GB", "--global-batch-size", "16", "--seq-len", "4096"]
+    assert main(base + ["--json", str(out)]) == 0
+    bf16 = json.loads(out.read_text())["estimate"]["step_time_s"]
+    assert main(base + ["--float8", "--json", str(out)]) == 0
+    assert "14 Float8 linears" in capsys.readouterr().out   # 7 per block; the output projection stays bf16
+    assert json.loads(out.read_text())["estimate"]["step_time_s"] < bf16
+    for argv, needle in ((["--cluster", "8xA100-80GB"], "no fp8 matmul rate"),   # the later --cluster wins
+                         (["--method", "export"], "torch.export drops")):
+        assert main(base + argv + ["--float8"]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, err

@@ -17,6 +17,7 @@ from galvatron_fx.models.float8 import Float8Linear, convert_to_float8
 from galvatron_fx.planner import cost_model_for
 from galvatron_fx.solver.strategy import Strategy
 from tests import test_training_loop_dist as harness
+from tests.dist_utils import run_distributed
 
 tf = pytest.importorskip("transformers")
 
@@ -87,6 +88,21 @@ def test_a_captured_float8_llama_prices_its_block_matmuls_at_the_fp8_rate():
     assert cm._analytic_parts(blocks[0], cm.measure(blocks[0]), 2, s)[0] == pytest.approx(expected, rel=1e-9)
     with pytest.raises(gfx.ConfigError, match="no fp8 matmul rate"):
         gfx.estimate(gm, gfx.Plan.uniform(gm, 8, dp=8, global_batch_size=16), gfx.Cluster.preset("8xA100-80GB"))
+
+
+@pytest.mark.dist
+def test_float8_states_exact_and_activations_close():
+    """gpt-tiny with Float8 linears, bf16-mixed, 4 gloo ranks: states byte-exact and the bytes saved
+    for backward (each linear's input, in the autocast dtype) within 5 % of the estimate, under DP,
+    ZeRO-3, full, selective and op-selective checkpointing."""
+    from tests.test_memory_equality_dist import GPT, _measure
+
+    labels = ["dp", "zero3", "ckpt", "sac", "sacop"]
+    for res in run_distributed(_measure, 4, "gpt-tiny", GPT, labels, "bf16-mixed", True, timeout=300):
+        assert sorted(res) == sorted(labels)
+        for label, (measured, predicted, act, act_pred) in res.items():
+            assert measured == predicted, (label, measured, predicted)
+            assert abs(act - act_pred) <= 0.05 * act_pred, (label, act, act_pred)
 
 
 # A pipeline of whole batches: every rank casts the tensors one device casts, with the same scales:

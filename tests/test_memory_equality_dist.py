@@ -43,7 +43,7 @@ PLANS = [  # label, micro-batches, per-layer spec cycled over the layers
 ]
 
 
-def _measure(rank, world, model_name, overrides, labels=None, precision="fp32"):
+def _measure(rank, world, model_name, overrides, labels=None, precision="fp32", float8=False):
     import galvatron_fx as gfx
     from galvatron_fx.cost import CostModel
     from galvatron_fx.runtime.checkpointing import kept_tensors, recording_kept
@@ -51,6 +51,10 @@ def _measure(rank, world, model_name, overrides, labels=None, precision="fp32"):
     from galvatron_fx.runtime.reshard import slice_input  # noqa: F401  (imported for the graph)
 
     model, args = gfx.models.build(model_name, device="cpu", **overrides)
+    if float8:   # its linears as Float8 training runs them (tests/test_float8.py)
+        from galvatron_fx.models.float8 import convert_to_float8
+
+        convert_to_float8(model)
     gm = gfx.capture(model, args, method="fx")
     cm = CostModel(gm, gfx.Cluster.preset(f"{world}xA100-80GB"), reserve_bytes=0, precision=precision)
     out = {}

@@ -42,6 +42,7 @@ here, not by ``FlopCounterMode``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -185,6 +186,13 @@ def run_stand_in(target: str, args: tuple, kwargs: dict) -> tuple[torch.Tensor, 
     """``(output, kernel, (forward, backward) FLOPs, the kernel op's outputs)`` of an SDPA call
     measured for ``target`` (:func:`kernel_outputs`)."""
     call = sdpa_call(args, kwargs)
+    if target != "cpu" and torch.is_autocast_enabled("cpu"):
+        # CUDA's autocast runs SDPA in its low precision whatever the operands' dtype (an fp32 q from
+        # an op outside autocast's lists, e.g. a Float8 linear's output); the measurement's CPU
+        # autocast stands in for the device's
+        low = torch.get_autocast_dtype("cpu")
+        cast = lambda t: t.to(low) if t is not None and t.is_floating_point() else t   # noqa: E731
+        call = dataclasses.replace(call, q=cast(call.q), k=cast(call.k), v=cast(call.v), mask=cast(call.mask))
     kernel = attention_kernel(target, call)
     out = StandIn.apply(call.q, call.k, call.v, call.mask, kernel, call.dropout, call.causal, call.gqa)
     return out, kernel, attention_flops(call, kernel), kernel_outputs(kernel, call, out)

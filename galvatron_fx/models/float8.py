@@ -70,16 +70,25 @@ class _Float8Matmul(torch.autograd.Function):
 
 
 def float8_matmul(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x2d @ weight.T`` in fp8 with the fp8 backward. One call in a captured graph: dynamo keeps
-    the autograd.Function whole, and ``torch.fx.wrap`` keeps fx from inlining its forward."""
+    """``x2d @ weight.T`` in fp8 with the fp8 backward; under ``torch.autocast`` (mixed precision)
+    from the autocast dtype, which its output takes, as torchao's Float8 linear. One opaque call in
+    a captured graph (``torch.fx.wrap``, ``torch.compiler.allow_in_graph``): run as written when the
+    graph runs, so the autocast the runtime (or the cost measurement) enters applies, and neither
+    tracer inlines the autograd.Function's forward without its backward."""
+    device = x2d.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        x2d = x2d.to(torch.get_autocast_dtype(device))
     return _Float8Matmul.apply(x2d, weight)
 
 
 torch.fx.wrap("float8_matmul")
+torch.compiler.allow_in_graph(float8_matmul)
 
 
 class Float8Linear(nn.Linear):
-    """``nn.Linear`` whose matmuls run in fp8 (module docstring); the bias is added in high precision."""
+    """``nn.Linear`` whose matmuls run in fp8 (module docstring); the bias is added in high precision.
+    Under ``torch.autocast`` (mixed precision) its output comes in the autocast dtype, as a 16-bit
+    linear's would (:func:`float8_matmul`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_exporting():
@@ -89,6 +98,11 @@ class Float8Linear(nn.Linear):
         out = float8_matmul(x.reshape(-1, x.shape[-1]), self.weight)
         out = out.reshape(x.shape[:-1] + (self.out_features,))
         return out if self.bias is None else out + self.bias
+
+
+def float8_count(model: nn.Module) -> int:
+    """How many :class:`Float8Linear` modules ``model`` holds."""
+    return sum(isinstance(m, Float8Linear) for m in model.modules())
 
 
 def convert_to_float8(model: nn.Module, skip: tuple[str, ...] = ("lm_head", "output")) -> nn.Module:
