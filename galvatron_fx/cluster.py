@@ -113,7 +113,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .cluster_times import COLLECTIVES, P2P, ClusterTimes  # noqa: F401 - the link kinds: the cluster's names too
-from .devices import ATTENTION_HALF_RATE_SEQ, DEVICES, GEMM_TILE, HBM_EFFICIENCY, HOST_STREAM_EFFICIENCY
+from .devices import DEVICES, GPU_OVERHEADS, preset_fields  # noqa: F401 - GPU_OVERHEADS: hand-made clusters ask for it
 from .errors import ConfigError
 from .units import DTYPES, format_bytes, matmul_dtype, normalize_dtype, parse_bytes  # noqa: F401 - DTYPES, normalize_dtype: the cluster's names too
 
@@ -154,21 +154,6 @@ costs beyond the model's terms, ``pipeline_step_s`` what a pipelined step costs 
 fits the scales to its timed candidates (:mod:`galvatron_fx.selection`) and ``galvatron-fx plan /
 train --measure K --cluster FILE`` stores them in FILE, so the next search starts closer."""
 SCALE_FIELDS = ("time_scale", "pipeline_time_scale")
-# NOTE: GPU defaults. A CUDA kernel launch from PyTorch's eager dispatcher costs ~5-10 us, the backward
-# node about as much again; an NCCL call ~10-30 us beyond its ring steps (the presets' ``α`` prices
-# those); a galvatron layer adds two autograd Functions and its parameter views; checkpointing adds
-# two Python saved-tensor hooks per saved tensor (a few us per op, host-side like a launch); a fused / foreach
-# Adam step and the device's copies stream at its memory rate: the presets set optimizer_s_per_byte
-# (ADAM_WORDS_PER_PARAMETER) and copy_s_per_byte from it (galvatron_fx/devices.py); the figures here
-# (2 TB/s) serve hand-made clusters that ask for GPU_OVERHEADS.
-GPU_OVERHEADS = dict(op_launch_s=7e-6, op_launch_bwd_s=10e-6, collective_latency_s=20e-6,
-                     layer_overhead_s=60e-6, microbatch_overhead_s=300e-6, optimizer_s_per_byte=5e-12,
-                     optimizer_overhead_s=20e-6, checkpoint_op_s=5e-6, copy_s_per_byte=1e-12,
-                     split_backward_op_s=5e-6)
-
-ADAM_WORDS_PER_PARAMETER = 7
-"""A fused / foreach Adam step streams ~7 fp32 words per parameter (reads p, g, m, v; writes p, m,
-v): bytes of memory traffic per byte of fp32 parameters it updates."""
 # Presets: galvatron_fx/devices.py (datasheet peaks and the rates public measurements sustain).
 _DEVICES = DEVICES
 _PRESET_RE = re.compile(r"^(?:(\d+)x)?(\d+)x(.+)$", re.IGNORECASE)
@@ -206,6 +191,15 @@ def _positive(name: str, value: Any, *, allow_zero: bool = False) -> float:
         bound = "non-negative" if allow_zero else "positive"
         raise ConfigError(f"cluster field {name!r} must be {bound} and finite, got {value!r}")
     return float(value)
+
+
+def _fraction(name: str, value: Any, *, allow_zero: bool = True) -> float:
+    """A fraction of a peak: in (0, 1], or [0, 1] where 0 means "not given"."""
+    value = _positive(name, value, allow_zero=allow_zero)
+    if value > 1:
+        span = "[0, 1]" if allow_zero else "(0, 1]"
+        raise ConfigError(f"cluster field {name!r} is a fraction of peak in {span}, got {value}")
+    return value
 
 
 def _count(name: str, value: Any) -> int:
@@ -291,9 +285,7 @@ class Cluster(ClusterTimes):
             self.inter_latency = self.intra_latency
         self.inter_bandwidth = _positive("inter_bandwidth", self.inter_bandwidth)
         self.inter_latency = _positive("inter_latency", self.inter_latency, allow_zero=True)
-        self.efficiency = _positive("efficiency", self.efficiency)
-        if self.efficiency > 1:
-            raise ConfigError(f"cluster field 'efficiency' is a fraction of peak in (0, 1], got {self.efficiency}")
+        self.efficiency = _fraction("efficiency", self.efficiency, allow_zero=False)
         self.overlap_slowdown = _positive("overlap_slowdown", self.overlap_slowdown)
         if self.overlap_slowdown < 1:
             raise ConfigError(f"cluster field 'overlap_slowdown' must be >= 1, got {self.overlap_slowdown}")
@@ -301,14 +293,8 @@ class Cluster(ClusterTimes):
             raise ConfigError(f"cluster field 'name' must be a string, got {self.name!r}")
         self.fits = self._check_fits(self.fits)
         self.gemm_tile = _count("gemm_tile", self.gemm_tile)
-        self.fp8_efficiency = _positive("fp8_efficiency", self.fp8_efficiency, allow_zero=True)
-        if self.fp8_efficiency > 1:
-            raise ConfigError(f"cluster field 'fp8_efficiency' is a fraction of peak in [0, 1], "
-                              f"got {self.fp8_efficiency}")
-        self.attention_efficiency = _positive("attention_efficiency", self.attention_efficiency, allow_zero=True)
-        if self.attention_efficiency > 1:
-            raise ConfigError(f"cluster field 'attention_efficiency' is a fraction of peak in [0, 1], "
-                              f"got {self.attention_efficiency}")
+        self.fp8_efficiency = _fraction("fp8_efficiency", self.fp8_efficiency)
+        self.attention_efficiency = _fraction("attention_efficiency", self.attention_efficiency)
         self.attention_half_rate_seq = _positive("attention_half_rate_seq", self.attention_half_rate_seq,
                                                  allow_zero=True)
         if self.host_memory_bytes != 0:   # 0: no host apart from the devices
@@ -456,31 +442,8 @@ class Cluster(ClusterTimes):
         if nodes < 1 or per_node < 1:
             raise ConfigError(f"cluster preset {name!r} needs at least one node and one device; {_PRESET_HELP}")
         canonical = f"{per_node}x{spec.display}" if m.group(1) is None else f"{nodes}x{per_node}x{spec.display}"
-        attention_rate = spec.attention_rate_of(attention_kernel)
-        memory_rate = spec.hbm * HBM_EFFICIENCY
-        overheads = dict(GPU_OVERHEADS, copy_s_per_byte=2 / memory_rate,
-                         optimizer_s_per_byte=ADAM_WORDS_PER_PARAMETER / memory_rate)
-        host_rate = spec.host_memory_rate * HOST_STREAM_EFFICIENCY / per_node   # one device's share
-        host = dict(host_memory_bytes=parse_bytes(spec.host_memory), host_bandwidth=spec.host_link,
-                    host_optimizer_s_per_byte=ADAM_WORDS_PER_PARAMETER / host_rate if host_rate else 0.0)
-        return cls(
-            memory_bytes=parse_bytes(spec.memory),
-            peak_flops={"fp32": spec.fp32, "bf16": spec.bf16, "fp16": spec.fp16, **({"fp8": spec.fp8} if spec.fp8 else {})},
-            fp8_efficiency=spec.mamf_fp8,
-            intra_bandwidth=spec.intra_bandwidth,
-            intra_latency=spec.intra_latency,
-            nodes=nodes,
-            devices_per_node=per_node,
-            inter_bandwidth=spec.inter_share(per_node),
-            inter_latency=spec.inter_latency,
-            efficiency=spec.mamf,
-            gemm_tile=GEMM_TILE,
-            attention_efficiency=attention_rate,
-            attention_half_rate_seq=ATTENTION_HALF_RATE_SEQ,
-            name=canonical,
-            **overheads,
-            **host,
-        )
+        return cls(nodes=nodes, devices_per_node=per_node, name=canonical,
+                   **preset_fields(spec, per_node, attention_kernel))
 
     @classmethod
     def profile(cls, group=None, out: str | None = None, sizes=None, progress: bool = True, **kwargs) -> Cluster:

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import ConfigError
+from .units import parse_bytes
 
 _T = 1e12
 _GB = 1e9
@@ -191,3 +192,38 @@ DEVICES: dict[str, DeviceSpec] = {
                                  0.625, 12 * _GB, 1e-5, 12 * _GB, None, 2e-5, "cuda-sm70",
                                 host_memory="512GB", host_link=12 * _GB, host_memory_rate=2 * 76.8 * _GB),
 }
+
+
+# NOTE: GPU defaults. A CUDA kernel launch from PyTorch's eager dispatcher costs ~5-10 us, the backward
+# node about as much again; an NCCL call ~10-30 us beyond its ring steps (the presets' ``α`` prices
+# those); a galvatron layer adds two autograd Functions and its parameter views; checkpointing adds
+# two Python saved-tensor hooks per saved tensor (a few us per op, host-side like a launch); a fused / foreach
+# Adam step and the device's copies stream at its memory rate: the presets set optimizer_s_per_byte
+# (ADAM_WORDS_PER_PARAMETER) and copy_s_per_byte from it (preset_fields); the figures here
+# (2 TB/s) serve hand-made clusters that ask for GPU_OVERHEADS.
+GPU_OVERHEADS = dict(op_launch_s=7e-6, op_launch_bwd_s=10e-6, collective_latency_s=20e-6,
+                     layer_overhead_s=60e-6, microbatch_overhead_s=300e-6, optimizer_s_per_byte=5e-12,
+                     optimizer_overhead_s=20e-6, checkpoint_op_s=5e-6, copy_s_per_byte=1e-12,
+                     split_backward_op_s=5e-6)
+
+ADAM_WORDS_PER_PARAMETER = 7
+"""A fused / foreach Adam step streams ~7 fp32 words per parameter (reads p, g, m, v; writes p, m,
+v): bytes of memory traffic per byte of fp32 parameters it updates."""
+
+
+def preset_fields(spec: DeviceSpec, per_node: int, attention_kernel: str = "sdpa") -> dict:
+    """The :class:`~galvatron_fx.cluster.Cluster` fields of ``per_node`` devices of ``spec`` per node
+    (all but the node counts and the name): its peaks and fractions, links, host, and the GPU
+    overheads with the copy and optimizer rates taken from its memory bandwidth."""
+    memory_rate = spec.hbm * HBM_EFFICIENCY
+    host_rate = spec.host_memory_rate * HOST_STREAM_EFFICIENCY / per_node   # one device's share
+    return dict(
+        GPU_OVERHEADS, copy_s_per_byte=2 / memory_rate, optimizer_s_per_byte=ADAM_WORDS_PER_PARAMETER / memory_rate,
+        memory_bytes=parse_bytes(spec.memory),
+        peak_flops={"fp32": spec.fp32, "bf16": spec.bf16, "fp16": spec.fp16, **({"fp8": spec.fp8} if spec.fp8 else {})},
+        efficiency=spec.mamf, fp8_efficiency=spec.mamf_fp8, gemm_tile=GEMM_TILE,
+        attention_efficiency=spec.attention_rate_of(attention_kernel), attention_half_rate_seq=ATTENTION_HALF_RATE_SEQ,
+        intra_bandwidth=spec.intra_bandwidth, intra_latency=spec.intra_latency,
+        inter_bandwidth=spec.inter_share(per_node), inter_latency=spec.inter_latency,
+        host_memory_bytes=parse_bytes(spec.host_memory), host_bandwidth=spec.host_link,
+        host_optimizer_s_per_byte=ADAM_WORDS_PER_PARAMETER / host_rate if host_rate else 0.0)
