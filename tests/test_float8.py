@@ -60,6 +60,15 @@ def test_a_float8_linear_moves_the_bytes_of_its_casts_and_learns_like_a_linear()
     assert torch.allclose(f8[0].weight.grad, ref.weight.grad, rtol=0.15, atol=0.15 * ref.weight.grad.abs().max())
 
 
+def test_converting_a_model_without_linears_says_so():
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16))
+    with pytest.warns(UserWarning, match="converted no linear of GPT2LMHeadModel: .*Conv1D"):
+        convert_to_float8(gpt2)
+    odd = torch.nn.Sequential(torch.nn.Linear(10, 20))
+    with pytest.warns(UserWarning, match="not multiples of 16 \\(0, ...\\)"):
+        convert_to_float8(odd)
+
+
 def _float8_llama(layers: int = 2, hidden: int = 256, seq: int = 512):
     cfg = tf.LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, use_cache=False)

@@ -23,6 +23,8 @@ shard a :class:`Float8Linear`.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -109,15 +111,26 @@ def convert_to_float8(model: nn.Module, skip: tuple[str, ...] = ("lm_head", "out
     """Swap every ``nn.Linear`` of ``model`` whose qualified name does not end with a name in ``skip``
     (the output projection stays in high precision, as torchtitan converts) for a
     :class:`Float8Linear` sharing its parameters, in place; returns ``model``. A linear whose
-    dimensions are not multiples of 16 (what fp8 tensor cores take) stays too."""
+    dimensions are not multiples of 16 (what fp8 tensor cores take) stays too. Warns (one line)
+    when it converts nothing: the model's matmuls are not ``nn.Linear`` modules (GPT-2's ``Conv1D``,
+    grouped expert weights) or none has such dimensions, and a plan for it would price no fp8."""
+    converted, odd = 0, []
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             qual = f"{name}.{child_name}" if name else child_name
             if type(child) is not nn.Linear or qual.split(".")[-1] in skip:
                 continue
             if child.in_features % 16 or child.out_features % 16:
+                odd.append(qual)
                 continue
             new = Float8Linear.__new__(Float8Linear)
             new.__dict__.update(child.__dict__)
             setattr(module, child_name, new)
+            converted += 1
+    if not converted:
+        why = (f"its {len(odd)} nn.Linear layers have dimensions that are not multiples of 16 ({odd[0]}, ...)"
+               if odd else "it has no nn.Linear layer outside the output projection (other matmul modules, "
+                           "such as GPT-2's Conv1D, are not converted)")
+        warnings.warn(f"convert_to_float8 converted no linear of {type(model).__name__}: {why}; it trains and is "
+                      "priced in its own precision", stacklevel=2)
     return model
