@@ -122,6 +122,7 @@ _MPT = {"70b": mpt(8192, 80, 64), "30b": mpt(7168, 48, 64), "13b": mpt(5120, 40,
         "3b": mpt(2560, 32, 20), "1b": mpt(2048, 24, 16), "760m": mpt(1536, 24, 12), "350m": mpt(1024, 24, 16),
         "125m": mpt(768, 12, 12)}
 
+
 def _tt_float8(name, cluster, gbs, compiled, float8):
     """torchtitan H100 Table 1 or 3: its "FSDP + torch.compile + Float8" row relative to its "FSDP +
     torch.compile" row (the same plan in bf16)."""

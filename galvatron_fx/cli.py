@@ -156,12 +156,8 @@ def _capture_for_planning(args: argparse.Namespace, keep: list | None = None):
     if getattr(args, "float8", False):
         from .models.float8 import convert_to_float8, float8_count
 
-        if method == "export":
-            raise ConfigError("--float8 with --method export: torch.export drops a Float8 linear's fp8 "
-                              "backward; use --method dynamo (or fx)")
-        convert_to_float8(model)
-        args.defaults_note = "; ".join(filter(None, [getattr(args, "defaults_note", None),
-                                                     f"{float8_count(model)} Float8 linears"]))
+        convert_to_float8(model)   # NOTE: an export capture refuses it, saying why (Float8Linear.forward)
+        args.float8_note = f"{float8_count(model)} Float8 linears"
     if keep is not None:
         keep.append(model)   # the captured graph holds it weakly; measuring initialises from it
     method = method or "fx"
@@ -231,7 +227,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     assumed = [getattr(args, "seq_note", None) or (f"seq_len {seq}" if seq else None),
                f"global batch {plan.global_batch_size} ({'given' if args.global_batch_size else 'searched'})",
                f"precision {plan.precision} ({'given' if args.precision or args.dtype else 'the cluster default'})",
-               f"memory budget {args.memory_budget or 'the device memory'}", getattr(args, "defaults_note", None)]
+               f"memory budget {args.memory_budget or 'the device memory'}", getattr(args, "defaults_note", None),
+               getattr(args, "float8_note", None)]
     print("assumed: " + "; ".join(a for a in assumed if a))
     print(plan.explain())
     for line in measured_lines(plan.extra.get("measured", [])):

@@ -208,7 +208,7 @@ def test_float8_plans_fp8_matmuls_and_is_refused_where_they_cannot_run(tmp_path,
     assert "14 Float8 linears" in capsys.readouterr().out   # 7 per block; the output projection stays bf16
     assert json.loads(out.read_text())["estimate"]["step_time_s"] < bf16
     for argv, needle in ((["--cluster", "8xA100-80GB"], "no fp8 matmul rate"),   # the later --cluster wins
-                         (["--method", "export"], "torch.export drops")):
+                         (["--method", "export"], "torch.export inlines and drops")):
         assert main(base + argv + ["--float8"]) == 2
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err, err

@@ -457,7 +457,12 @@ def _check(name, results):
         # NOTE: over all parameters: gpt-tiny's attention key bias has a zero gradient (softmax is
         # shift-invariant), so Adam turns round-off into whole updates of that one tensor
         diff = torch.cat([(full[k] - ref_params[k]).flatten() for k in full])
-        assert diff.norm() / torch.cat([p.flatten() for p in ref_params.values()]).norm() < (case.get("tol") or TOL), name
+        assert diff.norm() / torch.cat([p.flatten() for p in ref_params.values()]).norm() < tol, name
+
+
+def _names(cases: dict) -> list:
+    """The cases as test parameters, ``matrix`` ones marked (CI time: ``--run-matrix`` runs them)."""
+    return [pytest.param(n, marks=pytest.mark.matrix) if c.get("matrix") else n for n, c in cases.items()]
 
 
 def _registered(rank, world, module, name):
@@ -475,16 +480,14 @@ def loop_test(module: str, cases: dict):
     CASES.update(cases)
 
     @pytest.mark.dist
-    @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.matrix) if c.get("matrix") else n
-                                      for n, c in cases.items()])
+    @pytest.mark.parametrize("name", _names(cases))
     def test(name):
         _check(name, run_distributed(_registered, _case(name)["world"], module, name, timeout=600))
     return test
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.matrix) if c.get("matrix") else n
-                                  for n, c in CASES.items()])   # CI time: --run-matrix runs every case
+@pytest.mark.parametrize("name", _names(CASES))
 def test_training_loop_matches_one_device(name):
     case = _case(name)
     _check(name, run_distributed(_run, case["world"], name, timeout=600))

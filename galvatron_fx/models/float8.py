@@ -17,8 +17,9 @@ device's fp8 matmul rate (:meth:`galvatron_fx.cluster.Cluster.gemm_time`) and th
 memory traffic they are, so a plan for a Float8 run is priced as that run computes. It executes
 wherever ``torch._scaled_mm`` does (CUDA devices with fp8 tensor cores, and the CPU), captured by
 dynamo or fx (torch.export inlines an autograd.Function's forward and drops its backward: refused
-with the reason; fx would too, but :func:`float8_matmul` is a leaf it records as one call). The rewrite passes treat its matmuls as opaque: tensor parallelism does not
-shard a :class:`Float8Linear`.
+with the reason; fx would too, but :func:`float8_matmul` is a leaf it records as one call). The
+rewrite passes treat its matmuls as opaque: tensor parallelism does not shard a
+:class:`Float8Linear`.
 """
 
 from __future__ import annotations
