@@ -215,7 +215,9 @@ class Cluster(ClusterTimes):
     Units: ``memory_bytes`` bytes per device; ``peak_flops`` FLOP/s per device per dtype (keys
     ``fp32``, ``bf16``, ``fp16``, and ``fp8`` where the device has fp8 tensor cores: the rate of a
     model's ``torch._scaled_mm`` matmuls); ``efficiency`` the achievable fraction of peak (0, 1]
-    (``fp8_efficiency`` that of the fp8 peak; 0: ``efficiency``);
+    (``fp8_efficiency`` that of the fp8 peak; 0: ``efficiency``) of one device;
+    ``device_speed_spread`` the spread of that speed over 8 devices of the type (the compute-bound
+    rates are the slowest device's: :meth:`straggler_factor`; 0: all alike, as on a profiled host);
     bandwidths bytes/s per direction; latencies seconds; ``overlap_slowdown`` ≥ 1 is the factor by which
     compute and communication slow each other while they overlap. ``inter_*`` default to the ``intra_*``
     figures. The overhead fields (:data:`OVERHEAD_FIELDS`) are seconds per op, call, layer,
@@ -256,6 +258,7 @@ class Cluster(ClusterTimes):
     attention_efficiency: float = 0.0
     attention_half_rate_seq: float = 0.0
     fp8_efficiency: float = 0.0
+    device_speed_spread: float = 0.0   # (fastest - slowest) / mean matmul speed over 8 devices
     profile_spread: dict[str, float] = field(default_factory=dict)  # profiled: figure -> (max - min) / min over rounds
     host_memory_bytes: int = 0   # the host (HOST_FIELDS)
     host_bandwidth: float = 0.0
@@ -294,6 +297,10 @@ class Cluster(ClusterTimes):
         self.fits = self._check_fits(self.fits)
         self.gemm_tile = _count("gemm_tile", self.gemm_tile)
         self.fp8_efficiency = _fraction("fp8_efficiency", self.fp8_efficiency)
+        self.device_speed_spread = _positive("device_speed_spread", self.device_speed_spread, allow_zero=True)
+        if self.device_speed_spread >= 0.5:
+            raise ConfigError(f"cluster field 'device_speed_spread' is the spread of the devices' speeds over "
+                              f"8 devices, below 0.5 (GPU presets: 0.05), got {self.device_speed_spread}")
         self.attention_efficiency = _fraction("attention_efficiency", self.attention_efficiency)
         self.attention_half_rate_seq = _positive("attention_half_rate_seq", self.attention_half_rate_seq,
                                                  allow_zero=True)

@@ -14,6 +14,23 @@ from typing import Any
 from .errors import ConfigError
 from .units import DTYPES, FP8, ITEMSIZE, format_bytes, matmul_dtype, normalize_dtype
 
+
+def expected_max_normal(n: int) -> float:
+    """The expected largest of ``n`` independent standard normal draws (0 for one draw), by
+    numerical integration of ``x · n · Φ(x)^(n-1) · φ(x)``."""
+    if n <= 1:
+        return 0.0
+    steps, lo, hi = 4000, -8.0, 8.0 + math.sqrt(2 * math.log(n))
+    h = (hi - lo) / steps
+    total = 0.0
+    for i in range(steps + 1):
+        x = lo + i * h
+        pdf = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        cdf = 0.5 * math.erfc(-x / math.sqrt(2))
+        total += (0.5 if i in (0, steps) else 1.0) * x * n * cdf ** (n - 1) * pdf
+    return total * h
+
+
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 P2P = "p2p"
 """The link kinds priced here, measured by :mod:`galvatron_fx.cluster_profile` (which sits above the
@@ -24,8 +41,25 @@ class ClusterTimes:
     module docstring)."""
 
     def achievable_flops(self, dtype: Any = "fp32") -> float:
-        """Sustained FLOP/s of one device in ``dtype`` (peak × efficiency)."""
-        return self.peak_flops[normalize_dtype(dtype)] * self.efficiency
+        """Sustained FLOP/s of the cluster's slowest device in ``dtype`` (peak × efficiency ×
+        :meth:`straggler_factor`)."""
+        return self.peak_flops[normalize_dtype(dtype)] * self.efficiency * self.straggler_factor()
+
+    def straggler_factor(self) -> float:
+        """The speed of the slowest of the cluster's devices over one device's (1 when
+        ``device_speed_spread`` is 0 or there is one device): a synchronous step waits for its
+        slowest device. The devices' speeds are taken as normal, their spread over 8 devices
+        (``device_speed_spread``) as 8 draws' expected range (2 × 1.4236 σ), and the slowest of
+        ``N`` as ``mean - E[max of N] σ``: 0.975 of one device's speed for 8 devices, 0.955 for 128
+        and 0.943 for 1024 at the presets' 0.05 (:data:`galvatron_fx.devices.NODE_SPEED_SPREAD`)."""
+        spread, n = getattr(self, "device_speed_spread", 0.0), self.world_size
+        if not spread or n <= 1:
+            return 1.0
+        key = (spread, n)
+        if getattr(self, "_straggler", (None,))[0] != key:
+            sigma = spread / (2 * expected_max_normal(8))
+            self._straggler = (key, 1.0 - expected_max_normal(n) * sigma)
+        return self._straggler[1]
 
     def compute_time(self, flops: float, dtype: Any = "fp32") -> float:
         """Seconds one device needs for ``flops`` floating-point operations in ``dtype``."""
@@ -56,7 +90,7 @@ class ClusterTimes:
             raise ConfigError(f"cluster {self.name!r} has no fp8 matmul rate, but the model runs fp8 matmuls "
                               "(torch._scaled_mm): plan it for a device with fp8 tensor cores (an H100 / H200 "
                               "preset) or give the cluster peak_flops['fp8']")
-        return self.peak_flops[FP8] * (self.fp8_efficiency or self.efficiency)
+        return self.peak_flops[FP8] * (self.fp8_efficiency or self.efficiency) * self.straggler_factor()
 
     def memory_time(self, nbytes: float) -> float:
         """Seconds for an op that reads and writes ``nbytes`` in all (element-wise, reductions,
@@ -70,10 +104,11 @@ class ClusterTimes:
         ``flops`` FLOPs in ``dtype``, counted as the kernel runs them (a causal kernel skips the
         blocks above the diagonal); ``backward``: the backward kernel (the same rate: the benchmarks
         behind it time forward + backward). At ``attention_efficiency`` of the peak (else
-        ``efficiency``), times ``seq / (seq + attention_half_rate_seq)`` for ``seq`` keys and
+        ``efficiency``) on the slowest device (:meth:`straggler_factor`), times ``seq / (seq + attention_half_rate_seq)`` for ``seq`` keys and
         ``(d / (d + 16)) / (128 / 144)`` for head dim ``d`` where the cluster has that curve
         (:mod:`galvatron_fx.devices`)."""
-        rate = self.peak_flops[normalize_dtype(dtype)] * (self.attention_efficiency or self.efficiency)
+        rate = (self.peak_flops[normalize_dtype(dtype)] * (self.attention_efficiency or self.efficiency)
+                * self.straggler_factor())
         half = self.attention_half_rate_seq
         if half and seq:
             rate *= seq / (seq + half)

@@ -25,6 +25,9 @@ bytes/s, seconds.
   ``host_link`` bytes/s per direction between one device and the host (its PCIe generation's x16
   rate as measured by copies of pinned memory), ``host_memory_rate`` the node's DRAM bandwidth
   (channels x transfer rate of its CPUs), of which :data:`HOST_STREAM_EFFICIENCY` is sustained.
+* **The slowest device** (:meth:`Cluster.straggler_factor`): devices of one type do not run at
+  one speed (:data:`NODE_SPEED_SPREAD`), and a synchronous step waits for its slowest: the
+  compute-bound rates (matmuls, fused attention) are those of the slowest of the cluster's devices.
 * **Collectives** (:meth:`Cluster.collective_time`): ``intra_bandwidth`` is NCCL's bus bandwidth
   inside a node (nccl-tests ``busbw``, which the ring formulas of :mod:`.cluster` reproduce) and
   ``nic_bandwidth`` the bus bandwidth one inter-node NIC sustains.
@@ -52,6 +55,15 @@ fwd_bwd_benchmark.png`` and ``flash2_h100_...``, causal, head dim 128) rise as `
 on both devices: A100 99 / 133 / 155 / 173 / 182 / 189 TFLOP/s and H100 163 / 221 / 265 / 294 /
 308 / 328 at 0.5k .. 16k tokens (the curve gives 0.51 / 0.67 / 0.80 / 0.89 / 0.94 / 0.97 of its
 limit; the plots 0.52 / 0.70 / 0.82 / 0.92 / 0.96 / 1 of their 16k value)."""
+
+NODE_SPEED_SPREAD = 0.05
+"""The spread (fastest - slowest) / mean of the sustained matmul speed over the 8 devices of one
+node: "I have seen 5% and higher differences on an 8-gpu node" and "on the same 8-GPU node you can
+see 5%+ MAMF spread between GPUs even when all of them pass the same factory binning" (silicon
+lottery, uneven cooling: stas00/ml-engineering ``compute/accelerator/README.md``, "Not all
+accelerators are created equal"). The MAMF figures are one device's; a synchronous step runs at its
+slowest device's pace. NOTE: the speeds are taken as normally distributed (an assumption: the
+source gives the spread, not the distribution); :meth:`Cluster.straggler_factor` has the curve."""
 
 HOST_STREAM_EFFICIENCY = 0.7
 """Sustained fraction of a server's theoretical DRAM bandwidth for a streaming kernel (STREAM
@@ -222,6 +234,7 @@ def preset_fields(spec: DeviceSpec, per_node: int, attention_kernel: str = "sdpa
         memory_bytes=parse_bytes(spec.memory),
         peak_flops={"fp32": spec.fp32, "bf16": spec.bf16, "fp16": spec.fp16, **({"fp8": spec.fp8} if spec.fp8 else {})},
         efficiency=spec.mamf, fp8_efficiency=spec.mamf_fp8, gemm_tile=GEMM_TILE,
+        device_speed_spread=NODE_SPEED_SPREAD,
         attention_efficiency=spec.attention_rate_of(attention_kernel), attention_half_rate_seq=ATTENTION_HALF_RATE_SEQ,
         intra_bandwidth=spec.intra_bandwidth, intra_latency=spec.intra_latency,
         inter_bandwidth=spec.inter_share(per_node), inter_latency=spec.inter_latency,

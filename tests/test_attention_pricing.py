@@ -134,7 +134,7 @@ def test_gpt2_xl_saved_activations_match_the_formula():
 
 
 def test_cluster_rate_curves():
-    c = gfx.Cluster.preset("8xH100-80GB")
+    c = gfx.Cluster.preset("1xH100-80GB")   # one device's curves (more wait for their slowest)
     peak = c.peak_flops["bf16"]
     big = c.gemm_time(1, 8192, 8192, 8192, "bf16")
     assert big == pytest.approx(2 * 8192**3 / (peak * c.efficiency))            # compute-bound, tiles full
@@ -149,6 +149,7 @@ def test_cluster_rate_curves():
     assert long == pytest.approx(1e15 / (peak * c.attention_efficiency * 65536 / (65536 + 512)))
     assert short == pytest.approx(2 * 1e15 / (peak * c.attention_efficiency))      # half rate at 512 keys
     assert c.attention_target == "cuda" and gfx.Cluster.preset("8xV100-32GB").attention_target == "cuda-sm70"
+    assert gfx.Cluster.preset("8xH100-80GB").memory_time(1e9) == c.memory_time(1e9)
 
 
 def test_a_preset_prices_the_attention_kernel_the_model_calls():

@@ -211,6 +211,33 @@ def test_defaults_and_summary():
     assert math.isfinite(c.compute_time(1e9))
 
 
+def test_a_synchronous_step_runs_at_its_slowest_device(two_nodes):
+    """GPU presets price the compute-bound kernels at the slowest of their devices: speeds normal,
+    spread 5 % over 8 devices (the expected range of 8 draws), so the slowest of 8 runs half the
+    spread below one device and the slowest of N at ``1 - E[max of N] σ``."""
+    from galvatron_fx.cluster_times import expected_max_normal
+
+    assert expected_max_normal(1) == 0.0
+    assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-6)
+    assert expected_max_normal(8) == pytest.approx(1.42360, abs=1e-4)      # the order-statistics tables'
+    assert expected_max_normal(1000) == pytest.approx(3.24138, abs=1e-4)
+    one, eight = Cluster.preset("1xA100-80GB"), Cluster.preset("8xA100-80GB")
+    big = Cluster.preset("128x8xA100-80GB")
+    assert one.device_speed_spread == eight.device_speed_spread == 0.05
+    assert one.straggler_factor() == 1.0 and eight.straggler_factor() == pytest.approx(0.975)
+    assert big.straggler_factor() == pytest.approx(1 - expected_max_normal(1024) * 0.05 / (2 * 1.42360), rel=1e-5)
+    assert 0.94 < big.straggler_factor() < eight.straggler_factor()
+    for c in (eight, big):
+        f = c.straggler_factor()
+        assert c.gemm_time(1, 8192, 8192, 8192, "bf16") == pytest.approx(one.gemm_time(1, 8192, 8192, 8192, "bf16") / f)
+        assert c.attention_time(1e15, "bf16", seq=4096) == pytest.approx(one.attention_time(1e15, "bf16", seq=4096) / f)
+        assert c.memory_time(1e9) == one.memory_time(1e9)    # memory-bound work: the HBM's rate
+        assert Cluster.from_dict(c.to_dict()).straggler_factor() == f
+    assert two_nodes.device_speed_spread == 0.0 and two_nodes.straggler_factor() == 1.0   # hand-made / profiled
+    with pytest.raises(ConfigError, match="device_speed_spread"):
+        Cluster.from_dict({**two_nodes.to_dict(), "device_speed_spread": 0.7})
+
+
 def test_overhead_fields(two_nodes):
     """Per-call collective latency on top of the ring; presets carry GPU-scale overheads; JSON keeps them."""
     from galvatron_fx.cluster import OVERHEAD_FIELDS
