@@ -1,9 +1,10 @@
 """Float8 training's matmuls (galvatron_fx/models/float8.py) priced as the device runs them: each
 ``torch._scaled_mm`` at the preset's fp8 matmul rate (the public fp8 MAMF), each cast as the bytes
 it moves, a clear error on a device without fp8 tensor cores; a Float8 transformers Llama captured
-by dynamo and a Float8 gpt-tiny by fx (export, which would drop its backward, refused); the user's loop trains on gloo ranks where every
-rank scales the tensors one device scales (a pipeline of whole batches), and to fp8's noise under
-ZeRO-3, where each rank scales its own share of the batch.
+by dynamo and a Float8 gpt-tiny by fx (export, which would drop its backward, refused); the user's
+loop trains on gloo ranks where every rank scales the tensors one device scales (a pipeline of
+whole batches; with peft LoRA over frozen Float8 base linears, and with frozen embeddings), and to
+fp8's noise under ZeRO-3, where each rank scales its own share of the batch.
 """
 
 from __future__ import annotations
@@ -33,20 +34,31 @@ def test_fp8_matmuls_run_at_the_public_fp8_rate_and_need_fp8_tensor_cores():
         gfx.Cluster.preset("8xA100-80GB").gemm_time(1, m, n, k, "fp8")
 
 
-def test_a_float8_linear_moves_the_bytes_of_its_casts_and_learns_like_a_linear():
-    lin = Float8Linear(1024, 512, bias=False, dtype=torch.bfloat16, device="meta")
-    x = torch.empty(4, 256, 1024, dtype=torch.bfloat16, device="meta", requires_grad=True)
+def _work(weight_grad: bool = True, input_grad: bool = True):
+    """(fp8 gemms, bytes moved) of one Float8 linear's forward and backward on meta tensors."""
+    lin = Float8Linear(1024, 512, bias=False, dtype=torch.bfloat16, device="meta").requires_grad_(weight_grad)
+    x = torch.empty(4, 256, 1024, dtype=torch.bfloat16, device="meta", requires_grad=input_grad)
     with OpWork() as work:
         y = lin(x)
         y.backward(torch.empty_like(y))   # a whole gradient (sum()'s is one broadcast value)
     gemms = [g for gs in work.work.gemms.values() for g in gs]
-    assert len(gemms) == 3 and all(fp8 for _, _, fp8 in gemms)   # forward, grad input, grad weight
+    assert all(fp8 for _, _, fp8 in gemms)
+    return len(gemms), sum(work.work.traffic.values())
+
+
+def test_a_float8_linear_moves_the_bytes_of_its_casts_and_learns_like_a_linear():
     # each cast of an n-element bf16 tensor: its amax reads 2n, the scaled write reads 2n, writes n
     cast = lambda t: 5 * t   # noqa: E731
-    xs, ws, gs = x.numel(), lin.weight.numel(), 4 * 256 * 512
-    moved = cast(xs) + cast(ws) + cast(gs) + cast(ws) + cast(gs) + cast(xs)   # forward, then backward's four
-    scalars = sum(work.work.traffic.values()) - moved   # the 0-dim scale arithmetic
-    assert 0 <= scalars < 1e3, scalars
+    xs, ws, gs = 4 * 256 * 1024, 1024 * 512, 4 * 256 * 512
+    forward, grad_input, grad_weight = cast(xs) + cast(ws), cast(gs) + cast(ws), cast(gs) + cast(xs)
+    # forward, grad input, grad weight; a frozen weight (LoRA's base) skips the weight gradient's
+    # matmul and casts, an input that needs no gradient (the first block's) the input gradient's
+    for needs, gemms, moved in [((True, True), 3, forward + grad_input + grad_weight),
+                                ((False, True), 2, forward + grad_input),
+                                ((True, False), 2, forward + grad_weight)]:
+        n, traffic = _work(*needs)
+        assert n == gemms, needs
+        assert 0 <= traffic - moved < 1e3, (needs, traffic - moved)   # beyond the casts: 0-dim scale arithmetic
 
     torch.manual_seed(0)
     ref = torch.nn.Linear(64, 32)
@@ -99,6 +111,23 @@ def test_a_captured_float8_llama_prices_its_block_matmuls_at_the_fp8_rate():
         gfx.estimate(gm, gfx.Plan.uniform(gm, 8, dp=8, global_batch_size=16), gfx.Cluster.preset("8xA100-80GB"))
 
 
+def test_frozen_float8_linears_are_priced_without_their_weight_gradients():
+    """LoRA's base linears, a frozen block: the captured backward the cost model measures skips each
+    frozen Float8 linear's weight-gradient matmul and casts (the model's own backward does)."""
+    figures = []
+    for frozen in (False, True):
+        model, batch = _float8_llama()
+        for name, p in model.named_parameters():
+            p.requires_grad_(not (frozen and name.endswith("proj.weight")))
+        cm = cost_model_for(gfx.capture(model, (), kwargs=batch, method="dynamo"),
+                            gfx.Cluster.preset("8xH100-80GB"), precision="bf16-mixed")
+        figures.append({k: cm.measure(1).fits[k](2) for k in ("fwd_flops_rep", "bwd_flops", "bwd_traffic")})
+    trained, frozen = figures
+    assert trained["bwd_flops"] == pytest.approx(2 * trained["fwd_flops_rep"], rel=1e-6)   # grad input + weight
+    assert frozen["bwd_flops"] == pytest.approx(frozen["fwd_flops_rep"], rel=1e-6)         # grad input only
+    assert frozen["bwd_traffic"] < 0.85 * trained["bwd_traffic"]   # two casts of each frozen linear gone
+
+
 @pytest.mark.dist
 def test_float8_states_exact_and_activations_close():
     """gpt-tiny with Float8 linears, bf16-mixed, 2 gloo ranks: states byte-exact and the bytes saved
@@ -126,6 +155,11 @@ CASES = {
     "f8-pp2-gpipe-dynamo": dict(F8),
     "f8-gpt-pp2-fx": dict(F8, model="gpt-float8", method="fx", tol=3e-3),
     "f8-pp2-compile": dict(F8, matrix=True, door="compile"),
+    # peft LoRA over Float8 base linears (frozen: their backward skips the weight gradient's fp8
+    # matmul), the r = 4 adapters in high precision; per-rank data with a smaller last batch
+    "f8-lora-pp2-shard": dict(F8, model="lora-float8", shard=True),
+    # embeddings and norms frozen: the first block's q / k / v take an input that needs no gradient
+    "f8-frozen-pp2": dict(F8, model="frozen-float8"),
     # ZeRO-3 over 2 ranks: each rank scales its own half of the batch (as torchao under FSDP), so
     # the run tracks one device to fp8's noise at these widths (measured: losses 1.6e-3, clip norms
     # 4.2e-2, parameters 4.9e-2 after 4 steps); checked to 0.1 (the pipelines above hold the tight

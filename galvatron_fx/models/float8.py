@@ -62,13 +62,19 @@ class _Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        """Only the gradients autograd asks for: a frozen weight (LoRA's base, a frozen block) skips
+        the weight-gradient matmul and its two casts, as a 16-bit linear's backward would."""
         x2d, weight = ctx.saved_tensors
-        g8, g_inv = _cast(grad, E5M2)
-        wt8, w_inv = _cast(weight.t(), E4M3)
-        grad_x = torch._scaled_mm(g8, wt8.t(), g_inv, w_inv, out_dtype=grad.dtype)
-        gt8, gt_inv = _cast(grad.t(), E5M2)
-        xt8, x_inv = _cast(x2d.t(), E4M3)
-        grad_w = torch._scaled_mm(gt8, xt8.t(), gt_inv, x_inv, out_dtype=weight.dtype)
+        need_x, need_w = ctx.needs_input_grad
+        grad_x = grad_w = None
+        if need_x:
+            g8, g_inv = _cast(grad, E5M2)
+            wt8, w_inv = _cast(weight.t(), E4M3)
+            grad_x = torch._scaled_mm(g8, wt8.t(), g_inv, w_inv, out_dtype=grad.dtype)
+        if need_w:
+            gt8, gt_inv = _cast(grad.t(), E5M2)
+            xt8, x_inv = _cast(x2d.t(), E4M3)
+            grad_w = torch._scaled_mm(gt8, xt8.t(), gt_inv, x_inv, out_dtype=weight.dtype)
         return grad_x, grad_w
 
 
