@@ -255,6 +255,7 @@ class Cluster(ClusterTimes):
     door_call_s: float = 0.0
     door_param_s: float = 0.0
     gemm_tile: int = 1
+    gemm_wave: int = 0   # GEMM tiles computed at once (the SMs); 0: no wave quantisation
     attention_efficiency: float = 0.0
     attention_half_rate_seq: float = 0.0
     fp8_efficiency: float = 0.0
@@ -296,6 +297,8 @@ class Cluster(ClusterTimes):
             raise ConfigError(f"cluster field 'name' must be a string, got {self.name!r}")
         self.fits = self._check_fits(self.fits)
         self.gemm_tile = _count("gemm_tile", self.gemm_tile)
+        if self.gemm_wave != 0:
+            self.gemm_wave = _count("gemm_wave", self.gemm_wave)
         self.fp8_efficiency = _fraction("fp8_efficiency", self.fp8_efficiency)
         self.device_speed_spread = _positive("device_speed_spread", self.device_speed_spread, allow_zero=True)
         if self.device_speed_spread >= 0.5:

@@ -67,8 +67,9 @@ class ClusterTimes:
 
     def gemm_time(self, batch: float, m: float, n: float, k: float, dtype: Any = "fp32") -> float:
         """Seconds for ``batch`` matmuls of ``m x k`` by ``k x n`` in ``dtype``: the FLOPs of the
-        tiles they occupy (``m`` and ``n`` rounded up to ``gemm_tile``) at the compute rate, or, for
-        a GEMM too thin for that, its operands' and result's bytes at the memory rate (roofline).
+        tiles they occupy (``m`` and ``n`` rounded up to ``gemm_tile``) in whole waves of
+        ``gemm_wave`` tiles (a last, partial wave takes a whole one's time) at the compute rate, or,
+        for a GEMM too thin for that, its operands' and result's bytes at the memory rate (roofline).
         ``"fp8"``: fp8 operands (``torch._scaled_mm``) at ``peak_flops["fp8"]`` times
         ``fp8_efficiency``, a 16-bit result."""
         dtype = matmul_dtype(dtype)
@@ -78,10 +79,12 @@ class ClusterTimes:
         else:
             rate = self.achievable_flops(dtype)
             nbytes = batch * (m * k + k * n + m * n) * ITEMSIZE[dtype]
-        t = self.gemm_tile
+        t, wave = self.gemm_tile, self.gemm_wave
+        tiles = batch * math.ceil(m / t) * math.ceil(n / t)
+        waves = math.ceil(tiles / wave) * wave / tiles if wave and tiles else 1.0
         if t > 1:
             m, n = math.ceil(m / t) * t, math.ceil(n / t) * t
-        return max(2.0 * batch * m * n * k / rate, self.memory_time(nbytes))
+        return max(2.0 * batch * m * n * k * waves / rate, self.memory_time(nbytes))
 
     def fp8_matmul_flops(self) -> float:
         """Sustained FLOP/s of one device's fp8 matmuls; a :class:`ConfigError` where the cluster

@@ -8,8 +8,9 @@ bytes/s, seconds.
 * **Matmuls** (:meth:`galvatron_fx.cluster.Cluster.gemm_time`): ``mamf``, the maximum achievable
   matmul FLOP/s as a fraction of the bf16 peak, measured over shapes by ``mamf-finder.py``
   (stas00/ml-engineering, ``compute/accelerator/README.md``); a GEMM's rows and columns are rounded
-  up to the ``gemm_tile`` cuBLAS computes them in (tile quantisation), and a GEMM too thin to be
-  compute-bound is priced at the memory rate (roofline). Devices with fp8 tensor cores also carry
+  up to the ``gemm_tile`` cuBLAS computes them in (tile quantisation), its tiles run in waves of
+  one per streaming multiprocessor (``sms``: a last, partial wave takes a whole wave's time: wave
+  quantisation), and a GEMM too thin to be compute-bound is priced at the memory rate (roofline). Devices with fp8 tensor cores also carry
   their dense fp8 peak and ``mamf_fp8``, the same benchmark's fp8 (``float8_e4m3fn``) figure: the
   rate of a model's ``torch._scaled_mm`` matmuls (Float8 training, :mod:`galvatron_fx.models.float8`).
 * **Memory traffic** (element-wise ops, reductions, copies: :meth:`Cluster.memory_time`):
@@ -73,7 +74,13 @@ the local host's optimizer step."""
 
 GEMM_TILE = 128
 """Rows and columns of a GEMM tile (cuBLAS's common 128 x 128 / 256 x 128 tiles for fp16 / bf16
-on A100 and H100; NVIDIA's "Matrix Multiplication Background" guide, tile quantisation)."""
+on A100 and H100; NVIDIA's "Matrix Multiplication Background" guide, tile quantisation). The same
+guide's wave quantisation: the tiles run in waves of one per SM (``DeviceSpec.sms``), so 109 tiles
+on an A100's 108 SMs take two waves. With 128 x 128 tiles this follows NVIDIA's published A100
+curve of cuBLAS fp16 / bf16 matmuls over m = n = k (the CUDA 11 features blog, Figure 6) from 2048
+up, where a flat rate misses by up to a third (``tests/test_cluster.py``); the smaller tiles and
+the split-K kernels cuBLAS picks for other shapes are not modelled (an assumption: the smallest
+tile is the mildest penalty)."""
 
 
 ATTENTION_KERNELS = ("sdpa", "flash-attn-2", "flash-attn-1", "flash-attn-triton")
@@ -112,6 +119,7 @@ class DeviceSpec:
     other_attention: tuple[tuple[str, float], ...] = ()
     fp8: float = 0.0               # dense fp8 tensor-core peak FLOP/s (0: no fp8 tensor cores)
     mamf_fp8: float = 0.0          # achievable fp8 matmul FLOP/s / the fp8 peak
+    sms: int = 0                   # streaming multiprocessors: GEMM tiles per wave (datasheet)
 
     def attention_rate_of(self, kernel: str) -> float:
         """The long-sequence rate (fraction of the 16-bit peak) of attention ``kernel`` on this
@@ -138,6 +146,8 @@ class DeviceSpec:
 # AllReduce BusBW"); NDR "46-48GB/s per NIC" (NVIDIA/nccl-tests#290); PCIe Gen4 24, so Gen3 12.
 # MAMF (stas00/ml-engineering compute/accelerator/README.md): A100 SXM 271.2 of 312 TFLOP/s
 # (86.9 %, 1024x10240x5120), H100 SXM 794.5 of 989 (80.3 %, 2048x2048x13312; "H200 is the same").
+# SMs (GEMM_TILE's waves): A100 108, H100 SXM5 and H100 NVL 132 (NVIDIA A100 / H100 whitepapers
+# and datasheets), H200 132 (the H100's GH100), V100 SXM2 80, TITAN RTX 72 (a full TU102).
 # fp8 MAMF, same table (float8_e4m3fn): H100 SXM 1402.6 of 1979 (70.9 %, 1024x9216x14336), H200 SXM
 # 1453.4 of 1979 (73.4 %, 1280x4096x12032).
 # FlashAttention-2 causal hd128 forward + backward at 16k tokens: A100 189, H100 328 TFLOP/s
@@ -165,17 +175,17 @@ DEVICES: dict[str, DeviceSpec] = {
     "a100-40gb": DeviceSpec("A100-40GB", "40GiB", 19.5 * _T, 312 * _T, 312 * _T, 1555 * _GB, 0.869, 0.625,
                             232 * _GB, 5e-6, 24 * _GB, 1, 1e-5,
                             host_memory="1TB", host_link=24 * _GB, host_memory_rate=2 * 204.8 * _GB,
-                            other_attention=_A100_OTHER_ATTENTION),
+                            other_attention=_A100_OTHER_ATTENTION, sms=108),
     "a100-80gb": DeviceSpec("A100-80GB", "80GiB", 19.5 * _T, 312 * _T, 312 * _T, 2039 * _GB, 0.869, 0.625,
                             232 * _GB, 5e-6, 24 * _GB, 1, 1e-5,
                             host_memory="2TB", host_link=24 * _GB, host_memory_rate=2 * 204.8 * _GB,
-                            other_attention=_A100_OTHER_ATTENTION),
+                            other_attention=_A100_OTHER_ATTENTION, sms=108),
     # NVIDIA H100 datasheet (SXM5): FP32 67, BF16/FP16 989 TFLOPS dense; HBM3 3350 GB/s;
     # DGX H100: 8x NDR 400 Gb/s.
     "h100-80gb": DeviceSpec("H100-80GB", "80GiB", 67 * _T, 989 * _T, 989 * _T, 3350 * _GB, 0.803, 0.342,
                             370 * _GB, 5e-6, 48 * _GB, 1, 1e-5,
                             host_memory="2TB", host_link=48 * _GB, host_memory_rate=2 * 307.2 * _GB,
-                            other_attention=_H100_OTHER_ATTENTION, fp8=1979 * _T, mamf_fp8=0.709),
+                            other_attention=_H100_OTHER_ATTENTION, fp8=1979 * _T, mamf_fp8=0.709, sms=132),
     # The H100 of Meta's Grand Teton hosts that torchtitan's H100 benchmarks ran on
     # (benchmarks/llama3_h100_202412_torchtitan.md): "96GB HBM2e with 2.4 TB/sec peak memory
     # bandwidth", the "default 500W power limit", NVLink inside the host, "400 Gb/s per GPU" RDMA;
@@ -185,24 +195,24 @@ DEVICES: dict[str, DeviceSpec] = {
     "h100-96gb": DeviceSpec("H100-96GB", "96GB", 60 * _T, 835 * _T, 835 * _T, 2400 * _GB, 0.803, 0.342,
                             370 * _GB, 5e-6, 48 * _GB, 1, 1e-5,
                             host_memory="2TB", host_link=48 * _GB, host_memory_rate=2 * 307.2 * _GB,
-                            other_attention=_H100_OTHER_ATTENTION, fp8=1671 * _T, mamf_fp8=0.709),
+                            other_attention=_H100_OTHER_ATTENTION, fp8=1671 * _T, mamf_fp8=0.709, sms=132),
     # NVIDIA H200 (SXM): the H100's compute, 141 GB HBM3e at 4.8 TB/s (nvidia-smi reports
     # 143771 MiB); DGX H200: 8x NDR 400 Gb/s.
     "h200-141gb": DeviceSpec("H200-141GB", "143771MiB", 67 * _T, 989 * _T, 989 * _T, 4800 * _GB, 0.803, 0.342,
                              370 * _GB, 5e-6, 48 * _GB, 1, 1e-5,
                              host_memory="2TB", host_link=48 * _GB, host_memory_rate=2 * 307.2 * _GB,
-                             other_attention=_H100_OTHER_ATTENTION, fp8=1979 * _T, mamf_fp8=0.734),
+                             other_attention=_H100_OTHER_ATTENTION, fp8=1979 * _T, mamf_fp8=0.734, sms=132),
     # NVIDIA V100 (SXM2): FP32 15.7, FP16 Tensor Core 125 TFLOPS; no BF16 hardware (BF16 at the FP32
     # rate); HBM2 900 GB/s; DGX-1: 4x EDR 100 Gb/s for 8 GPUs (two per NIC).
     "v100-32gb": DeviceSpec("V100-32GB", "32GiB", 15.7 * _T, 15.7 * _T, 125 * _T, 900 * _GB, 0.869, 0.625,
                             122 * _GB, 5e-6, 12 * _GB, 2, 1e-5, "cuda-sm70",
-                            host_memory="512GB", host_link=12 * _GB, host_memory_rate=2 * 76.8 * _GB),
+                            host_memory="512GB", host_link=12 * _GB, host_memory_rate=2 * 76.8 * _GB, sms=80),
     # NVIDIA TITAN RTX: FP32 16.3, 130 Tensor TFLOPS FP16; no BF16 hardware; GDDR6 672 GB/s. No NVLink
     # between the cards: PCIe 3.0 x16. The Galvatron paper's testbed (arXiv 2211.13878, Sec. 5): 8 per
     # node over PCIe 3.0, nodes on 100 Gb/s InfiniBand, one NIC for the node.
     "rtx-titan-24gb": DeviceSpec("RTX-TITAN-24GB", "24GiB", 16.3 * _T, 16.3 * _T, 130 * _T, 672 * _GB, 0.869,
                                  0.625, 12 * _GB, 1e-5, 12 * _GB, None, 2e-5, "cuda-sm70",
-                                host_memory="512GB", host_link=12 * _GB, host_memory_rate=2 * 76.8 * _GB),
+                                host_memory="512GB", host_link=12 * _GB, host_memory_rate=2 * 76.8 * _GB, sms=72),
 }
 
 
@@ -233,7 +243,7 @@ def preset_fields(spec: DeviceSpec, per_node: int, attention_kernel: str = "sdpa
         GPU_OVERHEADS, copy_s_per_byte=2 / memory_rate, optimizer_s_per_byte=ADAM_WORDS_PER_PARAMETER / memory_rate,
         memory_bytes=parse_bytes(spec.memory),
         peak_flops={"fp32": spec.fp32, "bf16": spec.bf16, "fp16": spec.fp16, **({"fp8": spec.fp8} if spec.fp8 else {})},
-        efficiency=spec.mamf, fp8_efficiency=spec.mamf_fp8, gemm_tile=GEMM_TILE,
+        efficiency=spec.mamf, fp8_efficiency=spec.mamf_fp8, gemm_tile=GEMM_TILE, gemm_wave=spec.sms,
         device_speed_spread=NODE_SPEED_SPREAD,
         attention_efficiency=spec.attention_rate_of(attention_kernel), attention_half_rate_seq=ATTENTION_HALF_RATE_SEQ,
         intra_bandwidth=spec.intra_bandwidth, intra_latency=spec.intra_latency,

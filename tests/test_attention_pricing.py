@@ -136,11 +136,11 @@ def test_gpt2_xl_saved_activations_match_the_formula():
 def test_cluster_rate_curves():
     c = gfx.Cluster.preset("1xH100-80GB")   # one device's curves (more wait for their slowest)
     peak = c.peak_flops["bf16"]
-    big = c.gemm_time(1, 8192, 8192, 8192, "bf16")
-    assert big == pytest.approx(2 * 8192**3 / (peak * c.efficiency))            # compute-bound, tiles full
+    big = c.gemm_time(1, 8448, 8192, 8192, "bf16")   # 66 x 64 tiles: 32 whole waves of 132 SMs
+    assert big == pytest.approx(2 * 8448 * 8192**2 / (peak * c.efficiency))            # compute-bound, tiles full
     # a partial 128-wide tile costs a whole one
-    assert c.gemm_time(1, 8192, 8193, 8192, "bf16") == pytest.approx(c.gemm_time(1, 8192, 8320, 8192, "bf16"))
-    assert c.gemm_time(1, 8192, 8193, 8192, "bf16") > 1.01 * big
+    assert c.gemm_time(1, 8448, 8193, 8192, "bf16") == pytest.approx(c.gemm_time(1, 8448, 8320, 8192, "bf16"))
+    assert c.gemm_time(1, 8448, 8193, 8192, "bf16") > 1.01 * big
     thin = c.gemm_time(1, 8192, 1, 8192, "bf16")                                    # a matrix-vector product
     assert thin == pytest.approx(c.memory_time(2 * (8192 * 8192 + 8192 + 8192)))
     assert c.memory_time(1e9) == pytest.approx(1e9 / (3350e9 * 0.88))

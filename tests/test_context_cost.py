@@ -280,7 +280,7 @@ def test_fractional_samples_per_rank_scale_activations(tiny):
     assert cm.activation_bytes(1, Strategy(1, 4, cp=4), 1) == quarter.activation_bytes
     # time: a quarter of the work, priced as FLOPs (these widths fill a fraction of one GEMM tile,
     # which a quarter sample fills no less)
-    flat = cost_model_for(gm, dataclasses.replace(cluster, gemm_tile=1, copy_s_per_byte=0.0), precision="bf16-mixed")
+    flat = cost_model_for(gm, dataclasses.replace(cluster, gemm_tile=1, gemm_wave=0, copy_s_per_byte=0.0), precision="bf16-mixed")
     quarter, whole = flat.layer_cost(1, Strategy(1, 4, cp=4), 1), flat.layer_cost(1, Strategy(1, 4), 4)
     own = flat.cp_compute(1, 0.25, Strategy(1, 4, cp=4))[0]   # the ring's blocks beyond the cores
     assert quarter.fwd_s - own == pytest.approx(whole.fwd_s / 4, rel=0.02)

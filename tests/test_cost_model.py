@@ -130,7 +130,7 @@ def test_tiny_scaling_rules(tiny):
     # at these widths the matmuls fill one 128-wide tile whatever TP splits: TP saves little time
     assert one.fwd_s / 2 < tp2.fwd_s < one.fwd_s
     # without tiles and memory traffic, time is FLOPs: TP halves it
-    flat = CostModel(gm, dataclasses.replace(CLUSTER, gemm_tile=1, copy_s_per_byte=0.0), bucket_bytes=0)
+    flat = CostModel(gm, dataclasses.replace(CLUSTER, gemm_tile=1, gemm_wave=0, copy_s_per_byte=0.0), bucket_bytes=0)
     assert flat.layer_cost(i, Strategy(2, 1), 4).fwd_s == pytest.approx(flat.layer_cost(i, Strategy(1, 1), 4).fwd_s / 2)
     # per-op launches (the layer's op count) do not shrink under TP; the recompute launches again,
     # and every op pays checkpointing's hooks

@@ -62,7 +62,10 @@ def test_search_stores_precision_and_reestimates_it(tiny, tmp_path):
     fp32 = gfx.search(tiny, cluster, "64MiB", 16, precision="fp32", reserve_bytes=0)
     legacy = gfx.search(tiny, cluster, "64MiB", 16, dtype="fp32", reserve_bytes=0)
     assert default.precision == "bf16-mixed" and fp32.precision == "fp32" and legacy.to_json() == fp32.to_json()
-    assert default.estimate["throughput_samples_s"] > fp32.estimate["throughput_samples_s"]  # 312 vs 19.5 TFLOP/s
+    # the same layout in fp32: its matmuls at 19.5 instead of 312 TFLOP/s (at these widths the
+    # searched plans differ by launches and collectives more than by their matmuls)
+    as_fp32 = gfx.Plan.from_dict({**json.loads(default.to_json()), "precision": "fp32"})
+    assert gfx.estimate(tiny, as_fp32, cluster)["throughput_samples_s"] < default.estimate["throughput_samples_s"]
     for plan in (default, fp32):
         path = tmp_path / f"{plan.precision}.json"
         plan.save(path)
@@ -97,7 +100,7 @@ def test_cost_model_prices_precision(tiny):
     c32, cmix = fp32.layer_cost(block, Strategy(1, 1), 8), mixed.layer_cost(block, Strategy(1, 1), 8)
     assert c32.fwd_s > 4 * cmix.fwd_s   # tensor cores; half the bytes for element-wise ops
     # priced as FLOPs alone (no tiles, no memory traffic): the peaks' ratio exactly
-    flat = dataclasses.replace(cluster, gemm_tile=1, copy_s_per_byte=0.0)
+    flat = dataclasses.replace(cluster, gemm_tile=1, gemm_wave=0, copy_s_per_byte=0.0)
     f32, fmix = (CostModel(tiny, flat, precision=p).layer_cost(block, Strategy(1, 1), 8) for p in ("fp32", "bf16-mixed"))
     assert fmix.fwd_s == pytest.approx(f32.fwd_s * 19.5 / 312)
     assert cmix.activation_bytes < c32.activation_bytes
