@@ -4,8 +4,9 @@ Each row is a published run written as its plan: the model (a transformers confi
 meta device: no weights, no downloads), the published degrees (TP, PP, CP, DP, ZeRO stage),
 global batch, sequence length, recomputation and precision, estimated by ``gfx.estimate`` on the
 matching cluster preset. No figure is fitted to a row: the presets' rates are the public device
-figures of ``galvatron_fx/devices.py``, one curve per device for every row, at the pace of the
-slowest of the row's devices (``Cluster.straggler_factor``: the spread of one type's devices).
+figures of ``galvatron_fx/devices.py``, one curve per device for every row (matmuls in waves of
+tiles over the device's SMs), at the pace of the slowest of the row's devices
+(``Cluster.straggler_factor``: the spread of one type's devices).
 
 * **absolute rows** compare the estimated throughput, in the row's published unit, with the
   published figure: ratio = estimated / published (>1: the model is optimistic).
