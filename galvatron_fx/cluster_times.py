@@ -213,7 +213,10 @@ class ClusterTimes:
         return "\n".join([
             f"cluster {self.name}: {self.nodes} node(s) x {self.devices_per_node} device(s), "
             f"{format_bytes(self.memory_bytes)} each",
-            f"  peak TFLOP/s: {flops}; efficiency {self.efficiency:.2f}",
+            f"  peak TFLOP/s: {flops}; efficiency {self.efficiency:.2f}"
+            + (f", matmul tiles {self.gemm_tile} in waves of {self.gemm_wave}" if self.gemm_wave else "")
+            + (f"; the slowest device at {self.straggler_factor():.3f} of one device's speed"
+               if self.device_speed_spread else ""),
             f"  intra-node {self.intra_bandwidth / 1e9:.3g} GB/s, {self.intra_latency * 1e6:.3g} us; "
             f"inter-node {self.inter_bandwidth / 1e9:.3g} GB/s/device, {self.inter_latency * 1e6:.3g} us",
             f"  overlap slowdown {self.overlap_slowdown:.2f}",

@@ -222,6 +222,7 @@ def test_gemm_tiles_run_in_waves_of_one_per_sm_as_nvidia_measured():
     flat rate's is 0.12, and a third at 2048) and is optimistic below it (cuBLAS's small problems also pay their k loop's start)."""
     a100 = Cluster.preset("1xA100-80GB")
     assert a100.gemm_wave == 108 and Cluster.preset("8xH100-80GB").gemm_wave == 132
+    assert "matmul tiles 128 in waves of 108" in a100.summary()
     one_wave = a100.gemm_time(1, 128 * 54, 256, 8192, "bf16")        # 54 x 2 tiles
     assert a100.gemm_time(1, 128 * 54 + 1, 256, 8192, "bf16") == pytest.approx(2 * one_wave)   # 55 x 2
     rate = {s: 2 * s ** 3 / a100.gemm_time(1, s, s, s, "bf16") for s in A100_SQUARE_GEMMS}
@@ -252,6 +253,7 @@ def test_a_synchronous_step_runs_at_its_slowest_device(two_nodes):
     big = Cluster.preset("128x8xA100-80GB")
     assert one.device_speed_spread == eight.device_speed_spread == 0.05
     assert one.straggler_factor() == 1.0 and eight.straggler_factor() == pytest.approx(0.975)
+    assert "the slowest device at 0.975 of one device's speed" in eight.summary()
     assert big.straggler_factor() == pytest.approx(1 - expected_max_normal(1024) * 0.05 / (2 * 1.42360), rel=1e-5)
     assert 0.94 < big.straggler_factor() < eight.straggler_factor()
     for c in (eight, big):
