@@ -5,6 +5,7 @@ fields it reads)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections import Counter
@@ -31,6 +32,16 @@ def expected_max_normal(n: int) -> float:
     return total * h
 
 
+@functools.cache
+def _slowest_device_speed(spread: float, n: int) -> float:
+    """:meth:`ClusterTimes.straggler_factor` of ``n`` devices whose speeds spread by ``spread``
+    over 8 (cached: the integrals run once per cluster shape, not per priced kernel)."""
+    if not spread or n <= 1:
+        return 1.0
+    sigma = spread / (2 * expected_max_normal(8))
+    return 1.0 - expected_max_normal(n) * sigma
+
+
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 P2P = "p2p"
 """The link kinds priced here, measured by :mod:`galvatron_fx.cluster_profile` (which sits above the
@@ -52,14 +63,7 @@ class ClusterTimes:
         (``device_speed_spread``) as 8 draws' expected range (2 × 1.4236 σ), and the slowest of
         ``N`` as ``mean - E[max of N] σ``: 0.975 of one device's speed for 8 devices, 0.955 for 128
         and 0.943 for 1024 at the presets' 0.05 (:data:`galvatron_fx.devices.NODE_SPEED_SPREAD`)."""
-        spread, n = getattr(self, "device_speed_spread", 0.0), self.world_size
-        if not spread or n <= 1:
-            return 1.0
-        key = (spread, n)
-        if getattr(self, "_straggler", (None,))[0] != key:
-            sigma = spread / (2 * expected_max_normal(8))
-            self._straggler = (key, 1.0 - expected_max_normal(n) * sigma)
-        return self._straggler[1]
+        return _slowest_device_speed(getattr(self, "device_speed_spread", 0.0), self.world_size)
 
     def compute_time(self, flops: float, dtype: Any = "fp32") -> float:
         """Seconds one device needs for ``flops`` floating-point operations in ``dtype``."""
@@ -80,10 +84,11 @@ class ClusterTimes:
             rate = self.achievable_flops(dtype)
             nbytes = batch * (m * k + k * n + m * n) * ITEMSIZE[dtype]
         t, wave = self.gemm_tile, self.gemm_wave
-        tiles = batch * math.ceil(m / t) * math.ceil(n / t)
+        rows, cols = math.ceil(m / t), math.ceil(n / t)   # tiles along m and n
+        tiles = batch * rows * cols
         waves = math.ceil(tiles / wave) * wave / tiles if wave and tiles else 1.0
         if t > 1:
-            m, n = math.ceil(m / t) * t, math.ceil(n / t) * t
+            m, n = rows * t, cols * t
         return max(2.0 * batch * m * n * k * waves / rate, self.memory_time(nbytes))
 
     def fp8_matmul_flops(self) -> float:
@@ -107,7 +112,8 @@ class ClusterTimes:
         ``flops`` FLOPs in ``dtype``, counted as the kernel runs them (a causal kernel skips the
         blocks above the diagonal); ``backward``: the backward kernel (the same rate: the benchmarks
         behind it time forward + backward). At ``attention_efficiency`` of the peak (else
-        ``efficiency``) on the slowest device (:meth:`straggler_factor`), times ``seq / (seq + attention_half_rate_seq)`` for ``seq`` keys and
+        ``efficiency``) on the slowest device (:meth:`straggler_factor`), times
+        ``seq / (seq + attention_half_rate_seq)`` for ``seq`` keys and
         ``(d / (d + 16)) / (128 / 144)`` for head dim ``d`` where the cluster has that curve
         (:mod:`galvatron_fx.devices`)."""
         rate = (self.peak_flops[normalize_dtype(dtype)] * (self.attention_efficiency or self.efficiency)

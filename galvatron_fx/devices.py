@@ -10,9 +10,10 @@ bytes/s, seconds.
   (stas00/ml-engineering, ``compute/accelerator/README.md``); a GEMM's rows and columns are rounded
   up to the ``gemm_tile`` cuBLAS computes them in (tile quantisation), its tiles run in waves of
   one per streaming multiprocessor (``sms``: a last, partial wave takes a whole wave's time: wave
-  quantisation), and a GEMM too thin to be compute-bound is priced at the memory rate (roofline). Devices with fp8 tensor cores also carry
-  their dense fp8 peak and ``mamf_fp8``, the same benchmark's fp8 (``float8_e4m3fn``) figure: the
-  rate of a model's ``torch._scaled_mm`` matmuls (Float8 training, :mod:`galvatron_fx.models.float8`).
+  quantisation), and a GEMM too thin to be compute-bound is priced at the memory rate (roofline).
+  Devices with fp8 tensor cores also carry their dense fp8 peak and ``mamf_fp8``, the same
+  benchmark's fp8 (``float8_e4m3fn``) figure: the rate of a model's ``torch._scaled_mm`` matmuls
+  (Float8 training, :mod:`galvatron_fx.models.float8`).
 * **Memory traffic** (element-wise ops, reductions, copies: :meth:`Cluster.memory_time`):
   :data:`HBM_EFFICIENCY` of the datasheet bandwidth.
 * **Fused attention** (:meth:`Cluster.attention_time`): ``attention`` is the long-sequence rate of
