@@ -274,6 +274,7 @@ class _Rewriter:
 
     def rewrite_layer(self, idx, plan: LayerTP):
         key = self.keys[idx]
+        sharded_linears = set(plan.column) | set(plan.row)
         by_consumer: dict[str, dict[str, tuple]] = {}
         for (consumer, inp), op in plan.conversions.items():
             by_consumer.setdefault(consumer, {})[inp] = op
@@ -287,6 +288,8 @@ class _Rewriter:
                     return self.converted(idx, a, op, key, node) if op else a
                 node.args = torch.fx.node.map_arg(node.args, sub)
                 node.kwargs = torch.fx.node.map_arg(node.kwargs, sub)
+            if node.name in sharded_linears and op_name(node) == "float8_matmul":
+                node.kwargs = {**node.kwargs, "amax_group": key}   # its casts scale as one device's
             if node.name in plan.shape_args:
                 _set_size(node, *_divided_size(self.graph, node, *plan.shape_args[node.name]))
             if node.name in plan.split_sizes:

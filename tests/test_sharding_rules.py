@@ -509,7 +509,7 @@ OLD_OPS = {
 }
 # the rules added for real architectures (tests/test_sharding_rules_hf.py)
 NEW_OPS = {
-    "linear": ["baddbmm", "einsum", "grouped_mm_fallback", "grouped_mm", "_grouped_mm"],
+    "linear": ["baddbmm", "einsum", "grouped_mm_fallback", "grouped_mm", "_grouped_mm", "float8_matmul"],
     "selections": ["index"],
     "reductions": ["stack"],
     "pointwise": ["autograd_function_apply"],
@@ -519,7 +519,7 @@ NEW_OPS = {
 NON_TENSOR_OPS = {"linear", "addmm", "embedding", "matmul", "bmm", "getitem", "split", "chunk",
                   "split_with_sizes", "unbind", "assert_tensor_metadata", "getattr", "size", "dim",
                   "baddbmm", "einsum", "grouped_mm_fallback", "grouped_mm", "_grouped_mm", "autograd_function_apply",
-                  "sym_size"}
+                  "sym_size", "float8_matmul"}
 
 
 def test_registry_maps_every_op_of_the_old_dispatch():

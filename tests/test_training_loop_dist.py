@@ -427,6 +427,9 @@ def _check(name, results):
         assert loops.rel(r["losses"], ref_losses) < tol, (name, rank, r["losses"], ref_losses)
         if case["precision"] == "fp32":
             assert loops.rel(r["norms"], ref_norms) < tol, (name, rank, r["norms"], ref_norms)
+        if "first_tol" in case:   # one device's first step, where later steps drift by amplified round-off
+            assert loops.rel(r["losses"][:1] + r["norms"][:1], ref_losses[:1] + ref_norms[:1]) < case["first_tol"], \
+                (name, rank, r["losses"][0], ref_losses[0], r["norms"][0], ref_norms[0])
         for k, v in r["full"].items():   # identical full state on every rank
             assert torch.equal(v, results[0]["full"][k]), (name, rank, k)
         if r["total_norms"]:

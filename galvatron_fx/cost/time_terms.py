@@ -54,7 +54,11 @@ class TimeTerms:
 
         fwd = sum(one(f(n)) for f in m.fwd_allreduce) + drift(fwd_s, len(m.fwd_allreduce))
         bwd = sum(one(f(n)) for f in m.bwd_allreduce) + drift(bwd_s, len(m.bwd_allreduce))
-        return fwd * (2 if s.ckpt else 1) + bwd
+        # NOTE: a sharded Float8 linear's casts each take their amax over the group (one fp32 value:
+        # models/float8.py): two in forward, four in backward (two for a frozen weight: not told apart)
+        fp8 = sum(1 for k, _ in m.fwd_gemms if k.startswith("8") and k.lstrip("82e"))
+        amax = c.collective_time("all_reduce", 4, group) if fp8 else 0.0
+        return (fwd + 2 * fp8 * amax) * (2 if s.ckpt else 1) + bwd + 4 * fp8 * amax
 
     def _compute_times(self, index: int, n: float, s: Strategy) -> tuple[float, float]:
         fwd, bwd = self._plain_compute_times(index, n, s)

@@ -17,9 +17,10 @@ device's fp8 matmul rate (:meth:`galvatron_fx.cluster.Cluster.gemm_time`) and th
 memory traffic they are, so a plan for a Float8 run is priced as that run computes. It executes
 wherever ``torch._scaled_mm`` does (CUDA devices with fp8 tensor cores, and the CPU), captured by
 dynamo or fx (torch.export inlines an autograd.Function's forward and drops its backward: refused
-with the reason; fx would too, but :func:`float8_matmul` is a leaf it records as one call). The
-rewrite passes treat its matmuls as opaque: tensor parallelism does not shard a
-:class:`Float8Linear`.
+with the reason; fx would too, but :func:`float8_matmul` is a leaf it records as one call). Tensor
+parallelism shards a :class:`Float8Linear` as a linear (column or row parallel); its casts then
+take their largest magnitude over the tensor-parallel ranks (:func:`float8_matmul`'s
+``amax_group``), so every rank scales as one device does.
 """
 
 from __future__ import annotations
@@ -36,58 +37,74 @@ E5M2 = torch.float8_e5m2
 _EPS = 1e-12
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _cast(t: torch.Tensor, dtype: torch.dtype, group: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(t * scale as a row-major dtype tensor, 1 / scale)``: tensorwise dynamic scaling (module
     docstring) in two passes over ``t``, as a fused cast kernel runs it: one reads its largest
     magnitude, one writes the scaled values in fp8 (``torch.mul`` into an fp8 ``out``; a value at
-    the largest magnitude lands on the fp8 maximum, none beyond it)."""
+    the largest magnitude lands on the fp8 maximum, none beyond it). ``group``: the tensor-parallel
+    group key of a sharded linear, whose ranks take the largest magnitude over all of them (each
+    scales its shard as one device scales the whole tensor)."""
     t = t.detach()   # no gradient flows through a cast: the Function's backward gives them
-    amax = torch.linalg.vector_norm(t, ord=float("inf")).float().clamp(min=_EPS)
-    scale = torch.finfo(dtype).max / amax
+    amax = torch.linalg.vector_norm(t, ord=float("inf")).float()
+    if group is not None:
+        from ..runtime.tp_ops import tp_max
+
+        amax = tp_max(amax, group)
+    scale = torch.finfo(dtype).max / amax.clamp(min=_EPS)
     out = torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)
     torch.mul(t, scale, out=out)
     return out, scale.reciprocal()
 
 
 class _Float8Matmul(torch.autograd.Function):
-    """``x @ w.T`` and its two gradients on fp8 operands. ``torch._scaled_mm`` takes its first
-    operand row-major and its second column-major: each cast writes the layout its matmul reads."""
+    """``x @ w.T`` and its two gradients on fp8 operands, over ``x``'s last dim (its leading dims
+    flattened into the matmul's rows inside, so a captured graph shows one call on ``x`` itself:
+    the linears reading one input share it, and tensor parallelism's conversion of it).
+    ``torch._scaled_mm`` takes its first operand row-major and its second column-major: each cast
+    writes the layout its matmul reads."""
 
     @staticmethod
-    def forward(ctx, x2d: torch.Tensor, weight: torch.Tensor):
-        ctx.save_for_backward(x2d, weight)
-        x8, x_inv = _cast(x2d, E4M3)
-        w8, w_inv = _cast(weight, E4M3)
-        return torch._scaled_mm(x8, w8.t(), x_inv, w_inv, out_dtype=x2d.dtype)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: str | None = None):
+        ctx.save_for_backward(x, weight)
+        ctx.group = group
+        x8, x_inv = _cast(x.reshape(-1, x.shape[-1]), E4M3, group)
+        w8, w_inv = _cast(weight, E4M3, group)
+        out = torch._scaled_mm(x8, w8.t(), x_inv, w_inv, out_dtype=x.dtype)
+        return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         """Only the gradients autograd asks for: a frozen weight (LoRA's base, a frozen block) skips
         the weight-gradient matmul and its two casts, as a 16-bit linear's backward would."""
-        x2d, weight = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad
+        x, weight = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[:2]
+        group = ctx.group
+        grad2d, x2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
         grad_x = grad_w = None
         if need_x:
-            g8, g_inv = _cast(grad, E5M2)
-            wt8, w_inv = _cast(weight.t(), E4M3)
-            grad_x = torch._scaled_mm(g8, wt8.t(), g_inv, w_inv, out_dtype=grad.dtype)
+            g8, g_inv = _cast(grad2d, E5M2, group)
+            wt8, w_inv = _cast(weight.t(), E4M3, group)
+            grad_x = torch._scaled_mm(g8, wt8.t(), g_inv, w_inv, out_dtype=grad.dtype).view(x.shape)
         if need_w:
-            gt8, gt_inv = _cast(grad.t(), E5M2)
-            xt8, x_inv = _cast(x2d.t(), E4M3)
+            gt8, gt_inv = _cast(grad2d.t(), E5M2, group)
+            xt8, x_inv = _cast(x2d.t(), E4M3, group)
             grad_w = torch._scaled_mm(gt8, xt8.t(), gt_inv, x_inv, out_dtype=weight.dtype)
-        return grad_x, grad_w
+        return grad_x, grad_w, None
 
 
-def float8_matmul(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x2d @ weight.T`` in fp8 with the fp8 backward; under ``torch.autocast`` (mixed precision)
+def float8_matmul(x: torch.Tensor, weight: torch.Tensor, amax_group: str | None = None) -> torch.Tensor:
+    """``x @ weight.T`` in fp8 with the fp8 backward; under ``torch.autocast`` (mixed precision)
     from the autocast dtype, which its output takes, as torchao's Float8 linear. One opaque call in
     a captured graph (``torch.fx.wrap``, ``torch.compiler.allow_in_graph``): run as written when the
     graph runs, so the autocast the runtime (or the cost measurement) enters applies, and neither
-    tracer inlines the autograd.Function's forward without its backward."""
-    device = x2d.device.type
+    tracer inlines the autograd.Function's forward without its backward. ``amax_group``: written
+    by the tensor-parallel pass on a column- or row-parallel one (its group key): every cast
+    takes the largest magnitude over the group's ranks, as torchao's Float8 tensor parallelism
+    does (an amax over a DTensor), so each rank's fp8 operands are one device's, sliced."""
+    device = x.device.type
     if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
-        x2d = x2d.to(torch.get_autocast_dtype(device))
-    return _Float8Matmul.apply(x2d, weight)
+        x = x.to(torch.get_autocast_dtype(device))
+    return _Float8Matmul.apply(x, weight, amax_group)
 
 
 torch.fx.wrap("float8_matmul")
@@ -104,8 +121,7 @@ class Float8Linear(nn.Linear):
             raise CaptureError("a Float8Linear's backward is a custom autograd.Function, which torch.export "
                                "inlines and drops (its graph would train on another backward); capture this "
                                "model with method='dynamo' or 'fx'")
-        out = float8_matmul(x.reshape(-1, x.shape[-1]), self.weight)
-        out = out.reshape(x.shape[:-1] + (self.out_features,))
+        out = float8_matmul(x, self.weight)
         return out if self.bias is None else out + self.bias
 
 

@@ -37,7 +37,7 @@ from ..distributed import all_gather_single, reduce_scatter_single
 __all__ = [
     "register_group", "group_of", "tp_copy_to_region", "tp_reduce_from_region", "tp_scatter_to_region",
     "tp_gather_from_region", "tp_all_gather_sequence", "tp_reduce_scatter_sequence",
-    "vocab_parallel_embedding", "tp_scatter_outer",
+    "vocab_parallel_embedding", "tp_scatter_outer", "tp_max",
 ]
 
 _GROUPS: dict[str, tuple[object, int]] = {}
@@ -76,6 +76,17 @@ def _all_reduce(x: torch.Tensor, key: str) -> torch.Tensor:
         return x.clone()
     out = x.contiguous().clone()
     dist.all_reduce(out, group=group)
+    return out
+
+
+def tp_max(x: torch.Tensor, key: str) -> torch.Tensor:
+    """The element-wise maximum of ``x`` over the ranks of group ``key`` (no gradient: a Float8
+    cast's amax, so that every rank of a tensor-parallel linear scales by the whole tensor's)."""
+    group, size = group_of(key)
+    if size == 1 or _is_fake(x):
+        return x
+    out = x.detach().contiguous().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return out
 
 

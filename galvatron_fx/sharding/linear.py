@@ -25,7 +25,7 @@ from .state import (
 )
 
 
-@register_rule("linear", "addmm", tensor_output=False)
+@register_rule("linear", "addmm", "float8_matmul", tensor_output=False)
 def linear(an, node, ins, states):
     lin = linear_operands(node)
     if lin is None:

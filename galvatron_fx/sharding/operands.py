@@ -2,12 +2,13 @@
 them, and which dims of their operands carry the input / output features.
 
 A *linear* is ``F.linear(x, W[out, in])``, ``x @ W[in, out]`` (``matmul``, also on a transposed
-parameter: Falcon's ``x @ W.T``), GPT-2's ``addmm(b, x, W[in, out])``, a batched expert weight
-``bmm(x[E, T, in], W[E, in, out])`` / ``baddbmm(b, x, W)``, a grouped expert matmul
-(``grouped_mm(x[T, in], W[E, in, out], offs)``: transformers' MoE experts), or an ``einsum`` with
-one contracted index shared by ``x`` and ``W`` and one output index of ``W`` alone. ``W`` is a
-parameter, possibly through dim-permuting views (``t``, ``transpose``, ``permute``, ``.T``,
-``.mT``, casts), which run unchanged on the parameter's shard.
+parameter: Falcon's ``x @ W.T``), Float8 training's ``float8_matmul(x, W[out, in])``, GPT-2's
+``addmm(b, x, W[in, out])``, a batched expert weight ``bmm(x[E, T, in], W[E, in, out])`` /
+``baddbmm(b, x, W)``, a grouped expert matmul (``grouped_mm(x[T, in], W[E, in, out], offs)``:
+transformers' MoE experts), or an ``einsum`` with one contracted index shared by ``x`` and ``W``
+and one output index of ``W`` alone. ``W`` is a parameter, possibly through dim-permuting views
+(``t``, ``transpose``, ``permute``, ``.T``, ``.mT``, casts), which run unchanged on the
+parameter's shard.
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ def linear_operands(node: torch.fx.Node) -> LinearOperands | None:
     if name == "linear":
         x, w, b = node_arg(node, 0, "input"), node_arg(node, 1, "weight"), node_arg(node, 2, "bias")
         return _two_d(node, x, w, b, out_dim=0)
+    if name == "float8_matmul" and len(node.args) == 2:
+        # Float8 training's linear (galvatron_fx.models.float8): x2d @ W[out, in].T on fp8 operands
+        return _two_d(node, node.args[0], node.args[1], None, out_dim=0)
     if name == "matmul" and len(node.args) == 2 and not node.kwargs:
         lin = _two_d(node, node.args[0], node.args[1], None, out_dim=1)
         return lin or _batched(node, node.args[0], node.args[1], None)

@@ -279,7 +279,13 @@ def _computed(arg) -> int | None:
 
 def _size_args(node, name):
     if name == "unflatten":
-        return list(node_arg(node, 2, "sizes"))
+        sizes = node_arg(node, 2, "sizes")
+        if hasattr(sizes, "op"):   # sizes the graph computes (fx: ``x.shape[:-1]``): none is rewritable
+            val = sizes.meta.get("val")
+            if not isinstance(val, (tuple, list)):
+                raise Unsupported
+            return [sizes] * len(val)
+        return list(sizes)
     rest = node.args[1:]
     if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
         return list(rest[0])
