@@ -3,8 +3,10 @@
 it moves, a clear error on a device without fp8 tensor cores; a Float8 transformers Llama captured
 by dynamo and a Float8 gpt-tiny by fx (export, which would drop its backward, refused); the user's
 loop trains on gloo ranks where every rank scales the tensors one device scales (a pipeline of
-whole batches; with peft LoRA over frozen Float8 base linears, and with frozen embeddings), and to
-fp8's noise under ZeRO-3, where each rank scales its own share of the batch.
+whole batches; with peft LoRA over frozen Float8 base linears, and with frozen embeddings), under
+tensor parallelism (the Float8 linears column / row parallel, every cast's amax taken over the group:
+one device's first step, then round-off drift), and to fp8's noise under ZeRO-3, where each rank
+scales its own share of the batch.
 """
 
 from __future__ import annotations
