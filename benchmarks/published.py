@@ -26,9 +26,18 @@ Sources (every figure below with the table it comes from):
   parallelism on 8 H100, Float8 + torch.compile, full AC, local batch 1; Tables 1 and 3: its FSDP rows
   on 8 and 128 H100 in bf16, with torchtitan's default selective AC, the "op" policy: priced as
   ``ckpt="selective-op"``, which runs that policy; and their Float8 rows relative to their
-  "FSDP + torch.compile" rows).
+  "FSDP + torch.compile" rows; Table 6: Llama-3.1-405B on 512 H100 with TP 8, PP 8 and CP up to 8,
+  its 64k-256k rows relative to its 32k row).
+  Its async-TP benchmark (``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md``: Llama-3.1-70B
+  on 256 and 8B on 64 H100-96GB, FSDP over the nodes, TP 8 with sequence parallelism inside each,
+  torch.compile): the vanilla-TP column's Float8 tensorwise rows relative to its bf16 rows.
+* ``trainy``: Trainy's runs on WhiteFiber, published in torchtitan as
+  ``benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md``: Llama-3.1-8B under FSDP on 4 and 8
+  nodes of 8 H200 (Float8 + torch.compile, torchtitan's 8B config: selective op AC, local batch 2):
+  the 8-node row relative to the 4-node one.
 Every model is built in bf16 (each run computed in 16 bits throughout) and estimated as a
-``bf16-mixed`` plan (fp32 masters, gradients and Adam moments).
+``bf16-mixed`` plan (fp32 masters, gradients and Adam moments). A row's ``sp``: sequence
+parallelism beside its TP (torchtitan's TP runs it).
 
 * ``megatron``: Narayanan et al., SC'21 (arXiv 2104.04473), Tables 1 and 2: achieved TFLOP/s per
   GPU by their eq. (3), 96·B·s·l·h²·(1 + s/6h + V/16lh) per iteration, A100-80GB, 16-bit mixed
@@ -74,8 +83,14 @@ from _common import parser, print_table, write_json  # noqa: E402
 TT_A100 = "torchtitan docs/performance.md (2024-04): Llama on 64 A100-80GB, FSDP2, bf16"
 TT_H100_CP = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 2: Llama-3.1-8B, 8 H100, FSDP + CP, "
               "Float8 + torch.compile, full AC, local batch 1")
+TT_H100_4D = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 6: Llama-3.1-405B, 512 H100, TP 8 "
+              "(SP), PP 8 (1F1B), FSDP x CP, Float8 + torch.compile + async TP, full AC, local batch 8")
 TT_H100 = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3: Llama-3.1-8B, FSDP, bf16 (the "
            "rows without Float8 or torch.compile), selective (op) AC, local batch 2, 8192 tokens")
+TT_ATP = ("torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md: Llama-3.1 on H100-96GB (500 W), FSDP + "
+          "TP 8 with SP, torch.compile, vanilla TP column, bf16 and Float8 tensorwise, 8192 tokens")
+TRAINY = ("torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md (Trainy on WhiteFiber): Llama-3.1-8B, FSDP "
+          "on 4 and 8 nodes of 8 H200, Float8 + torch.compile, selective (op) AC, local batch 2, 8192 tokens")
 TT_H100_F8 = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3: Llama-3.1-8B, FSDP + "
               "torch.compile with and without Float8, selective (op) AC, local batch 2, 8192 tokens")
 MEG = "Narayanan et al. SC'21 (arXiv 2104.04473)"
@@ -84,6 +99,7 @@ LF = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (2024-01)"
 
 LLAMA3_8B = dict(kind="llama", hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8, vocab=128256)
 LLAMA3_70B = dict(kind="llama", hidden=8192, layers=80, ffn=28672, heads=64, kv_heads=8, vocab=128256)
+LLAMA3_405B = dict(kind="llama", hidden=16384, layers=126, ffn=53248, heads=128, kv_heads=8, vocab=128256)
 LLAMA2_13B = dict(kind="llama", hidden=5120, layers=40, ffn=13824, heads=40, kv_heads=40, vocab=32000)
 LLAMA2_70B = dict(kind="llama", hidden=8192, layers=80, ffn=28672, heads=64, kv_heads=8, vocab=32000)
 
@@ -125,14 +141,29 @@ _MPT = {"70b": mpt(8192, 80, 64), "30b": mpt(7168, 48, 64), "13b": mpt(5120, 40,
         "125m": mpt(768, 12, 12)}
 
 
+def _float8_pair(row: dict, ref: str, f8: str, compiled: float, float8: float) -> list[dict]:
+    """A table's Float8 row relative to its row of the same run in bf16 (both compiled: torch.compile,
+    which the model does not price, shared)."""
+    return [dict(row, id=ref, published=compiled, ratio_only=True),
+            dict(row, id=f8, published=float8, float8=True, reference=ref)]
+
+
 def _tt_float8(name, cluster, gbs, compiled, float8):
     """torchtitan H100 Table 1 or 3: its "FSDP + torch.compile + Float8" row relative to its "FSDP +
     torch.compile" row (the same plan in bf16)."""
     row = dict(source=TT_H100_F8, arch=LLAMA3_8B, cluster=cluster, seq=8192, gbs=gbs, sdp="zero3",
                ckpt="selective-op", micro_batch=2, unit="tokens/s/GPU")
-    ref = f"torchtitan-h100-llama3-8b-{name}-compile"
-    return [dict(row, id=ref, published=compiled, ratio_only=True),
-            dict(row, id=f"torchtitan-h100-llama3-8b-{name}-float8", published=float8, float8=True, reference=ref)]
+    return _float8_pair(row, f"torchtitan-h100-llama3-8b-{name}-compile",
+                        f"torchtitan-h100-llama3-8b-{name}-float8", compiled, float8)
+
+
+def _tt_async_tp(name, arch, gpus, local_batch, ckpt, bf16, float8):
+    """torchtitan's async-TP benchmark, its vanilla (not async) TP column: "float8 tensorwise" relative
+    to "None (bfloat16)", FSDP over the nodes and TP 8 with sequence parallelism inside each."""
+    dp = gpus // 8
+    row = dict(source=TT_ATP, arch=arch, cluster=f"{dp}x8xH100-96GB", seq=8192, gbs=local_batch * dp, tp=8,
+               sp=True, sdp="zero3", ckpt=ckpt, micro_batch=local_batch, unit="tokens/s/GPU")
+    return _float8_pair(row, f"torchtitan-asynctp-{name}-bf16", f"torchtitan-asynctp-{name}-float8", bf16, float8)
 
 
 ROWS: list[dict] = [
@@ -158,6 +189,22 @@ ROWS: list[dict] = [
     dict(id="torchtitan-h100-cp2-64k", seq=65536, gbs=4, cp=2, published=2540, **_TT_CP),
     dict(id="torchtitan-h100-cp4-128k", seq=131072, gbs=2, cp=4, published=1071, **_TT_CP),
     dict(id="torchtitan-h100-cp8-256k", seq=262144, gbs=1, cp=8, published=548, **_TT_CP),
+    # torchtitan H100 Table 6 (Float8 + compile + async TP): relative to its 32k row
+    *[dict(id=f"torchtitan-h100-405b-cp{cp}-{seq // 1024}k", source=TT_H100_4D, arch=LLAMA3_405B,
+           cluster="64x8xH100-96GB", seq=seq, gbs=64 // cp, tp=8, sp=True, pp=8, cp=cp, sdp="zero3", ckpt=True,
+           micro_batch=1, float8=True, unit="tokens/s/GPU", published=value,
+           **(dict(ratio_only=True) if cp == 1 else dict(reference="torchtitan-h100-405b-cp1-32k")))
+      for cp, seq, value in [(1, 32768, 76), (2, 65536, 47), (4, 131072, 31), (8, 262144, 16)]],
+    # torchtitan's async-TP benchmark (2025-06), vanilla TP: Float8 over bf16 (both compiled)
+    *_tt_async_tp("llama3-70b-256", LLAMA3_70B, 256, 16, True, bf16=597.3, float8=809.8),
+    *_tt_async_tp("llama3-8b-64", LLAMA3_8B, 64, 12, "selective-op", bf16=4378, float8=5078.1),
+    # Trainy's H200 runs (Float8 + compile, shared): 8 nodes relative to 4
+    dict(id="trainy-h200-llama3-8b-32", source=TRAINY, arch=LLAMA3_8B, cluster="4x8xH200-141GB", seq=8192, gbs=64,
+         sdp="zero3", ckpt="selective-op", micro_batch=2, float8=True, unit="tokens/s/GPU", published=10938,
+         ratio_only=True),
+    dict(id="trainy-h200-llama3-8b-64", source=TRAINY, arch=LLAMA3_8B, cluster="8x8xH200-141GB", seq=8192, gbs=128,
+         sdp="zero3", ckpt="selective-op", micro_batch=2, float8=True, unit="tokens/s/GPU", published=10753,
+         reference="trainy-h200-llama3-8b-32"),
     # Megatron-LM SC'21 Table 1, each run as NVIDIA/Megatron-LM examples/sc21/run_table_1.sh gives it
     # (micro-batch size, and the interleaving depth: --num-layers-per-virtual-pipeline-stage), and Table 2
     _meg("1.7B", megatron_gpt(2304, 24, 24), 32, 1, 1, 512, 137, mb=16),
@@ -346,6 +393,7 @@ def candidates(row: dict, world: int):
     for mb in sizes:
         for v in depths:
             yield dict(tp=tp, pp=pp, cp=cp, dp=dp, sdp=row.get("sdp", "none"), ckpt=row["ckpt"],
+                       sp=row.get("sp", False),
                        micro_batches=max(1, per_rank // mb), global_batch_size=row["gbs"],
                        schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v)
 
