@@ -296,6 +296,27 @@ def test_pointwise_rule_mlp():
     assert res.replicated_params == ["blocks.0.fc2.bias", "blocks.0.scale"]
 
 
+class _FlatMLP(nn.Module):
+    """The MLP on the flattened tokens, unflattened by the input's own leading sizes (fx records
+    ``x.shape[:-1]`` as a node, not as ints)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x.flatten(0, 1)))
+        return x + self.fc2(h.unflatten(0, x.shape[:-1]))
+
+
+def test_unflatten_by_sizes_the_graph_computes():
+    """The split dim is not the sharded one: the features stay sharded through it, no size rewritten."""
+    res, _, _, _ = _analyze_block(_FlatMLP, _x())
+    assert res.column == ["linear"] and res.row == ["linear_1"] and not res.replicated_linears
+    assert res.states["unflatten"] == _tp(2, "linear")
+    assert "unflatten" not in res.shape_args
+
+
 def test_linear_and_embedding_rules_sp_and_vocab():
     ids = torch.randint(0, 32, (B, S))
     gm = gfx.capture(_Net(_MLP, vocab=32), (ids,), method="fx")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.fx
@@ -392,6 +393,25 @@ def _split_dim(layer: LayerGraph, node: str) -> str:
     if role == "row":
         return "k"
     return "b" if layer.in_sharded.get(node, False) else ""
+
+
+class GemmLabel(NamedTuple):
+    """What the label of a forward matmul in ``fwd_gemms`` says (:func:`_op_work` writes it)."""
+
+    fp8: bool      # ``8``: a ``torch._scaled_mm`` (the fp8 rate)
+    second: bool   # ``2``: every second linear matmul, which ``selective-op`` recomputes
+    expert: bool   # ``e``: an experts block's matmul, which expert parallelism regroups
+    split: str     # the dim tensor parallelism splits (``b`` / ``n`` / ``k``), "" where replicated
+
+
+def gemm_label(label: str) -> GemmLabel:
+    """:class:`GemmLabel` of a ``fwd_gemms`` label: its flags in order, then the split dim."""
+    fp8 = label.startswith("8")
+    label = label[fp8:]
+    second = label.startswith("2")
+    label = label[second:]
+    expert = label.startswith("e")
+    return GemmLabel(fp8, second, expert, label[expert:])
 
 
 def _op_work(layer: LayerGraph, work, p: Point) -> None:

@@ -9,7 +9,7 @@ import math
 
 from ..ir import TORCH_DTYPES
 from ..solver.strategy import Strategy
-from .measure import LayerMeasure
+from .measure import LayerMeasure, gemm_label
 from .records import tp_group
 
 
@@ -56,7 +56,7 @@ class TimeTerms:
         bwd = sum(one(f(n)) for f in m.bwd_allreduce) + drift(bwd_s, len(m.bwd_allreduce))
         # NOTE: a sharded Float8 linear's casts each take their amax over the group (one fp32 value:
         # models/float8.py): two in forward, four in backward (two for a frozen weight: not told apart)
-        fp8 = sum(1 for k, _ in m.fwd_gemms if k.startswith("8") and k.lstrip("82e"))
+        fp8 = sum(1 for g in (gemm_label(k) for k, _ in m.fwd_gemms) if g.fp8 and g.split)
         amax = c.collective_time("all_reduce", 4, group) if fp8 else 0.0
         return (fwd + 2 * fp8 * amax) * (2 if s.ckpt else 1) + bwd + 4 * fp8 * amax
 
@@ -114,16 +114,12 @@ class TimeTerms:
         fwd_f, bwd_f = self._fwd_flops(m, n, s)
         gemm_s = gemm_f = second_s = 0.0
         ep = self.ep_of(index, s)
-        for split, dims in m.fwd_gemms:
+        for label, dims in m.fwd_gemms:
             b, rows, cols, depth = (f(n) for f in dims)
-            fp8 = split.startswith("8")   # torch._scaled_mm: the fp8 rate (its backward's at the forward's)
-            split = split.lstrip("8")
-            second = split.startswith("2")
-            split = split.lstrip("2")
-            if split.startswith("e"):   # an experts matmul: under ep, 1/ep of the experts, ep x the rows each
-                split = split[1:]
-                if ep > 1 and b > 1:
-                    b, rows = b / ep, rows * ep
+            # NOTE: an fp8 matmul at the fp8 rate (its backward's at the forward's)
+            fp8, second, expert, split = gemm_label(label)
+            if expert and ep > 1 and b > 1:   # under ep, 1/ep of the experts, ep x the rows each
+                b, rows = b / ep, rows * ep
             if split:
                 b, cols, depth = (b / s.tp if split == "b" else b, cols / s.tp if split == "n" else cols,
                                   depth / s.tp if split == "k" else depth)

@@ -70,24 +70,20 @@ def _is_fake(x: torch.Tensor) -> bool:
     return x.device.type == "meta" or is_fake(x)
 
 
-def _all_reduce(x: torch.Tensor, key: str) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, key: str, op=None) -> torch.Tensor:
+    """The sum (or ``op``, a ``dist.ReduceOp``) of ``x`` over the ranks of group ``key``, on a copy."""
     group, size = group_of(key)
     if size == 1 or _is_fake(x):
         return x.clone()
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=group)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM if op is None else op, group=group)
     return out
 
 
 def tp_max(x: torch.Tensor, key: str) -> torch.Tensor:
     """The element-wise maximum of ``x`` over the ranks of group ``key`` (no gradient: a Float8
     cast's amax, so that every rank of a tensor-parallel linear scales by the whole tensor's)."""
-    group, size = group_of(key)
-    if size == 1 or _is_fake(x):
-        return x
-    out = x.detach().contiguous().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
-    return out
+    return _all_reduce(x.detach(), key, dist.ReduceOp.MAX)
 
 
 def chunk_bounds(n: int, size: int, rank: int) -> tuple[int, int]:

@@ -98,7 +98,7 @@ def linear_operands(node: torch.fx.Node) -> LinearOperands | None:
         x, w, b = node_arg(node, 0, "input"), node_arg(node, 1, "weight"), node_arg(node, 2, "bias")
         return _two_d(node, x, w, b, out_dim=0)
     if name == "float8_matmul" and len(node.args) == 2:
-        # Float8 training's linear (galvatron_fx.models.float8): x2d @ W[out, in].T on fp8 operands
+        # Float8 training's linear (galvatron_fx.models.float8): x @ W[out, in].T on fp8 operands
         return _two_d(node, node.args[0], node.args[1], None, out_dim=0)
     if name == "matmul" and len(node.args) == 2 and not node.kwargs:
         lin = _two_d(node, node.args[0], node.args[1], None, out_dim=1)
