@@ -82,18 +82,41 @@ def _resume_cases(rank, world_size, root, cases, async_case=None):
 
 
 def _async_save(gfx, checkpoint, gm, args, world_size, path, spec):
-    """Save asynchronously, keep training until the save completes, then load what it saved."""
+    """Save asynchronously, keep training until the save completes, then load what it saved.
+
+    The save's writes wait for a gate the training loop opens after its first step: a save that
+    runs beside training writes once the step is done (``overlapped``: steps that ran while it was
+    pending), one that blocks the loop waits for the gate in vain (``gate_opened`` False after the
+    timeout). A gate rather than a race against the clock: on a fast host the writes could finish
+    before a step does."""
+    import threading
+
+    from galvatron_fx.runtime.sharded_state import CommittingWriter
+
+    gate, gate_opened = threading.Event(), []
+    write_data = CommittingWriter.write_data
+
+    def gated(self, *a, **k):
+        gate_opened.append(gate.wait(timeout=60))
+        return write_data(self, *a, **k)
+
     dm, opt = _build(gfx, gm, world_size, spec)
     _steps(dm, opt, args, BEFORE)
-    pending = checkpoint.save(dm, opt, path, step=BEFORE, async_save=True)
-    ref, overlapped = [], 0
-    for _ in range(AFTER):   # NOTE: a fixed count: every rank must run the same collectives
-        ref += _steps(dm, opt, args, 1)
-        overlapped += not pending.done()   # a whole step ran while the save was still being written
-    assert pending.result() == path
+    CommittingWriter.write_data = gated
+    try:
+        pending = checkpoint.save(dm, opt, path, step=BEFORE, async_save=True)
+        ref, overlapped = [], 0
+        for _ in range(AFTER):   # NOTE: a fixed count: every rank must run the same collectives
+            ref += _steps(dm, opt, args, 1)
+            overlapped += not pending.done()   # a whole step ran while the save was still pending
+            gate.set()
+        assert pending.result() == path
+    finally:
+        CommittingWriter.write_data = write_data
     dm, opt = _build(gfx, gm, world_size, spec)
     checkpoint.load(dm, opt, path)
-    return dict(overlapped=overlapped, ref=ref[:AFTER], resumed=_steps(dm, opt, args, AFTER))
+    return dict(overlapped=overlapped, gate_opened=gate_opened, ref=ref[:AFTER],
+                resumed=_steps(dm, opt, args, AFTER))
 
 
 def _chunk_report(path):
@@ -154,7 +177,7 @@ def test_sharded_resume_cross_plan_async_and_consolidate(tmp_path):
     results = run_distributed(_resume_cases, 2, str(tmp_path), CI_CASES, dict(sdp="zero3"), timeout=300)[0]
     _check(results)
     a = results["async"]
-    assert a["overlapped"] >= 1 and a["resumed"] == a["ref"], a
+    assert a["gate_opened"] == [True] and a["overlapped"] >= 1 and a["resumed"] == a["ref"], a
     print(f"async save: {a['overlapped']} training step(s) ran while it was written")
     # sharded: each rank wrote its half of the parameters' bytes, and no whole-tensor gather
     for label in results:
