@@ -38,6 +38,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..sharding.state import op_name
 from .attention_kernels import run_stand_in
+from .backward_peak import BackwardPeak
 from .extract import LayerGraph
 from .flop_rules import flop_counter
 from .op_work import OpWork
@@ -92,6 +93,7 @@ class Point:
     bwd_traffic: float = 0.0
     fwd_allreduce_elems: list[float] = field(default_factory=list)  # per TP collective, forward
     bwd_allreduce_elems: list[float] = field(default_factory=list)  # per TP collective, backward
+    bwd_excess_elems: float = 0.0     # the backward's working set beyond the saved tensors (.backward_peak)
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,8 @@ _SCALARS = ("fwd_flops_sharded", "fwd_flops_rep", "bwd_flops", "saved_sharded_el
             "wgrad_rep_elems", "wgrad_whole_elems", "wgrad_row_bias_elems", "saved_expert_elems",
             "fwd_flops_expert", "attn_fwd_flops", "attn_bwd_flops", "fwd_traffic_sharded", "fwd_traffic_rep",
             "bwd_traffic", "sac_sharded_elems", "sac_whole_elems", "sac_rep_elems", "sac_expert_elems",
-            "sac_other_bytes", "sac_alt_sharded_elems", "sac_alt_whole_elems", "sac_alt_rep_elems")
+            "sac_other_bytes", "sac_alt_sharded_elems", "sac_alt_whole_elems", "sac_alt_rep_elems",
+            "bwd_excess_elems")
 
 
 def measure_layer(layer: LayerGraph, sizes: tuple[int, ...] = MEASURE_SIZES,
@@ -377,11 +380,17 @@ def measure_point(layer: LayerGraph, n: int, compute_dtype: torch.dtype | None =
         grads = [o for o in outs if o.requires_grad]
         if grads:
             seeds = [torch.ones_like(o) for o in grads]
-            with counter, work:
+            peak = BackwardPeak((compute_dtype or next((a.dtype for a in args if a.is_floating_point()),
+                                                       torch.float32)).itemsize)
+            # NOTE: only autograd holds the saved tensors now (each freed as its node has run)
+            peak.watch_saved(t.untyped_storage() for _, _, t in saved.values())
+            saved, saves.saved, rec.values, t = {}, {}, {}, None
+            with counter, work, peak:
                 before = counter.get_total_flops()
                 torch.autograd.backward(grads, seeds)
                 p.bwd_flops = counter.get_total_flops() - before
             p.bwd_traffic = work.work.traffic.get(None, 0.0)
+            p.bwd_excess_elems = peak.excess(a.grad for a, s in zip(args, layer.inputs) if s.kind == "param")
     return p
 
 

@@ -254,6 +254,17 @@ class CostModel(LayerQueries, TimeTerms):
             return kept, full
         return full, full
 
+    def backward_excess_bytes(self, m: LayerMeasure, n: float, s: Strategy) -> float:
+        """Bytes the layer's backward holds at its peak beyond its saved activations
+        (:mod:`.backward_peak`: the gradients of its intermediate tensors, e.g. the loss's two
+        ``[tokens, vocab]`` ones), split over the ranks as its saved floating tensors are."""
+        rep_div = s.tp if s.sp else 1
+        if s.cp > 1:
+            m = SplitIntercepts(m, s.cp)
+        whole = m.saved_sharded_elems(n) + m.saved_rep_elems(n) + m.saved_gathered_elems(n)
+        split = m.saved_sharded_elems(n) / s.tp + m.saved_rep_elems(n) / rep_div + m.saved_gathered_elems(n)
+        return m.bwd_excess_elems(n) * self.itemsize * (split / whole if whole > 0 else 1.0)
+
     def layer_cost(self, index: int, strategy: Strategy, micro_batch_size: float) -> LayerCost:
         """Costs of layer ``index`` under ``strategy`` for a micro-batch of ``micro_batch_size`` samples:
         the layer's compute, states, saved activations and fixed overheads, plus each registered
@@ -282,6 +293,7 @@ class CostModel(LayerQueries, TimeTerms):
         for d in dims.DIMENSIONS:
             if d.cost_terms is not None:
                 terms = terms + d.cost_terms(self, index, n, s, work)
+        terms = terms + CostTerms(transient_bytes=self.backward_excess_bytes(m, n, s))
         rep_div = s.tp if s.sp else 1
         wgrad = (m.wgrad_sharded_elems(n) / s.tp + m.wgrad_rep_elems(n) / rep_div
                  + m.wgrad_whole_elems(n) + (m.wgrad_row_bias_elems(n) / rep_div if s.tp > 1 else 0.0)
