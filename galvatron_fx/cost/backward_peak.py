@@ -10,8 +10,9 @@ tensor once the node that saved it has run.
 :class:`BackwardPeak` watches a backward run (fake tensors will do: their storages are created and
 freed as real ones would be) and reports :meth:`BackwardPeak.excess`: the largest amount by which
 the bytes the backward allocated exceed the saved bytes freed so far (a parameter's gradient counts
-at the moment it is made: the runtime copies it into its gradient buffer, which the states count). The cost model adds it to the layer's transient bytes on top of the
-saved activations it already holds (:meth:`galvatron_fx.cost.CostModel.layer_cost`).
+at the moment it is made: the runtime copies it into its gradient buffer, which the states count).
+The cost model adds it to the layer's transient bytes on top of the saved activations it already
+holds (:meth:`galvatron_fx.cost.CostModel.backward_excess_bytes`).
 """
 
 from __future__ import annotations

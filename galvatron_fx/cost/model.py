@@ -132,6 +132,13 @@ def default_mode(cluster: Cluster, cost: CostModel) -> str:
     return "profiled" if 4 * biggest <= PROFILE_MAX_PARAM_BYTES else "analytic"
 
 
+def _saved_floats(m: LayerMeasure, n: float, tp: int, rep_div: int) -> float:
+    """Floating elements one rank keeps of what the layer saves for backward at ``n`` samples: the
+    TP-sharded ones over ``tp``, the replicated ones over ``rep_div`` (``tp`` under sequence
+    parallelism, else 1), the ones gathered whole for a column-parallel op in full."""
+    return m.saved_sharded_elems(n) / tp + m.saved_rep_elems(n) / rep_div + m.saved_gathered_elems(n)
+
+
 class CostModel(LayerQueries, TimeTerms):
     """Per-layer costs of a captured graph on a cluster (module docstring for the rules).
 
@@ -238,8 +245,7 @@ class CostModel(LayerQueries, TimeTerms):
             m = SplitIntercepts(m, s.cp)
         # NOTE: integer tensors (token ids, labels, masks) are saved whole: the runtime does not
         # split them along the sequence
-        full = ((m.saved_sharded_elems(n) / s.tp + m.saved_rep_elems(n) / rep_div + m.saved_gathered_elems(n))
-                * self.itemsize + m.saved_other_bytes(n))
+        full = _saved_floats(m, n, s.tp, rep_div) * self.itemsize + m.saved_other_bytes(n)
         if ep > 1:   # the busiest rank serves moe_imbalance x the mean
             f = ep * self.experts(index).needing_fraction(ep) * self.moe_imbalance
             full += (f - 1) * m.saved_expert_elems(n) * self.itemsize / s.tp
@@ -258,11 +264,10 @@ class CostModel(LayerQueries, TimeTerms):
         """Bytes the layer's backward holds at its peak beyond its saved activations
         (:mod:`.backward_peak`: the gradients of its intermediate tensors, e.g. the loss's two
         ``[tokens, vocab]`` ones), split over the ranks as its saved floating tensors are."""
-        rep_div = s.tp if s.sp else 1
         if s.cp > 1:
             m = SplitIntercepts(m, s.cp)
-        whole = m.saved_sharded_elems(n) + m.saved_rep_elems(n) + m.saved_gathered_elems(n)
-        split = m.saved_sharded_elems(n) / s.tp + m.saved_rep_elems(n) / rep_div + m.saved_gathered_elems(n)
+        whole = _saved_floats(m, n, 1, 1)
+        split = _saved_floats(m, n, s.tp, s.tp if s.sp else 1)
         return m.bwd_excess_elems(n) * self.itemsize * (split / whole if whole > 0 else 1.0)
 
     def layer_cost(self, index: int, strategy: Strategy, micro_batch_size: float) -> LayerCost:
