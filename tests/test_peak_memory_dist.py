@@ -8,7 +8,7 @@ every storage an op makes, until freed) and their peak over the forward and back
 it adds for the allocator and the CUDA context, must match that peak within :data:`TOL`. The
 optimizer step's peak is reported beside it (not priced); on one stage torch's own tracker
 (``torch.distributed._tools.mem_tracker.MemTracker``, over forward, backward and the optimizer
-step) must agree with ours within 10 %. The tracker is the test's own, apart from the cost model's
+step) must agree with ours within 1 %. The tracker is the test's own, apart from the cost model's
 :mod:`galvatron_fx.cost.backward_peak`, so that a mistake the two could share does not hide.
 
 The vocabulary is large next to the hidden size, so that the loss's buffers decide the peak: the
@@ -62,12 +62,23 @@ class _LivePeak(TorchDispatchMode):
         super().__init__()
         self.live = self.peak = 0
         self._seen: dict[int, weakref.ref] = {}
-        for t in at_rest:
-            self._add(t.untyped_storage())
+        # NOTE: the states' storages may be resized in place (ZeRO-3 frees its gathered buffer with
+        # resize_(0) and gathers into it again), which no op reports: re-read before every op
+        self._resizable = {id(st): (weakref.ref(st), 0) for st in (t.untyped_storage() for t in at_rest)}
+        self._resized()
+
+    def _resized(self):
+        for key, (ref, counted) in list(self._resizable.items()):
+            st = ref()
+            now = st.nbytes() if st is not None else 0
+            if now != counted:
+                self.live += now - counted
+                self.peak = max(self.peak, self.live)
+                self._resizable[key] = (ref, now)
 
     def _add(self, st):
         known = self._seen.get(id(st))
-        if (known is not None and known() is st) or st.nbytes() == 0:
+        if (known is not None and known() is st) or id(st) in self._resizable or st.nbytes() == 0:
             return
         self._seen[id(st)] = weakref.ref(st)
         self.live += st.nbytes()
@@ -75,12 +86,14 @@ class _LivePeak(TorchDispatchMode):
         weakref.finalize(st, self._free, st.nbytes())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._resized()
         out = func(*args, **(kwargs or {}))
         if not func.is_view:
             inputs = {id(a.untyped_storage()) for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in inputs:
                     self._add(t.untyped_storage())
+        self._resized()
         return out
 
     def _free(self, nbytes):
@@ -137,13 +150,14 @@ def _peaks(rank, world, arch, method):
     return out
 
 
-KNOWN_LOW = {  # GPT-2 ties its embedding to its head: the tied weight's buffers are not all priced
-    ("gpt2", "zero3", 0): "0.79 of the live peak: about one [tokens, vocab] fp32 buffer more than priced",
-    ("gpt2", "zero3", 1): "the same on the other rank",
-    ("gpt2", "pp2", 0): "0.68 on the first stage (rank 0): the tied weight's gradient from the last stage and its own",
+KNOWN_HIGH = {  # ZeRO-3 prices a layer's neighbour's prefetched buffer and its staging at the
+    # layer's own size (exact in a stack of equal blocks: dims/data.py); the untied LM head's
+    # neighbour is a block 1/28 its size
+    ("llama", "zero3", 0): "1.18 of the live peak: two head-sized buffers more than the runtime holds",
+    ("llama", "zero3", 1): "the same on the other rank",
 }
-"""(model, plan, rank) the estimate is known to put below the live peak by more than :data:`TOL`
-(checked to stay below it: the day it is fixed the entry must go)."""
+"""(model, plan, rank) the estimate is known to put above the live peak by more than :data:`TOL`
+(conservative; checked to stay above it: the day it is fixed the entry must go)."""
 
 
 @pytest.mark.dist
@@ -157,9 +171,9 @@ def test_estimated_peak_matches_the_live_tensors_peak(arch, method):
             print(f"{arch} rank {rank} {label}: live peak {r['step'] / 2**20:.1f} MiB (with the optimizer's step "
                   f"{r['with_optimizer'] / 2**20:.1f}, MemTracker {r.get('memtracker', 0) / 2**20:.1f}), "
                   f"estimated {r['estimated'] / 2**20:.1f} MiB ({ratio:.3f})")
-            if (arch, label, rank) in KNOWN_LOW:
-                assert ratio < 1 - TOL, (arch, rank, label, r, "fixed: drop it from KNOWN_LOW")
+            if (arch, label, rank) in KNOWN_HIGH:
+                assert ratio > 1 + TOL, (arch, rank, label, r, "fixed: drop it from KNOWN_HIGH")
                 continue
             assert abs(ratio - 1) <= TOL, (arch, rank, label, r)
             if "memtracker" in r:
-                assert abs(r["memtracker"] / r["with_optimizer"] - 1) <= 0.1, (arch, rank, label, r)
+                assert abs(r["memtracker"] / r["with_optimizer"] - 1) <= 0.01, (arch, rank, label, r)

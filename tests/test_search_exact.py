@@ -187,7 +187,7 @@ def enumerate_space(gm, cluster, gbs: int, precision: str, cps: tuple[int, ...] 
                         acts = [act[layer] for layer in range(i, j + 1)]
                         wgs = [wg[layer] for layer in range(i, j + 1)]
                         # a tied weight this stage reads but does not own: a copy per micro-batch in flight
-                        received = cm.received_param_bytes(i, j) if p > 1 else 0.0
+                        received = cm.tied_copy_bytes(i, j) if p > 1 else 0.0
                         parts: dict = {}
                         for seqs in sequence_blocks(allowed[i:j + 1]):
                             t, states, trans = (np.zeros(seqs.shape[1]) for _ in range(3))
@@ -231,7 +231,7 @@ def enumerate_space(gm, cluster, gbs: int, precision: str, cps: tuple[int, ...] 
                     pos = 0
                     for c in mine:
                         i0, j0 = chunks[c]
-                        mem = mem + peaks[c] * cm.received_param_bytes(i0, j0)
+                        mem = mem + peaks[c] * cm.tied_copy_bytes(i0, j0)
                         for layer in range(i0, j0 + 1):
                             s = seqs[pos]
                             time = time + Tv[layer][s]

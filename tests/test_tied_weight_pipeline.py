@@ -1,8 +1,8 @@
 """A tied weight read by a pipeline chunk that does not own it (GPT-2's LM head, tied to the
-embedding on the first stage) reaches that chunk as a copy with every micro-batch
-(``passes/stage_split.py``), held until the micro-batch's backward: the estimate counts it per
-micro-batch in flight, and the search's exact stage solve counts it alike (a plan is never chosen
-under a budget its estimate exceeds)."""
+embedding on the first stage) leaves its owner's chunk as a copy with every micro-batch and
+reaches the reader's (``passes/stage_split.py``); both chunks hold their copy until the
+micro-batch's backward: the estimate counts it per micro-batch in flight on both, and the search's
+exact stage solve counts it alike (a plan is never chosen under a budget its estimate exceeds)."""
 
 from __future__ import annotations
 
@@ -27,14 +27,16 @@ def gpt2():
     return gfx.capture(model, (), kwargs=dict(input_ids=ids, labels=ids), method="export")
 
 
-def test_the_chunk_reading_a_tied_weight_it_does_not_own_receives_it(gpt2):
+def test_the_chunks_on_both_sides_of_a_tied_weight_hold_a_copy(gpt2):
     cm = CostModel(gpt2, gfx.Cluster.preset("4xA100-80GB"))
     last = len(cm.layers) - 1
     wte = 2048 * 32 * 4
-    assert cm.received_param_bytes(0, last) == 0            # one chunk owns and reads it
-    assert cm.received_param_bytes(last, last) == wte       # the LM head's chunk alone
-    assert cm.received_param_bytes(1, last) == wte
-    assert cm.received_param_bytes(1, last - 1) == 0        # the blocks do not read it
+    assert cm.tied_copy_bytes(0, last) == 0            # one chunk owns and reads it
+    assert cm.tied_copy_bytes(last, last) == wte       # the LM head's chunk alone
+    assert cm.tied_copy_bytes(1, last) == wte
+    assert cm.tied_copy_bytes(1, last - 1) == 0        # the blocks do not read it
+    assert cm.tied_copy_bytes(0, last - 1) == wte      # the embedding's chunk sends it to the head's
+    assert cm.tied_copy_bytes(0, 0) == wte
 
 
 def test_the_estimate_holds_one_copy_per_micro_batch_in_flight(gpt2):
@@ -47,12 +49,13 @@ def test_the_estimate_holds_one_copy_per_micro_batch_in_flight(gpt2):
     layers = est["layers"]
     assert acts[1] == sum(x["activation_bytes"] for x in layers[a1:b1 + 1])
     cm = CostModel(gpt2, cluster)
-    received = cm.received_param_bytes(a1, b1)
+    received = cm.tied_copy_bytes(a1, b1)
     assert received == 2048 * 32 * 4
     own = sum(peaks[1] * cm.layer_cost(i, plan.layers[i].strategy, 2).activation_bytes for i in range(a1, b1 + 1))
     assert acts[1] == pytest.approx(own + peaks[1] * received, abs=len(range(a1, b1 + 1)))
+    assert cm.tied_copy_bytes(a0, b0) == received    # the owner's copy, sent with each micro-batch
     assert acts[0] == pytest.approx(sum(peaks[0] * cm.layer_cost(i, plan.layers[i].strategy, 2).activation_bytes
-                                        for i in range(a0, b0 + 1)), abs=b0 - a0 + 1)
+                                        for i in range(a0, b0 + 1)) + peaks[0] * received, abs=b0 - a0 + 1)
 
 
 def test_the_search_counts_the_received_weight_against_the_budget(gpt2):

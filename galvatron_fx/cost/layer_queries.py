@@ -123,21 +123,25 @@ class LayerQueries:
                         self._frozen.add(info.param.fqn)
         return self._owned[index]
 
-    def received_param_bytes(self, first: int, last: int) -> float:
-        """Bytes of the parameters layers ``first..last`` read but a layer outside them owns (a tied
-        weight, e.g. an LM head tied to an embedding in another pipeline chunk). A pipeline chunk
-        receives a copy of each such weight with every micro-batch (``passes/stage_split.py``) and
-        holds it, beside the micro-batch's saved activations, until that micro-batch's backward;
-        whole (a tied weight crossing stages is never TP-sharded), in the compute dtype."""
+    def tied_copy_bytes(self, first: int, last: int) -> float:
+        """Bytes of the copies of tied weights a pipeline chunk of layers ``first..last`` holds per
+        micro-batch in flight (``passes/stage_split.py``): a weight it reads but a layer outside it
+        owns arrives as a copy with every micro-batch (e.g. an LM head tied to an embedding in
+        another chunk), and a weight it owns that a layer outside it reads leaves as a copy (a
+        ``torch.clone``, one per micro-batch, kept as the chunk's output until that micro-batch's
+        backward). Whole (a tied weight crossing stages is never TP-sharded), in the compute dtype."""
         key = (first, last)
-        if key not in self._received:
+        if key not in self._tied_copies:
             if self._param_numel is None:   # every layer's owned parameters, once
                 self._param_numel = {f: n for i in range(len(self.layers)) for f, n in self._owned_params(i).items()}
             numel = self._param_numel
-            here = {fqn for i in range(first, last + 1) for fqn in self._owned_params(i)}
-            read = {fqn for i in range(first, last + 1) for fqn in self.layers[i].params if fqn in numel}
-            self._received[key] = float(sum(numel[f] for f in read - here) * self.itemsize)
-        return self._received[key]
+            inside = range(first, last + 1)
+            here = {fqn for i in inside for fqn in self._owned_params(i)}
+            read = {fqn for i in inside for fqn in self.layers[i].params if fqn in numel}
+            read_outside = {fqn for i in range(len(self.layers)) if i not in inside
+                            for fqn in self.layers[i].params if fqn in here}
+            self._tied_copies[key] = float(sum(numel[f] for f in (read - here) | read_outside) * self.itemsize)
+        return self._tied_copies[key]
 
     def split_shapes(self, index: int, tp: int, ep: int = 1) -> tuple[list, list]:
         """:meth:`layer_shapes` split into the trainable parameters' and the frozen ones' (the

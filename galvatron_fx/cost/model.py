@@ -199,7 +199,7 @@ class CostModel(LayerQueries, TimeTerms):
         self._tp: dict[tuple, object] = {}
         self._params: dict[tuple, LayerParams] = {}
         self._owned: list[dict[str, int]] | None = None
-        self._received: dict[tuple[int, int], float] = {}   # (first, last) -> received_param_bytes
+        self._tied_copies: dict[tuple[int, int], float] = {}   # (first, last) -> tied_copy_bytes
         self._param_numel: dict[str, int] | None = None      # fqn -> elements, every layer's owned parameters
         self._frozen: set[str] = set()   # fqns of frozen parameters (requires_grad=False at capture)
         self._shapes: list[dict[str, tuple[int, ...]]] = [{} for _ in info.layers]

@@ -589,10 +589,13 @@ class _LayerParams(torch.autograd.Function):
 
 
 class _Release(torch.autograd.Function):
-    """Exit of a ZeRO-3 layer: free the gathered buffer; re-gather it before the layer's backward."""
+    """Exit of a ZeRO-3 layer: free the gathered buffer; re-gather it before the layer's backward.
+    An output nothing differentiates (the logits beside the loss) gets no gradient: autograd would
+    otherwise hand backward a tensor of zeros of its size (``[tokens, vocab]`` at the head)."""
 
     @staticmethod
     def forward(ctx, store: FlatParams, *outs):
+        ctx.set_materialize_grads(False)
         ctx.store = store
         store.free_full()
         return tuple(o.view_as(o) for o in outs)

@@ -206,7 +206,7 @@ class Engine(ConfigSpace):
         last = k == c.p - 1
         P = None if last else c.p2p(j, k)
         key = (c.sig_ids[i:j + 1].tobytes(), c.inflight(k), c.wgrad_peak(k), b"" if last else P.tobytes(),
-               c.costs.received_param_bytes(i, j) if c.p > 1 else 0.0)
+               c.costs.tied_copy_bytes(i, j) if c.p > 1 else 0.0)
         hit = c.memo.get(key)
         if hit is not None and (hit.feasible or not hit.fits or hit.cutoff >= cutoff):
             return hit
@@ -336,7 +336,7 @@ class Engine(ConfigSpace):
             time[k] += c.t[i:j + 1].sum(axis=0) + c.chunk_send(ch)[c.gid]
             if j > i:
                 time[k] += sum(np.diag(c.reshard(l)) for l in range(i, j))[c.gid]
-            mem[k] += c.with_received(c.chunk_memory(ch, i, j), ch, i, j).sum(axis=0)
+            mem[k] += c.with_tied_copies(c.chunk_memory(ch, i, j), ch, i, j).sum(axis=0)
             trans[k] = np.maximum(trans[k], c.trans[i:j + 1].max(axis=0))
             if host is not None:
                 host[k] += c.chunk_host(ch, i, j).sum(axis=0)

@@ -23,9 +23,9 @@ For a pipeline of ``p`` stages and ``m`` micro-batches (stage ``k`` on devices `
   receives and a wake-up per input asked for while its sender computes (:func:`pipeline_wait`,
   increasing in ``max_k T_k``: :func:`step_time`), scaled by the
   cluster's calibration, plus the per-step constant (:func:`step_constant`);
-* a device of stage ``k`` holds ``sum(states) + inflight_k * (sum(activations) + received) +
-  max(transient) + reserve`` bytes (``received``: the tied weights the stage reads but does not own,
-  a copy with every micro-batch: :func:`received_bytes`), with ``inflight_k = m`` for GPipe and
+* a device of stage ``k`` holds ``sum(states) + inflight_k * (sum(activations) + tied) +
+  max(transient) + reserve`` bytes (``tied``: the copies of tied weights crossing the stage's
+  bounds, one with every micro-batch, received or sent: :func:`tied_copies`), with ``inflight_k = m`` for GPipe and
   ``min(m, p - k)`` for 1F1B, and keeps ``sum(host) + inflight_k * sum(host activations)`` bytes
   in host memory (CPU offload's states: once per step; offloaded activations: per micro-batch in
   flight) within its share of the host, :func:`host_budget`.
@@ -66,14 +66,14 @@ class CostSource(Protocol):
     def boundary_bytes(self, index: int, micro_batch_size: int) -> float:
         """Bytes of the activation(s) leaving layer ``index`` for the next layers, per micro-batch."""
 
-    # optional: received_param_bytes(first, last) -> float, the bytes of the weights a pipeline
-    # chunk of layers first..last receives per micro-batch and holds until its backward (a tied
-    # weight owned by a layer outside it); a cost source without it receives none
+    # optional: tied_copy_bytes(first, last) -> float, the bytes of the tied-weight copies a
+    # pipeline chunk of layers first..last holds per micro-batch until its backward (a weight one
+    # side of its bounds owns and the other reads); a cost source without it holds none
 
 
-def received_bytes(costs: Any, first: int, last: int) -> float:
-    """:meth:`CostSource.received_param_bytes` of the chunk ``first..last`` (0 for a cost source without it)."""
-    fn = getattr(costs, "received_param_bytes", None)
+def tied_copies(costs: Any, first: int, last: int) -> float:
+    """:meth:`CostSource.tied_copy_bytes` of the chunk ``first..last`` (0 for a cost source without it)."""
+    fn = getattr(costs, "tied_copy_bytes", None)
     return float(fn(first, last)) if fn is not None else 0.0
 
 
@@ -302,8 +302,8 @@ def estimate_plan(costs: CostSource, cluster: Any, *, strategies: list[Strategy]
             transient[k] = max(transient[k], terms.transient_bytes)
             # per step (CPU offload's states), and per micro-batch in flight (offloaded activations)
             host[k] += terms.host_bytes + inflight * terms.host_activation_bytes
-        if len(stages) > 1:   # a tied weight owned outside the chunk: one copy per micro-batch in flight
-            extra = inflight * received_bytes(costs, first, last)
+        if len(stages) > 1:   # tied weights crossing the chunk's bounds: one copy per micro-batch in flight
+            extra = inflight * tied_copies(costs, first, last)
             acts[k] += extra
             per_layer[-(last - first + 1)]["activation_bytes"] += int(round(extra))
         nxt = chunk_rank(schedule, c + 1, pp) if c + 1 < len(stages) else k

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .objective import CostSource, LayerTerms, Pipe, layer_terms, p2p_time_per_microbatch, received_bytes
+from .objective import CostSource, LayerTerms, Pipe, layer_terms, p2p_time_per_microbatch, tied_copies
 from .pipeline import balanced_split, even_split
 from .schedules import chunk_peaks, chunk_rank, chunk_wgrad_peaks, rank_chunks, step_slots
 from .strategy import Strategy
@@ -42,7 +42,7 @@ class CachedCosts:
         self._rows: dict[tuple, np.ndarray] = {}
         self._reshard: dict[tuple, float] = {}
         self._boundary: dict[tuple, float] = {}
-        self._received: dict[tuple[int, int], float] = {}
+        self._tied_copies: dict[tuple[int, int], float] = {}
 
     def layer_cost(self, layer: int, s: Strategy, b: int):
         key = (self.signatures[layer], s, b)
@@ -79,13 +79,13 @@ class CachedCosts:
             self._reshard[key] = self.costs.reshard_time(layer, prev, nxt, b)
         return self._reshard[key]
 
-    def received_param_bytes(self, first: int, last: int) -> float:
-        """Bytes of the tied weights a pipeline chunk of layers ``first..last`` receives per
-        micro-batch (:func:`~.objective.received_bytes`)."""
+    def tied_copy_bytes(self, first: int, last: int) -> float:
+        """Bytes of the tied-weight copies a pipeline chunk of layers ``first..last`` holds per
+        micro-batch (:func:`~.objective.tied_copies`)."""
         key = (first, last)
-        if key not in self._received:
-            self._received[key] = received_bytes(self.costs, first, last)
-        return self._received[key]
+        if key not in self._tied_copies:
+            self._tied_copies[key] = tied_copies(self.costs, first, last)
+        return self._tied_copies[key]
 
     def boundary_bytes(self, layer: int, b: int) -> float:
         key = (self.signatures[layer], b)
@@ -166,7 +166,7 @@ class ConfigTables:
         each layer's activations times its chunk's in-flight peak."""
         chunks = self.chunks()
         mine = self.rank_chunks(k)
-        rows = [self.with_received(self.chunk_memory(ch, *chunks[ch]), ch, *chunks[ch]) for ch in mine]
+        rows = [self.with_tied_copies(self.chunk_memory(ch, *chunks[ch]), ch, *chunks[ch]) for ch in mine]
         return [i for ch in mine for i in range(chunks[ch][0], chunks[ch][1] + 1)], np.concatenate(rows)
 
     def wgrad_peak(self, ch: int) -> int:
@@ -209,14 +209,14 @@ class ConfigTables:
     def memory(self, i: int, j: int, k: int) -> np.ndarray:
         """``[j-i+1, S]`` additive bytes per device of layers ``i..j`` on stage ``k`` (one chunk per
         stage), the tied weights the stage receives counted on its first layer."""
-        return self.with_received(self.chunk_memory(k, i, j), k, i, j)
+        return self.with_tied_copies(self.chunk_memory(k, i, j), k, i, j)
 
-    def with_received(self, rows: np.ndarray, ch: int, i: int, j: int) -> np.ndarray:
-        """``rows`` (chunk ``ch``'s layers ``i..j``) with the tied weights the chunk receives per
-        micro-batch in flight (:meth:`CachedCosts.received_param_bytes`) added to its first row."""
+    def with_tied_copies(self, rows: np.ndarray, ch: int, i: int, j: int) -> np.ndarray:
+        """``rows`` (chunk ``ch``'s layers ``i..j``) with the tied-weight copies the chunk holds per
+        micro-batch in flight (:meth:`CachedCosts.tied_copy_bytes`) added to its first row."""
         if self.p * self.v == 1:
             return rows
-        extra = self.chunk_peaks()[ch] * self.costs.received_param_bytes(i, j)
+        extra = self.chunk_peaks()[ch] * self.costs.tied_copy_bytes(i, j)
         if extra:
             rows = rows.copy()
             rows[0] += extra
@@ -324,9 +324,9 @@ def least_memory(c: ConfigTables, reserve_bytes: float = 0.0) -> float:
     """The least per-device memory of any plan of ``c`` (bytes, reserve included, exact to a byte):
     the min over splits of the hungriest stage's least memory. Bisection on that value; per trial a
     DP over stage ends in which each stage starts as late as the previous ones allow (a stage's
-    least memory only grows with its range, so the latest start is the best). Where a stage receives
-    tied weights (:meth:`CachedCosts.received_param_bytes`, which shrink as its range takes in their
-    owner) :func:`_least_memory_received` tries every start instead, up to
+    least memory only grows with its range, so the latest start is the best). Where a stage holds
+    copies of tied weights (:meth:`CachedCosts.tied_copy_bytes`, which change as its range takes in
+    or leaves out their owner and readers) :func:`_least_memory_tied` tries every start instead, up to
     :data:`_EXACT_RECEIVED_WORK`; beyond it they are left out (then a lower bound)."""
     L, p = c.t.shape[0], c.p
     allowed = np.isfinite(c.t)
@@ -347,12 +347,12 @@ def least_memory(c: ConfigTables, reserve_bytes: float = 0.0) -> float:
         return v.min(axis=0) + reserve_bytes
 
     js = np.arange(L)
-    # a layer reading a weight it does not own receives it in any chunk without the owner
-    tied = p > 1 and any(c.costs.received_param_bytes(i, i) > 0 for i in range(L))
+    # a tied weight crosses between any chunk holding its owner and one holding a reader
+    tied = p > 1 and any(c.costs.tied_copy_bytes(i, i) > 0 for i in range(L))
     if tied and p * len(ths) * L * L <= _EXACT_RECEIVED_WORK:
-        received = np.array([[c.costs.received_param_bytes(i, j) if i <= j else 0.0 for j in range(L)]
+        received = np.array([[c.costs.tied_copy_bytes(i, j) if i <= j else 0.0 for j in range(L)]
                              for i in range(L)])
-        return _least_memory_received(c, stage, received, len(ths))
+        return _least_memory_tied(c, stage, received, len(ths))
 
     def feasible(tau: float) -> bool:
         reach = stage(0, np.zeros(L, dtype=np.int64), js) <= tau
@@ -384,11 +384,11 @@ _EXACT_RECEIVED_WORK = 4e8
 (time ~ that many element operations, memory bounded by blocks); larger searches report the bound."""
 
 
-def _least_memory_received(c: ConfigTables, stage, received: np.ndarray, thresholds: int) -> float:
-    """:func:`least_memory` where stages receive tied weights: a stage's memory is no longer monotone
-    in its range, so each trial's DP tries every start of every stage (``stage(k, i, j)``: the least
-    memory of layers ``i..j`` on stage ``k``; ``received[i, j]``: the bytes a chunk ``i..j`` receives
-    per micro-batch in flight)."""
+def _least_memory_tied(c: ConfigTables, stage, received: np.ndarray, thresholds: int) -> float:
+    """:func:`least_memory` where stages hold copies of tied weights: a stage's memory is no longer
+    monotone in its range, so each trial's DP tries every start of every stage (``stage(k, i, j)``:
+    the least memory of layers ``i..j`` on stage ``k``; ``received[i, j]``: the bytes of the tied
+    copies a chunk ``i..j`` holds per micro-batch in flight)."""
     L, p = received.shape[0], c.p
     block = max(1, int(2e7 // max(1, thresholds * L)))   # columns per call: bounded temporaries
     full = []
