@@ -50,7 +50,9 @@ parallelism beside its TP (torchtitan's TP runs it).
 * ``llm-foundry``: mosaicml/llm-foundry ``scripts/train/benchmarking/README.md``: MPT models under
   FSDP (FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2), amp_bf16; the 128-GPU rows at 2048 tokens of
   both large-scale tables (H100 80GB, A100 40GB). MPT is priced as GPT-2 with MPT's widths, exact
-  GELU, no dropout (MPT has no biases; the difference is below 0.1 % of the FLOPs). Each row's
+  GELU, no dropout (MPT has no biases; the difference is below 0.1 % of the FLOPs), and the loss
+  llm-foundry's MPT computes by default, flash-attn's fused cross-entropy (``_fused_loss.py``: no
+  fp32 ``[tokens, vocab]`` buffers; torch's ``cross_entropy`` makes three). Each row's
   attention is the kernel its run called, priced at that kernel's rate (``Cluster.preset(...,
   attention_kernel=...)``): the 2024-01 H100 table ran ``scripts/train/benchmarking/sweep.py``
   (``--attn_impl flash`` with ``flash-attn==2.4.2`` for 1b / 3b / 7b / 70b, ``--attn_impl triton``
@@ -111,9 +113,10 @@ def megatron_gpt(hidden, layers, heads):
 
 
 def mpt(hidden, layers, heads):
-    """An MPT model of llm-foundry's yamls (expansion ratio 4, vocab 50368, flash attention)."""
+    """An MPT model of llm-foundry's yamls (expansion ratio 4, vocab 50368, flash attention, its
+    default fused cross-entropy: ``_fused_loss``)."""
     return dict(kind="gpt", hidden=hidden, layers=layers, ffn=4 * hidden, heads=heads, vocab=50368,
-                attention="sdpa", activation="gelu", dropout=0.0)
+                attention="sdpa", activation="gelu", dropout=0.0, loss="fused")
 
 
 def _meg(name, arch, gpus, tp, pp, gbs, value, *, sdp="none", mb=None, interleaved=True, v=None, table="Table 1"):
@@ -353,6 +356,10 @@ def build(arch: dict, seq: int, float8: bool = False):
         from galvatron_fx.models.float8 import convert_to_float8
 
         convert_to_float8(model)
+    if arch.get("loss") == "fused":
+        from _fused_loss import FusedLossLM
+
+        model = FusedLossLM(model)
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     return model, dict(input_ids=ids, labels=ids)
 

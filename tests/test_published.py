@@ -53,3 +53,37 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads(out.read_text())["summary"]
     assert summary["ring_ok"] and summary["loss_max_rel_diff"] < 1e-5
+
+
+def test_the_fused_loss_stand_in_is_cross_entropy_and_keeps_no_vocab_sized_gradients():
+    """llm-foundry's rows price flash-attn's fused cross-entropy (``benchmarks/_fused_loss.py``):
+    torch's value and gradient (ignored tokens included), and a head whose backward holds no
+    ``[tokens, vocab]`` buffer beside the kept logits, where torch's holds two fp32 ones (the
+    backward's working set the cost model measures, ``bwd_excess_elems``)."""
+    import torch
+    from _fused_loss import fused_cross_entropy
+
+    import galvatron_fx as gfx
+    from galvatron_fx.cost import CostModel
+
+    torch.manual_seed(0)
+    x = torch.randn(37, 101, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 101, (37,))
+    t[::5] = -100
+    ref = x.detach().clone().requires_grad_()
+    loss, want = fused_cross_entropy(x.clone(), t), torch.nn.functional.cross_entropy(ref, t)
+    loss.backward()
+    want.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    assert torch.allclose(x.grad, ref.grad, atol=1e-9)
+
+    arch = published.mpt(64, 2, 4)
+    excess = {}
+    for loss_kind in ("fused", "torch"):
+        model, kwargs = published.build(dict(arch, vocab=4096, loss=loss_kind), 512)
+        cm = CostModel(gfx.capture(model, (), kwargs=kwargs), gfx.Cluster.preset("8xA100-80GB"))
+        excess[loss_kind] = cm.measure(len(cm.layers) - 1).bwd_excess_elems(1)
+    tokens_by_vocab = 511 * 4096   # transformers' loss drops the last position's logits
+    assert excess["torch"] >= 2 * 2 * tokens_by_vocab      # two fp32 gradients, in bf16 elements
+    # the fused loss: the head weight's gradient as it is made (4096 x 64), nothing vocab-sized per token
+    assert excess["fused"] <= 4096 * 64 * 1.05
