@@ -49,15 +49,17 @@ def _work(weight_grad: bool = True, input_grad: bool = True):
 
 
 def test_a_float8_linear_moves_the_bytes_of_its_casts_and_learns_like_a_linear():
-    # each cast of an n-element bf16 tensor: its amax reads 2n, the scaled write reads 2n, writes n
-    cast = lambda t: 5 * t   # noqa: E731
+    # each cast of an n-element bf16 tensor: its amax reads 2n, the scaled write reads 2n, writes n;
+    # the backward re-casts x and w with the forward's scales and reads the gradient's amax once
+    amax, write = (lambda t: 2 * t), (lambda t: 3 * t)   # noqa: E731
     xs, ws, gs = 4 * 256 * 1024, 1024 * 512, 4 * 256 * 512
-    forward, grad_input, grad_weight = cast(xs) + cast(ws), cast(gs) + cast(ws), cast(gs) + cast(xs)
+    forward = amax(xs) + write(xs) + amax(ws) + write(ws)
+    grad_input, grad_weight = amax(gs) + write(gs) + write(ws), write(gs) + write(xs)
     # forward, grad input, grad weight; a frozen weight (LoRA's base) skips the weight gradient's
     # matmul and casts, an input that needs no gradient (the first block's) the input gradient's
     for needs, gemms, moved in [((True, True), 3, forward + grad_input + grad_weight),
                                 ((False, True), 2, forward + grad_input),
-                                ((True, False), 2, forward + grad_weight)]:
+                                ((True, False), 2, forward + amax(gs) + grad_weight)]:
         n, traffic = _work(*needs)
         assert n == gemms, needs
         assert 0 <= traffic - moved < 1e3, (needs, traffic - moved)   # beyond the casts: 0-dim scale arithmetic
@@ -152,7 +154,7 @@ def test_frozen_float8_linears_are_priced_without_their_weight_gradients():
     trained, frozen = figures
     assert trained["bwd_flops"] == pytest.approx(2 * trained["fwd"], rel=1e-6)   # grad input + weight
     assert frozen["bwd_flops"] == pytest.approx(frozen["fwd"], rel=1e-6)         # grad input only
-    assert frozen["bwd_traffic"] < 0.85 * trained["bwd_traffic"]   # two casts of each frozen linear gone
+    assert frozen["bwd_traffic"] < 0.9 * trained["bwd_traffic"]   # two casts of each frozen linear gone
 
 
 @pytest.mark.dist

@@ -7,8 +7,9 @@ blocks (not the output projection) so that its three matmuls run on fp8 tensor c
 ``fp8_max / amax(|t|)`` (one scale per tensor, computed from the live values: dynamic scaling),
 and ``torch._scaled_mm`` multiplies with the inverse scales, accumulating and returning the
 high-precision dtype. The inputs are saved in high precision and cast again in the backward (the
-recipe's default: what the memory figures of such runs hold). A plan that splits the batch over
-ranks or micro-batches scales each share by its own amax, as torchao does under FSDP: it trains
+recipe's default: what the memory figures of such runs hold), with the scales the forward took.
+A plan that splits the batch over ranks or micro-batches scales each share by its own amax, as
+torchao does under FSDP: it trains
 to fp8's noise against one device with the whole batch, not bit for bit; a pipeline of whole
 batches scales what one device scales.
 
@@ -37,23 +38,27 @@ E5M2 = torch.float8_e5m2
 _EPS = 1e-12
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype, group: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(t * scale as a row-major dtype tensor, 1 / scale)``: tensorwise dynamic scaling (module
-    docstring) in two passes over ``t``, as a fused cast kernel runs it: one reads its largest
-    magnitude, one writes the scaled values in fp8 (``torch.mul`` into an fp8 ``out``; a value at
-    the largest magnitude lands on the fp8 maximum, none beyond it). ``group``: the tensor-parallel
-    group key of a sharded linear, whose ranks take the largest magnitude over all of them (each
-    scales its shard as one device scales the whole tensor)."""
-    t = t.detach()   # no gradient flows through a cast: the Function's backward gives them
-    amax = torch.linalg.vector_norm(t, ord=float("inf")).float()
+def _scale(t: torch.Tensor, dtype: torch.dtype, group: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, 1 / scale)`` of tensorwise dynamic scaling (module docstring): ``fp8_max / amax(|t|)``,
+    one pass reading ``t``. ``group``: the tensor-parallel group key of a sharded linear, whose ranks
+    take the largest magnitude over all of them (each scales its shard as one device scales the whole
+    tensor)."""
+    amax = torch.linalg.vector_norm(t.detach(), ord=float("inf")).float()
     if group is not None:
         from ..runtime.tp_ops import tp_max
 
         amax = tp_max(amax, group)
     scale = torch.finfo(dtype).max / amax.clamp(min=_EPS)
+    return scale, scale.reciprocal()
+
+
+def _to_fp8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t * scale`` as a row-major ``dtype`` tensor, in one pass writing fp8 (``torch.mul`` into an
+    fp8 ``out``; a value at the largest magnitude lands on the fp8 maximum, none beyond it). No
+    gradient flows through a cast: the Function's backward gives them."""
     out = torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)
-    torch.mul(t, scale, out=out)
-    return out, scale.reciprocal()
+    torch.mul(t.detach(), scale, out=out)
+    return out
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -61,34 +66,41 @@ class _Float8Matmul(torch.autograd.Function):
     flattened into the matmul's rows inside, so a captured graph shows one call on ``x`` itself:
     the linears reading one input share it, and tensor parallelism's conversion of it).
     ``torch._scaled_mm`` takes its first operand row-major and its second column-major: each cast
-    writes the layout its matmul reads."""
+    writes the layout its matmul reads. The backward casts ``x`` and ``w`` again with the scales
+    the forward took (the same values: their largest magnitudes have not changed), and the
+    gradient once scaled for both of its layouts, so no tensor's largest magnitude is read twice."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: str | None = None):
-        ctx.save_for_backward(x, weight)
+        x2d = x.reshape(-1, x.shape[-1])
+        x_scale, x_inv = _scale(x2d, E4M3, group)
+        w_scale, w_inv = _scale(weight, E4M3, group)
+        ctx.save_for_backward(x, weight, x_scale, x_inv, w_scale, w_inv)
         ctx.group = group
-        x8, x_inv = _cast(x.reshape(-1, x.shape[-1]), E4M3, group)
-        w8, w_inv = _cast(weight, E4M3, group)
-        out = torch._scaled_mm(x8, w8.t(), x_inv, w_inv, out_dtype=x.dtype)
+        out = torch._scaled_mm(_to_fp8(x2d, x_scale, E4M3), _to_fp8(weight, w_scale, E4M3).t(), x_inv, w_inv,
+                               out_dtype=x.dtype)
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         """Only the gradients autograd asks for: a frozen weight (LoRA's base, a frozen block) skips
         the weight-gradient matmul and its two casts, as a 16-bit linear's backward would."""
-        x, weight = ctx.saved_tensors
+        x, weight, x_scale, x_inv, w_scale, w_inv = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[:2]
-        group = ctx.group
         grad2d, x2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
         grad_x = grad_w = None
+        if not (need_x or need_w):
+            return None, None, None
+        g_scale, g_inv = _scale(grad2d, E5M2, ctx.group)
+        # NOTE: both layouts of the gradient, cast back to back: one read of it where a compiler fuses them
+        g8 = _to_fp8(grad2d, g_scale, E5M2) if need_x else None
+        gt8 = _to_fp8(grad2d.t(), g_scale, E5M2) if need_w else None
         if need_x:
-            g8, g_inv = _cast(grad2d, E5M2, group)
-            wt8, w_inv = _cast(weight.t(), E4M3, group)
+            wt8 = _to_fp8(weight.t(), w_scale, E4M3)
             grad_x = torch._scaled_mm(g8, wt8.t(), g_inv, w_inv, out_dtype=grad.dtype).view(x.shape)
         if need_w:
-            gt8, gt_inv = _cast(grad2d.t(), E5M2, group)
-            xt8, x_inv = _cast(x2d.t(), E4M3, group)
-            grad_w = torch._scaled_mm(gt8, xt8.t(), gt_inv, x_inv, out_dtype=weight.dtype)
+            xt8 = _to_fp8(x2d.t(), x_scale, E4M3)
+            grad_w = torch._scaled_mm(gt8, xt8.t(), g_inv, x_inv, out_dtype=weight.dtype)
         return grad_x, grad_w, None
 
 
