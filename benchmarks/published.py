@@ -10,12 +10,15 @@ tiles over the device's SMs), at the pace of the slowest of the row's devices
 
 * **absolute rows** compare the estimated throughput, in the row's published unit, with the
   published figure: ratio = estimated / published (>1: the model is optimistic).
-* **ratio rows** are runs with a feature the model does not price (torch.compile's fused kernels):
-  each is compared only as its throughput relative to a reference row of the same table that
-  shares it (estimated ratio / published ratio). A run with Float8 linears is built with them
-  (``float8``: :func:`galvatron_fx.models.float8.convert_to_float8`, the output projection left in
-  bf16 as torchtitan converts) and priced as it runs: its matmuls at the fp8 rate, its casts as
-  the memory traffic they are, unfused (torch.compile fuses them into the neighbouring kernels).
+* **ratio rows** are runs with Float8 linears or async TP: each is compared only as its throughput
+  relative to a reference row of the same table (estimated ratio / published ratio). A run with
+  Float8 linears is built with them (``float8``: :func:`galvatron_fx.models.float8.convert_to_float8`,
+  the output projection left in bf16 as torchtitan converts) and priced as it runs: its matmuls at
+  the fp8 rate, its casts as the memory traffic they are.
+* A run that compiled its model (``compiled``: torch.compile) is estimated with
+  ``fused_pointwise=True``: the ops outside matmuls and attention cost the bytes entering and
+  leaving inductor's fused kernels (:mod:`galvatron_fx.cost.fusion`), not each op's own. Its bf16
+  rows are compared absolutely.
 * A publication that omits the micro-batch size or the interleaving depth: every choice that fits
   the device memory is estimated and the fastest taken (what the authors tuned for).
 
@@ -25,12 +28,12 @@ Sources (every figure below with the table it comes from):
   FSDP2, bf16) and ``benchmarks/llama3_h100_202412_torchtitan.md`` (Table 2: Llama-3.1-8B context
   parallelism on 8 H100, Float8 + torch.compile, full AC, local batch 1; Tables 1 and 3: its FSDP rows
   on 8 and 128 H100 in bf16, with torchtitan's default selective AC, the "op" policy: priced as
-  ``ckpt="selective-op"``, which runs that policy; and their Float8 rows relative to their
-  "FSDP + torch.compile" rows; Table 6: Llama-3.1-405B on 512 H100 with TP 8, PP 8 and CP up to 8,
+  ``ckpt="selective-op"``, which runs that policy; their "FSDP + torch.compile" rows, and their
+  Float8 rows relative to those; Table 6: Llama-3.1-405B on 512 H100 with TP 8, PP 8 and CP up to 8,
   its 64k-256k rows relative to its 32k row).
   Its async-TP benchmark (``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md``: Llama-3.1-70B
   on 256 and 8B on 64 H100-96GB, FSDP over the nodes, TP 8 with sequence parallelism inside each,
-  torch.compile): the vanilla-TP column's Float8 tensorwise rows relative to its bf16 rows.
+  torch.compile): the vanilla-TP column's bf16 rows, and its Float8 tensorwise rows relative to them.
 * ``trainy``: Trainy's runs on WhiteFiber, published in torchtitan as
   ``benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md``: Llama-3.1-8B under FSDP on 4 and 8
   nodes of 8 H200 (Float8 + torch.compile, torchtitan's 8B config: selective op AC, local batch 2):
@@ -138,16 +141,16 @@ def _lf(id_, name, arch, device, gbs, mb, ckpt, sdp, value, attention="flash-att
 
 _KORTH = dict(source=KORTH, seq=2048, tp=8, ckpt=True, micro_batch=1, unit="s/iteration")
 _TT_CP = dict(source=TT_H100_CP, arch=LLAMA3_8B, cluster="8xH100-96GB", ckpt=True, sdp="zero3", float8=True,
-              unit="tokens/s/GPU", reference="torchtitan-h100-cp1-32k")
+              compiled=True, unit="tokens/s/GPU", reference="torchtitan-h100-cp1-32k")
 _MPT = {"70b": mpt(8192, 80, 64), "30b": mpt(7168, 48, 64), "13b": mpt(5120, 40, 40), "7b": mpt(4096, 32, 32),
         "3b": mpt(2560, 32, 20), "1b": mpt(2048, 24, 16), "760m": mpt(1536, 24, 12), "350m": mpt(1024, 24, 16),
         "125m": mpt(768, 12, 12)}
 
 
 def _float8_pair(row: dict, ref: str, f8: str, compiled: float, float8: float) -> list[dict]:
-    """A table's Float8 row relative to its row of the same run in bf16 (both compiled: torch.compile,
-    which the model does not price, shared)."""
-    return [dict(row, id=ref, published=compiled, ratio_only=True),
+    """A table's Float8 row relative to its row of the same run in bf16 (both compiled), which is
+    itself compared absolutely."""
+    return [dict(row, id=ref, published=compiled),
             dict(row, id=f8, published=float8, float8=True, reference=ref)]
 
 
@@ -155,7 +158,7 @@ def _tt_float8(name, cluster, gbs, compiled, float8):
     """torchtitan H100 Table 1 or 3: its "FSDP + torch.compile + Float8" row relative to its "FSDP +
     torch.compile" row (the same plan in bf16)."""
     row = dict(source=TT_H100_F8, arch=LLAMA3_8B, cluster=cluster, seq=8192, gbs=gbs, sdp="zero3",
-               ckpt="selective-op", micro_batch=2, unit="tokens/s/GPU")
+               ckpt="selective-op", micro_batch=2, unit="tokens/s/GPU", compiled=True)
     return _float8_pair(row, f"torchtitan-h100-llama3-8b-{name}-compile",
                         f"torchtitan-h100-llama3-8b-{name}-float8", compiled, float8)
 
@@ -165,7 +168,8 @@ def _tt_async_tp(name, arch, gpus, local_batch, ckpt, bf16, float8):
     to "None (bfloat16)", FSDP over the nodes and TP 8 with sequence parallelism inside each."""
     dp = gpus // 8
     row = dict(source=TT_ATP, arch=arch, cluster=f"{dp}x8xH100-96GB", seq=8192, gbs=local_batch * dp, tp=8,
-               sp=True, sdp="zero3", ckpt=ckpt, micro_batch=local_batch, unit="tokens/s/GPU")
+               sp=True, sdp="zero3", ckpt=ckpt, micro_batch=local_batch, unit="tokens/s/GPU",
+               compiled=True)
     return _float8_pair(row, f"torchtitan-asynctp-{name}-bf16", f"torchtitan-asynctp-{name}-float8", bf16, float8)
 
 
@@ -182,8 +186,7 @@ ROWS: list[dict] = [
          gbs=16, sdp="zero3", ckpt="selective-op", micro_batch=2, unit="tokens/s/GPU", published=5762),
     dict(id="torchtitan-h100-llama3-8b-fsdp128", source=TT_H100, arch=LLAMA3_8B, cluster="16x8xH100-96GB",
          seq=8192, gbs=256, sdp="zero3", ckpt="selective-op", micro_batch=2, unit="tokens/s/GPU", published=5605),
-    # torchtitan H100 Tables 1 and 3, Float8 (+ torch.compile): relative to their "FSDP + torch.compile"
-    # rows (the same plan in bf16; compile, which the model does not price, shared)
+    # torchtitan H100 Tables 1 and 3: "FSDP + torch.compile", and its Float8 row relative to it
     *_tt_float8("fsdp8", "8xH100-96GB", 16, compiled=6667, float8=8532),
     *_tt_float8("fsdp128", "16x8xH100-96GB", 256, compiled=6514, float8=8380),
     # torchtitan H100 Table 2 (Float8 + compile): relative to its 32k FSDP-8 row
@@ -195,18 +198,20 @@ ROWS: list[dict] = [
     # torchtitan H100 Table 6 (Float8 + compile + async TP): relative to its 32k row
     *[dict(id=f"torchtitan-h100-405b-cp{cp}-{seq // 1024}k", source=TT_H100_4D, arch=LLAMA3_405B,
            cluster="64x8xH100-96GB", seq=seq, gbs=64 // cp, tp=8, sp=True, pp=8, cp=cp, sdp="zero3", ckpt=True,
-           micro_batch=1, float8=True, unit="tokens/s/GPU", published=value,
+           micro_batch=1, float8=True, compiled=True, unit="tokens/s/GPU", published=value,
            **(dict(ratio_only=True) if cp == 1 else dict(reference="torchtitan-h100-405b-cp1-32k")))
       for cp, seq, value in [(1, 32768, 76), (2, 65536, 47), (4, 131072, 31), (8, 262144, 16)]],
-    # torchtitan's async-TP benchmark (2025-06), vanilla TP: Float8 over bf16 (both compiled)
+    # torchtitan's async-TP benchmark (2025-06), vanilla TP, compiled: bf16, and Float8 relative to it
     *_tt_async_tp("llama3-70b-256", LLAMA3_70B, 256, 16, True, bf16=597.3, float8=809.8),
     *_tt_async_tp("llama3-8b-64", LLAMA3_8B, 64, 12, "selective-op", bf16=4378, float8=5078.1),
     # Trainy's H200 runs (Float8 + compile, shared): 8 nodes relative to 4
     dict(id="trainy-h200-llama3-8b-32", source=TRAINY, arch=LLAMA3_8B, cluster="4x8xH200-141GB", seq=8192, gbs=64,
-         sdp="zero3", ckpt="selective-op", micro_batch=2, float8=True, unit="tokens/s/GPU", published=10938,
+         sdp="zero3", ckpt="selective-op", micro_batch=2, float8=True, compiled=True, unit="tokens/s/GPU",
+         published=10938,
          ratio_only=True),
     dict(id="trainy-h200-llama3-8b-64", source=TRAINY, arch=LLAMA3_8B, cluster="8x8xH200-141GB", seq=8192, gbs=128,
-         sdp="zero3", ckpt="selective-op", micro_batch=2, float8=True, unit="tokens/s/GPU", published=10753,
+         sdp="zero3", ckpt="selective-op", micro_batch=2, float8=True, compiled=True, unit="tokens/s/GPU",
+         published=10753,
          reference="trainy-h200-llama3-8b-32"),
     # Megatron-LM SC'21 Table 1, each run as NVIDIA/Megatron-LM examples/sc21/run_table_1.sh gives it
     # (micro-batch size, and the interleaving depth: --num-layers-per-virtual-pipeline-stage), and Table 2
@@ -433,7 +438,7 @@ def estimate_row(row: dict, captured: dict) -> dict:
         stages = block_stages(len(plan.layers), kw["pp"] * kw["virtual_stages"])
         if stages is not None:
             plan = dataclasses.replace(plan, stages=stages)
-        est = gfx.estimate(gm, plan, cluster)
+        est = gfx.estimate(gm, plan, cluster, fused_pointwise=row.get("compiled", False))
         memory = max(est["memory_bytes_per_device"])
         fits = memory <= cluster.memory_bytes
         score = (fits, -est["step_time_s"] if fits else -memory)

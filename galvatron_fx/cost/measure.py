@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 import torch.fx
@@ -41,7 +41,7 @@ from .attention_kernels import run_stand_in
 from .backward_peak import BackwardPeak
 from .extract import LayerGraph
 from .flop_rules import flop_counter
-from .op_work import OpWork
+from .op_work import OpWork, by_split, record_op_work
 from .selective import SelectiveSaves
 from .selective import classify as classify_selective
 
@@ -91,6 +91,10 @@ class Point:
     fwd_traffic_sharded: float = 0.0
     fwd_traffic_rep: float = 0.0
     bwd_traffic: float = 0.0
+    # the same ops' bytes as torch.compile fuses them (.fusion): forward TP-sharded / replicated, backward
+    fused_fwd_traffic_sharded: float = 0.0
+    fused_fwd_traffic_rep: float = 0.0
+    fused_bwd_traffic: float = 0.0
     fwd_allreduce_elems: list[float] = field(default_factory=list)  # per TP collective, forward
     bwd_allreduce_elems: list[float] = field(default_factory=list)  # per TP collective, backward
     bwd_excess_elems: float = 0.0     # the backward's working set beyond the saved tensors (.backward_peak)
@@ -146,7 +150,7 @@ _SCALARS = ("fwd_flops_sharded", "fwd_flops_rep", "bwd_flops", "saved_sharded_el
             "fwd_flops_expert", "attn_fwd_flops", "attn_bwd_flops", "fwd_traffic_sharded", "fwd_traffic_rep",
             "bwd_traffic", "sac_sharded_elems", "sac_whole_elems", "sac_rep_elems", "sac_expert_elems",
             "sac_other_bytes", "sac_alt_sharded_elems", "sac_alt_whole_elems", "sac_alt_rep_elems",
-            "bwd_excess_elems")
+            "bwd_excess_elems", "fused_fwd_traffic_sharded", "fused_fwd_traffic_rep", "fused_bwd_traffic")
 
 
 def measure_layer(layer: LayerGraph, sizes: tuple[int, ...] = MEASURE_SIZES,
@@ -247,6 +251,8 @@ class _Recorder(torch.fx.Interpreter):
         if op_name(node) == "sdpa":
             out, kernel, (fwd, bwd), outputs = run_stand_in(self.target, args, kwargs)
             self.attention[node.name] = (kernel, fwd, bwd)
+            if self.work is not None:
+                self.work.kernel(pytree.tree_leaves((args, kwargs)), [out])
             if self.saves is not None:
                 self.saves.note(outputs)
             return out
@@ -261,8 +267,11 @@ class _Recorder(torch.fx.Interpreter):
         out = super().run_node(n)
         self.node_flops[n.name] = self.counter.get_total_flops() - before
         for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.producer.setdefault(t.untyped_storage()._cdata, n.name)
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in self.producer:
+                storage = t.untyped_storage()
+                self.producer[storage._cdata] = n.name
+                # NOTE: forgotten when freed: a later storage at its address is another node's
+                weakref.finalize(storage, self.producer.pop, storage._cdata, None)
         self.values[n.name] = out
         return out
 
@@ -332,13 +341,14 @@ def measure_point(layer: LayerGraph, n: int, compute_dtype: torch.dtype | None =
         with counter, autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), work, saves:
             outs = rec.run(*args)
         work.node = None
+        work.work.fusion.next_pass()
         rec.saves = None
         classify_selective(layer, saves, compute_dtype, p)
         outs = [o for o in pytree.tree_leaves(outs) if isinstance(o, torch.Tensor)]
         p.kernels = tuple(dict.fromkeys(k for k, _, _ in rec.attention.values()))
         p.attn_fwd_flops = sum(f for _, f, _ in rec.attention.values())
         p.attn_bwd_flops = sum(b for _, _, b in rec.attention.values())
-        _op_work(layer, work.work, p)
+        record_op_work(layer, work.work, p)
         for name, v in rec.node_flops.items():
             if name in layer.expert_nodes:
                 p.fwd_flops_expert += v
@@ -391,53 +401,10 @@ def measure_point(layer: LayerGraph, n: int, compute_dtype: torch.dtype | None =
                 p.bwd_flops = counter.get_total_flops() - before
             p.bwd_traffic = work.work.traffic.get(None, 0.0)
             p.bwd_excess_elems = peak.excess(a.grad for a, s in zip(args, layer.inputs) if s.kind == "param")
+        fused = work.work.fusion.traffic()   # after the backward: it reads what the forward saved
+        p.fused_fwd_traffic_sharded, p.fused_fwd_traffic_rep = by_split(layer, fused)
+        p.fused_bwd_traffic = fused.get(None, 0.0)
     return p
-
-
-def _split_dim(layer: LayerGraph, node: str) -> str:
-    """The dim of a node's matmul that tensor parallelism divides (:class:`Point`)."""
-    role = layer.roles.get(node)
-    if role in ("column", "vocab"):
-        return "n"
-    if role == "row":
-        return "k"
-    return "b" if layer.in_sharded.get(node, False) else ""
-
-
-class GemmLabel(NamedTuple):
-    """What the label of a forward matmul in ``fwd_gemms`` says (:func:`_op_work` writes it)."""
-
-    fp8: bool      # ``8``: a ``torch._scaled_mm`` (the fp8 rate)
-    second: bool   # ``2``: every second linear matmul, which ``selective-op`` recomputes
-    expert: bool   # ``e``: an experts block's matmul, which expert parallelism regroups
-    split: str     # the dim tensor parallelism splits (``b`` / ``n`` / ``k``), "" where replicated
-
-
-def gemm_label(label: str) -> GemmLabel:
-    """:class:`GemmLabel` of a ``fwd_gemms`` label: its flags in order, then the split dim."""
-    fp8 = label.startswith("8")
-    label = label[fp8:]
-    second = label.startswith("2")
-    label = label[second:]
-    expert = label.startswith("e")
-    return GemmLabel(fp8, second, expert, label[expert:])
-
-
-def _op_work(layer: LayerGraph, work, p: Point) -> None:
-    """The forward's matmuls and traffic (:mod:`.op_work`) into ``p``, classified as the FLOPs are."""
-    for node, dims in work.gemms.items():
-        # NOTE: "e" marks an experts block's matmul: expert parallelism regroups it (time_terms)
-        # "2" marks every second linear matmul, which "selective-op" recomputes, "8" an fp8 one (time_terms)
-        expert = "e" if node in layer.expert_nodes else ""
-        p.fwd_gemms += [(("8" if fp8 else "") + ("2" if second else "") + expert + _split_dim(layer, node), d)
-                        for d, second, fp8 in dims]
-    for node, moved in work.traffic.items():
-        if node is None:
-            continue
-        if layer.roles.get(node) in ("column", "row") or layer.in_sharded.get(node, False):
-            p.fwd_traffic_sharded += moved
-        else:
-            p.fwd_traffic_rep += moved
 
 
 def _weight_gradient_inputs(layer: LayerGraph, values: dict, p: Point) -> None:

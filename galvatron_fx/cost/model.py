@@ -16,7 +16,10 @@ Scaling rules (per device, per micro-batch unless noted), from the fake-tensor m
 * **FLOPs**: sharded ops (column/row-parallel matmuls, attention between them) ``/ tp``; the rest
   replicated, ``/ tp`` too with SP (sequence split). ``fwd_s``/``bwd_s`` via
   :meth:`Cluster.compute_time`; checkpointing adds the forward to the backward.
-  Backward FLOPs are split sharded/replicated in the forward's proportion.
+  Backward FLOPs are split sharded/replicated in the forward's proportion. The ops outside
+  matmuls and attention cost the bytes they move at the memory rate: each op's own, as eager
+  PyTorch (and this runtime) runs them, or with ``fused_pointwise=True`` what torch.compile's
+  fused kernels move (:mod:`.fusion`), for pricing runs that compile.
 * **Saved activations**: tensors produced by sharded ops ``/ tp``, others ``/ tp`` only with SP;
   with checkpointing only the layer's activation inputs (``/ tp`` with SP), and the full saved
   set becomes a transient of the recomputation.
@@ -153,7 +156,8 @@ class CostModel(LayerQueries, TimeTerms):
                  optimizer: str = "adam", mixed_precision: bool = False, reserve_bytes: int | str = "1GiB",
                  bucket_bytes: int | str = "25MiB", cache_dir=None, profile_sizes: tuple[int, ...] | None = None,
                  precision: str | None = None, reduce_dtype: str = "fp32", profile_repeats: int = 5,
-                 moe_imbalance: float = 1.0, cp_overlap: bool = False, attention_target: str | None = None):
+                 moe_imbalance: float = 1.0, cp_overlap: bool = False, attention_target: str | None = None,
+                 fused_pointwise: bool = False):
         if mode not in ("analytic", "profiled", None):
             raise ConfigError(f"cost mode must be 'analytic' or 'profiled', got {mode!r}")
         if precision is not None:
@@ -183,6 +187,10 @@ class CostModel(LayerQueries, TimeTerms):
             raise ConfigError(f"cp_overlap must be true or false (whether the ring's key / value exchanges "
                               f"overlap the attention compute), got {cp_overlap!r}")
         self.cp_overlap = cp_overlap
+        if not isinstance(fused_pointwise, bool):
+            raise ConfigError(f"fused_pointwise must be true or false (whether the ops outside matmuls and "
+                              f"attention run fused, as torch.compile runs them), got {fused_pointwise!r}")
+        self.fused_pointwise = fused_pointwise
         from .attention_kernels import TARGETS
         if attention_target not in (None,) + TARGETS:
             raise ConfigError(f"attention_target must be one of {list(TARGETS)} (the device family whose SDPA "

@@ -22,6 +22,8 @@ as that kernel: the noise tensor is a one-byte mask written once, its scaling is
 multiply by it reads it at one byte per element.
 
 SDPA calls are not here: :mod:`.attention_kernels` prices them as the device's fused kernel.
+Beside the eager bytes, every op is noted in a :class:`.fusion.FusionTrace` (matmuls and SDPA as
+the kernels that split fused regions), which prices the same ops as torch.compile fuses them.
 :meth:`galvatron_fx.cluster.Cluster.gemm_time` and :meth:`~galvatron_fx.cluster.Cluster.memory_time`
 turn the records into seconds.
 """
@@ -29,12 +31,18 @@ turn the records into seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..runtime.checkpointing import SecondMatmuls
+from .fusion import FusionTrace
+
+if TYPE_CHECKING:
+    from .extract import LayerGraph
+    from .measure import Point
 
 aten = torch.ops.aten
 
@@ -53,6 +61,15 @@ _GATHERS = {aten.embedding.default, aten.index_select.default, aten.index.Tensor
 def _aliases(func) -> bool:
     """Whether ``func`` returns a view of an input (no memory moved)."""
     return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+def _pure(func) -> bool:
+    """Whether ``func``'s result depends on its arguments only: it writes none but an ``out=``
+    buffer and draws no random numbers (what common-subexpression elimination may merge)."""
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        return False
+    return all(a.alias_info is None or not a.alias_info.is_write or a.name == "out"
+               for a in func._schema.arguments)
 
 
 def tensor_bytes(t: torch.Tensor) -> float:
@@ -107,6 +124,7 @@ class Work:
 
     gemms: dict = field(default_factory=dict)     # node -> [((batch, m, n, k), every second linear, fp8), ...]
     traffic: dict = field(default_factory=dict)   # node -> bytes read + written by the other ops
+    fusion: FusionTrace = field(default_factory=FusionTrace)   # the same ops, to price fused
 
 
 class OpWork(TorchDispatchMode):
@@ -133,25 +151,93 @@ class OpWork(TorchDispatchMode):
         if self.fused_dropout and func is aten.bernoulli_.float:   # the fused kernel's mask write
             self._masks.add(args[0].untyped_storage()._cdata)
             self._add(args[0].numel())
+            self.work.fusion.op(self.node, [], [(args[0], args[0].numel())])
             return out
         if self.fused_dropout and func is aten.div_.Scalar and self._mask(args[0]):
             return out
+        if self._masks:   # a storage made here is no (longer a) mask, even at a freed mask's address
+            self._masks.difference_update(t.untyped_storage()._cdata for t in pytree.tree_leaves(out)
+                                          if isinstance(t, torch.Tensor))
         dims = gemm_dims(func, args)
         if dims is not None:
             # every second linear matmul is what "selective-op" recomputes
             self.work.gemms.setdefault(self.node, []).append(
                 (dims, self._second(func), func is aten._scaled_mm.default))
+            self.kernel(pytree.tree_leaves((args, kwargs)), pytree.tree_leaves(out))
             return out
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         if not outs:   # metadata queries (prim.device, sizes): no kernel
             return out
-        written = sum(tensor_bytes(t) for t in outs)
+        writes = [(t, tensor_bytes(t)) for t in outs]
+        written = sum(b for _, b in writes)
         if func in _GATHERS:   # reads the rows it writes (and the indices), not the whole table
-            read = written + sum(tensor_bytes(t) for t in pytree.tree_leaves((args, kwargs))
-                                 if isinstance(t, torch.Tensor) and not t.is_floating_point())
+            reads = [(None, written)] + [(t, tensor_bytes(t)) for t in pytree.tree_leaves((args, kwargs))
+                                         if isinstance(t, torch.Tensor) and not t.is_floating_point()]
         else:   # an ``out=`` tensor is written, not read
             inputs = (args, {k: v for k, v in (kwargs or {}).items() if k != "out"})
-            read = sum(t.numel() if self._mask(t) else tensor_bytes(t)
-                       for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor))
-        self._add(read + written)
+            reads = [(t, t.numel() if self._mask(t) else tensor_bytes(t))
+                     for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+        self._add(sum(b for _, b in reads) + written)
+        self.work.fusion.op(self.node, reads, writes,
+                            self.work.fusion.signature(func, args, kwargs) if _pure(func) else None)
+        if any(t.numel() > 1 for t, _ in reads if t is not None) and all(t.numel() == 1 for t in outs):
+            self.work.fusion.cut()   # a whole-tensor reduction: what uses it runs in the next kernel
         return out
+
+    def kernel(self, inputs, outputs) -> None:
+        """A matmul or the attention kernel read ``inputs`` and made ``outputs`` (any leaves)."""
+        self.work.fusion.kernel([t for t in inputs if isinstance(t, torch.Tensor)],
+                                [t for t in outputs if isinstance(t, torch.Tensor)])
+
+
+def _split_dim(layer: LayerGraph, node: str) -> str:
+    """The dim of a node's matmul that tensor parallelism divides (:class:`Point`)."""
+    role = layer.roles.get(node)
+    if role in ("column", "vocab"):
+        return "n"
+    if role == "row":
+        return "k"
+    return "b" if layer.in_sharded.get(node, False) else ""
+
+
+class GemmLabel(NamedTuple):
+    """What the label of a forward matmul in ``fwd_gemms`` says (:func:`record_op_work` writes it)."""
+
+    fp8: bool      # ``8``: a ``torch._scaled_mm`` (the fp8 rate)
+    second: bool   # ``2``: every second linear matmul, which ``selective-op`` recomputes
+    expert: bool   # ``e``: an experts block's matmul, which expert parallelism regroups
+    split: str     # the dim tensor parallelism splits (``b`` / ``n`` / ``k``), "" where replicated
+
+
+def gemm_label(label: str) -> GemmLabel:
+    """:class:`GemmLabel` of a ``fwd_gemms`` label: its flags in order, then the split dim."""
+    fp8 = label.startswith("8")
+    label = label[fp8:]
+    second = label.startswith("2")
+    label = label[second:]
+    expert = label.startswith("e")
+    return GemmLabel(fp8, second, expert, label[expert:])
+
+
+def record_op_work(layer: LayerGraph, work: Work, p: Point) -> None:
+    """The forward's matmuls and traffic (:class:`OpWork`) into ``p``, classified as the FLOPs are."""
+    for node, dims in work.gemms.items():
+        # NOTE: "e" marks an experts block's matmul: expert parallelism regroups it (time_terms)
+        # "2" marks every second linear matmul, which "selective-op" recomputes, "8" an fp8 one (time_terms)
+        expert = "e" if node in layer.expert_nodes else ""
+        p.fwd_gemms += [(("8" if fp8 else "") + ("2" if second else "") + expert + _split_dim(layer, node), d)
+                        for d, second, fp8 in dims]
+    p.fwd_traffic_sharded, p.fwd_traffic_rep = by_split(layer, work.traffic)
+
+
+def by_split(layer: LayerGraph, traffic: dict) -> tuple[float, float]:
+    """``(TP-sharded, replicated)`` forward bytes of ``traffic`` (node -> bytes; None: the backward)."""
+    sharded = rep = 0.0
+    for node, moved in traffic.items():
+        if node is None:
+            continue
+        if layer.roles.get(node) in ("column", "row") or layer.in_sharded.get(node, False):
+            sharded += moved
+        else:
+            rep += moved
+    return sharded, rep

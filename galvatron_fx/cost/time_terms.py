@@ -9,7 +9,8 @@ import math
 
 from ..ir import TORCH_DTYPES
 from ..solver.strategy import Strategy
-from .measure import LayerMeasure, gemm_label
+from .measure import LayerMeasure
+from .op_work import gemm_label
 from .records import tp_group
 
 
@@ -132,10 +133,12 @@ class TimeTerms:
         # NOTE: FLOPs the matmul records miss (grouped expert matmuls) at the forward's rate too
         other = max(fwd_f - gemm_f, 0.0) / rate
         bwd = bwd_f / rate
-        sharded, rep = m.fwd_traffic_sharded(n), m.fwd_traffic_rep(n)
+        fused = "fused_" if self.fused_pointwise else ""   # torch.compile's kernels (.fusion)
+        sharded, rep = getattr(m, fused + "fwd_traffic_sharded")(n), getattr(m, fused + "fwd_traffic_rep")(n)
         traffic = sharded / s.tp + rep / rep_div
         memory = c.memory_time(traffic)
-        bwd += c.memory_time(m.bwd_traffic(n) * (traffic / (sharded + rep) if sharded + rep else 1.0))
+        share = traffic / (sharded + rep) if sharded + rep else 1.0
+        bwd += c.memory_time(getattr(m, fused + "bwd_traffic")(n) * share)
         att = self.attention(index)
         kw = dict(seq=att.kv_seq or None, head_dim=att.head_dim or None)
         # NOTE: the attention heads split over TP (and stay split under SP)
