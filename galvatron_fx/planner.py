@@ -242,7 +242,7 @@ def _json_estimate(est: dict) -> dict:
 def _engine(gm, cluster, world_size, budget, global_batch_size, constraints, cost_options, progress):
     cm = cost_model_for(gm, cluster, **cost_options)
     opt = _options(constraints, global_batch_size, cm.reserve_bytes)
-    sigs = [rec.signature for rec in cm.layers]
+    sigs = [cm.cost_key(i) for i in range(len(cm.layers))]
     reads = [set(rec.params) for rec in cm.layers]
     tied = [i for i, r in enumerate(reads) if any(r & other for j, other in enumerate(reads) if j != i)]
     cps, kinds = cp_degrees(cm, world_size, constraints), kinds_of(constraints)

@@ -176,6 +176,13 @@ def test_tiny_scaling_rules(tiny):
     assert z3.zero3_gather_s == pytest.approx(2 * CLUSTER.collective_time("all_gather", 160 * 4, [0, 2]))
     # own buffer, the prefetched neighbour (buffer + [dp, S] staging), the gradient
     assert z3.transient_bytes == 4 * 160 * 4 + cm.backward_excess_bytes(cm.measure(i), 4 / 2, Strategy(2, 2, "zero3"))
+    # each neighbour at its own size: before the first block no layer holds parameters, so its
+    # peak is its forward's (its buffer and the next block's, prefetched with its staging)
+    first = [r.index for r in gfx.layers(cm.gm) if r.kind == "block"][0]
+    assert sum(cm._owned_params(first - 1).values()) == 0
+    z3_first = cm.layer_cost(first, Strategy(2, 2, "zero3"), 4)
+    assert z3_first.transient_bytes == 3 * 160 * 4 + cm.backward_excess_bytes(cm.measure(first), 4 / 2,
+                                                                              Strategy(2, 2, "zero3"))
     # ZeRO-2/3: a reduce-scatter per micro-batch; ZeRO-2's updated shards all-gathered beside the next forward
     z2 = cm.layer_cost(i, Strategy(2, 2, "zero2"), 4)
     rs = CLUSTER.collective_time("reduce_scatter", 160 * 4, [0, 2])

@@ -150,12 +150,7 @@ def _peaks(rank, world, arch, method):
     return out
 
 
-KNOWN_HIGH = {  # ZeRO-3 prices a layer's neighbour's prefetched buffer and its staging at the
-    # layer's own size (exact in a stack of equal blocks: dims/data.py); the untied LM head's
-    # neighbour is a block 1/28 its size
-    ("llama", "zero3", 0): "1.18 of the live peak: two head-sized buffers more than the runtime holds",
-    ("llama", "zero3", 1): "the same on the other rank",
-}
+KNOWN_HIGH: dict[tuple[str, str, int], str] = {}
 """(model, plan, rank) the estimate is known to put above the live peak by more than :data:`TOL`
 (conservative; checked to stay above it: the day it is fixed the entry must go)."""
 

@@ -108,6 +108,13 @@ class LayerQueries:
         ex = self.experts(index)
         return strategy.ep if ex is not None and ex.allows(strategy.ep) else 1
 
+    def cost_key(self, index: int) -> str:
+        """What layer ``index``'s costs depend on, for the search's memo (equal keys cost the same):
+        its signature and its neighbours' (ZeRO-3 prices the buffers it prefetches for them:
+        :func:`galvatron_fx.dims.data.buffer_terms`)."""
+        sigs = [self.layers[j].signature if 0 <= j < len(self.layers) else "" for j in (index - 1, index, index + 1)]
+        return "|".join(sigs)
+
     def _owned_params(self, index: int) -> dict[str, int]:
         """fqn -> elements of the parameters (trainable and frozen) layer ``index`` owns (tied
         weights: the first user)."""

@@ -60,8 +60,9 @@ Scaling rules (per device, per micro-batch unless noted), from the fake-tensor m
   gather staging, DP's buckets and ZeRO-2's re-gather once per step) cost ``copy_s_per_byte`` per
   byte written, in ``overhead_s`` and ``optimizer_s`` (:func:`galvatron_fx.dims.data.copy_times`).
 * **Memory**: :mod:`.memory` for states; transients are ZeRO-3's gathered parameters of the layer,
-  its neighbour's prefetched ones with their ``[dp, S]`` all-gather staging buffer, and the buffer's
-  gradient or its reduce-scatter staging,
+  its neighbours' prefetched ones (the layer before it in backward, after it in forward, each at
+  its own size) with their ``[dp, S]`` all-gather staging buffer, and the buffer's gradient or its
+  reduce-scatter staging,
   the gradient bucket (``bucket_bytes``, full gradients for ZeRO-3's reduce-scatter) and the
   recomputed activations under checkpointing.
 * **Precision** (``precision``): ``"fp32"`` computes and stores everything in fp32;

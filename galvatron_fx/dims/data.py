@@ -52,12 +52,15 @@ def _plan_sdp(w: str, layer, micro_batch: int) -> str | None:
     return None
 
 
-def buffer_terms(cm: Any, s: Any, elems_tp: int, train_tp: int, dpg: list[int], first: bool) -> CostTerms:
+def buffer_terms(cm: Any, s: Any, elems_tp: int, train_tp: int, dpg: list[int], first: bool,
+                 neighbours: tuple[int, int] | None = None) -> CostTerms:
     """One flat buffer's data-parallel terms: ``elems_tp`` parameter elements per device
     (``train_tp`` trainable) reduced over the ranks ``dpg`` under ``s``'s kind (``first``: the
     stage's first layer). DP all-reduces the gradients once per step in buckets, ZeRO
     reduce-scatters every micro-batch's, ZeRO-2 re-gathers the updated parameters once per step,
-    ZeRO-3 gathers the parameters in forward and backward; the transient buffers each holds."""
+    ZeRO-3 gathers the parameters in forward and backward; the transient buffers each holds.
+    ``neighbours``: the parameter elements per device of the layers before and after it, whose
+    buffers ZeRO-3 prefetches during its backward and forward (default: its own size)."""
     full_params, full_grads = elems_tp * cm.itemsize, train_tp * cm.reduce_itemsize
     ct = cm.cluster.collective_time
     exposed = regather = reduce_scatter = 0.0
@@ -86,11 +89,12 @@ def buffer_terms(cm: Any, s: Any, elems_tp: int, train_tp: int, dpg: list[int], 
     gather = 2 * ct("all_gather", full_params, dpg) if s.sdp == "zero3" else 0.0
     transient = 0.0
     if s.sdp == "zero3" and len(dpg) > 1:
-        # NOTE: in the layer's backward: its gathered buffer, the neighbour's prefetched buffer
-        # and [dp, S] staging buffer (priced at this layer's size: exact inside a stack of
-        # equal blocks), then the buffer's gradient, or (the own buffer freed) the gradient's
-        # reduce-scatter staging; the forward peak (three buffers) is never larger
-        transient = 3 * full_params + max(full_params, full_grads)
+        # NOTE: in the layer's backward: its gathered buffer, the previous layer's prefetched
+        # buffer and its [dp, S] staging buffer, then the buffer's gradient, or (the own buffer
+        # freed) the gradient's reduce-scatter staging; in its forward: its buffer, the next
+        # layer's prefetched buffer and its staging
+        before, after = (b * cm.itemsize for b in neighbours) if neighbours else (full_params, full_params)
+        transient = full_params + max(2 * before + max(full_params, full_grads), 2 * after)
     elif s.sdp == "zero2" and len(dpg) > 1:
         transient = train_tp * cm.itemsize + full_grads   # a pass's gradient and its reduce-scatter staging
     elif len(dpg) > 1 and train_tp:
@@ -123,7 +127,11 @@ def _cost_terms(cm: Any, index: int, n: float, s: Any, work: LayerWork) -> CostT
     """The layer's own buffer: its reduction and gathers over its ZeRO group, and the copies."""
     elems_tp, train_tp = layer_elems(cm, index, s)
     dpg = list(Layout(s.tp, s.dp, shard=s.shard).zero_ranks(0))
-    return buffer_terms(cm, s, elems_tp, train_tp, dpg, index == 0) + copy_times(cm, elems_tp, train_tp, s)
+    # NOTE: the neighbours priced under this layer's strategy (the search prices one layer at a time)
+    last = len(cm.layers) - 1
+    neighbours = tuple(layer_elems(cm, j, s)[0] if 0 <= j <= last else 0 for j in (index - 1, index + 1))
+    return (buffer_terms(cm, s, elems_tp, train_tp, dpg, index == 0, neighbours)
+            + copy_times(cm, elems_tp, train_tp, s))
 
 
 DIMENSION = Dimension(
