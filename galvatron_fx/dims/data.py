@@ -13,6 +13,7 @@ buffers) and :func:`copy_times` (the runtime's copies around it), for a layer's 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..layout import Layout
@@ -127,9 +128,11 @@ def _cost_terms(cm: Any, index: int, n: float, s: Any, work: LayerWork) -> CostT
     """The layer's own buffer: its reduction and gathers over its ZeRO group, and the copies."""
     elems_tp, train_tp = layer_elems(cm, index, s)
     dpg = list(Layout(s.tp, s.dp, shard=s.shard).zero_ranks(0))
-    # NOTE: the neighbours priced under this layer's strategy (the search prices one layer at a time)
+    # NOTE: the neighbours priced under this layer's strategy (the search prices one layer at a
+    # time), whole where TP shards nothing of this layer (it runs replicated: priced as at tp 1)
     last = len(cm.layers) - 1
-    neighbours = tuple(layer_elems(cm, j, s)[0] if 0 <= j <= last else 0 for j in (index - 1, index + 1))
+    ns = s if s.tp == 1 or cm.layer_params(index, s.tp).sharded else dataclasses.replace(s, tp=1)
+    neighbours = tuple(layer_elems(cm, j, ns)[0] if 0 <= j <= last else 0 for j in (index - 1, index + 1))
     return (buffer_terms(cm, s, elems_tp, train_tp, dpg, index == 0, neighbours)
             + copy_times(cm, elems_tp, train_tp, s))
 
