@@ -30,6 +30,7 @@ turn the records into seconds.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -149,15 +150,16 @@ class OpWork(TorchDispatchMode):
         if func in _FREE or _aliases(func):
             return out
         if self.fused_dropout and func is aten.bernoulli_.float:   # the fused kernel's mask write
-            self._masks.add(args[0].untyped_storage()._cdata)
+            storage = args[0].untyped_storage()
+            if storage._cdata not in self._masks:
+                self._masks.add(storage._cdata)
+                # NOTE: forgotten when freed: a later storage at its address is no mask
+                weakref.finalize(storage, self._masks.discard, storage._cdata)
             self._add(args[0].numel())
             self.work.fusion.op(self.node, [], [(args[0], args[0].numel())])
             return out
         if self.fused_dropout and func is aten.div_.Scalar and self._mask(args[0]):
             return out
-        if self._masks:   # a storage made here is no (longer a) mask, even at a freed mask's address
-            self._masks.difference_update(t.untyped_storage()._cdata for t in pytree.tree_leaves(out)
-                                          if isinstance(t, torch.Tensor))
         dims = gemm_dims(func, args)
         if dims is not None:
             # every second linear matmul is what "selective-op" recomputes
