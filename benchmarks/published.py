@@ -19,6 +19,12 @@ tiles over the device's SMs), at the pace of the slowest of the row's devices
   ``fused_pointwise=True``: the ops outside matmuls and attention cost the bytes entering and
   leaving inductor's fused kernels (:mod:`galvatron_fx.cost.fusion`), not each op's own. Its bf16
   rows are compared absolutely.
+* A run with torch's async TP (``async_tp``: torchtitan's ``enable_async_tensor_parallel``) is
+  estimated with ``async_tp=True``: each sequence-parallel all-gather and reduce-scatter pipelined
+  against the matmuls it feeds or follows. Its rows stay ratio rows, relative to the same run
+  without it where the table has one.
+* Every Llama row is a torchtitan run, built with torchtitan's attention (``_titan_llama.py``: the
+  key / value heads repeated before SDPA, which then saves and exchanges the repeated heads).
 * A publication that omits the micro-batch size or the interleaving depth: every choice that fits
   the device memory is estimated and the fastest taken (what the authors tuned for).
 
@@ -33,7 +39,9 @@ Sources (every figure below with the table it comes from):
   its 64k-256k rows relative to its 32k row).
   Its async-TP benchmark (``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md``: Llama-3.1-70B
   on 256 and 8B on 64 H100-96GB, FSDP over the nodes, TP 8 with sequence parallelism inside each,
-  torch.compile): the vanilla-TP column's bf16 rows, and its Float8 tensorwise rows relative to them.
+  torch.compile): the vanilla-TP column's bf16 rows, its Float8 tensorwise rows relative to them,
+  and each async-TP row relative to the vanilla row of its precision; Table 4 of the 2024-12 file
+  (Llama-3.1-70B, FSDP 32 x TP 8, Float8 + compile): "2D + AsyncTP" relative to "2D".
 * ``trainy``: Trainy's runs on WhiteFiber, published in torchtitan as
   ``benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md``: Llama-3.1-8B under FSDP on 4 and 8
   nodes of 8 H200 (Float8 + torch.compile, torchtitan's 8B config: selective op AC, local batch 2):
@@ -83,6 +91,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _titan_llama  # noqa: E402
 from _common import parser, print_table, write_json  # noqa: E402
 
 TT_A100 = "torchtitan docs/performance.md (2024-04): Llama on 64 A100-80GB, FSDP2, bf16"
@@ -90,10 +99,12 @@ TT_H100_CP = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 2: 
               "Float8 + torch.compile, full AC, local batch 1")
 TT_H100_4D = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 6: Llama-3.1-405B, 512 H100, TP 8 "
               "(SP), PP 8 (1F1B), FSDP x CP, Float8 + torch.compile + async TP, full AC, local batch 8")
+TT_H100_2D = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 4: Llama-3.1-70B, 256 H100, FSDP 32 x "
+              "TP 8 (SP), Float8 + torch.compile, full AC, local batch 16, with and without async TP")
 TT_H100 = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3: Llama-3.1-8B, FSDP, bf16 (the "
            "rows without Float8 or torch.compile), selective (op) AC, local batch 2, 8192 tokens")
 TT_ATP = ("torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md: Llama-3.1 on H100-96GB (500 W), FSDP + "
-          "TP 8 with SP, torch.compile, vanilla TP column, bf16 and Float8 tensorwise, 8192 tokens")
+          "TP 8 with SP, torch.compile, vanilla and async TP, bf16 and Float8 tensorwise, 8192 tokens")
 TRAINY = ("torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md (Trainy on WhiteFiber): Llama-3.1-8B, FSDP "
           "on 4 and 8 nodes of 8 H200, Float8 + torch.compile, selective (op) AC, local batch 2, 8192 tokens")
 TT_H100_F8 = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3: Llama-3.1-8B, FSDP + "
@@ -163,14 +174,18 @@ def _tt_float8(name, cluster, gbs, compiled, float8):
                         f"torchtitan-h100-llama3-8b-{name}-float8", compiled, float8)
 
 
-def _tt_async_tp(name, arch, gpus, local_batch, ckpt, bf16, float8):
-    """torchtitan's async-TP benchmark, its vanilla (not async) TP column: "float8 tensorwise" relative
-    to "None (bfloat16)", FSDP over the nodes and TP 8 with sequence parallelism inside each."""
+def _tt_async_tp(name, arch, gpus, local_batch, ckpt, bf16, float8, bf16_async, float8_async):
+    """torchtitan's async-TP benchmark, FSDP over the nodes and TP 8 with sequence parallelism inside
+    each: its vanilla-TP "float8 tensorwise" row relative to "None (bfloat16)", and each async-TP row
+    relative to the vanilla row of its precision (priced with ``async_tp=True``)."""
     dp = gpus // 8
     row = dict(source=TT_ATP, arch=arch, cluster=f"{dp}x8xH100-96GB", seq=8192, gbs=local_batch * dp, tp=8,
                sp=True, sdp="zero3", ckpt=ckpt, micro_batch=local_batch, unit="tokens/s/GPU",
                compiled=True)
-    return _float8_pair(row, f"torchtitan-asynctp-{name}-bf16", f"torchtitan-asynctp-{name}-float8", bf16, float8)
+    ref, f8 = f"torchtitan-asynctp-{name}-bf16", f"torchtitan-asynctp-{name}-float8"
+    return [*_float8_pair(row, ref, f8, bf16, float8),
+            dict(row, id=ref + "-async", published=bf16_async, async_tp=True, reference=ref),
+            dict(row, id=f8 + "-async", published=float8_async, float8=True, async_tp=True, reference=f8)]
 
 
 ROWS: list[dict] = [
@@ -198,12 +213,20 @@ ROWS: list[dict] = [
     # torchtitan H100 Table 6 (Float8 + compile + async TP): relative to its 32k row
     *[dict(id=f"torchtitan-h100-405b-cp{cp}-{seq // 1024}k", source=TT_H100_4D, arch=LLAMA3_405B,
            cluster="64x8xH100-96GB", seq=seq, gbs=64 // cp, tp=8, sp=True, pp=8, cp=cp, sdp="zero3", ckpt=True,
-           micro_batch=1, float8=True, compiled=True, unit="tokens/s/GPU", published=value,
+           micro_batch=1, float8=True, compiled=True, async_tp=True, unit="tokens/s/GPU", published=value,
            **(dict(ratio_only=True) if cp == 1 else dict(reference="torchtitan-h100-405b-cp1-32k")))
       for cp, seq, value in [(1, 32768, 76), (2, 65536, 47), (4, 131072, 31), (8, 262144, 16)]],
     # torchtitan's async-TP benchmark (2025-06), vanilla TP, compiled: bf16, and Float8 relative to it
-    *_tt_async_tp("llama3-70b-256", LLAMA3_70B, 256, 16, True, bf16=597.3, float8=809.8),
-    *_tt_async_tp("llama3-8b-64", LLAMA3_8B, 64, 12, "selective-op", bf16=4378, float8=5078.1),
+    *_tt_async_tp("llama3-70b-256", LLAMA3_70B, 256, 16, True, bf16=597.3, float8=809.8, bf16_async=652.4,
+                  float8_async=942.4),
+    *_tt_async_tp("llama3-8b-64", LLAMA3_8B, 64, 12, "selective-op", bf16=4378, float8=5078.1, bf16_async=4809.4,
+                  float8_async=5570.1),
+    # torchtitan H100 Table 4 (Float8 + compile): "2D + AsyncTP" relative to "2D"
+    *[dict(id=f"torchtitan-h100-70b-2d{tag}", source=TT_H100_2D, arch=LLAMA3_70B, cluster="32x8xH100-96GB",
+           seq=8192, gbs=512, tp=8, sp=True, sdp="zero3", ckpt=True, micro_batch=16, float8=True, compiled=True,
+           unit="tokens/s/GPU", published=value,
+           **(dict(async_tp=True, reference="torchtitan-h100-70b-2d") if tag else dict(ratio_only=True)))
+      for tag, value in [("", 829), ("-asynctp", 876)]],
     # Trainy's H200 runs (Float8 + compile, shared): 8 nodes relative to 4
     dict(id="trainy-h200-llama3-8b-32", source=TRAINY, arch=LLAMA3_8B, cluster="4x8xH200-141GB", seq=8192, gbs=64,
          sdp="zero3", ckpt="selective-op", micro_batch=2, float8=True, compiled=True, unit="tokens/s/GPU",
@@ -342,7 +365,8 @@ def build(arch: dict, seq: int, float8: bool = False):
                              num_hidden_layers=arch["layers"], num_attention_heads=arch["heads"],
                              num_key_value_heads=arch["kv_heads"], max_position_embeddings=max(seq, 8192),
                              rope_theta=500000.0, use_cache=False)
-        cls, impl = tf.LlamaForCausalLM, "sdpa"
+        # NOTE: every Llama row is a torchtitan run: its attention repeats the key / value heads
+        cls, impl = tf.LlamaForCausalLM, _titan_llama.register()
     else:
         p = arch["dropout"]
         cfg = tf.GPT2Config(vocab_size=arch["vocab"], n_embd=arch["hidden"], n_layer=arch["layers"],
@@ -438,7 +462,8 @@ def estimate_row(row: dict, captured: dict) -> dict:
         stages = block_stages(len(plan.layers), kw["pp"] * kw["virtual_stages"])
         if stages is not None:
             plan = dataclasses.replace(plan, stages=stages)
-        est = gfx.estimate(gm, plan, cluster, fused_pointwise=row.get("compiled", False))
+        est = gfx.estimate(gm, plan, cluster, fused_pointwise=row.get("compiled", False),
+                           async_tp=row.get("async_tp", False))
         memory = max(est["memory_bytes_per_device"])
         fits = memory <= cluster.memory_bytes
         score = (fits, -est["step_time_s"] if fits else -memory)

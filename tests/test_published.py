@@ -87,3 +87,29 @@ def test_the_fused_loss_stand_in_is_cross_entropy_and_keeps_no_vocab_sized_gradi
     assert excess["torch"] >= 2 * 2 * tokens_by_vocab      # two fp32 gradients, in bf16 elements
     # the fused loss: the head weight's gradient as it is made (4096 x 64), nothing vocab-sized per token
     assert excess["fused"] <= 4096 * 64 * 1.05
+
+
+def test_torchtitan_attention_is_sdpa_with_the_key_value_heads_repeated():
+    import torch
+    import transformers as tf
+
+    import galvatron_fx as gfx
+    from galvatron_fx.planner import cost_model_for
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=8, num_key_value_heads=2, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    reference = tf.LlamaForCausalLM(cfg)
+    titan = tf.LlamaForCausalLM(cfg.__class__(**{**cfg.to_dict()}))
+    titan.load_state_dict(reference.state_dict())
+    titan.config._attn_implementation = published._titan_llama.register()
+    ids = torch.randint(0, 128, (2, 16))
+    a, b = reference(input_ids=ids, labels=ids), titan(input_ids=ids, labels=ids)
+    torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-6)
+    # SDPA receives (saves, and under CP exchanges) the query heads' worth of keys and values
+    cluster = gfx.Cluster.preset("8xH100-80GB")
+    heads = {name: cost_model_for(gfx.capture(m, (), kwargs=dict(input_ids=ids, labels=ids)), cluster,
+                                  precision="bf16-mixed").attention(1).kv_heads
+             for name, m in (("sdpa", reference), ("titan", titan))}
+    assert heads == {"sdpa": 2, "titan": 8}

@@ -31,6 +31,10 @@ Scaling rules (per device, per micro-batch unless noted), from the fake-tensor m
   (``op_launch_s`` + ``op_launch_bwd_s``) and its copies (``copy_s_per_byte``: the all-reduced copy;
   under SP the chunk and the whole on each side); and, being a blocking sync after a stretch of the
   layer's compute, the ranks' drift over that stretch (:meth:`Cluster.sync_wait`, 0 on presets).
+  With ``async_tp=True`` (for pricing runs with torch's async TP, which this runtime does not run:
+  its collectives block) each SP site's all-gather and reduce-scatter are pipelined against the
+  matmuls of their Megatron region in ``tp`` row chunks (:func:`.time_terms.micro_pipelined`, and the
+  chunked matmuls' lost efficiency).
 * **Data parallel**: DP all-reduces the layer's gradients (``/ tp``) once per step
   (``grad_sync_s``); ZeRO-2 and ZeRO-3 reduce-scatter every micro-batch's (``reduce_scatter_s``);
   ZeRO-2 all-gathers the updated parameters once per step (``regather_s``, beside the next
@@ -158,7 +162,7 @@ class CostModel(LayerQueries, TimeTerms):
                  bucket_bytes: int | str = "25MiB", cache_dir=None, profile_sizes: tuple[int, ...] | None = None,
                  precision: str | None = None, reduce_dtype: str = "fp32", profile_repeats: int = 5,
                  moe_imbalance: float = 1.0, cp_overlap: bool = False, attention_target: str | None = None,
-                 fused_pointwise: bool = False):
+                 fused_pointwise: bool = False, async_tp: bool = False):
         if mode not in ("analytic", "profiled", None):
             raise ConfigError(f"cost mode must be 'analytic' or 'profiled', got {mode!r}")
         if precision is not None:
@@ -184,14 +188,15 @@ class CostModel(LayerQueries, TimeTerms):
             raise ConfigError(f"moe_imbalance must be a number >= 1 (the busiest expert-parallel rank's expert "
                               f"work over the mean; 1 = a uniform router), got {moe_imbalance!r}")
         self.moe_imbalance = float(moe_imbalance)
-        if not isinstance(cp_overlap, bool):
-            raise ConfigError(f"cp_overlap must be true or false (whether the ring's key / value exchanges "
-                              f"overlap the attention compute), got {cp_overlap!r}")
-        self.cp_overlap = cp_overlap
-        if not isinstance(fused_pointwise, bool):
-            raise ConfigError(f"fused_pointwise must be true or false (whether the ops outside matmuls and "
-                              f"attention run fused, as torch.compile runs them), got {fused_pointwise!r}")
-        self.fused_pointwise = fused_pointwise
+        for name, value, what in (
+                ("cp_overlap", cp_overlap, "whether the ring's key / value exchanges overlap the attention compute"),
+                ("fused_pointwise", fused_pointwise, "whether the ops outside matmuls and attention run fused, "
+                                                     "as torch.compile runs them"),
+                ("async_tp", async_tp, "whether the sequence-parallel collectives run micro-pipelined with their "
+                                       "matmuls, as torch's async TP runs them")):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name} must be true or false ({what}), got {value!r}")
+        self.cp_overlap, self.fused_pointwise, self.async_tp = cp_overlap, fused_pointwise, async_tp
         from .attention_kernels import TARGETS
         if attention_target not in (None,) + TARGETS:
             raise ConfigError(f"attention_target must be one of {list(TARGETS)} (the device family whose SDPA "

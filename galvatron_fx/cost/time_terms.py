@@ -14,6 +14,15 @@ from .op_work import gemm_label
 from .records import tp_group
 
 
+def micro_pipelined(comm_s: float, matmul_s: float, tp: int) -> float:
+    """Exposed seconds of a TP collective that torch's async TP fuses with its matmuls
+    (``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``): the matmul
+    runs in ``tp`` row chunks, each of the ``tp - 1`` remote chunks' transfers beside one chunk's
+    matmul, so only a transfer longer than a chunk's matmul shows:
+    ``(tp - 1) max(0, comm / (tp - 1) - matmul / tp)``."""
+    return (tp - 1) * max(0.0, comm_s / (tp - 1) - matmul_s / tp) if tp > 1 else 0.0
+
+
 class TimeTerms:
     """Compute, TP and overhead times of :class:`~galvatron_fx.cost.model.CostModel`."""
 
@@ -29,7 +38,8 @@ class TimeTerms:
         """Seconds per micro-batch of the layer's TP collectives, with the runtime's work at each site
         and the ranks' drift: each collective is a blocking sync after a stretch of the layer's
         compute (``fwd_s`` / ``bwd_s`` shared evenly by the pass's collectives), whose wait grows
-        with the stretch (:meth:`Cluster.sync_wait`)."""
+        with the stretch (:meth:`Cluster.sync_wait`). With ``async_tp`` each SP site's collectives are
+        pipelined against the matmuls of its region (:meth:`_tp_regions`, :func:`micro_pipelined`)."""
         if s.tp == 1:
             return 0.0
         group = tp_group(s)
@@ -41,25 +51,58 @@ class TimeTerms:
             calls = sites * per_site
             return calls * c.sync_wait(compute_s / calls) if calls else 0.0
 
-        def one(elems: float) -> float:
+        regions = self._tp_regions(m, n, s) if self.async_tp and s.sp else None
+
+        def one(i: int, elems: float) -> float:
             nbytes = elems * self.itemsize
             if s.sp:
+                gather = c.collective_time("all_gather", nbytes, group)
+                scatter = c.collective_time("reduce_scatter", nbytes, group)
+                if regions is not None:
+                    # torch's async TP: the all-gather into the site's region's column-parallel
+                    # matmuls and the row-parallel matmul's reduce-scatter, pipelined against them
+                    col, row, chunking = regions[i]
+                    gather = micro_pipelined(gather, col, s.tp) + chunking
+                    scatter = micro_pipelined(scatter, row, s.tp)
                 # NOTE: runtime/tp_ops.py copies the chunk and the whole (movedim + contiguous on
                 # each side of the all-gather and of the reduce-scatter)
                 copies = 2 * (nbytes + nbytes / s.tp)
-                return (c.collective_time("all_gather", nbytes, group)
-                        + c.collective_time("reduce_scatter", nbytes, group)
-                        + copies * c.copy_s_per_byte + 2 * site)
+                return gather + scatter + copies * c.copy_s_per_byte + 2 * site
             # NOTE: the all-reduce runs on a copy of its input (the Function's output may not alias it)
             return c.collective_time("all_reduce", nbytes, group) + nbytes * c.copy_s_per_byte + site
 
-        fwd = sum(one(f(n)) for f in m.fwd_allreduce) + drift(fwd_s, len(m.fwd_allreduce))
-        bwd = sum(one(f(n)) for f in m.bwd_allreduce) + drift(bwd_s, len(m.bwd_allreduce))
+        fwd = sum(one(i, f(n)) for i, f in enumerate(m.fwd_allreduce)) + drift(fwd_s, len(m.fwd_allreduce))
+        bwd = sum(one(i, f(n)) for i, f in enumerate(m.bwd_allreduce)) + drift(bwd_s, len(m.bwd_allreduce))
         # NOTE: a sharded Float8 linear's casts each take their amax over the group (one fp32 value:
         # models/float8.py): two in forward, four in backward (two for a frozen weight: not told apart)
         fp8 = sum(1 for g in (gemm_label(k) for k, _ in m.fwd_gemms) if g.fp8 and g.split)
         amax = c.collective_time("all_reduce", 4, group) if fp8 else 0.0
         return (fwd + 2 * fp8 * amax) * (2 if s.ckpt else 1) + bwd + 4 * fp8 * amax
+
+    def _tp_regions(self, m: LayerMeasure, n: float, s: Strategy) -> list[tuple[float, float, float]] | None:
+        """Per TP site, its Megatron region's ``(column-parallel matmul seconds, row-parallel matmul
+        seconds, extra seconds of running them in tp row chunks)``: the forward's matmuls in program
+        order, a region's column-parallel ones (split ``n``) up to the row-parallel one (split ``k``)
+        that closes it. None where the regions do not match the layer's sites one to one (an
+        embedding's or a vocabulary-parallel loss's collectives feed or follow no matmul): those are
+        priced blocking."""
+        c, regions, col, extra = self.cluster, [], 0.0, 0.0
+        for label, dims in m.fwd_gemms:
+            fp8, _second, expert, split = gemm_label(label)
+            if split not in ("n", "k") or expert:
+                continue
+            b, rows, cols, depth = (f(n) for f in dims)
+            cols, depth = (cols / s.tp, depth) if split == "n" else (cols, depth / s.tp)
+            dtype = "fp8" if fp8 else self.dtype
+            t = c.gemm_time(b, rows, cols, depth, dtype)
+            extra += s.tp * c.gemm_time(b, rows / s.tp, cols, depth, dtype) - t
+            if split == "n":
+                col += t
+            else:
+                regions.append((col, t, extra))
+                col = extra = 0.0
+        sites = len(m.fwd_allreduce)
+        return regions if regions and len(regions) == sites == len(m.bwd_allreduce) else None
 
     def _compute_times(self, index: int, n: float, s: Strategy) -> tuple[float, float]:
         fwd, bwd = self._plain_compute_times(index, n, s)
