@@ -41,7 +41,8 @@ Sources (every figure below with the table it comes from):
   on 256 and 8B on 64 H100-96GB, FSDP over the nodes, TP 8 with sequence parallelism inside each,
   torch.compile): the vanilla-TP column's bf16 rows, its Float8 tensorwise rows relative to them,
   and each async-TP row relative to the vanilla row of its precision; Table 4 of the 2024-12 file
-  (Llama-3.1-70B, FSDP 32 x TP 8, Float8 + compile): "2D + AsyncTP" relative to "2D".
+  (Llama-3.1-70B, FSDP 32 x TP 8, Float8 + compile): "2D + AsyncTP" relative to "2D"; its Table 5
+  (Llama-3.1-405B, FSDP 8 x TP 8 x PP 8): interleaved 1F1B relative to 1F1B.
 * ``trainy``: Trainy's runs on WhiteFiber, published in torchtitan as
   ``benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md``: Llama-3.1-8B under FSDP on 4 and 8
   nodes of 8 H200 (Float8 + torch.compile, torchtitan's 8B config: selective op AC, local batch 2):
@@ -99,6 +100,8 @@ TT_H100_CP = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 2: 
               "Float8 + torch.compile, full AC, local batch 1")
 TT_H100_4D = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 6: Llama-3.1-405B, 512 H100, TP 8 "
               "(SP), PP 8 (1F1B), FSDP x CP, Float8 + torch.compile + async TP, full AC, local batch 8")
+TT_H100_3D = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 5: Llama-3.1-405B, 512 H100, FSDP 8 x "
+              "TP 8 (SP) x PP 8, Float8 + torch.compile + async TP, full AC, local batch 32, 1F1B and interleaved 1F1B")
 TT_H100_2D = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 4: Llama-3.1-70B, 256 H100, FSDP 32 x "
               "TP 8 (SP), Float8 + torch.compile, full AC, local batch 16, with and without async TP")
 TT_H100 = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3: Llama-3.1-8B, FSDP, bf16 (the "
@@ -210,6 +213,14 @@ ROWS: list[dict] = [
     dict(id="torchtitan-h100-cp2-64k", seq=65536, gbs=4, cp=2, published=2540, **_TT_CP),
     dict(id="torchtitan-h100-cp4-128k", seq=131072, gbs=2, cp=4, published=1071, **_TT_CP),
     dict(id="torchtitan-h100-cp8-256k", seq=262144, gbs=1, cp=8, published=548, **_TT_CP),
+    # torchtitan H100 Table 5 (Float8 + compile + async TP): interleaved 1F1B relative to 1F1B (local batch 32
+    # in torchtitan's default micro-batches of 4: one per stage; 2 stages per rank interleaved)
+    *[dict(id=f"torchtitan-h100-405b-3d-{name}", source=TT_H100_3D, arch=LLAMA3_405B, cluster="64x8xH100-96GB",
+           seq=8192, gbs=256, tp=8, sp=True, pp=8, sdp="zero3", ckpt=True, micro_batch=4, float8=True, compiled=True,
+           async_tp=True, unit="tokens/s/GPU", published=value,
+           **(dict(virtual_stages=2, interleaved=True, reference="torchtitan-h100-405b-3d-1f1b") if name != "1f1b"
+              else dict(ratio_only=True)))
+      for name, value in [("1f1b", 100), ("interleaved-1f1b", 128)]],
     # torchtitan H100 Table 6 (Float8 + compile + async TP): relative to its 32k row
     *[dict(id=f"torchtitan-h100-405b-cp{cp}-{seq // 1024}k", source=TT_H100_4D, arch=LLAMA3_405B,
            cluster="64x8xH100-96GB", seq=seq, gbs=64 // cp, tp=8, sp=True, pp=8, cp=cp, sdp="zero3", ckpt=True,
