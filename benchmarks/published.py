@@ -24,7 +24,11 @@ tiles over the device's SMs), at the pace of the slowest of the row's devices
   against the matmuls it feeds or follows. Its rows stay ratio rows, relative to the same run
   without it where the table has one.
 * Every Llama row is a torchtitan run, built with torchtitan's attention (``_titan_llama.py``: the
-  key / value heads repeated before SDPA, which then saves and exchanges the repeated heads).
+  key / value heads repeated before SDPA, which then saves and exchanges the repeated heads); every
+  llm-foundry row that called flash-attn 2 with llm-foundry's attention (``_foundry_flash.py``: q, k
+  and v gathered into unpadded rows and the output scattered back, on every layer).
+* Torchtitan's 405B rows (Tables 5 and 6, PP 8) are priced as ``zero2``: under PP its FSDP keeps the
+  parameters unsharded through the step.
 * A publication that omits the micro-batch size or the interleaving depth: every choice that fits
   the device memory is estimated and the fastest taken (what the authors tuned for).
 
@@ -92,6 +96,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _foundry_flash  # noqa: E402
 import _titan_llama  # noqa: E402
 from _common import parser, print_table, write_json  # noqa: E402
 
@@ -148,6 +153,8 @@ def _a100(gpus, memory="80GB"):
 
 def _lf(id_, name, arch, device, gbs, mb, ckpt, sdp, value, attention="flash-attn-triton"):
     cluster = f"16x8x{device}"
+    if attention == "flash-attn-2":   # llm-foundry's flash_attn_fn: unpads q / k / v and pads the output
+        arch = dict(arch, attention=_foundry_flash.NAME)
     return dict(id=f"llm-foundry-{id_}-{name}", source=LF, arch=arch, cluster=cluster, seq=2048, gbs=gbs,
                 sdp=sdp, ckpt=ckpt, micro_batch=mb, unit="tokens/s/GPU", published=value,
                 attention_kernel=attention)
@@ -214,16 +221,19 @@ ROWS: list[dict] = [
     dict(id="torchtitan-h100-cp4-128k", seq=131072, gbs=2, cp=4, published=1071, **_TT_CP),
     dict(id="torchtitan-h100-cp8-256k", seq=262144, gbs=1, cp=8, published=548, **_TT_CP),
     # torchtitan H100 Table 5 (Float8 + compile + async TP): interleaved 1F1B relative to 1F1B (local batch 32
-    # in torchtitan's default micro-batches of 4: one per stage; 2 stages per rank interleaved)
+    # in torchtitan's default micro-batches of 4: one per stage; 2 stages per rank interleaved). Tables 5 and 6
+    # as zero2: under PP torchtitan's FSDP keeps the parameters unsharded through the step
+    # (reshard_after_forward=False) and reduce-scatters the gradients after the last micro-batch; zero2 holds
+    # the parameters whole likewise (and reduce-scatters each micro-batch's gradients)
     *[dict(id=f"torchtitan-h100-405b-3d-{name}", source=TT_H100_3D, arch=LLAMA3_405B, cluster="64x8xH100-96GB",
-           seq=8192, gbs=256, tp=8, sp=True, pp=8, sdp="zero3", ckpt=True, micro_batch=4, float8=True, compiled=True,
+           seq=8192, gbs=256, tp=8, sp=True, pp=8, sdp="zero2", ckpt=True, micro_batch=4, float8=True, compiled=True,
            async_tp=True, unit="tokens/s/GPU", published=value,
            **(dict(virtual_stages=2, interleaved=True, reference="torchtitan-h100-405b-3d-1f1b") if name != "1f1b"
               else dict(ratio_only=True)))
       for name, value in [("1f1b", 100), ("interleaved-1f1b", 128)]],
     # torchtitan H100 Table 6 (Float8 + compile + async TP): relative to its 32k row
     *[dict(id=f"torchtitan-h100-405b-cp{cp}-{seq // 1024}k", source=TT_H100_4D, arch=LLAMA3_405B,
-           cluster="64x8xH100-96GB", seq=seq, gbs=64 // cp, tp=8, sp=True, pp=8, cp=cp, sdp="zero3", ckpt=True,
+           cluster="64x8xH100-96GB", seq=seq, gbs=64 // cp, tp=8, sp=True, pp=8, cp=cp, sdp="zero2", ckpt=True,
            micro_batch=1, float8=True, compiled=True, async_tp=True, unit="tokens/s/GPU", published=value,
            **(dict(ratio_only=True) if cp == 1 else dict(reference="torchtitan-h100-405b-cp1-32k")))
       for cp, seq, value in [(1, 32768, 76), (2, 65536, 47), (4, 131072, 31), (8, 262144, 16)]],
@@ -385,6 +395,8 @@ def build(arch: dict, seq: int, float8: bool = False):
                             activation_function=arch["activation"], resid_pdrop=p, embd_pdrop=p, attn_pdrop=p,
                             use_cache=False)
         cls, impl = tf.GPT2LMHeadModel, arch["attention"]
+        if impl == _foundry_flash.NAME:
+            _foundry_flash.register()
     cfg._attn_implementation = impl
     with torch.device("meta"):
         # NOTE: every run here computes in 16 bits throughout (Megatron's fp16 model, FSDP's bf16

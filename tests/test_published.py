@@ -113,3 +113,40 @@ def test_torchtitan_attention_is_sdpa_with_the_key_value_heads_repeated():
                                   precision="bf16-mixed").attention(1).kv_heads
              for name, m in (("sdpa", reference), ("titan", titan))}
     assert heads == {"sdpa": 2, "titan": 8}
+
+
+def test_llm_foundry_attention_is_sdpa_between_a_gather_and_a_scatter_of_the_rows():
+    import torch
+    import transformers as tf
+
+    import galvatron_fx as gfx
+    from galvatron_fx.planner import cost_model_for
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=1, n_head=4, n_positions=32, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = "sdpa"
+    reference = tf.GPT2LMHeadModel(cfg)
+    foundry = tf.GPT2LMHeadModel(cfg.__class__(**cfg.to_dict()))
+    foundry.load_state_dict(reference.state_dict())
+    foundry.config._attn_implementation = published._foundry_flash.register()
+    ids = torch.randint(0, 128, (2, 16))
+    a, b = reference(input_ids=ids, labels=ids), foundry(input_ids=ids, labels=ids)
+    a.loss.backward()
+    b.loss.backward()
+    torch.testing.assert_close(b.loss, a.loss)
+    for p, q in zip(reference.parameters(), foundry.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+    # the gathers and the scatter move memory on every layer: more bytes than sdpa's, the same FLOPs
+    cluster = gfx.Cluster.preset("8xH100-80GB")
+    measured = {}
+    for name, m in (("sdpa", reference), ("foundry", foundry)):
+        cm = cost_model_for(gfx.capture(m, (), kwargs=dict(input_ids=ids, labels=ids)), cluster, precision="bf16-mixed")
+        m1 = cm.measure(1)
+        measured[name] = (m1.fwd_traffic_sharded(2) + m1.fwd_traffic_rep(2), m1.bwd_traffic(2),
+                          m1.fwd_flops_sharded(2) + m1.fwd_flops_rep(2))
+    rows = 2 * 16 * 64 * 2   # one [batch * seq, hidden] bf16 tensor
+    assert measured["foundry"][2] == measured["sdpa"][2]
+    # forward: three gathers (read + write) and the output's zero fill and scatter, at least
+    assert measured["foundry"][0] - measured["sdpa"][0] >= 3 * 2 * rows + 3 * rows
+    assert measured["foundry"][1] > measured["sdpa"][1]
