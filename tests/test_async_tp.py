@@ -17,6 +17,7 @@ import galvatron_fx as gfx
 from galvatron_fx.cost.time_terms import micro_pipelined
 from galvatron_fx.planner import cost_model_for
 from galvatron_fx.solver.strategy import Strategy
+from tests.cost_options import check_cost_option
 
 tf = pytest.importorskip("transformers")
 
@@ -103,16 +104,7 @@ def test_sites_without_a_matmul_and_plans_without_sp_block_as_before(llama_block
 
 def test_the_option_is_validated_and_recorded_in_the_plan(llama_block):
     plan = gfx.Plan.uniform(llama_block, 8, precision="bf16-mixed", tp=8, sp=True, dp=1, global_batch_size=2)
-    blocking = gfx.estimate(llama_block, plan, "8xH100-80GB")
-    pipelined = gfx.estimate(llama_block, plan, "8xH100-80GB", async_tp=True)
-    assert pipelined["step_time_s"] < blocking["step_time_s"]
-    assert pipelined["memory_bytes_per_device"] == blocking["memory_bytes_per_device"]
-    searched = gfx.search(llama_block, "8xH100-80GB", global_batch_size=8, async_tp=True)
-    assert searched.extra["cost_model"]["async_tp"] is True
-    again = gfx.estimate(llama_block, searched, "8xH100-80GB")
-    assert again["step_time_s"] == pytest.approx(searched.estimate["step_time_s"], rel=1e-9)
-    with pytest.raises(gfx.ConfigError, match="async_tp must be true or false"):
-        gfx.estimate(llama_block, plan, "8xH100-80GB", async_tp=1)
+    check_cost_option(llama_block, plan, "8xH100-80GB", "async_tp", global_batch_size=8)
 
 
 def test_export_capture_finds_the_same_regions(llama_block):

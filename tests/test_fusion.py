@@ -20,6 +20,7 @@ import torch
 import galvatron_fx as gfx
 from galvatron_fx.cost.op_work import OpWork
 from galvatron_fx.planner import cost_model_for
+from tests.cost_options import check_cost_option
 
 tf = pytest.importorskip("transformers")
 
@@ -175,13 +176,4 @@ def test_the_fused_option_prices_less_and_is_recorded_in_the_plan():
     gm = gfx.capture(_model("llama"), (), kwargs=dict(input_ids=ids, labels=ids))
     # a batch large enough for the device to outlast the host's launches (analytic GPU pricing)
     plan = gfx.Plan.uniform(gm, 8, precision="bf16-mixed", dp=8, sdp="zero3", global_batch_size=1024)
-    eager = gfx.estimate(gm, plan, "8xH100-80GB")
-    fused = gfx.estimate(gm, plan, "8xH100-80GB", fused_pointwise=True)
-    assert fused["step_time_s"] < eager["step_time_s"]
-    assert fused["memory_bytes_per_device"] == eager["memory_bytes_per_device"]
-    searched = gfx.search(gm, "8xH100-80GB", global_batch_size=1024, fused_pointwise=True)
-    assert searched.extra["cost_model"]["fused_pointwise"] is True
-    again = gfx.estimate(gm, searched, "8xH100-80GB")
-    assert again["step_time_s"] == pytest.approx(searched.estimate["step_time_s"], rel=1e-9)
-    with pytest.raises(gfx.ConfigError, match="fused_pointwise must be true or false"):
-        gfx.estimate(gm, plan, "8xH100-80GB", fused_pointwise="yes")
+    check_cost_option(gm, plan, "8xH100-80GB", "fused_pointwise", global_batch_size=1024)
