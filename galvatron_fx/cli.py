@@ -204,6 +204,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                            True if args.mixed_precision else None)}
     if args.reserve is not None:
         cost["reserve_bytes"] = args.reserve
+    cost.update({k: True for k in ("fused_pointwise", "async_tp") if getattr(args, k, False)})
     rank = 0
     if args.measure:   # under torchrun: every rank times the candidates (galvatron_fx/selection.py)
         from .distributed import init_distributed, shutdown

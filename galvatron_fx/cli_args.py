@@ -283,6 +283,12 @@ def _add_plan(sub) -> None:
                    help="plan the model with Float8 linears (galvatron_fx.models.float8.convert_to_float8: "
                         "fp8 matmuls, the output projection in 16 bits), as a Float8 training run has them; "
                         "needs fp8 tensor cores (H100 / H200) and a dynamo or fx capture")
+    p.add_argument("--fused-pointwise", action="store_true",
+                   help="price the ops outside matmuls and attention as torch.compile fuses them (for a run "
+                        "that compiles its model; default: eagerly, as this runtime runs them)")
+    p.add_argument("--async-tp", action="store_true",
+                   help="price each sequence-parallel all-gather / reduce-scatter pipelined against its "
+                        "matmuls, as torch's async TP runs them (default: blocking, as this runtime runs them)")
     p.add_argument("--baselines", action="store_true",
                    help="also estimate DP, ZeRO-3, TP, PP, 3D, DP+TP, DP+PP and Megatron-style (megatron)")
     p.add_argument("--measure", type=_count, default=0, metavar="K",
