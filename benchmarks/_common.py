@@ -90,3 +90,15 @@ def practitioner(gm, cluster, global_batch_size: int, precision: str) -> dict:
         return {"practitioner_error": "no practitioner baseline fits"}
     name = max(fits, key=lambda k: fits[k]["throughput_samples_s"])
     return {"practitioner": fits[name]["throughput_samples_s"], "practitioner_plan": f"{name}: {fits[name]['config']}"}
+
+
+def register_attention(name: str, fn) -> str:
+    """Register ``fn`` as transformers attention implementation ``name``, with sdpa's mask rule (no
+    mask for a causal batch without padding); returns ``name``. NOTE: a name containing "flash" is
+    taken by transformers for its flash-attn kernels."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name

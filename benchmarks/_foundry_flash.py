@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 import torch.nn.functional as F
+from _common import register_attention
 
-NAME = "llmfoundry_unpadded"   # NOTE: transformers takes a name with "flash" for its flash-attn kernels
+NAME = "llmfoundry_unpadded"   # NOTE: no "flash" in it (_common.register_attention)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -90,11 +91,5 @@ def foundry_flash_attention(module, query, key, value, attention_mask, dropout=0
 
 
 def register() -> str:
-    """Register :func:`foundry_flash_attention` (and sdpa's mask rule: no mask for a causal batch
-    without padding) with transformers under :data:`NAME`; returns the name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(NAME, foundry_flash_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
-    return NAME
+    """Register :func:`foundry_flash_attention` with transformers under :data:`NAME`; returns the name."""
+    return register_attention(NAME, foundry_flash_attention)

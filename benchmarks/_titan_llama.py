@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from _common import register_attention
 
 NAME = "torchtitan_sdpa"
 
@@ -37,11 +38,5 @@ def torchtitan_attention(module, query, key, value, attention_mask, dropout=0.0,
 
 
 def register() -> str:
-    """Register :func:`torchtitan_attention` (and sdpa's mask rule: no mask for a causal batch
-    without padding) with transformers under :data:`NAME`; returns the name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(NAME, torchtitan_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
-    return NAME
+    """Register :func:`torchtitan_attention` with transformers under :data:`NAME`; returns the name."""
+    return register_attention(NAME, torchtitan_attention)

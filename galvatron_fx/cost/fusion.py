@@ -33,10 +33,10 @@ the eager traffic above it and the matmul-bounded traffic below it.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch.utils import _pytree as pytree
+
+from .storage_keys import StorageMap
 
 KERNEL = -1
 """The region of a matmul or attention kernel: a tensor it reads must be in memory, one it makes is."""
@@ -48,7 +48,7 @@ class FusionTrace:
 
     def __init__(self):
         self.region = 0
-        self._version: dict[int, int] = {}   # storage key -> the version of its values now
+        self._version = StorageMap()   # storage key -> the version of its values now (forgotten when freed)
         self._count = 0
         self._made: dict[int, int] = {}      # version -> region that wrote it (KERNEL: a kernel)
         self._readers: dict[int, set[int]] = {}   # version -> regions that read it
@@ -59,27 +59,18 @@ class FusionTrace:
         self._count += 1
         return self._count
 
-    def _track(self, t: torch.Tensor) -> int:
-        """``t``'s storage key, forgotten when the storage is freed: a later storage at its address
-        (fake storages come back at once) is another tensor, first seen as made outside."""
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if key not in self._version:
-            weakref.finalize(storage, self._version.pop, key, None)
-        return key
-
     def _current(self, t: torch.Tensor | None) -> int:
         """The version of ``t``'s values (a new one for a tensor first seen here: made outside the
         trace; ``None``: a read of rows nothing else reads, a gather's)."""
         if t is None:
             return self._new()
-        key = self._track(t)
+        key = self._version.key(t)
         if key not in self._version:
             self._version[key] = self._new()
         return self._version[key]
 
     def _write(self, t: torch.Tensor, region: int) -> int:
-        key = self._track(t)
+        key = self._version.key(t)
         version = self._version[key] = self._new()
         self._made[version] = region
         return version
@@ -101,7 +92,7 @@ class FusionTrace:
         moves nothing, its outputs being that op's."""
         if signature is not None and signature in self._done:
             for (t, _), version in zip(writes, self._done[signature]):
-                self._version[self._track(t)] = version
+                self._version[self._version.key(t)] = version
             return
         read = [(self._current(t), b) for t, b in reads]
         for version, _ in read:

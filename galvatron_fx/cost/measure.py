@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +43,7 @@ from .flop_rules import flop_counter
 from .op_work import OpWork, by_split, record_op_work
 from .selective import SelectiveSaves
 from .selective import classify as classify_selective
+from .storage_keys import StorageMap
 
 aten = torch.ops.aten
 MEASURE_SIZES = (1, 2)
@@ -238,7 +238,7 @@ class _Recorder(torch.fx.Interpreter):
         super().__init__(gm)
         self.counter = counter
         self.target = attention
-        self.producer: dict[int, str] = {}
+        self.producer = StorageMap()   # storage key -> the node that made it (forgotten when freed)
         self.current: str | None = None
         self.node_flops: dict[str, int] = {}
         self.values: dict[str, object] = {}
@@ -267,11 +267,8 @@ class _Recorder(torch.fx.Interpreter):
         out = super().run_node(n)
         self.node_flops[n.name] = self.counter.get_total_flops() - before
         for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in self.producer:
-                storage = t.untyped_storage()
-                self.producer[storage._cdata] = n.name
-                # NOTE: forgotten when freed: a later storage at its address is another node's
-                weakref.finalize(storage, self.producer.pop, storage._cdata, None)
+            if isinstance(t, torch.Tensor):
+                self.producer.setdefault(self.producer.key(t), n.name)
         self.values[n.name] = out
         return out
 

@@ -30,7 +30,6 @@ turn the records into seconds.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -40,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..runtime.checkpointing import SecondMatmuls
 from .fusion import FusionTrace
+from .storage_keys import StorageMap
 
 if TYPE_CHECKING:
     from .extract import LayerGraph
@@ -136,7 +136,7 @@ class OpWork(TorchDispatchMode):
         self.node: str | None = None
         self.work = Work()
         self.fused_dropout = fused_dropout
-        self._masks: set[int] = set()   # storages of dropout noise tensors (fused_dropout)
+        self._masks = StorageMap()   # storages of dropout noise tensors (fused_dropout), forgotten when freed
         self._second = SecondMatmuls()   # which linear matmuls (mm, addmm) are even-numbered
 
     def _mask(self, t) -> bool:
@@ -150,11 +150,7 @@ class OpWork(TorchDispatchMode):
         if func in _FREE or _aliases(func):
             return out
         if self.fused_dropout and func is aten.bernoulli_.float:   # the fused kernel's mask write
-            storage = args[0].untyped_storage()
-            if storage._cdata not in self._masks:
-                self._masks.add(storage._cdata)
-                # NOTE: forgotten when freed: a later storage at its address is no mask
-                weakref.finalize(storage, self._masks.discard, storage._cdata)
+            self._masks[self._masks.key(args[0])] = True
             self._add(args[0].numel())
             self.work.fusion.op(self.node, [], [(args[0], args[0].numel())])
             return out
