@@ -116,3 +116,14 @@ def test_export_capture_finds_the_same_regions(llama_block):
         i = _block(cm)
         by_method.append((cm._tp_regions(cm.measure(i), 2.0, s), cm.tp_comm_time(cm.measure(i), 2.0, s)))
     assert by_method[0][0] is not None and by_method[0] == by_method[1]
+
+
+def test_a_pipelined_plan_prices_its_stages_with_the_option(llama_block):
+    # 2 stages (embedding + block | head) of tp 4 with SP: only the block's sites are pipelined
+    plan = gfx.Plan.uniform(llama_block, 8, precision="bf16-mixed", tp=4, sp=True, dp=1, pp=2, micro_batches=4,
+                            global_batch_size=8)
+    blocking = gfx.estimate(llama_block, plan, "8xH100-80GB")
+    pipelined = gfx.estimate(llama_block, plan, "8xH100-80GB", async_tp=True)
+    assert pipelined["stage_time_s"][0] < blocking["stage_time_s"][0]
+    assert pipelined["stage_time_s"][1] == blocking["stage_time_s"][1]
+    assert pipelined["step_time_s"] <= blocking["step_time_s"]
